@@ -1,0 +1,1 @@
+"""The tunefleet control plane: HTTP API, database, lifecycle, artifact store, dashboard."""

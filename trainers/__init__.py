@@ -1,0 +1,1 @@
+"""Trainers: the contract (spec.py) and the two recipes. Never imports api or worker."""

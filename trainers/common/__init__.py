@@ -1,0 +1,1 @@
+"""Parts shared by both trainers: data formats, tokenization, reporting, checkpoints, export."""

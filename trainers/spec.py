@@ -1,0 +1,196 @@
+"""The trainer contract: what the worker writes and a trainer reads.
+
+A trainer is started as ``python -m trainers --spec spec.json``. The spec is the ONLY
+input a trainer gets from the service (besides the multi-host environment variables of
+``jax.distributed`` / torchrun), so everything a run needs is here, fully resolved:
+no ``"auto"`` values, no defaults that the service and the trainer could disagree on.
+
+The API's job schema maps to exactly one spec (``worker`` builds it from the job row);
+this module depends only on pydantic so that trainer images stay independent of the
+service (``trainers`` never imports ``api`` or ``worker``).
+
+Locations (``model.path``, ``data.train_file``, ``output_dir``, ``checkpoint.dir``) are
+local paths or ``s3://bucket/key`` URIs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SPEC_VERSION = 1
+
+TrainerName = Literal["fsdp_qlora", "jax_lora"]
+DType = Literal["float32", "bfloat16", "float16"]
+TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DataFormat = Literal["chat", "prompt_completion", "alpaca"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The base model: a Hugging Face-format checkpoint (config.json + safetensors + tokenizer)."""
+
+    path: str = Field(description="Local directory or s3:// prefix of the HF checkpoint.")
+    architecture: Literal["llama"] = "llama"
+
+
+class DataSpec(_Strict):
+    train_file: str = Field(description="Validated JSONL training file (path or s3:// URI).")
+    validation_file: str | None = None
+    format: DataFormat
+    max_seq_len: Annotated[int, Field(ge=8, le=1_048_576)] = 2048
+    packing: bool = False
+    shuffle: bool = True
+
+
+class HyperparametersSpec(_Strict):
+    """Resolved hyperparameters (the API turns OpenAI's "auto" into these numbers)."""
+
+    n_epochs: Annotated[int, Field(ge=1, le=1000)]
+    batch_size: Annotated[int, Field(ge=1)] = Field(description="Global examples per optimizer step.")
+    micro_batch_size: Annotated[int, Field(ge=1)] = Field(
+        description="Examples per forward pass per data-parallel rank; batch_size must be a "
+        "multiple of micro_batch_size x data-parallel size (the rest is gradient accumulation)."
+    )
+    learning_rate: Annotated[float, Field(gt=0, lt=1)]
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0
+    max_steps: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Stop after this many optimizer steps (overrides n_epochs)."
+    )
+
+
+class AdapterSpec(_Strict):
+    """LoRA adapter; QLoRA is LoRA with ``quantization`` set (same code path)."""
+
+    method: Literal["lora", "qlora"] = "lora"
+    r: Annotated[int, Field(ge=1, le=1024)] = 8
+    alpha: Annotated[float, Field(gt=0)] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: tuple[TargetModule, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    quantization: Literal["none", "nf4", "hqq4"] = "none"
+    double_quant: bool = False
+    hqq_group_size: Annotated[int, Field(ge=8)] = 64
+    use_dora: bool = False
+
+    @model_validator(mode="after")
+    def _quantization_matches_method(self) -> "AdapterSpec":
+        if self.method == "qlora" and self.quantization == "none":
+            raise ValueError("adapter.method 'qlora' needs quantization 'nf4' or 'hqq4'")
+        if self.method == "lora" and self.quantization != "none":
+            raise ValueError("adapter.quantization needs adapter.method 'qlora'")
+        if not self.target_modules:
+            raise ValueError("adapter.target_modules must not be empty")
+        return self
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+class MeshSpec(_Strict):
+    """JAX device mesh; the product must equal the number of devices."""
+
+    data: Annotated[int, Field(ge=1)] = 1
+    fsdp: Annotated[int, Field(ge=1)] = 1
+    tensor: Annotated[int, Field(ge=1)] = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+
+class ParallelismSpec(_Strict):
+    world_size: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="fsdp_qlora: number of processes (GPUs) over all nodes."
+    )
+    nodes: Annotated[int, Field(ge=1)] = 1
+    mesh: MeshSpec = MeshSpec()
+    activation_checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
+    remat: Literal["none", "per_layer", "dots_saveable"] = "none"
+    cpu_offload: bool = False
+
+
+class PrecisionSpec(_Strict):
+    base_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    adapter_dtype: DType = "float32"
+
+
+class CheckpointSpec(_Strict):
+    dir: str
+    every_n_steps: Annotated[int, Field(ge=1)] = 50
+    keep_last: Annotated[int, Field(ge=1)] = 3
+    resume_from: str | None = Field(
+        default=None, description="A checkpoint directory to resume from; 'latest' = newest in dir."
+    )
+
+
+class EvalSpec(_Strict):
+    every_n_steps: Annotated[int, Field(ge=1)] | None = None
+    max_batches: Annotated[int, Field(ge=1)] | None = None
+
+
+class ReportSpec(_Strict):
+    url: str | None = Field(
+        default=None, description="The API's internal report endpoint for this job; None = local JSONL."
+    )
+    token: str | None = None
+    spool_dir: str | None = None
+    flush_interval_s: Annotated[float, Field(gt=0)] = 2.0
+
+
+class IntegrationSpec(_Strict):
+    type: Literal["wandb", "mlflow"]
+    project: str | None = None
+    name: str | None = None
+    tracking_uri: str | None = None
+    entity: str | None = None
+    tags: tuple[str, ...] = ()
+
+
+class TrainerSpec(_Strict):
+    version: Literal[1] = SPEC_VERSION
+    job_id: str
+    trainer: TrainerName
+    model: ModelSpec
+    data: DataSpec
+    hyperparameters: HyperparametersSpec
+    adapter: AdapterSpec = AdapterSpec()
+    parallelism: ParallelismSpec = ParallelismSpec()
+    precision: PrecisionSpec = PrecisionSpec()
+    eval: EvalSpec = EvalSpec()
+    output_dir: str = Field(description="Where the final adapter and manifest are written.")
+    checkpoint: CheckpointSpec
+    report: ReportSpec = ReportSpec()
+    integrations: tuple[IntegrationSpec, ...] = ()
+    seed: int = 0
+    suffix: str | None = None
+    termination_log: str | None = Field(
+        default=None, description="Where a failing trainer writes {code, message} as JSON."
+    )
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "TrainerSpec":
+        hp = self.hyperparameters
+        if hp.batch_size % hp.micro_batch_size:
+            raise ValueError(
+                f"hyperparameters.batch_size ({hp.batch_size}) must be a multiple of "
+                f"micro_batch_size ({hp.micro_batch_size})"
+            )
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainerSpec":
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2), encoding="utf-8")

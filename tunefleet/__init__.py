@@ -1,0 +1,1 @@
+"""tunefleet: the user-facing Python SDK and the `tunefleet` command line."""

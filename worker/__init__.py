@@ -1,0 +1,1 @@
+"""Celery worker, scheduler and executors (local processes, Kubernetes Jobs)."""

@@ -1,0 +1,1 @@
+"""Executors run trainer processes: locally or as Kubernetes Jobs."""

@@ -1,0 +1,1 @@
+"""Scheduling: node pools, memory-fit estimator, placement, the scheduling cycle."""

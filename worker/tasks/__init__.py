@@ -1,0 +1,1 @@
+"""Celery task modules; each is listed in worker.celery_app."""
