@@ -1,5 +1,274 @@
-"""Operator commands of the `tunefleet` CLI (serve, worker, scheduler, db, admin)."""
+"""Operator commands of the `tunefleet` CLI: serve, worker, scheduler, db, admin.
+
+``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
+sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
+permissions), then runs the API (uvicorn, in this process), a Celery worker and the
+scheduler loop (subprocesses) together, and stops them all on Ctrl-C or SIGTERM.
+The production roles run the same code one per process/pod: ``tunefleet db upgrade``,
+``uvicorn --factory api.main:create_app``, ``tunefleet worker``, ``tunefleet scheduler``.
+"""
 
 from __future__ import annotations
 
-from tunefleet.cli import app  # noqa: F401
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tunefleet.cli import app
+
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(admin_app, name="admin")
+
+ADMIN_TENANT = "admin"
+
+
+def _settings():  # noqa: ANN202 (api.settings.Settings; imported lazily: the SDK has no server deps)
+    from api.settings import get_settings
+
+    try:
+        return get_settings()
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        typer.echo(f"invalid configuration: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply the database migrations (creates the schema on an empty database)."""
+    from api.db.migrate import current_revision, upgrade
+
+    settings = _settings()
+    url = settings.resolved_database_url
+    upgrade(url, revision)
+    typer.echo(f"database at revision {current_revision(url)}")
+
+
+@admin_app.command("create-tenant")
+def create_tenant(
+    name: str, admin: Annotated[bool, typer.Option("--admin", help="Tenant keys are admins.")] = False
+) -> None:
+    """Create a tenant (organization) and print its id."""
+    from api.auth import create_tenant as create
+    from api.db.session import session_scope
+    from api.errors import APIError
+
+    settings = _settings()
+    try:
+        with session_scope(settings.resolved_database_url) as session:
+            tenant = create(session, name, is_admin=admin)
+            typer.echo(tenant.id)
+    except APIError as exc:
+        typer.echo(exc.message, err=True)
+        raise typer.Exit(1) from exc
+
+
+@admin_app.command("create-key")
+def create_key(
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant id (org-…) or name.")],
+    admin: Annotated[bool, typer.Option("--admin", help="An admin key.")] = False,
+    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
+) -> None:
+    """Create an API key for a tenant and print it (it is shown only this once)."""
+    from sqlalchemy import or_, select
+
+    from api.auth import create_api_key
+    from api.db.models import Tenant
+    from api.db.session import session_scope
+
+    settings = _settings()
+    with session_scope(settings.resolved_database_url) as session:
+        row = session.scalar(select(Tenant).where(or_(Tenant.id == tenant, Tenant.name == tenant)))
+        if row is None:
+            typer.echo(f"no tenant '{tenant}'", err=True)
+            raise typer.Exit(1)
+        _, raw = create_api_key(session, row, is_admin=admin, name=name)
+        typer.echo(raw)
+
+
+@admin_app.command("list-tenants")
+def list_tenants() -> None:
+    """List tenants (id, name, admin)."""
+    from sqlalchemy import select
+
+    from api.db.models import Tenant
+    from api.db.session import session_scope
+
+    with session_scope(_settings().resolved_database_url) as session:
+        for tenant in session.scalars(select(Tenant).order_by(Tenant.created_at)):
+            typer.echo(f"{tenant.id}\t{tenant.name}\t{'admin' if tenant.is_admin else ''}")
+
+
+def ensure_admin_key(settings) -> str | None:  # noqa: ANN001 (api.settings.Settings)
+    """Make sure an admin tenant and key exist; return a new raw key, or None if one existed.
+
+    With ``TUNEFLEET_ADMIN_API_KEY`` set, that key is installed (once). Otherwise a key is
+    generated on first start; only its hash is stored in the database, and the raw key is
+    written to ``<data>/admin_key`` (0600) so the operator can read it again.
+    """
+    from sqlalchemy import select
+
+    from api.auth import create_api_key, create_tenant
+    from api.db.models import ApiKey, Tenant
+    from api.db.session import session_scope
+    from api.ids import hash_secret
+    from api.settings import _write_private
+
+    wanted = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
+    with session_scope(settings.resolved_database_url) as session:
+        tenant = session.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT))
+        if tenant is None:
+            tenant = create_tenant(session, ADMIN_TENANT, is_admin=True)
+        if wanted is not None:
+            if session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_secret(wanted))):
+                return None
+            create_api_key(session, tenant, is_admin=True, name="TUNEFLEET_ADMIN_API_KEY",
+                           raw_key=wanted)
+            return wanted
+        live = session.scalar(
+            select(ApiKey).where(ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None))
+        )
+        if live is not None:
+            return None
+        _, raw = create_api_key(session, tenant, is_admin=True, name="first start")
+    _write_private(settings.data_path / "admin_key", raw + "\n")
+    return raw
+
+
+def _cli_command(*args: str) -> list[str]:
+    """This CLI as a subprocess command (works without the console script on PATH)."""
+    return [sys.executable, "-c", "import sys; from tunefleet.cli import app; app()", *args]
+
+
+@app.command()
+def worker(
+    pool: Annotated[str, typer.Option(help="Celery pool: threads, prefork or solo.")] = "threads",
+    concurrency: Annotated[int, typer.Option(help="Tasks run at once.")] = 4,
+    loglevel: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Run a Celery worker (validation, scheduling, local jobs, webhooks)."""
+    _settings()
+    from worker.celery_app import app as celery_app
+
+    celery_app.worker_main(
+        ["worker", f"--pool={pool}", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
+         "--without-gossip", "--without-mingle"]
+    )
+
+
+@app.command()
+def scheduler() -> None:
+    """Run the scheduling loop (one active scheduler at a time; see worker/scheduler)."""
+    settings = _settings()
+    try:
+        from worker.scheduler.loop import run_forever
+    except ImportError as exc:
+        typer.echo(f"the scheduler loop is not available in this build ({exc}); jobs stay "
+                   "queued until a `tunefleet.schedule` task runs", err=True)
+        raise typer.Exit(1) from exc
+    run_forever(settings)
+
+
+def start_demo(settings, base_url: str, admin_key: str) -> None:  # noqa: ANN001
+    """``serve --demo``: submit the demo job once the API answers (``tunefleet.demo``)."""
+    try:
+        from tunefleet.demo import start_demo as submit
+    except ImportError:
+        typer.echo("--demo: the demo module (tunefleet.demo) is not part of this build", err=True)
+        return
+    submit(settings, base_url, admin_key)
+
+
+def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def _stop(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM every child, then SIGKILL what is still alive after ``grace_s``."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory (TUNEFLEET_DATA_DIR).")] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="Submit the demo job that trains.")] = False,
+    worker_concurrency: Annotated[int, typer.Option(help="Celery worker threads.")] = 4,
+    no_scheduler: Annotated[bool, typer.Option("--no-scheduler", help="Do not start one.")] = False,
+) -> None:
+    """Run API + worker + scheduler together with embedded defaults (SQLite, local broker)."""
+    if data_dir is not None:
+        os.environ["TUNEFLEET_DATA_DIR"] = str(data_dir)
+    if "TUNEFLEET_PUBLIC_URL" not in os.environ:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        os.environ["TUNEFLEET_PUBLIC_URL"] = f"http://{shown}:{port}"
+    from api.settings import get_settings
+
+    get_settings.cache_clear()
+    settings = _settings()
+    settings.ensure_dirs()
+    settings.secret_key_value()  # generated once into <data>/secret_key before children start
+    from api.db.migrate import upgrade
+
+    upgrade(settings.resolved_database_url)
+    new_key = ensure_admin_key(settings)
+    url = settings.public_url
+    typer.echo(f"tunefleet {url}  (data: {settings.data_path})")
+    typer.echo(f"  OpenAI-compatible API: {url}/v1   docs: {url}/docs")
+    if new_key is not None:
+        typer.echo(f"  admin API key (shown once; also in {settings.data_path / 'admin_key'}):")
+        typer.echo(f"    {new_key}")
+    else:
+        typer.echo(f"  admin API key: see {settings.data_path / 'admin_key'} "
+                   "(or TUNEFLEET_ADMIN_API_KEY)")
+
+    children = [subprocess.Popen(_cli_command(
+        "worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING"))]
+    if not no_scheduler:
+        children.append(subprocess.Popen(_cli_command("scheduler")))
+    if demo:
+        key_file = settings.data_path / "admin_key"
+        admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")
+        if settings.admin_api_key is not None:
+            admin_key = settings.admin_api_key.get_secret_value()
+
+        def _demo() -> None:
+            if _wait_until_up(f"http://127.0.0.1:{port}"):
+                start_demo(settings, url, admin_key)
+
+        threading.Thread(target=_demo, name="demo", daemon=True).start()
+
+    import uvicorn
+
+    try:
+        uvicorn.run("api.main:create_app", factory=True, host=host, port=port, log_level="info")
+    finally:
+        _stop(children)

@@ -1,0 +1,56 @@
+# tunefleet — the two commands a newcomer needs are `make run` and `make test`.
+#
+#   make run    install into .venv, start the service with embedded defaults
+#               (SQLite, server-less Celery broker, local executor, local artifacts)
+#               and submit a demo job that really trains
+#   make test   install into .venv (+ Chromium for the browser tests) and run the whole suite
+#
+# torch is installed FIRST from its own requirement file: any other torch resolution
+# pulls a multi-GB CUDA build.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run serve test test-fast lint services browser-deps bench clean
+
+$(STAMP): pyproject.toml requirements/torch.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements/torch.txt
+	$(PIP) install -q --only-binary idna -e ".[all]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/tunefleet serve --demo
+
+serve: install
+	$(VENV)/bin/tunefleet serve
+
+# Debian's Chromium for the dashboard's browser tests (never `playwright install`).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+# PostgreSQL and Redis on 127.0.0.1; started if they are down.
+services:
+	@bash scripts/ensure-services.sh
+
+test: install browser-deps services
+	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	OMP_NUM_THREADS=2 $(PY) -m pytest -m "not slow and not browser" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check api worker trainers tunefleet tests bench
+
+bench: install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .tunefleet test-output .pytest_cache

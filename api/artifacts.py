@@ -1,0 +1,241 @@
+"""Artifact stores: where uploaded files and job outputs live.
+
+Two implementations of one small interface: ``LocalArtifactStore`` (a directory; the
+embedded default and shared PVCs) and ``S3ArtifactStore`` (any S3-compatible bucket via
+boto3; ``endpoint_url`` for MinIO/Ceph/...). A store is rooted at a location (a path or
+``s3://bucket/prefix``) and addressed by relative keys such as ``files/file-abc.jsonl`` or
+``adapter/adapter_model.safetensors``.
+
+Keys come from users (artifact names in URLs), so every key goes through ``safe_key``:
+absolute paths, ``..`` segments, backslashes and control characters are refused with
+``invalid_artifact_path``, and the local store re-checks that the resolved path stays
+under its root (symlinks included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Protocol
+
+from api.errors import APIError
+
+if TYPE_CHECKING:
+    from api.settings import Settings
+
+CHUNK = 1024 * 1024
+
+
+def safe_key(name: str) -> str:
+    """``name`` as a normalized relative key, or a 400 ``invalid_artifact_path``."""
+    bad = (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or any(ord(c) < 32 for c in name)
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    )
+    if bad:
+        raise APIError(
+            400, "invalid_artifact_path",
+            "Artifact names are relative paths inside the job's output, without '..'.",
+            param="name",
+        )
+    return str(PurePosixPath(name))
+
+
+class ArtifactStore(Protocol):
+    """A rooted key -> bytes store."""
+
+    def location(self, key: str = "") -> str:
+        """Where ``key`` lives as a trainer sees it: a local path or an s3:// URI."""
+
+    def put_file(self, key: str, source: Path, *, move: bool = False) -> None: ...
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
+        """A URL a client can GET without credentials, or None (local store)."""
+
+
+class LocalArtifactStore:
+    """Files under a root directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / safe_key(key)).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise APIError(400, "invalid_artifact_path", "Artifact path escapes the job output.")
+        return path
+
+    def location(self, key: str = "") -> str:
+        return str(self._path(key)) if key else str(self.root)
+
+    def put_file(self, key: str, source: Path, *, move: bool = False) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if move:
+            os.replace(source, target)
+        else:
+            tmp = target.with_name(target.name + ".partial")
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".partial")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        with self._path(key).open("rb") as handle:
+            while chunk := handle.read(chunk_size):
+                yield chunk
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        return self._path(key).stat().st_size
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.root).as_posix()) for p in base.rglob("*") if p.is_file()
+        )
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
+        return None
+
+
+class S3ArtifactStore:
+    """Objects under ``s3://bucket/prefix`` (AWS or any S3-compatible endpoint)."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        # Path-style addressing works with every S3-compatible server (MinIO, moto, Ceph).
+        self._client = boto3.client(
+            "s3", endpoint_url=endpoint_url,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}),
+        )
+
+    def _key(self, key: str) -> str:
+        key = safe_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def location(self, key: str = "") -> str:
+        if not key:
+            return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def put_file(self, key: str, source: Path, *, move: bool = False) -> None:
+        self._client.upload_file(str(source), self.bucket, self._key(key))
+        if move:
+            Path(source).unlink(missing_ok=True)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        yield from body.iter_chunks(chunk_size)
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+                return False
+            raise
+
+    def size(self, key: str) -> int:
+        return int(self._client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = self._key(prefix) if prefix else self.prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        names: list[str] = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=full
+        ):
+            names.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        return sorted(names)
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
+        return self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
+        )
+
+
+def store_for(location: str, *, s3_endpoint_url: str | None = None) -> ArtifactStore:
+    """The store rooted at ``location``: ``s3://bucket/prefix`` or a directory path."""
+    if location.startswith("s3://"):
+        bucket, _, prefix = location.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {location!r}")
+        return S3ArtifactStore(bucket, prefix, endpoint_url=s3_endpoint_url)
+    return LocalArtifactStore(location)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def artifact_store(settings: "Settings") -> ArtifactStore:
+    """The store for job outputs: ``TUNEFLEET_ARTIFACT_URL`` or ``<data>/artifacts``."""
+    return store_for(settings.resolved_artifact_url, s3_endpoint_url=settings.s3_endpoint_url)
+
+
+def file_store(settings: "Settings") -> ArtifactStore:
+    """The store for uploaded files (keys ``files/<id>.jsonl``).
+
+    Embedded default: the data dir itself, so files land in ``<data>/files/``. With
+    ``TUNEFLEET_ARTIFACT_URL`` set (a bucket or a shared volume), files go there too, so
+    training pods on other machines can read them.
+    """
+    if settings.artifact_url is None:
+        return LocalArtifactStore(settings.data_path)
+    return artifact_store(settings)

@@ -1,0 +1,69 @@
+"""The registry of base models a job may fine-tune, from YAML or the built-in default.
+
+``TUNEFLEET_BASE_MODELS_FILE`` points to YAML like::
+
+    models:
+      - id: meta-llama/Llama-3.1-8B
+        path: s3://models/llama-3.1-8b        # or a local directory (HF format)
+        architecture: llama
+        params_b: 8.0                          # billions, for the memory estimator
+        max_seq_len: 131072
+
+Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
+``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api.settings import Settings
+
+DEMO_MODEL_ID = "tunefleet-tiny-llama"
+
+
+class BaseModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=256)
+    path: str = Field(description="Local directory or s3:// URI of an HF-format checkpoint.")
+    architecture: Literal["llama"] = "llama"
+    params_b: float | None = Field(default=None, gt=0, description="Parameters in billions.")
+    max_seq_len: int = Field(default=2048, ge=8)
+    owned_by: str = "tunefleet"
+
+
+class BaseModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[BaseModelEntry]
+
+
+def demo_model(models_dir: Path) -> BaseModelEntry:
+    """The built-in demo model (a random tiny Llama the demo writes into the data dir)."""
+    return BaseModelEntry(
+        id=DEMO_MODEL_ID, path=str(models_dir / "tiny-llama"), params_b=0.0001, max_seq_len=512
+    )
+
+
+def load_base_models(settings: Settings) -> dict[str, BaseModelEntry]:
+    """The registry as ``{id: entry}``; a broken YAML file is a start-up error."""
+    return dict(_load(settings.base_models_file, settings.models_dir))
+
+
+@lru_cache(maxsize=8)
+def _load(path: Path | None, models_dir: Path) -> tuple[tuple[str, BaseModelEntry], ...]:
+    if path is None:
+        entries = [demo_model(models_dir)]
+    else:
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            entries = BaseModelsFile.model_validate(raw).models
+        except (OSError, yaml.YAMLError, ValidationError) as exc:
+            raise ValueError(f"TUNEFLEET_BASE_MODELS_FILE {path}: {exc}") from exc
+    return tuple((entry.id, entry) for entry in entries)

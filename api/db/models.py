@@ -1,0 +1,236 @@
+"""The tables of the control plane as typed SQLAlchemy 2.0 models.
+
+Tenants own API keys, files and jobs; a job owns its events, metric rows, checkpoints,
+artifacts and applied report batches. Only ``api.lifecycle.transition`` writes
+``Job.status``. JSON columns hold values already validated by the API schemas.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from api.db.base import Base, utcnow
+
+# Job statuses (docs/internals.md). Terminal ones never change again.
+JOB_STATUSES = ("validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled")
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+FILE_STATUSES = ("uploaded", "processed", "error")
+
+
+class Tenant(Base):
+    """An organization: the unit of isolation, quota and fair share."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    """An API key; only its sha256 and the displayable prefix are stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[dt.datetime | None]
+    revoked_at: Mapped[dt.datetime | None]
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+    @property
+    def grants_admin(self) -> bool:
+        return self.is_admin or self.tenant.is_admin
+
+
+class File(Base):
+    """An uploaded training/validation file and its validation result."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    purpose: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="uploaded")
+    status_details: Mapped[str | None] = mapped_column(Text)
+    validation: Mapped[dict[str, Any] | None]
+    location: Mapped[str] = mapped_column(String(1024), doc="Artifact-store key of the content.")
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[dt.datetime | None]
+
+
+class Job(Base):
+    """A fine-tuning job: OpenAI's ``fine_tuning.job`` plus scheduling/trainer extensions."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_jobs_status_priority", "status", "priority", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(256))
+    training_file: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    status: Mapped[str] = mapped_column(String(32))
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON, doc="Resolved, no 'auto'.")
+    method: Mapped[dict[str, Any]]
+    adapter: Mapped[dict[str, Any]]
+    trainer: Mapped[str] = mapped_column(String(32), default="auto")
+    placement: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_seq_len: Mapped[int] = mapped_column(Integer)
+    packing: Mapped[bool] = mapped_column(Boolean, default=False)
+    eval: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    integrations: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    estimate: Mapped[dict[str, Any] | None]
+    pool: Mapped[str | None] = mapped_column(String(128))
+    gpus: Mapped[int | None] = mapped_column(Integer)
+    queue_reason: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[dict[str, Any] | None]
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
+    result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    current_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    estimated_finish: Mapped[dt.datetime | None]
+    resume_from: Mapped[str | None] = mapped_column(String(1024))
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    job_token_hash: Mapped[str | None] = mapped_column(String(64))
+    usage: Mapped[dict[str, Any] | None]
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class JobEvent(Base):
+    """A ``fine_tuning.job.event``; ``seq`` orders events (and is the SSE event id)."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_seq", "job_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    level: Mapped[str] = mapped_column(String(16), default="info")
+    message: Mapped[str] = mapped_column(Text)
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    data: Mapped[dict[str, Any] | None]
+
+
+class JobMetric(Base):
+    """One metric row of the trainer report protocol; one row per (job, step)."""
+
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_job_metrics_job_step"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    epoch: Mapped[float | None] = mapped_column(Float)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    valid_loss: Mapped[float | None] = mapped_column(Float)
+    token_accuracy: Mapped[float | None] = mapped_column(Float)
+    valid_token_accuracy: Mapped[float | None] = mapped_column(Float)
+    learning_rate: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    tokens_seen: Mapped[int | None] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    time: Mapped[float | None] = mapped_column(Float, doc="Unix seconds at the trainer.")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Checkpoint(Base):
+    """A ``fine_tuning.job.checkpoint`` registered by the trainer."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    location: Mapped[str] = mapped_column(String(1024))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Artifact(Base):
+    """One output file of a job (adapter, config, metrics log, manifest)."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_artifacts_job_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(1024), doc="Relative path inside the output dir.")
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    location: Mapped[str] = mapped_column(String(1024), doc="Output dir (path or s3:// URI).")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class IdempotencyKey(Base):
+    """``Idempotency-Key`` of a job creation: same key + same body -> same job."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("tenant_id", "key", name="uq_idempotency_keys_tenant_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ReportBatch(Base):
+    """An applied trainer report batch; the unique (job_id, seq) makes retries harmless."""
+
+    __tablename__ = "report_batches"
+    __table_args__ = (UniqueConstraint("job_id", "seq", name="uq_report_batches_job_seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    n_items: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

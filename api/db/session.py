@@ -1,0 +1,67 @@
+"""Engines and sessions: one engine per database URL per process.
+
+SQLite is tuned for several processes (API, worker, scheduler) sharing one file: WAL
+journal, a busy timeout instead of immediate "database is locked" errors, and foreign
+keys on (SQLite leaves them off by default).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 (DB-API object)
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=15000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def get_engine(url: str) -> Engine:
+    """The process-wide engine for ``url`` (created on first use)."""
+    with _lock:
+        engine = _engines.get(url)
+        if engine is None:
+            if url.startswith("sqlite"):
+                engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 15})
+                event.listen(engine, "connect", _sqlite_pragmas)
+            else:
+                engine = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+            _engines[url] = engine
+        return engine
+
+
+def dispose_engine(url: str) -> None:
+    """Close the pooled connections of ``url`` (tests drop their databases afterwards)."""
+    with _lock:
+        engine = _engines.pop(url, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(bind=get_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error (for tasks and CLI)."""
+    session = session_factory(url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

@@ -1,0 +1,180 @@
+"""API errors in OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}``.
+
+Routes raise ``APIError`` with a stable ``code``; the handlers installed by
+``install_error_handlers`` also translate FastAPI's request validation (422 -> 400 with
+``param`` = the field path), unknown routes (404), wrong methods (405), malformed JSON,
+and any unexpected exception (500 with a generic message; details go to the log only),
+so every answer, good or bad, has the same shape.
+
+Error codes used by the API (stable; clients may switch on them):
+
+=============================  ====  =====================================================
+code                           HTTP  meaning
+=============================  ====  =====================================================
+missing_api_key                401   no ``Authorization: Bearer`` header
+invalid_api_key                401   unknown, malformed or revoked key
+invalid_job_token              401   report endpoint: wrong or missing job token
+permission_denied              403   an admin-only route with a tenant key
+not_found                      404   unknown route, or an object of another tenant
+method_not_allowed             405   wrong HTTP method
+invalid_json                   400   the body is not valid JSON
+invalid_request                400   a field has the wrong type/value (``param`` = path),
+                                     or a value the database cannot store
+invalid_cursor                 400   ``after`` does not name an object of this list
+invalid_model                  400   unknown base model (``param`` = ``model``)
+invalid_file                   400   training/validation file missing, invalid or of
+                                     another tenant (``param`` = the field)
+file_not_ready                 400   the file is still being validated
+file_in_use                    409   deleting a file that a live job still needs
+empty_file                     400   an upload with zero bytes
+not_utf8                       400   an upload that is not UTF-8 text
+file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES``
+idempotency_conflict           409   an ``Idempotency-Key`` reused with another body
+invalid_state_transition       409   e.g. cancelling a succeeded job
+invalid_artifact_path          400   an artifact name escaping the job's output
+artifact_not_found             404   no such artifact
+internal_error                 500   a bug; the message holds no details
+=============================  ====  =====================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answer with a stable code; raise it from routes and query functions."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,  # noqa: A002 (OpenAI's field name)
+        details: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type or _TYPES.get(status, "api_error")
+        self.details = details
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        if self.details:
+            error["details"] = self.details
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def not_found(kind: str, object_id: str, *, param: str | None = None) -> APIError:
+    """The 404 for a missing object (also for another tenant's: isolation, not 403)."""
+    return APIError(404, "not_found", f"No {kind} found with id '{object_id}'.", param=param)
+
+
+def _param_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """``("body", "hyperparameters", "n_epochs")`` -> ``"hyperparameters.n_epochs"``."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Drop pydantic's union-branch tags such as "int" / "literal['auto']" / "function-after[...]".
+    parts = [p for p in parts if not (p.endswith("]") or p in {"int", "float", "str", "bool"})]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, "invalid_json", "The request body is not valid JSON.")
+    if first.get("type") == "model_attributes_type" or (
+        first.get("loc") == ("body",) and first.get("type") in {"dict_type", "model_type"}
+    ):
+        return APIError(400, "invalid_request", "The request body must be a JSON object.")
+    param = _param_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing" and param is None:
+        message = "The request body is missing; send a JSON object."
+    elif first.get("type") == "missing":
+        message = f"Missing required parameter: '{param}'."
+    elif first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: '{param}'."
+    elif param:
+        message = f"Invalid value for '{param}': {message}"
+    more = len(errors) - 1
+    if more > 0:
+        message += f" ({more} more problem{'s' if more > 1 else ''} in this request)"
+    return APIError(400, "invalid_request", message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the OpenAI error envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, "not_found", "Unknown route.")
+        elif exc.status_code == 405:
+            error = APIError(405, "method_not_allowed", "Method not allowed for this route.")
+        else:
+            error = APIError(exc.status_code, "http_error", str(exc.detail))
+        error.headers = dict(exc.headers) if exc.headers else None
+        return error.response()
+
+    @app.exception_handler(DataError)
+    async def _data(_request: Request, exc: DataError) -> JSONResponse:
+        # The database refused a value the schemas let through (a NUL character in a
+        # string, an integer past the column's range): the input is wrong, not the server.
+        log.info("database refused a request value: %s", exc.orig)
+        return APIError(
+            400, "invalid_request",
+            "A value in the request cannot be stored (NUL character or number out of range).",
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal_error", "Internal server error.", type="api_error").response()

@@ -1,0 +1,97 @@
+"""Query functions for uploaded files (routes stay short; tasks reuse these)."""
+
+from __future__ import annotations
+
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session
+
+from api.artifacts import ArtifactStore
+from api.db.base import utcnow
+from api.db.models import TERMINAL_STATUSES, File, Job, Tenant
+from api.errors import APIError, not_found
+from api.ids import new_id
+from api.pagination import page_newest_first
+from api.queue import VALIDATE_FILE, TaskQueue
+from api.uploads import Upload
+
+PURPOSES = ("fine-tune",)
+
+
+def file_key(file_id: str) -> str:
+    """Artifact-store key of a file's content."""
+    return f"files/{file_id}.jsonl"
+
+
+def clean_filename(name: str | None) -> str:
+    """The client's file name without directories or control characters, at most 255 chars."""
+    base = (name or "").replace("\\", "/").rsplit("/", 1)[-1]
+    base = "".join(c for c in base if c.isprintable()).strip()
+    return base[:255] or "upload.jsonl"
+
+
+def create_file(
+    session: Session, tenant: Tenant, upload: Upload, *, store: ArtifactStore, queue: TaskQueue
+) -> File:
+    """Store an upload as a new file (status ``uploaded``) and enqueue its validation."""
+    purpose = upload.fields.get("purpose")
+    if purpose is None:
+        raise APIError(400, "invalid_request", "Missing required parameter: 'purpose'.",
+                       param="purpose")
+    if purpose not in PURPOSES:
+        raise APIError(400, "invalid_request",
+                       f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.",
+                       param="purpose")
+    if upload.size == 0:
+        raise APIError(400, "empty_file", "The file is empty.", param="file")
+    assert upload.path is not None
+    file_id = new_id("file")
+    store.put_file(file_key(file_id), upload.path, move=True)
+    row = File(
+        id=file_id, tenant_id=tenant.id, filename=clean_filename(upload.filename),
+        bytes=upload.size, purpose=purpose, status="uploaded", location=file_key(file_id),
+        sha256=upload.sha256,
+    )
+    session.add(row)
+    session.commit()
+    queue.send(VALIDATE_FILE, file_id)
+    return row
+
+
+def tenant_files(tenant: Tenant):  # noqa: ANN201 (a Select)
+    return select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
+
+
+def get_file(session: Session, tenant: Tenant, file_id: str, *, param: str | None = None) -> File:
+    """The tenant's live file, else 404 (another tenant's file is 'not found' too)."""
+    row = session.scalar(tenant_files(tenant).where(File.id == file_id))
+    if row is None:
+        raise not_found("file", file_id, param=param)
+    return row
+
+
+def list_files(
+    session: Session, tenant: Tenant, *, purpose: str | None, after: str | None, limit: int
+) -> tuple[list[File], bool]:
+    query = tenant_files(tenant)
+    if purpose is not None:
+        query = query.where(File.purpose == purpose)
+    return page_newest_first(session, query, File, after=after, limit=limit)
+
+
+def delete_file(session: Session, tenant: Tenant, file_id: str, *, store: ArtifactStore) -> None:
+    """Delete a file unless a job that has not finished still needs it (409 ``file_in_use``)."""
+    row = get_file(session, tenant, file_id)
+    in_use = session.scalar(
+        select(
+            exists().where(
+                (Job.training_file == file_id) | (Job.validation_file == file_id),
+                Job.status.not_in(TERMINAL_STATUSES),
+            )
+        )
+    )
+    if in_use:
+        raise APIError(409, "file_in_use",
+                       f"File '{file_id}' is used by a job that has not finished.")
+    row.deleted_at = utcnow()
+    session.commit()
+    store.delete(row.location)

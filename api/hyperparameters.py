@@ -1,0 +1,89 @@
+"""Resolving OpenAI's ``"auto"`` hyperparameters to concrete numbers (a pure function).
+
+The rule, from the number of training examples ``n`` (known once the training file is
+validated):
+
+- ``n_epochs`` = 3, raised so at least 100 examples are seen (``ceil(100 / n)``, at most
+  25) and lowered so at most 25,000 are seen (``floor(25000 / n)``, at least 1).
+- ``batch_size`` = the power of two nearest to 0.2 % of ``n``, between 1 and 256, and
+  never more than ``n`` (one optimizer step per ``batch_size`` examples).
+- ``learning_rate_multiplier`` = 1.0. The learning rate is ``2e-4 x multiplier`` for
+  LoRA/QLoRA (the usual LoRA rate; OpenAI's multiplier scales a base rate the same way).
+  ``learning_rate`` may also be given directly (an extension), which wins.
+- ``micro_batch_size`` = the largest divisor of ``batch_size`` that is <= 4 (the rest is
+  gradient accumulation; the placement may lower it further).
+- ``total_steps`` = ``ceil(n / batch_size) x n_epochs`` (or ``max_steps`` when set);
+  ``warmup_steps`` = 3 % of it (rounded) unless given; scheduler ``cosine``.
+
+A value the user gave is kept as given. The resolved values are stored on the job and
+shown in ``hyperparameters``; the trainer spec is built from them (no "auto" reaches a
+trainer).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+BASE_LEARNING_RATE = 2e-4
+MIN_EXAMPLES_SEEN = 100
+MAX_EXAMPLES_SEEN = 25_000
+DEFAULT_EPOCHS = 3
+
+
+def auto_n_epochs(n_examples: int) -> int:
+    n = max(1, n_examples)
+    if n * DEFAULT_EPOCHS < MIN_EXAMPLES_SEEN:
+        return min(25, math.ceil(MIN_EXAMPLES_SEEN / n))
+    if n * DEFAULT_EPOCHS > MAX_EXAMPLES_SEEN:
+        return max(1, MAX_EXAMPLES_SEEN // n)
+    return DEFAULT_EPOCHS
+
+
+def auto_batch_size(n_examples: int) -> int:
+    target = max(1.0, 0.002 * n_examples)
+    size = 2 ** round(math.log2(target))
+    return int(max(1, min(256, size, max(1, n_examples))))
+
+
+def micro_batch_for(batch_size: int, limit: int = 4) -> int:
+    return max(d for d in range(1, min(batch_size, limit) + 1) if batch_size % d == 0)
+
+
+def resolve_hyperparameters(requested: dict[str, Any], n_examples: int) -> dict[str, Any]:
+    """Concrete hyperparameters for ``requested`` (values or "auto") and ``n_examples``.
+
+    Args:
+        requested: the job's hyperparameters as validated by the API schema.
+        n_examples: examples in the training file.
+
+    Returns:
+        A dict with n_epochs, batch_size, learning_rate_multiplier, learning_rate,
+        micro_batch_size, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
+        max_steps and total_steps, all concrete.
+    """
+    def given(name: str) -> Any:
+        value = requested.get(name)
+        return None if value in (None, "auto") else value
+
+    n_epochs = given("n_epochs") or auto_n_epochs(n_examples)
+    batch_size = given("batch_size") or auto_batch_size(n_examples)
+    multiplier = given("learning_rate_multiplier") or 1.0
+    learning_rate = given("learning_rate") or BASE_LEARNING_RATE * multiplier
+    steps_per_epoch = math.ceil(max(1, n_examples) / batch_size)
+    max_steps = given("max_steps")
+    total_steps = max_steps or steps_per_epoch * n_epochs
+    warmup = requested.get("warmup_steps")
+    return {
+        "n_epochs": int(n_epochs),
+        "batch_size": int(batch_size),
+        "learning_rate_multiplier": float(multiplier),
+        "learning_rate": float(learning_rate),
+        "micro_batch_size": int(given("micro_batch_size") or micro_batch_for(batch_size)),
+        "lr_scheduler": requested.get("lr_scheduler") or "cosine",
+        "warmup_steps": int(warmup if warmup is not None else round(0.03 * total_steps)),
+        "weight_decay": float(requested.get("weight_decay") or 0.0),
+        "max_grad_norm": requested.get("max_grad_norm", 1.0),
+        "max_steps": max_steps,
+        "total_steps": int(total_steps),
+    }

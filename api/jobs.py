@@ -1,0 +1,296 @@
+"""Query and command functions for fine-tuning jobs (routes call these; so do tasks).
+
+Creation checks the model, files and extensions, resolves ``"auto"`` hyperparameters
+(see ``api.hyperparameters``) once the training file's example count is known, and moves
+the job to ``queued`` through the lifecycle; a job whose files are still being validated
+waits in ``validating_files`` and is advanced by ``advance_after_validation``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.base_models import BaseModelEntry
+from api.db.models import Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
+from api.errors import APIError, not_found
+from api.files import get_file
+from api.hyperparameters import resolve_hyperparameters
+from api.ids import hash_secret, new_id, new_job_token
+from api.lifecycle import add_event, lock_job, transition
+from api.pagination import check_limit, page_newest_first
+from api.queue import SCHEDULE, TaskQueue
+from api.schemas.jobs import JobCreate
+
+DEFAULT_MAX_SEQ_LEN = 2048
+MAX_FIRST_ERRORS = 5
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    """A stable hash of a request body (key order and whitespace do not matter)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _file_error(file: File, param: str) -> APIError:
+    report = file.validation or {}
+    errors = list(report.get("errors") or [])[:MAX_FIRST_ERRORS]
+    where = "; ".join(
+        f"line {e.get('line')}: {e.get('code')}: {e.get('message')}" if e.get("line") is not None
+        else f"{e.get('code')}: {e.get('message')}"
+        for e in errors
+    )
+    return APIError(
+        400, "invalid_file",
+        f"File '{file.id}' failed validation ({report.get('n_errors', len(errors))} problems)"
+        + (f": {where}" if where else "."),
+        param=param, details={"errors": errors, "n_errors": report.get("n_errors", len(errors))},
+    )
+
+
+def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> File:
+    try:
+        file = get_file(session, tenant, file_id, param=param)
+    except APIError:
+        raise APIError(400, "invalid_file", f"No file found with id '{file_id}'.", param=param)
+    if file.purpose != "fine-tune":
+        raise APIError(400, "invalid_file", f"File '{file_id}' has purpose '{file.purpose}', "
+                       "not 'fine-tune'.", param=param)
+    if file.status == "error":
+        raise _file_error(file, param)
+    return file
+
+
+def _check_trainer(body: JobCreate) -> None:
+    if body.trainer_name == "jax_lora" and body.adapter.method == "qlora":
+        raise APIError(400, "invalid_request",
+                       "The JAX trainer trains LoRA on bf16/fp32 weights; QLoRA (4-bit) needs "
+                       "trainer 'fsdp_qlora' or 'auto'.", param="trainer")
+
+
+def create_job(
+    session: Session,
+    tenant: Tenant,
+    body: JobCreate,
+    *,
+    raw_body: dict[str, Any],
+    base_models: dict[str, BaseModelEntry],
+    queue: TaskQueue,
+    idempotency_key: str | None = None,
+) -> Job:
+    """Create a job (or return the one created earlier with the same Idempotency-Key)."""
+    digest = request_hash(raw_body)
+    if idempotency_key is not None:
+        if not 1 <= len(idempotency_key) <= 255:
+            raise APIError(400, "invalid_request", "Idempotency-Key must be 1-255 characters.",
+                           param="Idempotency-Key")
+        earlier = session.scalar(
+            select(IdempotencyKey).where(
+                IdempotencyKey.tenant_id == tenant.id, IdempotencyKey.key == idempotency_key
+            )
+        )
+        if earlier is not None:
+            if earlier.request_hash != digest:
+                raise APIError(409, "idempotency_conflict",
+                               "This Idempotency-Key was used with a different request body.",
+                               param="Idempotency-Key")
+            return session.get_one(Job, earlier.job_id)
+
+    model = base_models.get(body.model)
+    if model is None:
+        known = ", ".join(sorted(base_models)) or "none"
+        raise APIError(400, "invalid_model",
+                       f"Unknown base model '{body.model}'. Available: {known}.", param="model")
+    _check_trainer(body)
+    max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > model.max_seq_len:
+        raise APIError(400, "invalid_request",
+                       f"max_seq_len {max_seq_len} exceeds the model's {model.max_seq_len}.",
+                       param="max_seq_len")
+    training = _usable_file(session, tenant, body.training_file, "training_file")
+    validation = (
+        _usable_file(session, tenant, body.validation_file, "validation_file")
+        if body.validation_file else None
+    )
+    requested = body.requested_hyperparameters().model_dump(exclude_none=True)
+    job = Job(
+        id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
+        validation_file=validation.id if validation else None, status="validating_files",
+        hyperparameters=requested, method={"type": "supervised"},
+        adapter=body.adapter.model_dump(), trainer=body.trainer_name,
+        placement=body.placement.model_dump(exclude_none=True), priority=body.priority_value,
+        max_seq_len=max_seq_len, packing=body.packing,
+        eval=body.eval.model_dump(exclude_none=True), suffix=body.suffix,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        metadata_=body.metadata,
+        integrations=[i.model_dump(exclude_none=True) for i in body.integrations or []],
+        result_files=[], restarts=0,
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
+    if idempotency_key is not None:
+        session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
+                                   request_hash=digest, job_id=job.id))
+    queued = _queue_if_files_ready(session, job)
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the race: answer like a retry.
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models,
+                          queue=queue, idempotency_key=idempotency_key)
+    if queued:
+        queue.send(SCHEDULE)
+    return job
+
+
+def _queue_if_files_ready(session: Session, job: Job) -> bool:
+    """validating_files -> queued (resolving "auto") or -> failed; True when queued."""
+    files = [session.get_one(File, job.training_file)]
+    if job.validation_file:
+        files.append(session.get_one(File, job.validation_file))
+    for file, param in zip(files, ("training_file", "validation_file"), strict=False):
+        if file.status == "error":
+            error = _file_error(file, param)
+            transition(session, job, "failed", actor="system", message=error.message,
+                       error={"code": "invalid_file", "message": error.message, "param": param})
+            return False
+    if any(f.status != "processed" for f in files):
+        return False
+    n_examples = int((files[0].validation or {}).get("n_examples") or 0)
+    resolved = resolve_hyperparameters(job.hyperparameters, n_examples)
+    transition(
+        session, job, "queued", actor="system",
+        message=f"Files validated ({n_examples} training examples); job queued.",
+        hyperparameters=resolved, total_steps=resolved["total_steps"],
+    )
+    return True
+
+
+def advance_after_validation(session: Session, file: File) -> list[str]:
+    """Advance the jobs waiting on ``file``; returns the ids of jobs now queued."""
+    waiting = session.scalars(
+        select(Job.id).where(
+            Job.status == "validating_files",
+            (Job.training_file == file.id) | (Job.validation_file == file.id),
+        )
+    ).all()
+    queued: list[str] = []
+    for job_id in waiting:
+        job = lock_job(session, job_id)
+        if job is not None and job.status == "validating_files" and _queue_if_files_ready(
+            session, job
+        ):
+            queued.append(job.id)
+    return queued
+
+
+def tenant_jobs(tenant: Tenant):  # noqa: ANN201 (a Select)
+    return select(Job).where(Job.tenant_id == tenant.id)
+
+
+def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+    job = session.scalar(tenant_jobs(tenant).where(Job.id == job_id))
+    if job is None:
+        raise not_found("fine-tuning job", job_id)
+    return job
+
+
+def list_jobs(
+    session: Session, tenant: Tenant, *, after: str | None, limit: int,
+    metadata: dict[str, str], status: str | None = None,
+) -> tuple[list[Job], bool]:
+    query = tenant_jobs(tenant)
+    for key, value in metadata.items():
+        query = query.where(Job.metadata_[key].as_string() == value)
+    if status is not None:
+        query = query.where(Job.status == status)
+    return page_newest_first(session, query, Job, after=after, limit=limit)
+
+
+def _latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
+    )
+
+
+def cancel_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, tenant, job_id)
+    transition(session, job, "cancelled", actor=actor, message="Job cancelled by the user.")
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def pause_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, tenant, job_id)
+    transition(session, job, "paused", actor=actor,
+               message="Job paused; it keeps its last checkpoint and resumes from it.")
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def resume_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, tenant, job_id)
+    checkpoint = _latest_checkpoint(session, job)
+    transition(
+        session, job, "queued", actor=actor,
+        message="Job resumed" + (f" from step {checkpoint.step}." if checkpoint else "."),
+        resume_from=checkpoint.location if checkpoint else job.resume_from,
+    )
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def lock_job_of(session: Session, tenant: Tenant, job_id: str) -> Job:
+    job = lock_job(session, job_id)
+    if job is None or job.tenant_id != tenant.id:
+        raise not_found("fine-tuning job", job_id)
+    return job
+
+
+def list_events(
+    session: Session, job: Job, *, after: str | None, limit: int
+) -> tuple[list[JobEvent], bool]:
+    """Events newest first; ``after`` is an event id of this job."""
+    check_limit(limit)
+    query = select(JobEvent).where(JobEvent.job_id == job.id)
+    if after is not None:
+        anchor = session.scalar(
+            select(JobEvent.seq).where(JobEvent.job_id == job.id, JobEvent.id == after)
+        )
+        if anchor is None:
+            raise APIError(400, "invalid_cursor",
+                           f"'after' is not an event of this job: '{after}'.", param="after")
+        query = query.where(JobEvent.seq < anchor)
+    rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_checkpoints(
+    session: Session, job: Job, *, after: str | None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+    return page_newest_first(session, query, Checkpoint, after=after, limit=limit)
+
+
+def issue_job_token(session: Session, job: Job) -> str:
+    """A fresh per-job report token (the previous one stops working); the caller commits.
+
+    Only its sha256 is stored; the raw token goes to the trainer in its spec/Secret.
+    """
+    token = new_job_token()
+    job.job_token_hash = hash_secret(token)
+    session.flush()
+    return token

@@ -1,0 +1,58 @@
+"""The FastAPI application factory: ``uvicorn --factory api.main:create_app``.
+
+``create_app(settings)`` wires the pieces (database engine, task queue, artifact stores,
+base-model registry, error envelope, routers) into ``app.state`` so routes receive them
+through ``api.deps``. It does not migrate the database: ``tunefleet db upgrade`` (or
+``tunefleet serve``, for the embedded SQLite database) does.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+
+from api import observability, webhooks
+from api.artifacts import artifact_store, file_store
+from api.base_models import load_base_models
+from api.db.session import get_engine, session_factory
+from api.errors import install_error_handlers
+from api.queue import CeleryQueue, TaskQueue
+from api.routes import admin, files, health, jobs, models, outputs, reports
+from api.settings import Settings, get_settings
+from api.ui.routes import mount_ui
+
+
+def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = None) -> FastAPI:
+    """Build the API app for ``settings`` (default: from the environment).
+
+    Args:
+        settings: the configuration; ``get_settings()`` when None.
+        queue: where tasks are sent; a ``CeleryQueue`` on the configured broker when None
+            (tests pass a queue that runs tasks inline or records them).
+    """
+    settings = settings or get_settings()
+    settings.ensure_dirs()
+    app = FastAPI(
+        title="tunefleet",
+        version="0.1.0",
+        description="Self-hosted LLM fine-tuning service with an OpenAI-compatible API.",
+    )
+    url = settings.resolved_database_url
+    app.state.settings = settings
+    app.state.engine = get_engine(url)
+    app.state.session_factory = session_factory(url)
+    app.state.queue = queue if queue is not None else CeleryQueue(settings)
+    app.state.store = artifact_store(settings)
+    app.state.file_store = file_store(settings)
+    app.state.base_models = load_base_models(settings)
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    for module in (health, files, jobs, outputs, models, reports, admin):
+        app.include_router(module.router)
+    # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
+    # (api/observability) add their routers here.
+    webhooks.install(app)
+    observability.install(app)
+    mount_ui(app)
+    return app

@@ -1,0 +1,104 @@
+"""Process metrics (request latency, webhook failures) and the ``/metrics`` route.
+
+Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (several uvicorn/Celery worker
+processes), counters and histograms are written to that directory by every process and
+``/metrics`` aggregates them with ``MultiProcessCollector``; the directory must be
+emptied at deployment start (prometheus-client's rule). Without it, the in-process
+default registry is served. The database gauges (``collectors.py``) are added either way.
+
+The latency histogram is labelled by the route TEMPLATE (``/v1/fine_tuning/jobs/{job_id}``),
+never the raw path, so ids do not explode the label cardinality.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.routing import Match
+
+from api.errors import APIError
+from api.observability.collectors import DatabaseCollector
+
+REQUEST_LATENCY = Histogram(
+    "tunefleet_http_request_duration_seconds",
+    "API request latency by method, route template and status code",
+    ["method", "route", "status"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+WEBHOOK_FAILURES = Counter(
+    "tunefleet_webhook_delivery_failures",
+    "Failed webhook delivery attempts (non-2xx, timeout, refused target)",
+)
+
+
+def _route_template(request: Request) -> str:
+    route = request.scope.get("route")
+    if route is not None and getattr(route, "path", None):
+        return route.path
+    for candidate in request.app.router.routes:
+        match, _ = candidate.matches(request.scope)
+        if match == Match.FULL:
+            return getattr(candidate, "path", "unmatched")
+    return "unmatched"
+
+
+class RequestLatencyMiddleware(BaseHTTPMiddleware):
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = _route_template(request)
+            if route != "/metrics":
+                REQUEST_LATENCY.labels(request.method, route, str(status)).observe(time.perf_counter() - start)
+
+
+router = APIRouter(include_in_schema=False)
+
+
+def _registry(request: Request) -> CollectorRegistry:
+    registry: CollectorRegistry
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = CollectorRegistry()
+        # The in-process metrics of the default registry, without re-registering them.
+        registry.register(_DefaultRegistryCollector())
+    registry.register(DatabaseCollector(lambda: request.app.state.session_factory))
+    return registry
+
+
+class _DefaultRegistryCollector:
+    def collect(self):
+        return REGISTRY.collect()
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    """Prometheus text format. With ``TUNEFLEET_METRICS_TOKEN`` set, a matching bearer
+    token is required (job ids are labels; keep them off the open internet)."""
+    token = os.environ.get("TUNEFLEET_METRICS_TOKEN")
+    if token:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise APIError(401, "invalid_metrics_token", "GET /metrics needs 'Authorization: Bearer <metrics token>'.")
+    return Response(generate_latest(_registry(request)), media_type=CONTENT_TYPE_LATEST)

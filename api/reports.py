@@ -1,0 +1,156 @@
+"""Applying trainer report batches: metrics, events, checkpoints, artifacts, errors.
+
+A batch is applied exactly once: its ``(job_id, seq)`` row is inserted in the same
+transaction as its items, so a retried batch (the trainer never saw the answer) hits
+the unique constraint and is answered ``duplicate: true`` without changing anything.
+
+Authentication uses the per-job token (only its sha256 is stored): no or an unknown
+token is a 401; a valid token of another job is a 404 for this job.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.db.base import utcnow
+from api.db.models import Artifact, Checkpoint, Job, JobMetric, ReportBatch
+from api.errors import APIError
+from api.ids import hash_secret, new_id
+from api.lifecycle import add_event
+from api.schemas.jobs import checkpoint_model_id, fine_tuned_model_id
+from api.schemas.reports import (
+    ArtifactsItem,
+    CheckpointItem,
+    ErrorItem,
+    EventItem,
+    MetricItem,
+    ReportBatchIn,
+)
+
+# Trainer metric names -> OpenAI checkpoint metric names.
+CHECKPOINT_METRIC_NAMES = {
+    "step": "step",
+    "train_loss": "train_loss",
+    "token_accuracy": "train_mean_token_accuracy",
+    "train_mean_token_accuracy": "train_mean_token_accuracy",
+    "valid_loss": "valid_loss",
+    "valid_token_accuracy": "valid_mean_token_accuracy",
+    "valid_mean_token_accuracy": "valid_mean_token_accuracy",
+    "full_valid_loss": "full_valid_loss",
+    "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
+}
+ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
+
+
+def authenticate_job(session: Session, job_id: str, authorization: str | None) -> Job:
+    """The job a report is for, if the bearer token is that job's; else 401/404."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "invalid_job_token", "Missing job token (Authorization: Bearer).")
+    owner = session.scalar(select(Job).where(Job.job_token_hash == hash_secret(token)))
+    if owner is None:
+        raise APIError(401, "invalid_job_token", "Unknown or rotated job token.")
+    if owner.id != job_id:
+        raise APIError(404, "not_found", f"No fine-tuning job found with id '{job_id}'.")
+    return owner
+
+
+def _finite(value: float | None) -> float | None:
+    """NaN/inf become None: JSON has no NaN, and a NaN loss arrives as an error item too."""
+    return value if value is None or math.isfinite(value) else None
+
+
+def apply_report(session: Session, job: Job, batch: ReportBatchIn) -> bool:
+    """Apply ``batch`` to ``job`` and commit; returns False when it was a duplicate."""
+    if session.scalar(
+        select(ReportBatch.id).where(ReportBatch.job_id == job.id, ReportBatch.seq == batch.seq)
+    ) is not None:
+        return False
+    session.add(ReportBatch(job_id=job.id, seq=batch.seq, n_items=len(batch.items)))
+    for item in batch.items:
+        if isinstance(item, MetricItem):
+            _apply_metric(session, job, item)
+        elif isinstance(item, EventItem):
+            level = "warn" if item.level == "warning" else item.level
+            add_event(session, job, item.message, level=level, type="message", data=item.data)
+        elif isinstance(item, CheckpointItem):
+            _apply_checkpoint(session, job, item)
+        elif isinstance(item, ArtifactsItem):
+            _apply_artifacts(session, job, item)
+        elif isinstance(item, ErrorItem):
+            job.error = {"code": item.code, "message": item.message, "param": None}
+            add_event(session, job, f"{item.code}: {item.message}", level="error", type="message",
+                      data={"code": item.code})
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent retry of the same batch committed first: this one is the duplicate.
+        session.rollback()
+        return False
+    return True
+
+
+def _apply_metric(session: Session, job: Job, item: MetricItem) -> None:
+    values: dict[str, Any] = item.model_dump(exclude={"type"})
+    for name in ("train_loss", "valid_loss", "grad_norm"):
+        values[name] = _finite(values[name])
+    # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
+    session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step == item.step))
+    session.add(JobMetric(job_id=job.id, **values))
+    if job.current_step is None or item.step >= job.current_step:
+        job.current_step = item.step
+        if item.total_steps:
+            job.total_steps = item.total_steps
+        if item.tokens_seen is not None:
+            job.trained_tokens = item.tokens_seen
+        job.estimated_finish = _estimated_finish(job)
+
+
+def _estimated_finish(job: Job) -> dt.datetime | None:
+    """Linear ETA from the steps done since the job (re)started running."""
+    if not (job.started_at and job.total_steps and job.current_step):
+        return None
+    elapsed = (utcnow() - job.started_at).total_seconds()
+    remaining = max(0, job.total_steps - job.current_step)
+    return utcnow() + dt.timedelta(seconds=elapsed / job.current_step * remaining)
+
+
+def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
+    metrics: dict[str, float | None] = {"step": float(item.step)}
+    for name, value in item.metrics.items():
+        public = CHECKPOINT_METRIC_NAMES.get(name)
+        if public is not None:
+            metrics[public] = _finite(value)
+    existing = session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == item.step)
+    )
+    if existing is not None:
+        existing.location, existing.metrics = item.location, metrics
+    else:
+        session.add(Checkpoint(id=new_id("ftckpt"), job_id=job.id, step=item.step,
+                               location=item.location, metrics=metrics))
+    add_event(session, job, f"Checkpoint created at step {item.step}", type="metrics",
+              data={"step": item.step, "checkpoint": checkpoint_model_id(job, item.step)})
+
+
+def _apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
+    for file in item.files:
+        row = session.scalar(
+            select(Artifact).where(Artifact.job_id == job.id, Artifact.name == file.name)
+        )
+        if row is None:
+            session.add(Artifact(job_id=job.id, name=file.name, bytes=file.bytes,
+                                 sha256=file.sha256, location=item.location))
+        else:
+            row.bytes, row.sha256, row.location = file.bytes, file.sha256, item.location
+    if any(f.name == ADAPTER_WEIGHTS for f in item.files):
+        job.fine_tuned_model = fine_tuned_model_id(job)
+    add_event(session, job, f"Uploaded {len(item.files)} output file(s)", type="message",
+              data={"location": item.location, "files": [f.name for f in item.files]})

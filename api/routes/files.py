@@ -1,0 +1,71 @@
+"""``/v1/files``: upload, list, retrieve, content, delete (tenant-scoped)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from api import files as queries
+from api.deps import CurrentTenant, QueueDep, SessionDep, SettingsDep
+from api.schemas.files import FileDeleted, FilePublic, FilesPublic
+from api.uploads import receive_upload
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+
+@router.post("", response_model=FilePublic)
+async def upload_file(
+    request: Request, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
+    queue: QueueDep,
+) -> FilePublic:
+    """Upload a JSONL training file (multipart: ``file``, ``purpose=fine-tune``)."""
+    upload = await receive_upload(request, tmp_dir=settings.tmp_dir, limit=settings.max_upload_bytes)
+    try:
+        row = await run_in_threadpool(
+            queries.create_file, session, tenant, upload, store=request.app.state.file_store,
+            queue=queue,
+        )
+    finally:
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
+    return FilePublic.of(row)
+
+
+@router.get("", response_model=FilesPublic)
+def list_files(
+    session: SessionDep, tenant: CurrentTenant,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: Annotated[int, Query()] = 20,
+) -> FilesPublic:
+    rows, has_more = queries.list_files(session, tenant, purpose=purpose, after=after, limit=limit)
+    data = [FilePublic.of(r) for r in rows]
+    return FilesPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                       last_id=data[-1].id if data else None)
+
+
+@router.get("/{file_id}", response_model=FilePublic)
+def retrieve_file(file_id: str, session: SessionDep, tenant: CurrentTenant) -> FilePublic:
+    return FilePublic.of(queries.get_file(session, tenant, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(
+    file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
+) -> StreamingResponse:
+    row = queries.get_file(session, tenant, file_id)
+    store = request.app.state.file_store
+    return StreamingResponse(
+        store.iter_bytes(row.location), media_type="application/jsonl",
+        headers={"Content-Length": str(row.bytes),
+                 "Content-Disposition": f'attachment; filename="{row.id}.jsonl"'},
+    )
+
+
+@router.delete("/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant) -> FileDeleted:
+    queries.delete_file(session, tenant, file_id, store=request.app.state.file_store)
+    return FileDeleted(id=file_id)

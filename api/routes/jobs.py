@@ -1,0 +1,108 @@
+"""``/v1/fine_tuning/jobs``: create, list, retrieve, cancel, pause, resume, events, checkpoints."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+
+from api import jobs as queries
+from api.deps import CurrentKey, CurrentTenant, QueueDep, SessionDep
+from api.errors import APIError
+from api.schemas.jobs import (
+    CheckpointPublic,
+    CheckpointsPublic,
+    JobCreate,
+    JobEventPublic,
+    JobEventsPublic,
+    JobPublic,
+    JobsPublic,
+)
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+_METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+
+
+def _actor(key: CurrentKey) -> str:
+    return "admin" if key.grants_admin else "user"
+
+
+@router.post("", response_model=JobPublic)
+def create_job(
+    body: JobCreate, request: Request, session: SessionDep, tenant: CurrentTenant,
+    queue: QueueDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JobPublic:
+    """Create a fine-tuning job (OpenAI body + tunefleet extensions)."""
+    job = queries.create_job(
+        session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
+        base_models=request.app.state.base_models, queue=queue, idempotency_key=idempotency_key,
+    )
+    return JobPublic.of(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    request: Request, session: SessionDep, tenant: CurrentTenant,
+    after: str | None = None, limit: int = 20, status: str | None = None,
+) -> JobsPublic:
+    """List jobs newest first; filter with ``metadata[key]=value`` (repeatable) and ``status``."""
+    metadata: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        match = _METADATA_PARAM.match(name)
+        if match:
+            metadata[match.group(1)] = value
+        elif name.startswith("metadata"):
+            raise APIError(400, "invalid_request", "Filter metadata as metadata[key]=value.",
+                           param=name)
+    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit,
+                                       metadata=metadata, status=status)
+    data = [JobPublic.of(j) for j in rows]
+    return JobsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                      last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def retrieve_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
+    return JobPublic.of(queries.get_job(session, tenant, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
+    return JobPublic.of(queries.cancel_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+
+
+@router.post("/{job_id}/pause", response_model=JobPublic)
+def pause_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
+    return JobPublic.of(queries.pause_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+
+
+@router.post("/{job_id}/resume", response_model=JobPublic)
+def resume_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
+    return JobPublic.of(queries.resume_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+
+
+@router.get("/{job_id}/events", response_model=JobEventsPublic)
+def list_events(
+    job_id: str, session: SessionDep, tenant: CurrentTenant, after: str | None = None,
+    limit: int = 20,
+) -> JobEventsPublic:
+    job = queries.get_job(session, tenant, job_id)
+    rows, has_more = queries.list_events(session, job, after=after, limit=limit)
+    data = [JobEventPublic.of(e) for e in rows]
+    return JobEventsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                           last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
+def list_checkpoints(
+    job_id: str, session: SessionDep, tenant: CurrentTenant, after: str | None = None,
+    limit: int = 10,
+) -> CheckpointsPublic:
+    job = queries.get_job(session, tenant, job_id)
+    rows, has_more = queries.list_checkpoints(session, job, after=after, limit=limit)
+    data = [CheckpointPublic.of(c, job) for c in rows]
+    return CheckpointsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                             last_id=data[-1].id if data else None)

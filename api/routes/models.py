@@ -1,0 +1,54 @@
+"""``/v1/models``: base models of the registry and the tenant's fine-tuned adapters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from sqlalchemy import select
+
+from api.base_models import BaseModelEntry
+from api.db.base import to_unix
+from api.db.models import Job
+from api.deps import CurrentTenant, SessionDep
+from api.errors import not_found
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+def _base(entry: BaseModelEntry, started: int) -> dict[str, Any]:
+    return {"id": entry.id, "object": "model", "created": started, "owned_by": entry.owned_by,
+            "kind": "base", "architecture": entry.architecture, "max_seq_len": entry.max_seq_len}
+
+
+def _adapter(job: Job) -> dict[str, Any]:
+    return {"id": job.fine_tuned_model, "object": "model",
+            "created": to_unix(job.finished_at or job.created_at), "owned_by": job.tenant_id,
+            "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
+
+
+def _tenant_adapters(tenant_id: str):  # noqa: ANN202 (a Select)
+    return select(Job).where(
+        Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None)
+    )
+
+
+@router.get("")
+def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
+    started = request.app.state.started_at
+    data = [_base(e, started) for e in request.app.state.base_models.values()]
+    data += [_adapter(j) for j in session.scalars(_tenant_adapters(tenant.id).order_by(Job.created_at))]
+    return {"object": "list", "data": data}
+
+
+@router.get("/{model_id:path}")
+def retrieve_model(
+    model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
+) -> dict[str, Any]:
+    entry = request.app.state.base_models.get(model_id)
+    if entry is not None:
+        return _base(entry, request.app.state.started_at)
+    job = session.scalar(_tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
+    if job is None:
+        raise not_found("model", model_id)
+    return _adapter(job)

@@ -1,0 +1,190 @@
+"""What a running or finished job produces: metrics, logs, artifacts and a live stream.
+
+``GET /v1/fine_tuning/jobs/{id}/metrics``   time series, ascending by step (cursor ``after``)
+``GET /v1/fine_tuning/jobs/{id}/logs``      the trainer log (``?tail=N`` lines, text/plain)
+``GET /v1/fine_tuning/jobs/{id}/artifacts`` output files with bytes and sha256
+``GET /v1/fine_tuning/jobs/{id}/artifacts/{name}``  one file (stream, or 307 to S3)
+``GET /v1/fine_tuning/jobs/{id}/stream``    SSE: events (incl. status changes) and metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.artifacts import safe_key, store_for
+from api.db.models import Artifact, Job, JobEvent, JobMetric
+from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.errors import APIError
+from api.jobs import get_job
+from api.logs import read_job_log
+from api.schemas.jobs import JobEventPublic
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning outputs"])
+
+METRIC_FIELDS = (
+    "step", "total_steps", "epoch", "train_loss", "valid_loss", "token_accuracy",
+    "valid_token_accuracy", "learning_rate", "grad_norm", "tokens_per_s", "tokens_seen",
+    "memory_bytes", "time",
+)
+
+
+def metric_dict(row: JobMetric) -> dict[str, Any]:
+    return {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
+
+
+@router.get("/{job_id}/metrics")
+def list_metrics(
+    job_id: str, session: SessionDep, tenant: CurrentTenant,
+    after: Annotated[int | None, Query(ge=-1, description="Last step already seen.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    job = get_job(session, tenant, job_id)
+    query = select(JobMetric).where(JobMetric.job_id == job.id)
+    if after is not None:
+        query = query.where(JobMetric.step > after)
+    rows = list(session.scalars(query.order_by(JobMetric.step).limit(limit + 1)))
+    data = [metric_dict(r) for r in rows[:limit]]
+    return {"object": "list", "data": data, "has_more": len(rows) > limit,
+            "last_step": data[-1]["step"] if data else None}
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+def job_logs(
+    job_id: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
+    tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
+) -> PlainTextResponse:
+    job = get_job(session, tenant, job_id)
+    return PlainTextResponse(read_job_log(job, settings, tail))
+
+
+def _artifact_dict(row: Artifact) -> dict[str, Any]:
+    return {"object": "fine_tuning.job.artifact", "name": row.name, "bytes": row.bytes,
+            "sha256": row.sha256}
+
+
+@router.get("/{job_id}/artifacts")
+def list_artifacts(job_id: str, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
+    job = get_job(session, tenant, job_id)
+    rows = session.scalars(select(Artifact).where(Artifact.job_id == job.id).order_by(Artifact.name))
+    data = [_artifact_dict(r) for r in rows]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+@router.get("/{job_id}/artifacts/{name:path}")
+def download_artifact(
+    job_id: str, name: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+) -> Response:
+    """Stream one output file, or redirect (307) to a presigned URL when it lives in S3."""
+    job = get_job(session, tenant, job_id)
+    key = safe_key(name)
+    row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == key))
+    if row is None:
+        raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{key}'.",
+                       param="name")
+    store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
+    url = store.presigned_url(key, expires_s=900)
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
+    if not store.exists(key):
+        raise APIError(404, "artifact_not_found",
+                       f"Artifact '{key}' of job '{job.id}' is registered but missing on disk.",
+                       param="name")
+    return StreamingResponse(
+        store.iter_bytes(key), media_type="application/octet-stream",
+        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": row.sha256,
+                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
+    )
+
+
+# ---- live stream (Server-Sent Events) ---------------------------------------------
+
+POLL_S = 0.5
+HEARTBEAT_S = 15.0
+
+
+def _parse_cursor(value: str | None) -> tuple[int, int]:
+    """SSE ids are ``<event seq>.<metric seq>``; anything else restarts from the beginning."""
+    try:
+        events, metrics = (value or "").split(".")
+        return max(0, int(events)), max(0, int(metrics))
+    except ValueError:
+        return 0, 0
+
+
+def _poll(session_factory: Any, job_id: str, cursor: tuple[int, int]) -> tuple[list[str], tuple[int, int], bool]:
+    """New SSE messages since ``cursor``, the new cursor, and whether the job has ended."""
+    event_seq, metric_seq = cursor
+    out: list[str] = []
+    session: Session = session_factory()
+    try:
+        job = session.get_one(Job, job_id)
+        events = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > event_seq)
+            .order_by(JobEvent.seq).limit(500)
+        ).all()
+        metrics = session.scalars(
+            select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.seq > metric_seq)
+            .order_by(JobMetric.seq).limit(500)
+        ).all()
+        for event in events:
+            event_seq = event.seq
+            kind = "status" if event.type == "status" else "event"
+            payload = JobEventPublic.of(event).model_dump()
+            if kind == "status":
+                payload["status"] = (event.data or {}).get("to")
+            out.append(_sse(kind, payload, f"{event_seq}.{metric_seq}"))
+        for metric in metrics:
+            metric_seq = metric.seq
+            out.append(_sse("metric", metric_dict(metric), f"{event_seq}.{metric_seq}"))
+        done = job.is_terminal and len(events) < 500 and len(metrics) < 500
+        return out, (event_seq, metric_seq), done
+    finally:
+        session.close()
+
+
+def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
+    return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@router.get("/{job_id}/stream")
+async def stream_job(
+    job_id: str, request: Request, session: SessionDep, tenant: CurrentTenant,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> StreamingResponse:
+    """Events (status changes included) and metrics as they arrive; ends when the job does.
+
+    Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume.
+    """
+    job = await run_in_threadpool(get_job, session, tenant, job_id)
+    factory = request.app.state.session_factory
+
+    async def messages() -> AsyncIterator[str]:
+        cursor = _parse_cursor(last_event_id)
+        idle = 0.0
+        yield "retry: 2000\n\n"
+        while True:
+            batch, cursor, done = await run_in_threadpool(_poll, factory, job.id, cursor)
+            for message in batch:
+                yield message
+            if done:
+                yield _sse("end", {"id": job.id}, f"{cursor[0]}.{cursor[1]}")
+                return
+            if await request.is_disconnected():
+                return
+            idle = 0.0 if batch else idle + POLL_S
+            if idle >= HEARTBEAT_S:
+                idle = 0.0
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(POLL_S)
+
+    return StreamingResponse(messages(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,1 @@
+"""Request/response schemas, one module per entity (``XCreate``, ``XPublic``, ``XsPublic``)."""

@@ -1,0 +1,42 @@
+"""File schemas: OpenAI's ``FileObject`` plus our ``validation`` report."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from api.db.base import to_unix
+from api.db.models import File
+from api.schemas.common import ListPublic
+
+
+class FilePublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"]
+    status_details: str | None = None
+    expires_at: int | None = None
+    sha256: str
+    validation: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, row: File) -> "FilePublic":
+        return cls(
+            id=row.id, bytes=row.bytes, created_at=to_unix(row.created_at) or 0,
+            filename=row.filename, purpose=row.purpose, status=row.status,  # type: ignore[arg-type]
+            status_details=row.status_details, sha256=row.sha256, validation=row.validation,
+        )
+
+
+FilesPublic = ListPublic[FilePublic]
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True

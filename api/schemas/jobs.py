@@ -1,0 +1,317 @@
+"""Fine-tuning job schemas: OpenAI's request/response shapes plus our extensions.
+
+``JobCreate`` accepts OpenAI's body (``model``, ``training_file``, ``validation_file``,
+``hyperparameters``, ``method``, ``suffix``, ``seed``, ``metadata``, ``integrations``)
+and, in the same body (the SDK's ``extra_body``), our extensions: ``adapter``,
+``trainer``, ``placement``, ``priority``, ``max_seq_len``, ``packing``, ``eval``.
+Unknown fields are refused with their path in ``param``.
+
+Priority: ``low`` = 25, ``normal`` = 50 (default), ``high`` = 75, or an integer 0-100;
+higher runs first.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from api.db.base import to_unix
+from api.db.models import Checkpoint, Job, JobEvent
+from api.schemas.common import ListPublic, Strict
+
+PRIORITY_NAMES = {"low": 25, "normal": 50, "high": 75}
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+
+
+class Hyperparameters(Strict):
+    """OpenAI's three (each a value or "auto") plus optional expert settings."""
+
+    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50)] = "auto"
+    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=1024)] = "auto"
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=50)] = "auto"
+    learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
+    micro_batch_size: PositiveInt | None = None
+    lr_scheduler: Literal["cosine", "linear", "constant"] | None = None
+    warmup_steps: Annotated[int, Field(strict=True, ge=0)] | None = None
+    weight_decay: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = None
+    max_steps: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> "Hyperparameters":
+        if (
+            self.micro_batch_size is not None
+            and isinstance(self.batch_size, int)
+            and self.batch_size % self.micro_batch_size
+        ):
+            raise ValueError("micro_batch_size must divide batch_size")
+        return self
+
+
+class SupervisedMethod(Strict):
+    hyperparameters: Hyperparameters = Hyperparameters()
+
+
+class Method(Strict):
+    type: Literal["supervised"]
+    supervised: SupervisedMethod | None = None
+
+
+class Adapter(Strict):
+    """LoRA adapter; QLoRA = LoRA on a 4-bit base (``quantization`` nf4 or hqq4)."""
+
+    method: Literal["lora", "qlora"] = "lora"
+    r: Annotated[int, Field(strict=True, ge=1, le=1024)] = 8
+    alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[Literal[TARGET_MODULES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    quantization: Literal["none", "nf4", "hqq4"] | None = None
+
+    @model_validator(mode="after")
+    def _method_matches_quantization(self) -> "Adapter":
+        if self.quantization is None:
+            self.quantization = "nf4" if self.method == "qlora" else "none"
+        if self.method == "qlora" and self.quantization == "none":
+            raise ValueError("method 'qlora' needs quantization 'nf4' or 'hqq4'")
+        if self.method == "lora" and self.quantization != "none":
+            raise ValueError("quantization needs method 'qlora'")
+        self.target_modules = list(dict.fromkeys(self.target_modules))
+        return self
+
+
+class Placement(Strict):
+    pool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    gpus: Annotated[int, Field(strict=True, ge=1, le=4096)] | None = None
+
+
+class EvalSettings(Strict):
+    every_n_steps: PositiveInt | None = None
+    max_batches: PositiveInt | None = None
+
+
+class WandbSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    project: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    name: str | None = None
+    entity: str | None = None
+    tags: list[str] = Field(default_factory=list, max_length=20)
+
+
+class MlflowSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tracking_uri: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    experiment: str | None = None
+    run_name: str | None = None
+
+
+class Integration(Strict):
+    type: Literal["wandb", "mlflow"]
+    wandb: WandbSettings | None = None
+    mlflow: MlflowSettings | None = None
+
+    @model_validator(mode="after")
+    def _settings_for_type(self) -> "Integration":
+        if getattr(self, self.type) is None:
+            raise ValueError(f"integration of type '{self.type}' needs a '{self.type}' object")
+        return self
+
+
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
+class JobCreate(Strict):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    training_file: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    validation_file: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    integrations: list[Integration] | None = Field(default=None, max_length=5)
+    # extensions
+    adapter: Adapter = Adapter()
+    trainer: Literal["auto", "jax", "jax_lora", "fsdp_qlora"] = "auto"
+    placement: Placement = Placement()
+    priority: Literal["low", "normal", "high"] | Annotated[int, Field(strict=True, ge=0, le=100)] = (
+        "normal"
+    )
+    max_seq_len: Annotated[int, Field(strict=True, ge=8, le=1_048_576)] | None = None
+    packing: Annotated[bool, Field(strict=True)] = False
+    eval: EvalSettings = EvalSettings()
+
+    @model_validator(mode="after")
+    def _one_hyperparameter_source(self) -> "JobCreate":
+        if (
+            self.hyperparameters is not None
+            and self.method is not None
+            and self.method.supervised is not None
+            and self.method.supervised.hyperparameters != Hyperparameters()
+        ):
+            raise ValueError(
+                "give hyperparameters either at the top level or in method.supervised, not both"
+            )
+        return self
+
+    def requested_hyperparameters(self) -> Hyperparameters:
+        if self.method is not None and self.method.supervised is not None:
+            if self.method.supervised.hyperparameters != Hyperparameters():
+                return self.method.supervised.hyperparameters
+        return self.hyperparameters or Hyperparameters()
+
+    @property
+    def priority_value(self) -> int:
+        if isinstance(self.priority, str):
+            return PRIORITY_NAMES[self.priority]
+        return self.priority
+
+    @property
+    def trainer_name(self) -> str:
+        return "jax_lora" if self.trainer == "jax" else self.trainer
+
+
+# ---- responses -------------------------------------------------------------------
+
+
+def _public_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's three first, then our resolved extras (the SDK keeps unknown keys)."""
+    out = {
+        "n_epochs": hp.get("n_epochs", "auto"),
+        "batch_size": hp.get("batch_size", "auto"),
+        "learning_rate_multiplier": hp.get("learning_rate_multiplier", "auto"),
+    }
+    out.update({k: v for k, v in hp.items() if k not in out and v is not None})
+    return out
+
+
+class JobPublic(BaseModel):
+    """``fine_tuning.job`` (every field the openai SDK requires) plus extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: dict[str, Any] | None
+    fine_tuned_model: str | None
+    finished_at: int | None
+    hyperparameters: dict[str, Any]
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: str
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None
+    integrations: list[dict[str, Any]] | None
+    metadata: dict[str, str] | None
+    method: dict[str, Any]
+    user_provided_suffix: str | None
+    # extensions
+    adapter: dict[str, Any]
+    trainer: str
+    placement: dict[str, Any]
+    priority: int
+    max_seq_len: int
+    packing: bool
+    eval: dict[str, Any]
+    pool: str | None
+    gpus: int | None
+    queue_reason: str | None
+    started_at: int | None
+    total_steps: int | None
+    current_step: int | None
+    resume_from: str | None
+    restarts: int
+    estimate: dict[str, Any] | None
+    usage: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, job: Job) -> "JobPublic":
+        hp = _public_hyperparameters(job.hyperparameters or {})
+        return cls(
+            id=job.id, created_at=to_unix(job.created_at) or 0, error=job.error,
+            fine_tuned_model=job.fine_tuned_model, finished_at=to_unix(job.finished_at),
+            hyperparameters=hp, model=job.model, organization_id=job.tenant_id,
+            result_files=list(job.result_files or []), seed=job.seed, status=job.status,
+            trained_tokens=job.trained_tokens, training_file=job.training_file,
+            validation_file=job.validation_file, estimated_finish=to_unix(job.estimated_finish),
+            integrations=job.integrations or None, metadata=job.metadata_,
+            method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+            user_provided_suffix=job.suffix, adapter=job.adapter, trainer=job.trainer,
+            placement=job.placement or {}, priority=job.priority, max_seq_len=job.max_seq_len,
+            packing=job.packing, eval=job.eval or {}, pool=job.pool, gpus=job.gpus,
+            queue_reason=job.queue_reason, started_at=to_unix(job.started_at),
+            total_steps=job.total_steps, current_step=job.current_step,
+            resume_from=job.resume_from, restarts=job.restarts, estimate=job.estimate,
+            usage=job.usage,
+        )
+
+
+JobsPublic = ListPublic[JobPublic]
+
+
+class JobEventPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: str
+    message: str
+    type: str
+    data: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, event: JobEvent) -> "JobEventPublic":
+        return cls(
+            id=event.id, created_at=to_unix(event.created_at) or 0, level=event.level,
+            message=event.message, type=event.type, data=event.data,
+        )
+
+
+JobEventsPublic = ListPublic[JobEventPublic]
+
+CHECKPOINT_METRIC_KEYS = (
+    "step", "train_loss", "train_mean_token_accuracy", "valid_loss",
+    "valid_mean_token_accuracy", "full_valid_loss", "full_valid_mean_token_accuracy",
+)
+
+
+class CheckpointPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict[str, float | None]
+    step_number: int
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, job: Job) -> "CheckpointPublic":
+        return cls(
+            id=checkpoint.id, created_at=to_unix(checkpoint.created_at) or 0,
+            fine_tuned_model_checkpoint=checkpoint_model_id(job, checkpoint.step),
+            fine_tuning_job_id=job.id, metrics=checkpoint.metrics or {},
+            step_number=checkpoint.step,
+        )
+
+
+CheckpointsPublic = ListPublic[CheckpointPublic]
+
+
+def fine_tuned_model_id(job: Job) -> str:
+    """``ft:<base>:<org>[:<suffix>]:<job id>`` (OpenAI's pattern, ids instead of names)."""
+    suffix = f":{job.suffix}" if job.suffix else ""
+    return f"ft:{job.model}:{job.tenant_id}{suffix}:{job.id}"
+
+
+def checkpoint_model_id(job: Job, step: int) -> str:
+    return f"{fine_tuned_model_id(job)}:ckpt-step-{step}"

@@ -1,0 +1,85 @@
+"""The trainer report protocol (docs/internals.md, "Trainer reports")."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Finite = Annotated[float, Field(allow_inf_nan=True)]
+
+
+class _Item(BaseModel):
+    # Trainers may send fields newer than this service: keep the known ones, ignore the rest.
+    model_config = ConfigDict(extra="ignore")
+
+
+Step = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+
+
+class MetricItem(_Item):
+    type: Literal["metric"]
+    step: Step
+    total_steps: Step | None = None
+    epoch: float | None = None
+    train_loss: Finite | None = None
+    valid_loss: Finite | None = None
+    token_accuracy: float | None = None
+    valid_token_accuracy: float | None = None
+    learning_rate: float | None = None
+    grad_norm: Finite | None = None
+    tokens_per_s: float | None = None
+    tokens_seen: Count | None = None
+    memory_bytes: Count | None = None
+    time: float | None = None
+
+
+class EventItem(_Item):
+    type: Literal["event"]
+    level: Literal["debug", "info", "warn", "warning", "error"] = "info"
+    message: Annotated[str, Field(max_length=4000)]
+    data: dict[str, Any] | None = None
+
+
+class CheckpointItem(_Item):
+    type: Literal["checkpoint"]
+    step: Step
+    location: Annotated[str, Field(min_length=1, max_length=1024)]
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+
+
+class ArtifactFile(_Item):
+    name: Annotated[str, Field(min_length=1, max_length=1024)]
+    bytes: Count
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ArtifactsItem(_Item):
+    type: Literal["artifacts"]
+    location: Annotated[str, Field(min_length=1, max_length=1024)]
+    files: list[ArtifactFile]
+
+
+class ErrorItem(_Item):
+    type: Literal["error"]
+    code: Annotated[str, Field(min_length=1, max_length=100)]
+    message: Annotated[str, Field(max_length=4000)]
+
+
+ReportItem = Annotated[
+    MetricItem | EventItem | CheckpointItem | ArtifactsItem | ErrorItem,
+    Field(discriminator="type"),
+]
+
+
+class ReportBatchIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seq: Count
+    items: Annotated[list[ReportItem], Field(max_length=10_000)]
+
+
+class ReportAck(BaseModel):
+    acked_seq: int
+    duplicate: bool

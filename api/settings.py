@@ -1,0 +1,198 @@
+"""Service configuration: one typed settings class read from ``TUNEFLEET_*`` variables.
+
+Every process of the control plane (API, Celery worker, scheduler, CLI) builds its
+configuration here and nowhere else; values are validated once, at start, and then passed
+around as a ``Settings`` value.
+
+Embedded defaults (``tunefleet serve`` with no configuration) keep everything under the
+data directory::
+
+    <data>/tunefleet.db        SQLite database
+    <data>/broker.db           Celery's server-less broker (kombu sqla+sqlite)
+    <data>/secret_key          generated secret key (0600)
+    <data>/admin_key           the first admin API key, written once (0600)
+    <data>/files/              uploaded training files (local artifact store)
+    <data>/artifacts/          job outputs (local artifact store)
+    <data>/jobs/<job_id>/      spec, trainer.log, checkpoints of one job
+    <data>/models/             base models (the demo's tiny Llama lives here)
+    <data>/tmp/                partial uploads
+
+With ``TUNEFLEET_ENV=production`` the class refuses settings that are only safe on a
+developer's machine (SQLite, a generated secret key, a server-less broker, a loopback
+public URL with the Kubernetes executor), each with a message that says what to set.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+_UNSAFE_SECRETS = {"", "changeme", "change-me", "secret", "dev", "development", "test"}
+
+
+class Settings(BaseSettings):
+    """All configuration of the control plane (env prefix ``TUNEFLEET_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TUNEFLEET_", extra="ignore", frozen=True)
+
+    env: Literal["development", "test", "production"] = "development"
+    data_dir: Path = Path("./.tunefleet")
+    database_url: str | None = Field(default=None, description="Default: SQLite in the data dir.")
+    broker_url: str | None = Field(default=None, description="Default: kombu sqla+sqlite.")
+    artifact_url: str | None = Field(
+        default=None, description="A directory or s3://bucket/prefix. Default: <data>/artifacts."
+    )
+    s3_endpoint_url: str | None = None
+    secret_key: SecretStr | None = Field(default=None, description="Default: generated file.")
+    admin_api_key: SecretStr | None = None
+    public_url: str = "http://127.0.0.1:8000"
+    executor: Literal["local", "kubernetes"] = "local"
+    node_pools_file: Path | None = None
+    base_models_file: Path | None = None
+    max_upload_bytes: int = Field(default=512 * MiB, ge=1)
+    # Used by the Kubernetes executor (worker/executors/kubernetes.py).
+    k8s_namespace: str = "tunefleet-training"
+    kueue_queue: str | None = None
+    # Seconds between two scheduling cycles of the scheduler loop.
+    schedule_interval_s: float = Field(default=3.0, gt=0)
+
+    @field_validator("public_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if value.startswith("postgresql://") or value.startswith("postgres://"):
+            # psycopg 3 is the driver we ship; SQLAlchemy would pick psycopg2 otherwise.
+            value = "postgresql+psycopg://" + value.split("://", 1)[1]
+        if not (value.startswith("sqlite") or value.startswith("postgresql+psycopg://")):
+            raise ValueError(
+                "TUNEFLEET_DATABASE_URL must be sqlite:///<path> or postgresql+psycopg://..."
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_production(self) -> "Settings":
+        if self.env != "production":
+            return self
+        problems: list[str] = []
+        if self.database_url is None or self.database_url.startswith("sqlite"):
+            problems.append(
+                "TUNEFLEET_DATABASE_URL must point to PostgreSQL in production (SQLite is "
+                "the single-machine embedded default)"
+            )
+        if self.secret_key is None:
+            problems.append(
+                "TUNEFLEET_SECRET_KEY must be set in production (a generated key on one "
+                "replica's disk does not work for several replicas)"
+            )
+        elif (
+            self.secret_key.get_secret_value().lower() in _UNSAFE_SECRETS
+            or len(self.secret_key.get_secret_value()) < 32
+        ):
+            problems.append("TUNEFLEET_SECRET_KEY must be a random value of at least 32 characters")
+        if self.broker_url is None or self.broker_url.startswith(("sqla+", "filesystem")):
+            problems.append(
+                "TUNEFLEET_BROKER_URL must point to Redis in production (redis://host:6379/0)"
+            )
+        if self.executor == "kubernetes" and _is_loopback(self.public_url):
+            problems.append(
+                "TUNEFLEET_PUBLIC_URL must be reachable from training pods, not "
+                f"{self.public_url}"
+            )
+        if self.admin_api_key is not None and len(self.admin_api_key.get_secret_value()) < 32:
+            problems.append("TUNEFLEET_ADMIN_API_KEY must be at least 32 characters")
+        if problems:
+            raise ValueError("unsafe production settings: " + "; ".join(problems))
+        return self
+
+    # ---- derived locations -------------------------------------------------------
+
+    @property
+    def data_path(self) -> Path:
+        return self.data_dir.expanduser().resolve()
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_path / 'tunefleet.db'}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.data_path / 'broker.db'}"
+
+    @property
+    def resolved_artifact_url(self) -> str:
+        return self.artifact_url or str(self.data_path / "artifacts")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.resolved_database_url.startswith("sqlite")
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_path / "files"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.data_path / "jobs"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_path / "models"
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.data_path / "tmp"
+
+    def job_dir(self, job_id: str) -> Path:
+        """``<data>/jobs/<job_id>``: the job's spec, trainer.log and local checkpoints."""
+        return self.jobs_dir / job_id
+
+    def ensure_dirs(self) -> None:
+        """Create the data directory layout (idempotent)."""
+        for path in (self.data_path, self.files_dir, self.jobs_dir, self.models_dir, self.tmp_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        if self.artifact_url is None:
+            Path(self.resolved_artifact_url).mkdir(parents=True, exist_ok=True)
+
+    def secret_key_value(self) -> str:
+        """The secret key; in development generated once into ``<data>/secret_key`` (0600)."""
+        if self.secret_key is not None:
+            return self.secret_key.get_secret_value()
+        path = self.data_path / "secret_key"
+        if path.exists():
+            return path.read_text(encoding="utf-8").strip()
+        self.data_path.mkdir(parents=True, exist_ok=True)
+        value = secrets.token_urlsafe(48)
+        _write_private(path, value)
+        return value
+
+
+def _is_loopback(url: str) -> bool:
+    host = url.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+    return host in {"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a new file readable by its owner only (no window with wider perms)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(path, 0o600)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings from the environment (validated once, then cached)."""
+    return Settings()

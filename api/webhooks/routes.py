@@ -1,0 +1,130 @@
+"""``/v1/webhooks``: endpoint CRUD, secret rotation and the delivery log (tenant-scoped).
+
+Another tenant's endpoint is a 404, like every object in this API. Target URLs are
+checked when saved (``urls.check_target_url``); a refused URL is a 400 with
+``param: "url"`` and the code ``invalid_webhook_url``, ``webhook_url_not_public`` or
+``webhook_url_unresolvable``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from fastapi import APIRouter
+from sqlalchemy import select
+
+from api.db.base import utcnow
+from api.deps import CurrentTenant, SessionDep
+from api.errors import APIError, not_found
+from api.ids import new_id
+from api.pagination import page_newest_first
+from api.webhooks.config import get_webhook_settings
+from api.webhooks.models import WebhookDelivery, WebhookEndpoint
+from api.webhooks.schemas import (
+    DeliveriesPublic,
+    DeliveryPublic,
+    RotateSecret,
+    WebhookCreate,
+    WebhookDeleted,
+    WebhookPublic,
+    WebhooksPublic,
+    WebhookUpdate,
+)
+from api.webhooks.signing import generate_secret
+from api.webhooks.urls import TargetURLError, check_target_url
+
+router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+
+
+def _checked_url(url: str) -> str:
+    try:
+        return check_target_url(url, allow_private=get_webhook_settings().allow_private)
+    except TargetURLError as exc:
+        raise APIError(400, exc.code, exc.message, param="url") from None
+
+
+def _get_endpoint(session: SessionDep, tenant_id: str, endpoint_id: str) -> WebhookEndpoint:
+    row = session.get(WebhookEndpoint, endpoint_id)
+    if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
+        raise not_found("webhook endpoint", endpoint_id)
+    return row
+
+
+@router.post("", response_model=WebhookPublic)
+def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTenant) -> WebhookPublic:
+    row = WebhookEndpoint(
+        id=new_id("whep"), tenant_id=tenant.id, url=_checked_url(body.url), description=body.description,
+        events=list(dict.fromkeys(body.events)), enabled=body.enabled, secret=generate_secret(),
+    )
+    session.add(row)
+    session.commit()
+    return WebhookPublic.of(row, with_secret=True)
+
+
+@router.get("", response_model=WebhooksPublic)
+def list_webhooks(session: SessionDep, tenant: CurrentTenant, limit: int = 20,
+                  after: str | None = None) -> WebhooksPublic:
+    query = select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant.id,
+                                          WebhookEndpoint.deleted_at.is_(None))
+    rows, has_more = page_newest_first(session, query, WebhookEndpoint, after=after, limit=limit)
+    data = [WebhookPublic.of(r) for r in rows]
+    return WebhooksPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                          last_id=data[-1].id if data else None)
+
+
+@router.get("/{endpoint_id}", response_model=WebhookPublic)
+def get_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookPublic:
+    return WebhookPublic.of(_get_endpoint(session, tenant.id, endpoint_id))
+
+
+@router.patch("/{endpoint_id}", response_model=WebhookPublic)
+def update_webhook(endpoint_id: str, body: WebhookUpdate, session: SessionDep,
+                   tenant: CurrentTenant) -> WebhookPublic:
+    row = _get_endpoint(session, tenant.id, endpoint_id)
+    if body.url is not None:
+        row.url = _checked_url(body.url)
+    if body.events is not None:
+        row.events = list(dict.fromkeys(body.events))
+    if body.description is not None:
+        row.description = body.description
+    if body.enabled is not None:
+        row.enabled = body.enabled
+    session.commit()
+    return WebhookPublic.of(row)
+
+
+@router.delete("/{endpoint_id}", response_model=WebhookDeleted)
+def delete_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookDeleted:
+    row = _get_endpoint(session, tenant.id, endpoint_id)
+    # Soft delete: the delivery log stays readable to operators; pending ones stop.
+    row.deleted_at = utcnow()
+    row.enabled = False
+    session.commit()
+    return WebhookDeleted(id=row.id)
+
+
+@router.post("/{endpoint_id}/rotate_secret", response_model=WebhookPublic)
+def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant,
+                  body: RotateSecret | None = None) -> WebhookPublic:
+    """New secret now; the old one keeps signing (a second signature) for the grace period,
+    so receivers can switch without dropping events."""
+    row = _get_endpoint(session, tenant.id, endpoint_id)
+    grace = get_webhook_settings().rotation_grace_s
+    if body is not None and body.grace_period_s is not None:
+        grace = body.grace_period_s
+    row.previous_secret = row.secret if grace > 0 else None
+    row.previous_secret_expires_at = utcnow() + dt.timedelta(seconds=grace) if grace > 0 else None
+    row.secret = generate_secret()
+    session.commit()
+    return WebhookPublic.of(row, with_secret=True)
+
+
+@router.get("/{endpoint_id}/deliveries", response_model=DeliveriesPublic)
+def list_deliveries(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, limit: int = 20,
+                    after: str | None = None) -> DeliveriesPublic:
+    _get_endpoint(session, tenant.id, endpoint_id)
+    query = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)
+    rows, has_more = page_newest_first(session, query, WebhookDelivery, after=after, limit=limit)
+    data = [DeliveryPublic.of(r) for r in rows]
+    return DeliveriesPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                            last_id=data[-1].id if data else None)

@@ -1,0 +1,83 @@
+# syntax=docker/dockerfile:1.7
+#
+# JAX LoRA trainer for AMD Instinct MI300X pools (ROCm).
+#
+#   docker build -f deploy/docker/trainer-jax-rocm.Dockerfile -t tunefleet/trainer-jax-rocm:0.1.0 .
+#
+# Base: AMD's ROCm 7 user-space image (HIP runtime, hipBLASLt, MIOpen, RCCL: what the
+# JAX ROCm plugin loads from the local ROCm install). JAX itself is pinned like
+# pyproject.toml (jax/jaxlib 0.10.2) with AMD's matching plugin wheels from PyPI
+# (jax-rocm7-plugin / jax-rocm7-pjrt 0.10.2, cp311): the rocm/jax images pair other JAX
+# and Python versions, and the project is tested on Python 3.11 with jax 0.10.2.
+# The host needs the amdgpu driver; Kubernetes exposes the GPUs through the AMD GPU
+# device plugin (amd.com/gpu).
+
+ARG ROCM_IMAGE=rocm/dev-ubuntu-22.04:7.2.3-complete
+
+FROM ${ROCM_IMAGE} AS build
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+# Ubuntu 22.04 ships Python 3.11 in universe (the default python3 is 3.10). Not pinned to a
+# Debian revision: the ROCm base tag is pinned, and security updates of 3.11 should apply.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+ && rm -rf /var/lib/apt/lists/*
+
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+
+# AMD's documented order: PJRT plugin, JAX plugin, jaxlib, jax; all at one version.
+RUN pip install --no-compile "pip==26.3" \
+ && pip install --no-compile "jax-rocm7-pjrt==0.10.2" "jax-rocm7-plugin==0.10.2" "jaxlib==0.10.2" "jax==0.10.2"
+
+COPY pyproject.toml README.md ./
+COPY trainers ./trainers
+COPY api/__init__.py ./api/__init__.py
+COPY worker/__init__.py ./worker/__init__.py
+COPY tunefleet/__init__.py ./tunefleet/__init__.py
+COPY deploy/docker/constraints/jax.txt /tmp/constraints.txt
+# Versions: held to the tested ones by the constraints file.
+# hadolint ignore=DL3013
+RUN pip install --no-compile -c /tmp/constraints.txt ".[jax]" \
+ && python -c "import jax, jax_rocm7_plugin; assert jax.__version__ == '0.10.2', jax.__version__"
+
+FROM ${ROCM_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="tunefleet-trainer-jax-rocm" \
+      org.opencontainers.image.description="tunefleet JAX LoRA trainer (ROCm, AMD Instinct MI300X)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 \
+ && rm -rf /var/lib/apt/lists/*
+
+# The GPU device nodes (/dev/kfd, /dev/dri/renderD*) belong to the video and render groups.
+RUN (getent group render >/dev/null || groupadd --system render) \
+ && groupadd --system --gid 10001 tunefleet \
+ && useradd --system --uid 10001 --gid 10001 --groups video,render --home-dir /home/tunefleet \
+      --create-home --shell /usr/sbin/nologin tunefleet
+
+COPY --from=build /opt/venv /opt/venv
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/tmp/hf \
+    HF_HUB_OFFLINE=1 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+USER 10001:10001
+WORKDIR /home/tunefleet
+
+# The Kubernetes executor mounts the spec ConfigMap at /etc/tunefleet/spec (and passes the
+# same arguments explicitly).
+ENTRYPOINT ["python", "-m", "trainers"]
+CMD ["--spec", "/etc/tunefleet/spec/spec.json"]

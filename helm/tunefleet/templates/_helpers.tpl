@@ -1,0 +1,182 @@
+{{/*
+Names, labels and the environment shared by every control-plane container.
+*/}}
+
+{{- define "tunefleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tunefleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Standard labels (Kubernetes recommended labels + Helm's chart label). */}}
+{{- define "tunefleet.labels" -}}
+helm.sh/chart: {{ include "tunefleet.chart" . }}
+{{ include "tunefleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tunefleet
+{{- end }}
+
+{{- define "tunefleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tunefleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of one component: (dict "ctx" $ "component" "api"). */}}
+{{- define "tunefleet.componentLabels" -}}
+{{ include "tunefleet.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tunefleet.componentSelectorLabels" -}}
+{{ include "tunefleet.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tunefleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tunefleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "tunefleet.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}:{{ $tag }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ $tag }}
+{{- end -}}
+{{- end }}
+
+{{- define "tunefleet.trainingNamespace" -}}
+{{- default .Release.Namespace .Values.training.namespace }}
+{{- end }}
+
+{{- define "tunefleet.publicUrl" -}}
+{{- if .Values.publicUrl }}
+{{- .Values.publicUrl | trimSuffix "/" }}
+{{- else }}
+{{- printf "http://%s-api.%s.svc:%v" (include "tunefleet.fullname" .) .Release.Namespace .Values.api.service.port }}
+{{- end }}
+{{- end }}
+
+{{/* Secret names and keys: the chart's own Secret unless an existing one is named. */}}
+{{- define "tunefleet.databaseSecret" -}}
+{{- default (include "tunefleet.fullname" .) .Values.database.existingSecret }}
+{{- end }}
+{{- define "tunefleet.databaseSecretKey" -}}
+{{- if .Values.database.existingSecret }}{{ .Values.database.existingSecretKey }}{{ else }}database-url{{ end }}
+{{- end }}
+{{- define "tunefleet.brokerSecret" -}}
+{{- default (include "tunefleet.fullname" .) .Values.broker.existingSecret }}
+{{- end }}
+{{- define "tunefleet.brokerSecretKey" -}}
+{{- if .Values.broker.existingSecret }}{{ .Values.broker.existingSecretKey }}{{ else }}broker-url{{ end }}
+{{- end }}
+{{- define "tunefleet.authSecret" -}}
+{{- default (include "tunefleet.fullname" .) .Values.auth.existingSecret }}
+{{- end }}
+{{- define "tunefleet.s3Secret" -}}
+{{- if .Values.artifacts.s3.existingSecret }}
+{{- .Values.artifacts.s3.existingSecret }}
+{{- else if .Values.artifacts.s3.accessKeyId }}
+{{- printf "%s-s3" (include "tunefleet.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of the API, worker and scheduler containers (docs/internals.md "Settings").
+*/}}
+{{- define "tunefleet.env" -}}
+- name: TUNEFLEET_ENV
+  value: {{ .Values.environment | quote }}
+- name: TUNEFLEET_EXECUTOR
+  value: kubernetes
+- name: TUNEFLEET_DATA_DIR
+  value: /tmp/tunefleet
+- name: TUNEFLEET_PUBLIC_URL
+  value: {{ include "tunefleet.publicUrl" . | quote }}
+- name: TUNEFLEET_ARTIFACT_URL
+  value: {{ .Values.artifacts.url | quote }}
+{{- with .Values.artifacts.s3.endpointUrl }}
+- name: TUNEFLEET_S3_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.artifacts.s3.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+- name: TUNEFLEET_NODE_POOLS_FILE
+  value: /etc/tunefleet/pools.yaml
+{{- if .Values.baseModels }}
+- name: TUNEFLEET_BASE_MODELS_FILE
+  value: /etc/tunefleet/base_models.yaml
+{{- end }}
+- name: TUNEFLEET_K8S_NAMESPACE
+  value: {{ include "tunefleet.trainingNamespace" . | quote }}
+{{- if .Values.kueue.enabled }}
+- name: TUNEFLEET_KUEUE_QUEUE
+  value: {{ .Values.kueue.localQueue | quote }}
+{{- end }}
+- name: TUNEFLEET_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tunefleet.databaseSecret" . }}
+      key: {{ include "tunefleet.databaseSecretKey" . }}
+- name: TUNEFLEET_BROKER_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tunefleet.brokerSecret" . }}
+      key: {{ include "tunefleet.brokerSecretKey" . }}
+- name: TUNEFLEET_SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tunefleet.authSecret" . }}
+      key: secret-key
+- name: TUNEFLEET_ADMIN_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tunefleet.authSecret" . }}
+      key: admin-api-key
+      optional: true
+{{- with include "tunefleet.s3Secret" . }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
+{{- end }}
+
+{{/* Writable scratch space: the root filesystem is read-only. */}}
+{{- define "tunefleet.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- end }}
+{{- define "tunefleet.tmpMount" -}}
+- name: tmp
+  mountPath: /tmp
+{{- end }}

@@ -1,0 +1,86 @@
+"""API suite fixtures: every test here runs on SQLite AND on PostgreSQL (``backend``).
+
+``settings`` is overridden with a ``backend`` parameter: ``sqlite`` (a migrated copy of
+the template) or ``postgres`` (the session's Alembic-migrated database; tests isolate
+by tenant, so they can share it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import make_settings
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest):  # noqa: ANN201
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    if backend == "postgres":
+        return make_settings(data_dir, database_url=request.getfixturevalue("pg_url"))
+    shutil.copyfile(request.getfixturevalue("sqlite_template"), data_dir / "tunefleet.db")
+    return make_settings(data_dir)
+
+
+def chat_lines(n: int = 12) -> bytes:
+    rows = [
+        {"messages": [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{2 * i}"},
+        ]}
+        for i in range(n)
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+BAD_LINES = (
+    b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    b"{not json\n"
+    b'{"messages": [{"role": "user", "content": "only a question"}]}\n'
+)
+
+
+@pytest.fixture
+def upload(client) -> Callable[..., Any]:  # noqa: ANN001
+    def do(headers: dict[str, str], data: bytes | None = None, *, name: str = "train.jsonl",
+           purpose: str = "fine-tune") -> Any:
+        return client.post(
+            "/v1/files", headers=headers,
+            files={"file": (name, chat_lines() if data is None else data, "application/jsonl")},
+            data={"purpose": purpose},
+        )
+
+    return do
+
+
+@pytest.fixture
+def processed_file(upload) -> Callable[..., str]:  # noqa: ANN001
+    def do(headers: dict[str, str], data: bytes | None = None) -> str:
+        response = upload(headers, data)
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    return do
+
+
+@pytest.fixture
+def make_job(client, processed_file) -> Callable[..., dict[str, Any]]:  # noqa: ANN001
+    def do(headers: dict[str, str], **body: Any) -> dict[str, Any]:
+        payload = {"model": "tunefleet-tiny-llama", "training_file": processed_file(headers), **body}
+        response = client.post("/v1/fine_tuning/jobs", headers=headers, json=payload)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    return do

@@ -1,0 +1,132 @@
+"""Settings refuse unsafe production values; health checks; operator CLI commands."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from api.settings import Settings
+
+SAFE = {
+    "env": "production",
+    "database_url": "postgresql://tf:pw@db:5432/tunefleet",
+    "broker_url": "redis://redis:6379/0",
+    "secret_key": "x" * 40,
+    "public_url": "https://tunefleet.example.com",
+    "executor": "kubernetes",
+}
+
+
+def test_production_accepts_safe_settings() -> None:
+    settings = Settings(_env_file=None, **SAFE)
+    assert settings.resolved_database_url == "postgresql+psycopg://tf:pw@db:5432/tunefleet"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"database_url": None}, "TUNEFLEET_DATABASE_URL"),
+        ({"database_url": "sqlite:////tmp/x.db"}, "TUNEFLEET_DATABASE_URL"),
+        ({"secret_key": None}, "TUNEFLEET_SECRET_KEY"),
+        ({"secret_key": "changeme"}, "TUNEFLEET_SECRET_KEY"),
+        ({"broker_url": None}, "TUNEFLEET_BROKER_URL"),
+        ({"broker_url": "sqla+sqlite:////tmp/b.db"}, "TUNEFLEET_BROKER_URL"),
+        ({"public_url": "http://127.0.0.1:8000"}, "TUNEFLEET_PUBLIC_URL"),
+        ({"admin_api_key": "short"}, "TUNEFLEET_ADMIN_API_KEY"),
+    ],
+)
+def test_production_refuses(change: dict, needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        Settings(_env_file=None, **{**SAFE, **change})
+
+
+def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("TUNEFLEET_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TUNEFLEET_MAX_UPLOAD_BYTES", "123")
+    settings = Settings(_env_file=None)
+    assert settings.resolved_database_url == f"sqlite:///{tmp_path}/tunefleet.db"
+    assert settings.resolved_broker_url == f"sqla+sqlite:///{tmp_path}/broker.db"
+    assert settings.resolved_artifact_url == f"{tmp_path}/artifacts"
+    assert settings.max_upload_bytes == 123
+    key = settings.secret_key_value()
+    assert settings.secret_key_value() == key and len(key) >= 32
+    assert stat.S_IMODE(os.stat(tmp_path / "secret_key").st_mode) == 0o600
+    with pytest.raises(ValidationError, match="TUNEFLEET_DATABASE_URL"):
+        Settings(_env_file=None, database_url="mysql://x")
+
+
+def test_health(client, settings) -> None:  # noqa: ANN001
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+    assert client.get("/openapi.json").json()["info"]["title"] == "tunefleet"
+
+
+def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:  # noqa: ANN001
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tests.conftest import make_settings
+
+    down = make_settings(settings.data_path, database_url=settings.resolved_database_url,
+                         broker_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(down, queue=None), raise_server_exceptions=False) as client:
+        response = client.get("/readyz")
+        assert response.status_code == 503 and response.json()["checks"]["database"] == "ok"
+        assert response.json()["checks"]["broker"] != "ok"
+    no_db = make_settings(tmp_path / "d2", database_url="postgresql+psycopg://nobody@127.0.0.1:1/x")
+    with TestClient(create_app(no_db, queue=None), raise_server_exceptions=False) as client:
+        response = client.get("/readyz")
+        assert response.status_code == 503 and response.json()["checks"]["database"] != "ok"
+
+
+def test_operator_cli(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from api.settings import get_settings
+    from tunefleet.cli import app
+    from tunefleet.cli.operator import ensure_admin_key
+
+    monkeypatch.setenv("TUNEFLEET_DATA_DIR", str(tmp_path / "data"))
+    for name in [k for k in os.environ if k.startswith("TUNEFLEET_") and k != "TUNEFLEET_DATA_DIR"]:
+        monkeypatch.delenv(name)
+    get_settings.cache_clear()
+    try:
+        runner = CliRunner()
+        result = runner.invoke(app, ["db", "upgrade"])
+        from alembic.script import ScriptDirectory
+
+        from api.db.migrate import MIGRATIONS_DIR
+
+        head = ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
+        assert result.exit_code == 0 and f"revision {head}" in result.output, result.output
+        result = runner.invoke(app, ["admin", "create-tenant", "acme"])
+        tenant_id = result.output.strip()
+        assert result.exit_code == 0 and tenant_id.startswith("org-")
+        assert runner.invoke(app, ["admin", "create-tenant", "acme"]).exit_code == 1
+        result = runner.invoke(app, ["admin", "create-key", "--tenant", "acme"])
+        key = result.output.strip()
+        assert result.exit_code == 0 and key.startswith("tf_") and len(key) == 44
+        assert runner.invoke(app, ["admin", "create-key", "--tenant", "nobody"]).exit_code == 1
+
+        settings = get_settings()
+        first = ensure_admin_key(settings)
+        assert first is not None and ensure_admin_key(settings) is None
+        key_file = settings.data_path / "admin_key"
+        assert key_file.read_text().strip() == first
+        assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+
+        from fastapi.testclient import TestClient
+
+        from api.main import create_app
+
+        with TestClient(create_app(settings, queue=None)) as client:
+            assert client.get("/v1/files", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            tenants = client.get("/v1/admin/tenants", headers={"Authorization": f"Bearer {first}"})
+            assert {t["name"] for t in tenants.json()["data"]} == {"acme", "admin"}
+            db = (settings.data_path / "tunefleet.db").read_bytes()
+            assert first.encode() not in db and key.encode() not in db
+    finally:
+        get_settings.cache_clear()

@@ -1,0 +1,272 @@
+"""The dashboard in Chromium against the real service: the flows a user goes through.
+
+Every test drives the real pages served by ``tunefleet serve`` (API + Celery worker +
+scheduler + local executor) and checks what a user sees. Screenshots of every page go to
+``test-output/screenshots/``.
+
+Training is real when this build has the local executor; without it the job's metrics
+and adapter come from ``report_driver`` through the real internal report endpoint (see
+that module), and the tests say so in their output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from report_driver import ReportDriver, real_executor_available
+
+pytestmark = pytest.mark.browser
+
+TRAIN_STEPS = 12
+
+
+WORDS = ["able", "acid", "aged", "area", "army", "baby", "back", "ball", "band", "bank", "base", "bath", "bear", "beat", "bell", "belt"]
+
+
+def demo_examples(n: int, seed: int = 0) -> list[dict]:
+    """Chat examples of a learnable toy task: spell a word backwards."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        word = rng.choice(WORDS)
+        examples.append({"messages": [
+            {"role": "user", "content": f"Spell backwards: {word}"},
+            {"role": "assistant", "content": word[::-1]},
+        ]})
+    return examples
+
+
+def _jsonl(rows: list[object]) -> bytes:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+GOOD_FILE = _jsonl(demo_examples(48, seed=1))
+BAD_FILE = _jsonl(
+    [
+        demo_examples(1)[0],
+        '{"messages": [{"role": "user", "content": "hi"}',  # line 2: cut-off JSON
+        {"messages": [{"role": "user", "content": "no answer"}]},  # line 3: no assistant turn
+        demo_examples(2)[1],
+    ]
+)
+
+
+def _upload(page, name: str, data: bytes) -> None:
+    page.set_input_files("#upload-input", {"name": name, "mimeType": "application/jsonl", "buffer": data})
+
+
+def _create_job_over_api(service, key: str, *, steps: int) -> str:
+    with service.api(key) as api:
+        file = api.post("/v1/files", data={"purpose": "fine-tune"},
+                        files={"file": ("train.jsonl", GOOD_FILE, "application/jsonl")}).json()
+        deadline = time.monotonic() + 60
+        while file["status"] == "uploaded" and time.monotonic() < deadline:
+            time.sleep(0.3)
+            file = api.get(f"/v1/files/{file['id']}").json()
+        assert file["status"] == "processed", file
+        job = api.post("/v1/fine_tuning/jobs", json={
+            "model": "tunefleet-tiny-llama", "training_file": file["id"],
+            "hyperparameters": {"max_steps": steps},
+        })
+        assert job.status_code == 200, job.text
+        return job.json()["id"]
+
+
+def _drive_unless_real(service, job_id: str, total: int, *, finish: bool) -> None:
+    """Without a local executor, report this job's progress from a thread (see module doc)."""
+    if real_executor_available():
+        return
+    print(f"no local executor in this build: {job_id} is driven by report_driver")
+    driver = ReportDriver(service.url, service.data_dir, job_id)
+
+    def run() -> None:
+        driver.start()
+        driver.metrics(range(1, (total if finish else 4) + 1), total, pause_s=0.4)
+        if finish:
+            driver.finish(total)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _wait_status(page, wanted: set[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        status = page.get_attribute("#job-status", "data-status")
+        if status in wanted:
+            return status
+        page.wait_for_timeout(250)
+    raise AssertionError(f"job page shows status {status!r}, expected one of {sorted(wanted)}")
+
+
+def _loss_points(page) -> int:
+    return int(page.get_attribute("#chart-loss", "data-points") or 0)
+
+
+def test_login_rejects_a_wrong_key(service, browser, screenshots: Path) -> None:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.goto(f"{service.url}/ui/jobs/ftjob-x")
+    assert "/ui/login" in page.url
+    page.screenshot(path=screenshots / "01-login.png")
+    page.fill("input[name=api_key]", "tf_AAAAAAAA_" + "B" * 32)
+    page.click("button[type=submit]")
+    assert "not valid" in page.inner_text("[data-testid=login-error]")
+    assert not [c for c in context.cookies() if c["name"] == "tf_session"]
+    context.close()
+
+
+def test_submit_watch_training_and_download_adapter(service, page_for, screenshots: Path) -> None:
+    page = page_for(service.admin_key)
+    page.wait_for_selector("#jobs-empty .empty")
+    page.screenshot(path=screenshots / "02-jobs-empty.png", full_page=True)
+
+    # 1. A file with errors: the line-numbered problems show inline, nothing is queued.
+    page.click("text=New job")
+    page.wait_for_url("**/ui/new")
+    _upload(page, "broken.jsonl", BAD_FILE)
+    problems = page.wait_for_selector("[data-testid=validation-errors] .problems", timeout=60_000)
+    lines = [li.get_attribute("data-line") for li in problems.query_selector_all("li")]
+    assert "2" in lines and "3" in lines, lines
+    text = problems.inner_text()
+    assert "line 2" in text and "line 3" in text
+    assert "invalid_json" in text
+    page.screenshot(path=screenshots / "03-new-job-invalid-file.png", full_page=True)
+
+    # 2. A valid file: counts, the resolved "auto" values, the estimate.
+    _upload(page, "reverse-words.jsonl", GOOD_FILE)
+    ok = page.wait_for_selector("[data-testid=validation-ok]", timeout=60_000)
+    assert "48 examples" in ok.inner_text()
+    page.fill("input[name=max_steps]", str(TRAIN_STEPS))
+    # 48 examples: "auto" is 3 epochs of batch 1 (api/hyperparameters.py); max_steps caps it.
+    page.wait_for_function(
+        f"document.querySelector('[data-resolved=total_steps]').textContent"
+        f".startsWith('{TRAIN_STEPS} optimizer steps')"
+    )
+    assert page.inner_text("[data-resolved=n_epochs]") == "auto → 3"
+    assert page.inner_text("[data-resolved=batch_size]") == "auto → 1"
+    page.wait_for_selector("[data-testid=estimate-choice], [data-testid=estimate-unavailable]")
+    page.screenshot(path=screenshots / "04-new-job-estimate.png", full_page=True)
+
+    # 3. Submit: the job page opens and its loss chart gains points while it trains.
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r".*/ui/jobs/ftjob-[A-Za-z0-9]+$"))
+    job_id = page.url.rsplit("/", 1)[1]
+    _drive_unless_real(service, job_id, TRAIN_STEPS, finish=True)
+    page.wait_for_function("Number(document.querySelector('#chart-loss').dataset.points || 0) >= 1",
+                           timeout=90_000)
+    first = _loss_points(page)
+    page.wait_for_function(
+        f"Number(document.querySelector('#chart-loss').dataset.points || 0) > {first}", timeout=60_000
+    )
+    assert page.get_attribute("#job-status", "data-status") in {"running", "succeeded"}
+    page.screenshot(path=screenshots / "05-job-running.png", full_page=True)
+    # The points came over SSE, not a reload: the page is the same document.
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+
+    # 4. It succeeds; the chart holds every step; the adapter downloads with its sha256.
+    assert _wait_status(page, {"succeeded", "failed"}, timeout_s=120) == "succeeded", service.log_tail()
+    page.wait_for_function(
+        f"Number(document.querySelector('#chart-loss').dataset.points || 0) >= {TRAIN_STEPS}"
+    )
+    row = page.wait_for_selector('#artifacts-table tr[data-name="adapter/adapter_model.safetensors"]')
+    shown_sha = row.query_selector("[data-sha256]").get_attribute("data-sha256")
+    page.screenshot(path=screenshots / "06-job-succeeded.png", full_page=True)
+    with page.expect_download() as download_info:
+        row.query_selector("a").click()
+    path = download_info.value.path()
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    with service.api() as api:
+        listed = {a["name"]: a for a in api.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts").json()["data"]}
+    assert digest == shown_sha == listed["adapter/adapter_model.safetensors"]["sha256"]
+
+    # The jobs table shows it with progress and its last loss.
+    page.goto(f"{service.url}/ui/")
+    cells = page.wait_for_selector(f'tr[data-job-id="{job_id}"]')
+    assert cells.get_attribute("data-status") == "succeeded"
+    assert f"{TRAIN_STEPS} / {TRAIN_STEPS}" in cells.inner_text()
+    page.screenshot(path=screenshots / "07-jobs-list.png", full_page=True)
+    page.goto(f"{service.url}/ui/pools")
+    page.wait_for_selector("#chart-util")
+    page.wait_for_timeout(800)
+    page.screenshot(path=screenshots / "08-queue-and-pools.png", full_page=True)
+
+
+def test_cancel_a_running_job_from_its_page(service, page_for, screenshots: Path) -> None:
+    job_id = _create_job_over_api(service, service.admin_key, steps=400)
+    page = page_for(service.admin_key)
+    page.goto(f"{service.url}/ui/jobs/{job_id}")
+    _drive_unless_real(service, job_id, 400, finish=False)
+    _wait_status(page, {"running"}, timeout_s=90)
+    page.wait_for_function("Number(document.querySelector('#chart-loss').dataset.points || 0) >= 1",
+                           timeout=60_000)
+    page.click("#btn-cancel")
+    dialog = page.wait_for_selector("[data-testid=confirm-dialog]")
+    page.screenshot(path=screenshots / "09-cancel-confirmation.png")
+    dialog.query_selector('[data-action="confirm"]').click()
+    assert _wait_status(page, {"cancelled"}, timeout_s=60) == "cancelled"
+    assert page.is_hidden("#btn-cancel")
+    page.screenshot(path=screenshots / "10-job-cancelled.png", full_page=True)
+    with service.api() as api:
+        assert api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "cancelled"
+
+
+def test_another_tenants_job_is_not_found(service, page_for, screenshots: Path) -> None:
+    with service.api() as api:
+        jobs = api.get("/v1/fine_tuning/jobs", params={"limit": 1}).json()["data"]
+    if jobs:
+        job_id = jobs[0]["id"]
+    else:
+        job_id = _create_job_over_api(service, service.admin_key, steps=2)
+    page = page_for(service.other_key)
+    assert page.inner_text("[data-testid=tenant-name]") == "other-org"
+    response = page.goto(f"{service.url}/ui/jobs/{job_id}")
+    assert response.status == 404
+    assert "Job not found" in page.inner_text("[data-testid=not-found]")
+    page.screenshot(path=screenshots / "11-other-tenant-not-found.png", full_page=True)
+    # Its own list does not show the job either, and the JSON API agrees.
+    page.goto(f"{service.url}/ui/")
+    page.wait_for_selector("#jobs-empty .empty")
+    assert page.query_selector(f'tr[data-job-id="{job_id}"]') is None
+    answer = page.request.get(f"{service.url}/v1/fine_tuning/jobs/{job_id}")
+    assert answer.status == 404
+
+
+def test_cookie_session_needs_csrf_for_unsafe_api_calls(service, page_for) -> None:
+    page = page_for(service.other_key)
+    # The session cookie authenticates GETs of the JSON API...
+    assert page.request.get(f"{service.url}/v1/fine_tuning/jobs").status == 200
+    # ...but a cookie-only POST without the page's CSRF token is refused.
+    refused = page.request.post(f"{service.url}/v1/files", multipart={
+        "purpose": "fine-tune",
+        "file": {"name": "x.jsonl", "mimeType": "application/jsonl", "buffer": GOOD_FILE},
+    })
+    assert refused.status == 403
+    assert refused.json()["error"]["code"] == "csrf_failed"
+    token = page.get_attribute('meta[name="csrf-token"]', "content")
+    accepted = page.request.post(f"{service.url}/v1/files", headers={"X-CSRF-Token": token}, multipart={
+        "purpose": "fine-tune",
+        "file": {"name": "x.jsonl", "mimeType": "application/jsonl", "buffer": GOOD_FILE},
+    })
+    assert accepted.status == 200, accepted.text()
+    # Logging out ends the session for the API too.
+    page.click("text=Sign out")
+    page.wait_for_url("**/ui/login")
+    assert page.request.get(f"{service.url}/v1/fine_tuning/jobs").status == 401
+
+
+def test_api_unreachable_shows_a_banner(service, page_for, screenshots: Path) -> None:
+    page = page_for(service.other_key)
+    page.route("**/ui/api/jobs**", lambda route: route.abort("connectionrefused"))
+    banner = page.wait_for_selector("#api-banner.show", timeout=10_000)
+    assert "Cannot reach the tunefleet API" in banner.inner_text()
+    page.screenshot(path=screenshots / "12-api-unreachable.png")
+    page.unroute("**/ui/api/jobs**")
+    page.wait_for_selector("#api-banner:not(.show)", state="attached", timeout=10_000)

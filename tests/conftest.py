@@ -1,0 +1,313 @@
+"""Shared fixtures for the whole suite (real SQLite/PostgreSQL, real Redis, real Celery).
+
+Fixtures (function scope unless noted):
+
+``settings``
+    ``api.settings.Settings`` with a fresh temporary data dir, a SQLite database already
+    migrated by Alembic (a copy of a session-wide template, so it costs milliseconds),
+    and the server-less broker ``sqla+sqlite:///<data>/broker.db``. ``env="test"``.
+``db_session``
+    A SQLAlchemy session on ``settings``' database (closed afterwards).
+``inline_queue``
+    A task queue for ``create_app(queue=...)`` that runs ``tunefleet.validate_file``
+    inline (the real task body, no broker) and records every task sent in ``.sent``.
+``app`` / ``client``
+    ``api.main.create_app(settings, queue=inline_queue)`` and a ``TestClient`` on it.
+``admin_key``
+    A raw admin API key (tenant ``admin``, ``is_admin``).
+``tenant_key``
+    Factory: ``tenant_key(name=None, admin=False) -> TenantKey(tenant_id, key, headers)``;
+    each call makes a new tenant with one key (tests isolate by tenant).
+``live_server``
+    Factory: ``live_server(app) -> base_url``: uvicorn in a thread on a free port.
+``pg_url`` (session)
+    A fresh PostgreSQL database ``tunefleet_test_<pid>`` on 127.0.0.1:5432 (user
+    postgres, trust auth) migrated with Alembic, dropped at the end. Skipped when
+    PostgreSQL is unreachable, FAILS instead under ``CI=true``.
+``redis_url`` (session)
+    ``redis://127.0.0.1:6379/<db>`` (a DB number chosen per session, flushed before and
+    after). Skipped / failing like ``pg_url``.
+``celery_worker``
+    Factory: ``celery_worker(settings) -> Popen``: a real ``celery -A worker.celery_app
+    worker --pool solo`` subprocess configured through ``TUNEFLEET_*`` variables,
+    stopped (SIGTERM, then SIGKILL) at the end of the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+PG_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=3"
+
+
+def _unavailable(what: str, why: object) -> None:
+    """Skip locally, fail in CI: CI must really use PostgreSQL and Redis."""
+    message = f"{what} unreachable: {why}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: required, not optional)", pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_settings(data_dir: Path, **overrides: Any):  # noqa: ANN201 (api.settings.Settings)
+    from api.settings import Settings
+
+    values: dict[str, Any] = {
+        "env": "test",
+        "data_dir": data_dir,
+        "database_url": f"sqlite:///{data_dir / 'tunefleet.db'}",
+        "broker_url": f"sqla+sqlite:///{data_dir / 'broker.db'}",
+        "public_url": "http://127.0.0.1:8000",
+    }
+    values.update(overrides)
+    return Settings(_env_file=None, **values)
+
+
+# ---- databases -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database migrated once by Alembic; tests copy it."""
+    from api.db.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "tunefleet.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def settings(tmp_path: Path, sqlite_template: Path):  # noqa: ANN201
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    shutil.copyfile(sqlite_template, data_dir / "tunefleet.db")
+    return make_settings(data_dir)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    try:
+        import psycopg
+
+        admin = psycopg.connect(PG_ADMIN_DSN, autocommit=True)
+    except Exception as exc:  # noqa: BLE001 (any connection failure)
+        _unavailable("PostgreSQL on 127.0.0.1:5432", exc)
+        raise
+    name = f"tunefleet_test_{os.getpid()}"
+    admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    admin.execute(f"CREATE DATABASE {name}")
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    from api.db.migrate import upgrade
+    from api.db.session import dispose_engine
+
+    upgrade(url)
+    try:
+        yield url
+    finally:
+        dispose_engine(url)
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    try:
+        import redis
+
+        db = 1 + os.getpid() % 15
+        client = redis.Redis(host="127.0.0.1", port=6379, db=db, socket_connect_timeout=3)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        _unavailable("Redis on 127.0.0.1:6379", exc)
+        raise
+    client.flushdb()
+    try:
+        yield f"redis://127.0.0.1:6379/{db}"
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture
+def db_session(settings) -> Iterator[Any]:  # noqa: ANN001
+    from api.db.session import session_factory
+
+    session = session_factory(settings.resolved_database_url)()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+# ---- the app ---------------------------------------------------------------------
+
+
+class InlineQueue:
+    """Runs file validation inline (the real task body); records every task sent."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.sent: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.run_validation = True
+
+    def send(self, name: str, *args: Any, **kwargs: Any) -> bool:
+        self.sent.append((name, args, kwargs))
+        if name == "tunefleet.validate_file" and self.run_validation:
+            self.validate(*args)
+        return True
+
+    def validate(self, file_id: str) -> list[str]:
+        from api.artifacts import file_store
+        from api.db.session import session_scope
+        from api.validation import validate_file
+
+        with session_scope(self.settings.resolved_database_url) as session:
+            return validate_file(session, file_store(self.settings), file_id)
+
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.sent]
+
+
+@pytest.fixture
+def inline_queue(settings) -> InlineQueue:  # noqa: ANN001
+    return InlineQueue(settings)
+
+
+@pytest.fixture
+def app(settings, inline_queue):  # noqa: ANN001, ANN201
+    from api.main import create_app
+
+    return create_app(settings, queue=inline_queue)
+
+
+@pytest.fixture
+def client(app) -> Iterator[Any]:  # noqa: ANN001
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@dataclass(frozen=True)
+class TenantKey:
+    tenant_id: str
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture
+def tenant_key(settings) -> Callable[..., TenantKey]:  # noqa: ANN001
+    from api.auth import create_api_key, create_tenant
+    from api.db.session import session_scope
+    from api.ids import new_id
+
+    def make(name: str | None = None, admin: bool = False) -> TenantKey:
+        with session_scope(settings.resolved_database_url) as session:
+            tenant = create_tenant(session, name or new_id("tenant"), is_admin=admin)
+            _, raw = create_api_key(session, tenant, is_admin=admin)
+            return TenantKey(tenant.id, raw)
+
+    return make
+
+
+@pytest.fixture
+def admin_key(tenant_key) -> str:  # noqa: ANN001
+    return tenant_key(admin=True).key
+
+
+@pytest.fixture
+def live_server() -> Iterator[Callable[[Any], str]]:
+    import uvicorn
+
+    servers: list[tuple[Any, threading.Thread]] = []
+
+    def start(asgi_app: Any) -> str:
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(asgi_app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 15
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+# ---- Celery ------------------------------------------------------------------------
+
+
+def settings_env(settings: Any) -> dict[str, str]:
+    """``TUNEFLEET_*`` variables that reproduce ``settings`` in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEFLEET_")}
+    env.update({
+        "TUNEFLEET_ENV": settings.env,
+        "TUNEFLEET_DATA_DIR": str(settings.data_path),
+        "TUNEFLEET_DATABASE_URL": settings.resolved_database_url,
+        "TUNEFLEET_BROKER_URL": settings.resolved_broker_url,
+        "TUNEFLEET_PUBLIC_URL": settings.public_url,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    })
+    if settings.artifact_url:
+        env["TUNEFLEET_ARTIFACT_URL"] = settings.artifact_url
+    if settings.s3_endpoint_url:
+        env["TUNEFLEET_S3_ENDPOINT_URL"] = settings.s3_endpoint_url
+    return env
+
+
+@pytest.fixture
+def celery_worker(tmp_path: Path) -> Iterator[Callable[[Any], subprocess.Popen[bytes]]]:
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def start(settings: Any) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"celery-{len(workers)}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool",
+             "solo", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+             "--without-heartbeat"],
+            cwd=REPO, env=settings_env(settings), stdout=log, stderr=subprocess.STDOUT,
+        )
+        workers.append(proc)
+        return proc
+
+    yield start
+    for proc in workers:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

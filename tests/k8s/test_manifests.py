@@ -1,0 +1,80 @@
+"""Rendered manifests: valid against the Kubernetes schemas, and saying what we mean."""
+
+import pytest
+
+from worker.executors.manifests import ManifestOptions, owner_reference, render_all, resource_name
+from tests.worker.builders import mi300x, rtx4090
+
+SPEC = {"job_id": "ftjob-AbC", "report": {"token": None}}
+
+
+def _all(pool, trainer, nodes, gpn, **opts):
+    return render_all(job_id="ftjob-AbCdEf0123456789XyZ", tenant="org-1", pool=pool, trainer=trainer, nodes=nodes,
+                      gpus_per_node=gpn, spec_json=SPEC, token="s3cret", opts=ManifestOptions(**opts))
+
+
+CASES = [
+    ("jax multi-node", mi300x(), "jax_lora", 2, 8, {}),
+    ("torch single node", rtx4090(), "fsdp_qlora", 1, 2, {}),
+    ("torch multi-node kueue", rtx4090(), "fsdp_qlora", 3, 2, {"kueue_queue": "team-a"}),
+]
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+@pytest.mark.parametrize("name, pool, trainer, nodes, gpn, opts", CASES, ids=[c[0] for c in CASES])
+def test_every_manifest_validates(version, name, pool, trainer, nodes, gpn, opts):
+    import kubernetes_validate
+
+    m = _all(pool, trainer, nodes, gpn, **opts)
+    docs = m.all()
+    # the owned objects carry an ownerReference when created; validate that shape too
+    job_created = {"metadata": {"name": m.name, "uid": "0f2c8d9e-0000-4000-8000-000000000000"}}
+    for doc in docs[:-1]:
+        doc["metadata"]["ownerReferences"] = [owner_reference(job_created)]
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _env(job):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_multi_node_jax_is_indexed_with_service_and_env():
+    m = _all(mi300x(), "jax_lora", 2, 8)
+    job, svc = m.job, m.service
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    assert svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    env = _env(job)
+    assert env["JAX_COORDINATOR_ADDRESS"] == f"{m.name}-0.{m.name}.tunefleet-training.svc:8476"
+    assert env["JAX_NUM_PROCESSES"] == "2"
+    assert env["JAX_PROCESS_ID"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"tunefleet.io/pool": "mi300x"}
+    assert pod["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "8"}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
+    assert pod["containers"][0]["terminationMessagePath"] == "/dev/termination-log"
+
+
+def test_torch_env_and_token_only_in_secret():
+    m = _all(rtx4090(), "fsdp_qlora", 3, 2)
+    env = _env(m.job)
+    assert env["MASTER_ADDR"] == f"{m.name}-0.{m.name}.tunefleet-training.svc"
+    assert (env["NNODES"], env["NPROC_PER_NODE"], env["MASTER_PORT"]) == ("3", "2", "29500")
+    assert env["TUNEFLEET_REPORT_TOKEN"] == {"secretKeyRef": {"name": f"{m.name}-token", "key": "token"}}
+    assert m.secret["stringData"] == {"token": "s3cret"}
+    assert "s3cret" not in str(m.configmap) and "s3cret" not in str(m.job)
+
+
+def test_kueue_mode_suspends_and_labels():
+    m = _all(rtx4090(), "fsdp_qlora", 1, 1, kueue_queue="team-a")
+    assert m.job["spec"]["suspend"] is True
+    assert m.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "suspend" not in _all(rtx4090(), "fsdp_qlora", 1, 1).job["spec"]
+
+
+def test_names_are_dns_labels_and_distinct_per_case_and_attempt():
+    a, b = resource_name("ftjob-AbC"), resource_name("ftjob-abc")
+    assert a != b and a == a.lower() and len(resource_name("ftjob-" + "Z" * 60, 999)) <= 50
+    assert resource_name("ftjob-AbC", 2) != a

@@ -1,0 +1,126 @@
+"""SDK/CLI suite fixtures: the real API app served by uvicorn on a free port.
+
+``service`` starts ``api.main.create_app`` (SQLite migrated by Alembic, file validation
+run inline by the suite's queue) and gives a tenant key. Jobs are moved the way the
+real system moves them: ``JobDriver`` plays the scheduler (``api.lifecycle.transition``
+to ``running`` with a job token) and the trainer (report batches POSTed to the internal
+report endpoint with that token), then the executor (``succeeded``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+DEMO_MODEL = "tunefleet-tiny-llama"
+
+
+def chat_jsonl(n: int = 6) -> bytes:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+BAD_JSONL = (
+    b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    b'{"messages": [{"role": "wizard", "content": "hi"}]}\n'
+    b"not json\n"
+)
+
+
+@dataclass
+class Service:
+    base_url: str
+    key: str
+    tenant_id: str
+    settings: Any
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"TUNEFLEET_BASE_URL": self.base_url, "TUNEFLEET_API_KEY": self.key}
+
+
+@dataclass
+class JobDriver:
+    """Moves a job through running -> reports -> a final status, like the real parts do."""
+
+    service: Service
+    job_id: str
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    seq: int = 0
+
+    def start(self, pool: str = "local", gpus: int = 1) -> None:
+        from api.db.session import session_scope
+        from api.ids import hash_secret
+        from api.lifecycle import lock_job, transition
+
+        with session_scope(self.service.settings.resolved_database_url) as session:
+            job = lock_job(session, self.job_id)
+            assert job is not None
+            transition(session, job, "running", actor="scheduler", pool=pool, gpus=gpus,
+                       job_token_hash=hash_secret(self.token))
+
+    def report(self, *items: dict[str, Any]) -> dict[str, Any]:
+        self.seq += 1
+        response = httpx.post(
+            f"{self.service.base_url}/internal/v1/jobs/{self.job_id}/reports",
+            json={"seq": self.seq, "items": list(items)},
+            headers={"Authorization": f"Bearer {self.token}"}, timeout=10,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def metric(self, step: int, total: int, loss: float, tokens_per_s: float = 1000.0) -> dict[str, Any]:
+        return {"type": "metric", "step": step, "total_steps": total, "epoch": 0, "train_loss": loss,
+                "learning_rate": 1e-4, "grad_norm": 0.5, "tokens_per_s": tokens_per_s,
+                "tokens_seen": step * 256, "time": 1.7e9 + step}
+
+    def write_outputs(self, files: dict[str, bytes]) -> dict[str, Any]:
+        """Write output files under the job's dir; returns the ``artifacts`` report item."""
+        out = self.service.settings.data_path / "jobs" / self.job_id / "output"
+        listing = []
+        for name, data in files.items():
+            path = out / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            listing.append({"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        return {"type": "artifacts", "location": str(out), "files": listing}
+
+    def write_log(self, text: str) -> None:
+        path = self.service.settings.data_path / "jobs" / self.job_id / "trainer.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def finish(self, status: str = "succeeded") -> None:
+        from api.db.session import session_scope
+        from api.lifecycle import lock_job, transition
+
+        with session_scope(self.service.settings.resolved_database_url) as session:
+            job = lock_job(session, self.job_id)
+            assert job is not None
+            transition(session, job, status, actor="executor")
+
+
+@pytest.fixture
+def service(app: Any, live_server: Callable[[Any], str], tenant_key: Any, settings: Any) -> Service:
+    base_url = live_server(app)
+    tk = tenant_key()
+    return Service(base_url=base_url, key=tk.key, tenant_id=tk.tenant_id, settings=settings)
+
+
+@pytest.fixture
+def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No user config or env leaks into a test; returns the config file path to use."""
+    for name in ("TUNEFLEET_BASE_URL", "TUNEFLEET_API_KEY", "TUNEFLEET_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "cfg" / "config.toml"
+    monkeypatch.setenv("TUNEFLEET_CONFIG", str(path))
+    return path

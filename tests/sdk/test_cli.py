@@ -1,0 +1,130 @@
+"""The `tunefleet` client commands against the running service, human and --json output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl
+from tunefleet.cli import app
+
+
+@pytest.fixture
+def cli(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
+    for name, value in service.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("COLUMNS", "200")
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0) -> Any:
+        result = runner.invoke(app, list(args), catch_exceptions=False)
+        assert result.exit_code == code, (args, result.exit_code, result.stdout, result.stderr)
+        return result
+
+    return run
+
+
+def js(result: Any) -> Any:
+    return json.loads(result.stdout)
+
+
+def test_files_commands(cli: Any, tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(chat_jsonl(4))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(BAD_JSONL)
+
+    uploaded = js(cli("files", "upload", str(good), "--json"))
+    assert uploaded["status"] == "processed" and uploaded["validation"]["n_examples"] == 4
+
+    human = cli("files", "upload", str(bad), code=3)
+    assert "validation errors" in human.stdout and "unrecognized_role" in human.stdout
+    assert "invalid_json" in human.stdout
+    rejected = js(cli("files", "upload", str(bad), "--json", code=3))
+    assert {(e["line"], e["code"]) for e in rejected["validation"]["errors"]} >= {
+        (2, "unrecognized_role"), (3, "invalid_json")}
+
+    listed = js(cli("files", "list", "--json", "--limit", "2"))
+    assert len(listed["data"]) == 2 and listed["has_more"] is True
+    everything = js(cli("files", "list", "--json", "--all", "--limit", "1"))
+    assert everything["data"][-1]["id"] == uploaded["id"] and len(everything["data"]) == 3
+    assert js(cli("files", "get", uploaded["id"], "--json"))["filename"] == "good.jsonl"
+    assert cli("files", "content", uploaded["id"]).stdout.encode() == good.read_bytes()
+    assert js(cli("files", "delete", uploaded["id"], "--json"))["deleted"] is True
+
+    missing = cli("files", "get", uploaded["id"], "--json", code=1)
+    assert json.loads(missing.stderr)["error"]["code"] == "not_found"
+    assert "not_found" in cli("files", "get", uploaded["id"], code=1).stderr
+
+
+def test_jobs_commands(cli: Any, service: Service, tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(chat_jsonl(4))
+    job = js(cli("jobs", "create", "-m", DEMO_MODEL, "-t", str(data), "--n-epochs", "2", "--r", "4",
+                 "--metadata", "team=nlp", "--priority", "high", "--json"))
+    assert job["status"] == "queued" and job["hyperparameters"]["n_epochs"] == 2
+    assert job["adapter"]["r"] == 4 and job["metadata"] == {"team": "nlp"} and job["priority"] == 75
+    bad = cli("jobs", "create", "-m", "nope", "-t", job["training_file"], "--json", code=1)
+    assert json.loads(bad.stderr)["error"]["param"] == "model"
+
+    assert [j["id"] for j in js(cli("jobs", "list", "--json"))["data"]] == [job["id"]]
+    assert js(cli("jobs", "get", job["id"], "--json"))["id"] == job["id"]
+    assert "queued" in cli("jobs", "get", job["id"]).stdout
+    assert js(cli("jobs", "pause", job["id"], "--json"))["status"] == "paused"
+    assert js(cli("jobs", "resume", job["id"], "--json"))["status"] == "queued"
+
+    driver = JobDriver(service, job["id"])
+    driver.start()
+    driver.write_log("line a\nline b\n")
+    driver.report(driver.metric(1, 2, 3.0), driver.metric(2, 2, 2.5),
+                  {"type": "checkpoint", "step": 2, "location": "/c/step-2", "metrics": {"train_loss": 2.5}},
+                  driver.write_outputs({"adapter/adapter_model.safetensors": b"weights" * 10,
+                                        "metrics.jsonl": b"{}\n"}))
+    driver.finish("succeeded")
+
+    assert js(cli("jobs", "wait", job["id"], "--timeout", "5", "--json"))["status"] == "succeeded"
+    assert [m["train_loss"] for m in js(cli("jobs", "metrics", job["id"], "--json"))["data"]] == [3.0, 2.5]
+    (ckpt,) = js(cli("jobs", "checkpoints", job["id"], "--json"))["data"]
+    assert ckpt["step_number"] == 2
+    events = js(cli("jobs", "events", job["id"], "--json", "--all"))["data"]
+    assert any(e["message"].startswith("Checkpoint created") for e in events)
+    assert js(cli("jobs", "logs", job["id"], "--json", "--tail", "1"))["lines"] == ["line b"]
+    assert cli("jobs", "logs", job["id"]).stdout == "line a\nline b\n"
+    dl = js(cli("jobs", "download", job["id"], "-o", str(tmp_path / "out"), "--prefix", "adapter/", "--json"))
+    assert [f["name"] for f in dl["files"]] == ["adapter/adapter_model.safetensors"]
+    assert (tmp_path / "out/adapter/adapter_model.safetensors").read_bytes() == b"weights" * 10
+
+    conflict = cli("jobs", "cancel", job["id"], "--json", code=1)
+    assert json.loads(conflict.stderr)["error"]["code"] == "invalid_state_transition"
+    models = js(cli("models", "--json"))["data"]
+    assert DEMO_MODEL in [m["id"] for m in models]
+
+
+def test_wait_exit_codes(cli: Any, service: Service) -> None:
+    from tunefleet import Tunefleet
+
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
+    timeout = cli("jobs", "wait", job.id, "--timeout", "0.2", "--json", code=4)
+    assert json.loads(timeout.stderr)["error"]["code"] == "wait_timeout"
+    cli("jobs", "cancel", job.id)
+    assert js(cli("jobs", "wait", job.id, "--json", code=3))["status"] == "cancelled"
+
+
+def test_login_and_config(cli: Any, service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TUNEFLEET_BASE_URL")
+    monkeypatch.delenv("TUNEFLEET_API_KEY")
+    denied = cli("login", "--base-url", service.base_url, "--api-key", "tf_badbadba_" + "z" * 32, "--json", code=1)
+    assert json.loads(denied.stderr)["error"]["code"] == "invalid_api_key"
+    assert not isolated_config.exists()
+    saved = js(cli("login", "--base-url", service.base_url + "/v1/", "--api-key", service.key, "--json"))
+    assert saved["base_url"] == service.base_url and Path(saved["config"]) == isolated_config
+    shown = js(cli("config", "--json"))
+    assert shown["base_url"] == service.base_url and shown["api_key"].endswith("...")
+    assert service.key not in cli("config").stdout
+    assert js(cli("jobs", "list", "--json"))["data"] == []  # works from the saved file alone

@@ -1,0 +1,144 @@
+"""Tokenization, completion-only labels, packing, truncation and cursor resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainers.common.data import (
+    FALLBACK_CHAT_TEMPLATE,
+    IGNORE_INDEX,
+    DataCursor,
+    TrainingData,
+    block_causal_mask,
+    pack_greedy,
+    tokenize_dataset,
+    tokenize_example,
+)
+from trainers.common.formats import Example, Message, read_examples
+
+
+def _trained_text(tok, t) -> str:
+    return tok.decode([i for i, lab in zip(t.input_ids, t.labels, strict=True) if lab != IGNORE_INDEX])
+
+
+def test_labels_cover_exactly_the_weighted_assistant_turns(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ex = Example((
+        Message("system", "sys"),
+        Message("user", "u1"),
+        Message("assistant", "skip me", 0),
+        Message("user", "u2"),
+        Message("assistant", "train é"),
+    ))
+    t = tokenize_example(tok, ex)
+    # the exact positions: the last turn's content bytes + <|eot_id|>, nothing else
+    rendered = tok.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in ex.messages], tokenize=False
+    )
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert list(t.input_ids) == ids
+    n_trained = len("train é".encode()) + 1
+    expected = [IGNORE_INDEX] * (len(ids) - n_trained) + ids[-n_trained:]
+    assert list(t.labels) == expected
+    assert _trained_text(tok, t) == "train é<|eot_id|>"
+
+
+def test_two_trained_turns_and_prompt_completion(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ex = Example((Message("user", "a"), Message("assistant", "b"), Message("user", "c"), Message("assistant", "d")))
+    assert _trained_text(tok, tokenize_example(tok, ex)) == "b<|eot_id|>d<|eot_id|>"
+    (pc,) = read_examples(['{"prompt": "", "completion": "only"}'])
+    t = tokenize_example(tok, pc)
+    assert _trained_text(tok, t) == "only<|eot_id|>" and t.labels[0] == IGNORE_INDEX
+
+
+def test_fallback_template_without_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = None
+    ex = Example((Message("user", "q"), Message("assistant", "ans")))
+    t = tokenize_example(tok, ex)
+    assert tok.decode(list(t.input_ids)) == "<|begin_of_text|>### user\nq\n### assistant\nans<|end_of_text|>\n"
+    assert _trained_text(tok, t) == "ans<|end_of_text|>\n"
+    assert "bos_token" in FALLBACK_CHAT_TEMPLATE
+
+
+def test_truncation_is_counted_and_label_less_examples_dropped(tiny_tokenizer):
+    long_answer = Example((Message("user", "q"), Message("assistant", "x" * 100)))
+    long_prompt = Example((Message("user", "q" * 100), Message("assistant", "a")))
+    ds = tokenize_dataset(tiny_tokenizer, [long_answer, long_prompt], max_seq_len=32)
+    assert (ds.n_truncated, ds.n_dropped, len(ds.examples)) == (2, 1, 1)
+    assert len(ds.examples[0]) == 32
+
+
+def _dataset(tok, n=10):
+    exs = [Example((Message("user", "u" * (i % 4 + 1)), Message("assistant", f"a{i}"))) for i in range(n)]
+    return tokenize_dataset(tok, exs, max_seq_len=96)
+
+
+def test_packing_keeps_examples_whole_and_resets_positions(tiny_tokenizer):
+    ds = _dataset(tiny_tokenizer)
+    data = TrainingData(ds, max_seq_len=96, micro_batch_size=2, seed=3, packing=True, pad_id=258)
+    rows = data.rows(0)
+    assert sorted(i for r in rows for i in r) == list(range(10))  # every example exactly once
+    assert all(sum(len(ds.examples[i]) for i in r) <= 96 for r in rows)
+    b = data.collate(rows[:1])
+    seg, pos = b.segment_ids[0], b.position_ids[0]
+    t = 0
+    for k, i in enumerate(rows[0], start=1):
+        ex = ds.examples[i]
+        n = len(ex)
+        assert (seg[t : t + n] == k).all()
+        assert (pos[t : t + n] == np.arange(n)).all()
+        assert (b.input_ids[0, t : t + n] == ex.input_ids).all()
+        assert b.labels[0, t] == IGNORE_INDEX  # no loss across the boundary
+        assert (b.labels[0, t + 1 : t + n] == ex.labels[1:]).all()
+        t += n
+    assert (seg[t:] == 0).all() and (b.labels[0, t:] == IGNORE_INDEX).all()
+    mask = block_causal_mask(b.segment_ids)[0, 0]
+    first, second = len(ds.examples[rows[0][0]]), len(ds.examples[rows[0][1]])
+    assert mask[first, first] and not mask[first, first - 1]  # 2nd example can't see the 1st
+    assert mask[first + second - 1, first] and not mask[first, first + 1]
+
+
+def test_pack_greedy_order_and_limits():
+    assert pack_greedy([5, 5, 5, 9, 1], [0, 1, 2, 3, 4], 10) == [[0, 1], [2], [3, 4]]
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch(tiny_tokenizer):
+    ds = _dataset(tiny_tokenizer)
+    a = TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=1)
+    b = TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=1)
+    c = TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=2)
+    assert a.rows(0) == b.rows(0) and a.rows(1) == b.rows(1)
+    assert a.rows(0) != a.rows(1) and a.rows(0) != c.rows(0)
+    assert TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=1, shuffle=False).rows(0) == [[i] for i in range(10)]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_cursor_resume_yields_identical_batches(tiny_tokenizer, packing):
+    ds = _dataset(tiny_tokenizer)
+    kw = {"max_seq_len": 96, "micro_batch_size": 3, "seed": 7, "packing": packing, "pad_id": 258}
+    full = TrainingData(ds, **kw).micro_batches()
+    reference = [next(full) for _ in range(12)]  # crosses several epochs
+    assert len({b.cursor_after.epoch for b in reference}) > 2
+    cut = 5
+    resumed = TrainingData(ds, **kw).micro_batches(DataCursor.from_dict(reference[cut - 1].cursor_after.to_dict()))
+    for want in reference[cut:]:
+        got = next(resumed)
+        for name in ("input_ids", "labels", "position_ids", "segment_ids", "attention_mask"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert got.cursor_after == want.cursor_after
+
+
+def test_batches_never_span_epochs_and_pad_to(tiny_tokenizer):
+    ds = _dataset(tiny_tokenizer)
+    data = TrainingData(ds, max_seq_len=96, micro_batch_size=4, seed=0, pad_to=96, pad_id=258)
+    it = data.micro_batches()
+    sizes = [next(it).input_ids.shape for _ in range(3)]
+    assert sizes == [(4, 96), (4, 96), (2, 96)]
+    assert next(it).cursor_after == DataCursor(1, 4)
+    with pytest.raises(ValueError):
+        TrainingData(type(ds)(examples=[]), max_seq_len=8, micro_batch_size=1, seed=0)

@@ -1,0 +1,166 @@
+"""Training-file formats: every stable code, canonical conversion, and reading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainers.common.formats import (
+    PROBLEM_CODES,
+    Example,
+    FormatError,
+    Message,
+    detect_format,
+    read_examples,
+    validate_jsonl,
+)
+
+
+def jsonl(*objs: object) -> bytes:
+    return b"\n".join(json.dumps(o).encode() if not isinstance(o, bytes) else o for o in objs)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+PC = {"prompt": "2+2=", "completion": "4"}
+ALPACA = {"instruction": "Add", "input": "2 and 2", "output": "4"}
+
+
+@pytest.mark.parametrize(
+    ("obj", "fmt", "expected"),
+    [
+        (CHAT, "chat", (Message("user", "hi"), Message("assistant", "hello"))),
+        (PC, "prompt_completion", (Message("user", "2+2="), Message("assistant", "4"))),
+        (ALPACA, "alpaca", (Message("user", "Add\n\n2 and 2"), Message("assistant", "4"))),
+        ({"instruction": "Say hi", "output": "hi"}, "alpaca", (Message("user", "Say hi"), Message("assistant", "hi"))),
+        ({"instruction": "Say hi", "input": "", "output": "hi"}, "alpaca", (Message("user", "Say hi"), Message("assistant", "hi"))),
+        ({"prompt": "", "completion": "x"}, "prompt_completion", (Message("assistant", "x"),)),
+    ],
+)
+def test_valid_formats_become_canonical_examples(obj, fmt, expected):
+    report = validate_jsonl(jsonl(obj, obj))
+    assert report.ok, report.errors
+    assert report.format == fmt
+    assert report.n_examples == 2
+    assert list(read_examples([json.dumps(obj)], fmt)) == [Example(expected)]
+
+
+def test_weights_and_system_turns_are_kept():
+    obj = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "weight": 0},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d", "weight": 1},
+        ]
+    }
+    (ex,) = read_examples([json.dumps(obj)])
+    assert [m.weight for m in ex.messages] == [1, 1, 0, 1, 1]
+    assert ex.messages[0] == Message("system", "be brief")
+
+
+@pytest.mark.parametrize(
+    ("lines", "code", "line"),
+    [
+        ([b"\xff\xfe{}"], "not_utf8", 1),
+        ([CHAT, b"{not json"], "invalid_json", 2),
+        ([b"[1, 2]"], "not_an_object", 1),
+        ([{"text": "raw"}], "unknown_format", 1),
+        ([CHAT, PC], "mixed_formats", 2),
+        ([CHAT, {"foo": 1}], "missing_messages", 2),
+        ([{"messages": []}], "invalid_messages", 1),
+        ([{"messages": ["hi"]}], "invalid_messages", 1),
+        ([{"messages": [{"content": "x"}]}], "invalid_messages", 1),
+        ([{"messages": [{"role": "tool", "content": "x"}]}], "unrecognized_role", 1),
+        ([{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}], "missing_content", 1),
+        ([{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}], "empty_content", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 2}]}], "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": True}]}], "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "x"}]}], "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "a"}]}], "no_assistant_message", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 0}]}], "no_assistant_message", 1),
+        ([PC, {"prompt": "only"}], "missing_field", 2),
+        ([ALPACA, {"instruction": "only"}], "missing_field", 2),
+        ([PC, {"foo": "bar"}], "missing_field", 2),
+        ([{"prompt": 3, "completion": "x"}], "invalid_type", 1),
+        ([{"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]}], "invalid_type", 1),
+        ([{"instruction": "a", "input": 5, "output": "b"}], "invalid_type", 1),
+        ([{"prompt": "p", "completion": ""}], "empty_content", 1),
+    ],
+)
+def test_each_problem_has_its_stable_code_and_line(lines, code, line):
+    report = validate_jsonl(jsonl(*lines), min_examples=0)
+    assert not report.ok
+    assert (report.errors[0].code, report.errors[0].line) == (code, line)
+    assert code in PROBLEM_CODES
+
+
+def test_line_too_long(monkeypatch):
+    from trainers.common import formats
+
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", 100)
+    long = {"prompt": "x" * 200, "completion": "y"}
+    report = validate_jsonl(jsonl(PC, long))
+    assert [(e.line, e.code) for e in report.errors] == [(2, "line_too_long")]
+
+
+def test_empty_file_and_too_few_examples():
+    assert [e.code for e in validate_jsonl(b"").errors] == ["empty_file"]
+    assert [e.code for e in validate_jsonl(b"\n  \n\n").errors] == ["empty_file"]
+    report = validate_jsonl(jsonl(PC), min_examples=2)
+    assert [(e.line, e.code) for e in report.errors] == [(None, "too_few_examples")]
+    # a file of only bad lines also has too few examples
+    report = validate_jsonl(b"{bad\n")
+    assert [e.code for e in report.errors] == ["invalid_json", "too_few_examples"]
+
+
+def test_blank_lines_bom_and_crlf_keep_1_based_line_numbers():
+    data = b"\xef\xbb\xbf" + json.dumps(PC).encode() + b"\r\n\r\n" + b"{oops\r\n" + json.dumps(PC).encode()
+    report = validate_jsonl(data)
+    assert report.n_examples == 2
+    assert [(e.line, e.code) for e in report.errors] == [(3, "invalid_json")]
+
+
+def test_errors_are_bounded_but_all_counted():
+    report = validate_jsonl(b"\n".join([b"{bad"] * 120), max_errors=5)
+    assert len(report.errors) == 5
+    assert report.n_errors == 121  # 120 bad lines + too_few_examples
+    d = report.to_dict()
+    assert d["ok"] is False and d["n_errors"] == 121 and len(d["errors"]) == 5
+
+
+def test_first_valid_line_fixes_the_format():
+    # a broken first line must not decide the format
+    report = validate_jsonl(jsonl({"text": 1}, PC, PC))
+    assert report.format == "prompt_completion"
+    assert [(e.line, e.code) for e in report.errors] == [(1, "unknown_format")]
+
+
+def test_token_estimate_is_chars_over_4():
+    obj = {"prompt": "a" * 10, "completion": "b" * 7}  # 17 chars -> ceil(17/4) = 5
+    assert validate_jsonl(jsonl(obj)).n_tokens_estimate == 5
+    assert validate_jsonl(jsonl(obj, obj)).n_tokens_estimate == 9
+
+
+def test_detect_format():
+    assert detect_format(CHAT) == "chat"
+    assert detect_format(PC) == "prompt_completion"
+    assert detect_format(ALPACA) == "alpaca"
+    assert detect_format({"x": 1}) is None
+    assert detect_format([1]) is None
+
+
+def test_read_examples_from_path_raises_with_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(jsonl(PC, PC) + b"\n\n" + jsonl({"prompt": "p", "completion": 1}))
+    it = read_examples(path)
+    assert len([next(it), next(it)]) == 2
+    with pytest.raises(FormatError) as err:
+        next(it)
+    assert (err.value.code, err.value.line) == ("invalid_type", 4)
+
+
+def test_read_examples_rejects_unknown_format_name():
+    with pytest.raises(ValueError):
+        list(read_examples([json.dumps(PC)], "csv"))  # type: ignore[arg-type]

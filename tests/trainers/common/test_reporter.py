@@ -1,0 +1,147 @@
+"""Reporter against a real local HTTP server that goes away and comes back."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from trainers.common.reporter import Reporter
+
+
+class FakeReportAPI:
+    """A tiny stand-in for the API's report endpoint: token check + dedup by seq.
+
+    It applies a batch only once per seq (like the real endpoint's unique (job, seq))
+    and records every request, so tests can check order, gaps and duplicates.
+    """
+
+    def __init__(self, port: int = 0, token: str = "tok") -> None:
+        self.token = token
+        self.applied: list[dict] = []  # batches applied, in arrival order
+        self.requests: list[int] = []  # every seq received, duplicates included
+        self.port = port
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> FakeReportAPI:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.headers.get("Authorization") != f"Bearer {api.token}":
+                    self._answer(401, {"error": "bad token"})
+                    return
+                api.requests.append(body["seq"])
+                duplicate = any(b["seq"] == body["seq"] for b in api.applied)
+                if not duplicate:
+                    api.applied.append(body)
+                self._answer(200, {"acked_seq": body["seq"], "duplicate": duplicate})
+
+            def _answer(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        assert self._server is not None
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/internal/v1/jobs/ftjob-1/reports"
+
+    def metric_steps(self) -> list[int]:
+        return [i["step"] for b in self.applied for i in b["items"] if i["type"] == "metric"]
+
+
+def test_outage_loses_nothing_and_duplicates_nothing(tmp_path):
+    api = FakeReportAPI().start()
+    rep = Reporter(url=api.url, token="tok", spool_dir=tmp_path / "spool", flush_interval_s=0.02, max_backoff_s=0.2)
+    n = 60
+    for step in range(n):
+        rep.metric(step=step, train_loss=1.0)
+        if step == 20:
+            assert rep.flush(timeout_s=5)
+            api.stop()  # the API goes away ...
+        if step == 40:
+            time.sleep(0.6)  # ... long enough for several failed attempts and spooled batches
+            assert len(list((tmp_path / "spool").glob("*.json"))) >= 2
+            api = _restart(api)
+        time.sleep(0.01)
+    assert rep.close(timeout_s=10)
+    steps = api.metric_steps() + _restart.before  # batches acked before the outage
+    assert sorted(steps) == list(range(n)) and len(steps) == n  # nothing lost, nothing twice
+    seqs = [b["seq"] for b in _restart.applied_before + api.applied]
+    assert seqs == list(range(1, len(seqs) + 1))  # in order, no gaps
+    assert list((tmp_path / "spool").glob("*.json")) == []
+
+
+def _restart(old: FakeReportAPI) -> FakeReportAPI:
+    """Start a fresh server on the same port (state of the old one kept aside)."""
+    _restart.before = old.metric_steps()
+    _restart.applied_before = list(old.applied)
+    return FakeReportAPI(port=old.port).start()
+
+
+def test_restarted_trainer_resends_spool_first_and_never_reuses_seq(tmp_path):
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"http://127.0.0.1:{port}/r"
+    first = Reporter(url=dead, token="tok", spool_dir=tmp_path, flush_interval_s=0.02, max_backoff_s=0.05)
+    first.event("one")
+    time.sleep(0.1)
+    first.event("two")
+    assert not first.close(timeout_s=0.2)  # undeliverable: stays spooled
+    spooled = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(spooled) >= 2
+
+    api = FakeReportAPI(port=port).start()
+    second = Reporter(url=api.url, token="tok", spool_dir=tmp_path, flush_interval_s=0.02)
+    assert second.next_seq == len(spooled) + 1
+    second.event("three")
+    assert second.close(timeout_s=5)
+    messages = [i["message"] for b in api.applied for i in b["items"]]
+    assert messages == ["one", "two", "three"]
+    assert [b["seq"] for b in api.applied] == list(range(1, len(spooled) + 2))
+    api.stop()
+
+
+def test_wrong_token_stops_sending_and_keeps_spool(tmp_path):
+    api = FakeReportAPI(token="right").start()
+    rep = Reporter(url=api.url, token="wrong", spool_dir=tmp_path, flush_interval_s=0.02)
+    rep.error("nan_loss", "loss is NaN")
+    assert not rep.flush(timeout_s=2)
+    assert rep.rejected is not None and rep.rejected[0] == 401
+    assert not rep.close(timeout_s=0.5)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    api.stop()
+
+
+def test_local_jsonl_without_url(tmp_path):
+    path = tmp_path / "reports.jsonl"
+    rep = Reporter(url=None, local_path=path, flush_interval_s=0.02)
+    rep.metric(step=1, train_loss=2.0)
+    rep.checkpoint(1, "/ck/step-1", {"train_loss": 2.0})
+    assert rep.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["type"] for r in rows] == ["metric", "checkpoint"] and rows[0]["seq"] == 1
+    with pytest.raises(ValueError):
+        Reporter(url="http://x", spool_dir=None)

@@ -1,0 +1,63 @@
+"""The tiny offline Llama + tokenizer: deterministic, loadable, chat template works."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainers.common.tiny_model import TOKENIZER_VOCAB_SIZE, build_tiny_llama
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path, tiny_model_dir):
+    again = build_tiny_llama(tmp_path / "again", seed=0)
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    assert _sha(again / "model.safetensors") == _sha(tiny_model_dir / "model.safetensors")
+    assert _sha(other / "model.safetensors") != _sha(tiny_model_dir / "model.safetensors")
+
+
+def test_tokenizer_is_byte_level_with_chat_template(tiny_tokenizer):
+    tok = tiny_tokenizer
+    assert len(tok) == TOKENIZER_VOCAB_SIZE
+    text = "héllo 🙂 \n\t{}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))  # id == byte value
+    assert tok.decode(ids) == text
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False)
+    assert rendered == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nyo<|eot_id|>"
+    )
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.convert_tokens_to_ids("<|eot_id|>")
+
+
+def test_sharded_checkpoint_loads_same_weights_with_rope_scaling(tmp_path, tiny_model_dir):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    sharded = build_tiny_llama(tmp_path / "sharded", max_shard_size="50KB", rope_scaling=rope)
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    a = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    b = AutoModelForCausalLM.from_pretrained(str(sharded))
+    assert b.config.rope_parameters["rope_type"] == "llama3"
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_bf16_and_bad_arguments(tmp_path):
+    d = build_tiny_llama(tmp_path / "bf16", dtype="bfloat16", hidden_size=32, intermediate_size=64)
+    m = AutoModelForCausalLM.from_pretrained(str(d), dtype="auto")
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        build_tiny_llama(tmp_path / "x", vocab_size=100)
+    with pytest.raises(ValueError):
+        build_tiny_llama(tmp_path / "y", dtype="int8")
+    assert AutoTokenizer.from_pretrained(str(d)).pad_token == "<|pad|>"

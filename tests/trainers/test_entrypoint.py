@@ -1,0 +1,195 @@
+"""``python -m trainers --spec``: the real entry point in a subprocess, its exit codes and
+termination messages, plus the exception -> exit code mapping."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from trainers.__main__ import classify, main
+from trainers.errors import UserError
+from trainers.exit_codes import ExitCode
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+
+
+def _write_spec(spec, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spec.dump(path)
+    return path
+
+
+def _start(spec_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainers", "--spec", str(spec_path)],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _run(spec_path: Path, timeout: float = 120) -> tuple[int, str]:
+    proc = _start(spec_path)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _main(spec_path: Path) -> int:
+    """The entry point's main() in this process: the same code path as the subprocess,
+    without paying torch's import time again (the subprocess tests cover the process)."""
+    return main(["--spec", str(spec_path)])
+
+
+def _termination(spec) -> dict:
+    return json.loads(Path(spec.termination_log).read_text())
+
+
+def _reports(spec) -> list[dict]:
+    path = Path(spec.checkpoint.dir) / "reports.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_smoke_trains_and_the_loss_goes_down(make_spec, tmp_path):
+    spec = make_spec(hyperparameters={"max_steps": 8, "learning_rate": 1e-2}, eval={"every_n_steps": 4})
+    code, out = _run(_write_spec(spec, tmp_path / "spec.json"))
+    assert code == ExitCode.SUCCESS, out
+    metrics = [json.loads(x) for x in (Path(spec.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["train_loss"] for m in metrics]
+    assert len(losses) == 8
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    assert metrics[-1]["valid_loss"] < metrics[3]["valid_loss"] + 0.5  # evaluated at 4 and 8
+    reports = _reports(spec)
+    kinds = [r["type"] for r in reports]
+    assert kinds.count("metric") == 8 and kinds.count("artifacts") == 1 and "error" not in kinds
+    seqs = [r["seq"] for r in reports]
+    assert seqs == sorted(seqs)
+    assert [r["step"] for r in reports if r["type"] == "checkpoint"] == [2, 4, 6, 8]
+    assert not Path(spec.termination_log).exists()
+
+
+def test_unparseable_spec_is_a_user_error(tmp_path):
+    bad = tmp_path / "spec.json"
+    bad.write_text('{"job_id": "x", "trainer": "fsdp_qlora", "termination_log": "%s"' % (tmp_path / "term"))
+    code, out = _run(bad)
+    assert code == ExitCode.USER_ERROR
+    assert '"invalid_spec"' in out
+    # invalid JSON: no termination_log to read; a schema error does name one
+    schema_bad = tmp_path / "spec2.json"
+    schema_bad.write_text(json.dumps({"job_id": "x", "trainer": "nope", "termination_log": str(tmp_path / "term2")}))
+    assert _run(schema_bad)[0] == ExitCode.USER_ERROR
+    assert json.loads((tmp_path / "term2").read_text())["code"] == "invalid_spec"
+
+
+def test_missing_dataset(make_spec, tmp_path):
+    spec = make_spec(data={"train_file": str(tmp_path / "nope.jsonl")})
+    code = _main(_write_spec(spec, tmp_path / "spec.json"))
+    assert code == ExitCode.USER_ERROR
+    assert _termination(spec)["code"] == "dataset_not_found"
+    assert [r["code"] for r in _reports(spec) if r["type"] == "error"] == ["dataset_not_found"]
+
+
+def test_corrupt_model_dir(make_spec, tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x00garbage" * 64)
+    spec = make_spec(model={"path": str(broken)})
+    code = _main(_write_spec(spec, tmp_path / "spec.json"))
+    assert code == ExitCode.USER_ERROR
+    assert _termination(spec)["code"] == "corrupt_model"
+
+
+def test_nan_loss_stops_with_a_clear_error(make_spec, tiny_model_dir, tmp_path):
+    # A checkpoint with a NaN weight: the first loss is NaN (a real failure mode, no hook).
+    nan_model = tmp_path / "nan-model"
+    nan_model.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (nan_model / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(nan_model / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(nan_model / "model.safetensors"), metadata={"format": "pt"})
+    spec = make_spec(model={"path": str(nan_model)})
+    code = _main(_write_spec(spec, tmp_path / "spec.json"))
+    assert code == ExitCode.USER_ERROR
+    term = _termination(spec)
+    assert term["code"] == "nan_loss" and "step 1" in term["message"]
+    assert not list(Path(spec.checkpoint.dir).glob("step-*"))  # nothing NaN was checkpointed
+
+
+def test_sigterm_checkpoints_and_exits_preempted(make_spec, tmp_path):
+    spec = make_spec(hyperparameters={"max_steps": 100_000}, checkpoint={"every_n_steps": 100_000},
+                     eval={"every_n_steps": None})
+    proc = _start(_write_spec(spec, tmp_path / "spec.json"))
+    metrics = Path(spec.output_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.PREEMPTED, out
+    (ckpt,) = Path(spec.checkpoint.dir).glob("step-*")
+    step = int(ckpt.name.split("-")[1])
+    assert step >= 2 and (ckpt / "adapter" / "adapter_model.safetensors").exists()
+    assert (ckpt / "optimizer.pt").exists()
+    assert _termination(spec)["code"] == "preempted"
+    reports = _reports(spec)
+    assert any(r["type"] == "checkpoint" and r["step"] == step for r in reports)
+    assert not any(r["type"] == "error" for r in reports)
+
+
+class OutOfMemoryError(RuntimeError):  # the name torch uses (torch.OutOfMemoryError)
+    pass
+
+
+class XlaRuntimeError(RuntimeError):  # the name jaxlib uses
+    pass
+
+
+@pytest.mark.parametrize(
+    ("exc", "exit_code", "code"),
+    [
+        (UserError("bad", code="invalid_dataset"), ExitCode.USER_ERROR, "invalid_dataset"),
+        (OutOfMemoryError("CUDA out of memory"), ExitCode.OUT_OF_MEMORY, "out_of_memory"),
+        (XlaRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating"), ExitCode.OUT_OF_MEMORY, "out_of_memory"),
+        (MemoryError(), ExitCode.OUT_OF_MEMORY, "out_of_memory"),
+        (OSError(errno.ENOSPC, "No space left on device"), ExitCode.USER_ERROR, "disk_full"),
+        (XlaRuntimeError("INTERNAL: something"), ExitCode.INTERNAL_ERROR, "internal_error"),
+        (KeyError("x"), ExitCode.INTERNAL_ERROR, "internal_error"),
+    ],
+)
+def test_exceptions_map_to_exit_codes(exc, exit_code, code):
+    err = classify(exc)
+    assert (err.exit_code, err.code) == (exit_code, code)
+
+
+def test_wrapped_disk_full_is_still_disk_full():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("checkpoint failed") from inner
+    except RuntimeError as outer:
+        assert classify(outer).code == "disk_full"
+
+
+def test_a_recipe_missing_from_the_image_is_trainer_unavailable(monkeypatch):
+    from trainers import __main__ as entry
+
+    monkeypatch.setitem(entry.RECIPES, "fsdp_qlora", "trainers.no_such_recipe:run")
+    with pytest.raises(UserError) as err:
+        entry.load_recipe("fsdp_qlora")
+    assert err.value.code == "trainer_unavailable"
+    monkeypatch.setitem(entry.RECIPES, "fsdp_qlora", "trainers.exit_codes:run")
+    with pytest.raises(UserError, match="has no run"):
+        entry.load_recipe("fsdp_qlora")
+    assert entry.load_recipe.__module__ == "trainers.__main__"

@@ -1,0 +1,131 @@
+"""Estimator parts checked against the libraries that define them.
+
+Storage per quantized weight against bitsandbytes' and HQQ's own quantizers; parameter
+counts against a transformers Llama built on the meta device; LoRA parameter counts
+against peft. Then the fitting rules (smallest GPU count, headroom, offload).
+"""
+
+import pytest
+import torch
+
+from worker.scheduler.estimator import (
+    HEADROOM, KNOWN_MODELS, EstimateError, ModelShape, TrainingShape, candidate_gpu_counts, estimate_on_pool,
+    lora_params, memory_per_gpu, quantized_bytes_per_param,
+)
+from tests.worker.builders import mi300x, rtx4090
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _bnb_bytes_per_param(double_quant: bool) -> float:
+    import bitsandbytes.functional as F
+
+    w = torch.randn(512, 1024, dtype=torch.bfloat16)
+    packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+    total = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
+    if state.nested:
+        total += state.state2.absmax.numel() * state.state2.absmax.element_size()
+    return total / w.numel()
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_storage_matches_bitsandbytes(double_quant):
+    ours = quantized_bytes_per_param(TrainingShape(method="qlora", quantization="nf4", double_quant=double_quant))
+    assert ours == pytest.approx(_bnb_bytes_per_param(double_quant), rel=1e-3)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_hqq_storage_matches_hqq(group):
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    lin = torch.nn.Linear(512, 256, bias=False)
+    q = HQQLinear(lin, BaseQuantizeConfig(nbits=4, group_size=group), compute_dtype=torch.bfloat16, device="cpu")
+    total = q.W_q.numel() * q.W_q.element_size() + sum(
+        q.meta[k].numel() * q.meta[k].element_size() for k in ("scale", "zero"))
+    ours = quantized_bytes_per_param(TrainingShape(method="qlora", quantization="hqq4", hqq_group_size=group))
+    assert ours == pytest.approx(total / (512 * 256), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3.1-8b", "llama-3.1-70b"])
+def test_param_count_matches_transformers(name):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = KNOWN_MODELS[name]
+    cfg = LlamaConfig(hidden_size=m.hidden, num_hidden_layers=m.layers, num_attention_heads=m.heads,
+                      num_key_value_heads=m.kv_heads, intermediate_size=m.intermediate, vocab_size=m.vocab)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert m.params == sum(p.numel() for p in model.parameters())
+    parsed = ModelShape.from_hf_config(cfg.to_dict())
+    assert (parsed.params, parsed.hd, parsed.kv_heads) == (m.params, m.hd, m.kv_heads)
+
+
+def test_lora_param_count_matches_peft():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=list(ALL)))
+    trainable, _ = model.get_nb_trainable_parameters()
+    shape = ModelShape.from_hf_config(cfg.to_dict())
+    assert lora_params(shape, TrainingShape(r=4, target_modules=ALL)) == trainable
+
+
+def test_bad_inputs_have_codes():
+    with pytest.raises(EstimateError) as e:
+        ModelShape.from_hf_config({"hidden_size": 8})
+    assert e.value.code == "invalid_model_config"
+    with pytest.raises(EstimateError) as e:
+        TrainingShape(method="qlora")
+    assert e.value.code == "invalid_adapter"
+    with pytest.raises(EstimateError):
+        lora_params(KNOWN_MODELS["llama-2-7b"], TrainingShape(target_modules=("lm_head",)))
+
+
+def test_more_gpus_means_less_memory_each_and_checkpointing_saves_activations():
+    m = KNOWN_MODELS["llama-3.1-70b"]
+    t = TrainingShape(method="qlora", quantization="nf4", seq_len=4096)
+    per = [memory_per_gpu(m, t, n, accelerator="gpu").total for n in (2, 4, 8)]
+    assert per[0] > per[1] > per[2]
+    no_ckpt = TrainingShape(method="qlora", quantization="nf4", seq_len=4096, checkpointing=False)
+    assert memory_per_gpu(m, no_ckpt, 8, accelerator="gpu").activations > 5 * memory_per_gpu(m, t, 8, accelerator="gpu").activations
+
+
+# (job, pool, expected GPUs, expected offload) -- the smallest count that fits in HEADROOM.
+TABLE = [
+    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, False),
+    ("8b lora on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024), rtx4090(), 1, False),
+    ("8b lora 8k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192), rtx4090(), 1, True),
+    ("8b lora 8k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"), rtx4090(), 6, False),
+    ("70b qlora on 4090 (no offload; Answer.AI: 4x A5000 24GB)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512, cpu_offload="never"), rtx4090(), 4, False),
+    ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
+    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, False),
+    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, False),
+]
+
+
+@pytest.mark.parametrize("name, model, training, pool, gpus, offload", TABLE, ids=[t[0] for t in TABLE])
+def test_smallest_fitting_gpu_count(name, model, training, pool, gpus, offload):
+    est = estimate_on_pool(model, training, pool, total_tokens=1_000_000)
+    print(f"{name}: {est.gpus} GPUs, {est.bytes_per_gpu / 2**30:.1f} GiB/GPU, {est.tokens_per_s:.0f} tok/s, "
+          f"${est.cost:.2f}")
+    assert est.fits and (est.gpus, est.offload) == (gpus, offload)
+    assert est.bytes_per_gpu <= HEADROOM * pool.gpu_memory_bytes
+    if gpus > 1:  # one step smaller would not fit
+        smaller = candidate_gpu_counts(pool)[candidate_gpu_counts(pool).index(gpus) - 1]
+        assert memory_per_gpu(model, training, smaller, accelerator=pool.accelerator).total > HEADROOM * pool.gpu_memory_bytes
+    assert est.eta_s == pytest.approx(1_000_000 / est.tokens_per_s)
+    assert est.cost == pytest.approx(est.eta_s / 3600 * gpus * pool.price_per_gpu_hour)
+
+
+def test_405b_does_not_fit_4090s_and_says_why():
+    est = estimate_on_pool(KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), rtx4090())
+    assert not est.fits
+    assert "per GPU even on 8x nvidia-rtx-4090" in est.reasons[0]
+
+
+def test_offload_only_on_gpu_torch_pools():
+    m, t = KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=2048, cpu_offload="always")
+    assert estimate_on_pool(m, t, rtx4090()).offload
+    assert not estimate_on_pool(m, TrainingShape(method="lora", cpu_offload="always"), mi300x()).fits

@@ -1,0 +1,124 @@
+"""place_job: table-driven cases over a two-pool cluster (MI300X + RTX 4090)."""
+
+import pytest
+
+from worker.scheduler.placement import PreemptionPolicy, place_job
+from tests.worker.builders import cluster, make_job, mi300x, running, rtx4090
+
+POLICY = PreemptionPolicy()
+
+
+def full_4090s(nodes=4, **kw):
+    pool = rtx4090(nodes=nodes, **kw)
+    jobs = [running(f"r{i}", "rtx4090", [(f"rtx4090-{i}", 2)], priority="low", started_at=i) for i in range(nodes)]
+    return pool, jobs
+
+
+CASES = [
+    # name, job, pools, running, expected (mode, pool, gpus), reason fragment
+    ("7b qlora takes one 4090", make_job().qlora("7b").tokens(10**6), [mi300x(1), rtx4090(2)], [],
+     ("fit", "rtx4090", 1), "1x nvidia-rtx-4090"),
+    ("405b lora needs a whole mi300x node", make_job().lora("405b"), [mi300x(1), rtx4090(2)], [],
+     ("fit", "mi300x", 8), "8x amd-mi300x"),
+    ("pinned pool is honoured", make_job().qlora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)], [],
+     ("fit", "mi300x", 1), ""),
+    ("pinned trainer family restricts pools", make_job().qlora("7b").trainer("jax_lora"), [mi300x(1), rtx4090(2)], [],
+     ("fit", "mi300x", 1), ""),
+    ("unknown pool", make_job().qlora("7b").pool("tpu"), [rtx4090(2)], [], ("no_fit", None, 0), "pool 'tpu' does not exist"),
+    ("405b never fits 4090s", make_job().lora("405b"), [rtx4090(4)], [], ("no_fit", None, 0),
+     "per GPU even on 8x nvidia-rtx-4090"),
+    ("405b waits for a whole node", make_job().lora("405b"), [mi300x(1)],
+     [running("x", "mi300x", [("mi300x-0", 1)])], ("no_fit", None, 0), "needs 8x amd-mi300x, 7 free"),
+    ("multi-node gang needs whole free nodes", make_job().qlora("70b").gpus(4), [rtx4090(3)],
+     [running("x", "rtx4090", [("rtx4090-0", 1)]), running("y", "rtx4090", [("rtx4090-1", 1)])],
+     ("no_fit", None, 0), "needs 4x nvidia-rtx-4090 (2 whole nodes), 1 whole nodes free"),
+    ("multi-node gang fits on whole nodes", make_job().qlora("70b").gpus(4), [rtx4090(3)],
+     [running("x", "rtx4090", [("rtx4090-0", 1)])], ("fit", "rtx4090", 4), ""),
+    ("jax-only job cannot use 4090s", make_job().qlora("7b").trainer("jax_lora"), [rtx4090(2)], [],
+     ("no_fit", None, 0), "rtx4090: runs fsdp_qlora, job needs jax_lora"),
+]
+
+
+@pytest.mark.parametrize("name, builder, pools, jobs, expected, fragment", CASES, ids=[c[0] for c in CASES])
+def test_place_job(name, builder, pools, jobs, expected, fragment):
+    placement = place_job(builder.build(), cluster(*pools, running=jobs), policy=POLICY)
+    assert (placement.mode, placement.pool, placement.gpus) == expected
+    assert fragment in placement.reason_text()
+    if placement.mode == "fit":
+        assert sum(n for _, n in placement.nodes) == placement.gpus
+        assert placement.trainer in {"jax_lora", "fsdp_qlora"}
+
+
+def test_trainer_follows_pool():
+    snap = cluster(mi300x(1), rtx4090(1))
+    assert place_job(make_job().lora("405b").build(), snap).trainer == "jax_lora"
+    assert place_job(make_job().qlora("7b").tokens(10**6).build(), snap).trainer == "fsdp_qlora"
+
+
+def test_single_node_gang_uses_best_fit_node():
+    # node 0 has 1 free, node 1 has 2 free: a 1-GPU job goes to node 0 and keeps node 1 whole.
+    snap = cluster(rtx4090(2), running=[running("x", "rtx4090", [("rtx4090-0", 1)])])
+    p = place_job(make_job().qlora("7b").build(), snap)
+    assert p.nodes == (("rtx4090-0", 1),)
+
+
+def test_quota_blocks_without_borrowing():
+    pool = rtx4090(4, max_gpus_per_tenant={"org-a": 2})
+    snap = cluster(pool, running=[running("x", "rtx4090", [("rtx4090-0", 2)], tenant="org-a")])
+    p = place_job(make_job().qlora("7b").tenant("org-a").build(), snap)
+    assert p.mode == "no_fit" and "tenant quota 2 GPUs, 2 in use, needs 1 more" in p.reason_text()
+    assert place_job(make_job().qlora("7b").tenant("org-b").build(), snap).mode == "fit"
+
+
+def test_quota_borrowing_admits_and_flags():
+    pool = rtx4090(4, max_gpus_per_tenant={"*": 2}, quota_borrowing=True)
+    snap = cluster(pool, running=[running("x", "rtx4090", [("rtx4090-0", 2)], tenant="org-a")])
+    p = place_job(make_job().qlora("7b").tenant("org-a").build(), snap)
+    assert p.mode == "fit" and p.borrowing
+
+
+def test_preemption_same_tenant_lower_priority():
+    pool, jobs = full_4090s(2)
+    p = place_job(make_job().qlora("7b").priority("high").build(), cluster(pool, running=jobs), policy=POLICY)
+    assert p.mode == "fit_after_preemption"
+    assert p.victims == ("r1",)  # the most recently started low-priority job: least work lost
+
+
+def test_no_preemption_of_equal_priority_or_when_disabled():
+    pool, jobs = full_4090s(2)
+    snap = cluster(pool, running=jobs)
+    assert place_job(make_job().qlora("7b").priority("low").build(), snap, policy=POLICY).mode == "no_fit"
+    assert place_job(make_job().qlora("7b").priority("high").build(), snap,
+                     policy=PreemptionPolicy(enabled=False)).mode == "no_fit"
+    assert place_job(make_job().qlora("7b").priority("high").build(), snap, policy=None).mode == "no_fit"
+
+
+def test_never_preempt_another_tenant_without_borrowing():
+    pool = rtx4090(2)
+    jobs = [running(f"r{i}", "rtx4090", [(f"rtx4090-{i}", 2)], tenant="org-b", priority="low") for i in range(2)]
+    p = place_job(make_job().qlora("7b").priority(100).tenant("org-a").build(), cluster(pool, running=jobs),
+                  policy=POLICY)
+    assert p.mode == "no_fit"
+
+
+def test_preempt_another_tenants_borrowed_gpus():
+    pool = rtx4090(2, max_gpus_per_tenant={"*": 2}, quota_borrowing=True)
+    jobs = [running(f"r{i}", "rtx4090", [(f"rtx4090-{i}", 2)], tenant="org-b", priority="low") for i in range(2)]
+    p = place_job(make_job().qlora("7b").priority("high").tenant("org-a").build(), cluster(pool, running=jobs),
+                  policy=POLICY)
+    assert p.mode == "fit_after_preemption" and len(p.victims) == 1
+
+
+def test_stopping_jobs_are_waited_for_not_re_preempted():
+    pool, jobs = full_4090s(2)
+    jobs[1] = running("r1", "rtx4090", [("rtx4090-1", 2)], priority="low", started_at=1, stopping=True)
+    p = place_job(make_job().qlora("7b").priority("high").build(), cluster(pool, running=jobs), policy=POLICY)
+    assert p.mode == "fit_after_preemption" and p.victims == ()
+    assert "waiting for stopping job(s)" in p.reason_text()
+
+
+def test_multi_node_preemption_frees_whole_nodes():
+    pool, jobs = full_4090s(3)
+    p = place_job(make_job().qlora("70b").gpus(4).priority("high").build(), cluster(pool, running=jobs), policy=POLICY)
+    assert p.mode == "fit_after_preemption" and len(p.victims) == 2
+    assert {n for n, _ in p.nodes} == {n for v in p.victims for n, _ in jobs[int(v[1:])].nodes}

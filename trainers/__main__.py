@@ -1,0 +1,180 @@
+"""Trainer entry point: ``python -m trainers --spec spec.json``.
+
+1. Parse the spec (unreadable or invalid -> exit USER_ERROR, code ``invalid_spec``).
+2. Build the reporter (``trainers.common.reporter``) and install the SIGTERM flag.
+3. Dispatch to the recipe named by ``spec.trainer`` (imported lazily, so a torch image
+   without jax, or the reverse, still starts): ``trainers.fsdp_qlora.recipe:run`` or
+   ``trainers.jax_lora.recipe:run``. A recipe is ``run(spec, *, reporter, stop)``; it
+   raises :class:`trainers.errors.TrainerError` subclasses for conditions the user can act
+   on, and :class:`~trainers.errors.Preempted` after checkpointing on SIGTERM.
+4. Map the outcome to the exit code (``trainers.exit_codes``), write ``{"code",
+   "message"}`` to ``spec.termination_log`` and report an ``error`` item:
+
+   ===============================================  ===============  =================
+   outcome                                          exit code        code
+   ===============================================  ===============  =================
+   success                                          SUCCESS (0)      -
+   TrainerError subclass                            its exit_code    its code
+   torch/jax out of memory, MemoryError             OUT_OF_MEMORY    ``out_of_memory``
+   OSError ENOSPC / EDQUOT                          USER_ERROR       ``disk_full``
+   recipe module/framework missing in this image    USER_ERROR       ``trainer_unavailable``
+   anything else                                    INTERNAL_ERROR   ``internal_error``
+   ===============================================  ===============  =================
+
+``Preempted`` is an expected outcome, not an error: it is reported as an event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainers.errors import DiskFull, OutOfMemory, Preempted, TrainerError, UserError
+from trainers.exit_codes import ExitCode
+
+log = logging.getLogger("trainers")
+
+RECIPES: dict[str, str] = {
+    "fsdp_qlora": "trainers.fsdp_qlora.recipe:run",
+    "jax_lora": "trainers.jax_lora.recipe:run",
+}
+REPORTS_FILE = "reports.jsonl"  # standalone mode; in checkpoint.dir, not in the manifest
+SPOOL_DIR = ".report-spool"
+CLOSE_TIMEOUT_S = 15.0
+
+
+def load_recipe(trainer: str) -> Callable[..., Any]:
+    """Import ``run`` of the named recipe; UserError ``trainer_unavailable`` if this image
+    lacks it (or its framework)."""
+    target = RECIPES.get(trainer)
+    if target is None:
+        raise UserError(f"unknown trainer {trainer!r}", code="invalid_spec")
+    module_name, attr = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UserError(
+            f"trainer {trainer!r} is not available in this image ({exc})", code="trainer_unavailable"
+        ) from exc
+    run = getattr(module, attr, None)
+    if run is None:
+        raise UserError(f"{module_name} has no {attr}()", code="trainer_unavailable")
+    return run
+
+
+def classify(exc: BaseException) -> TrainerError:
+    """Map any exception to a TrainerError with the right exit code and stable code."""
+    if isinstance(exc, TrainerError):
+        return exc
+    for e in _chain(exc):
+        if isinstance(e, MemoryError) or _is_framework_oom(e):
+            return OutOfMemory(f"out of memory: {e}")
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DiskFull(f"no space left on device: {e}")
+    err = TrainerError(f"{type(exc).__name__}: {exc}", code="internal_error")
+    return err
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def _is_framework_oom(exc: BaseException) -> bool:
+    # By name, so the entry point imports neither torch nor jax: torch raises
+    # torch.OutOfMemoryError (CUDA/ROCm); XLA raises XlaRuntimeError RESOURCE_EXHAUSTED.
+    names = {t.__name__ for t in type(exc).__mro__}
+    if "OutOfMemoryError" in names:
+        return True
+    return "XlaRuntimeError" in names and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+def write_termination_log(path: str | None, error: TrainerError) -> None:
+    if not path:
+        return
+    try:
+        Path(path).write_text(json.dumps(error.to_dict()) + "\n", encoding="utf-8")
+    except OSError:
+        log.exception("cannot write the termination log %s", path)
+
+
+def _termination_log_of(spec_path: str) -> str | None:
+    """Best effort: the termination_log of a spec that failed validation."""
+    try:
+        raw = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = raw.get("termination_log") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainers", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="path of the trainer spec JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from pydantic import ValidationError
+
+    from trainers.spec import TrainerSpec
+
+    try:
+        spec = TrainerSpec.load(args.spec)
+    except (OSError, ValueError, ValidationError) as exc:
+        error = UserError(f"cannot read the trainer spec {args.spec}: {exc}", code="invalid_spec")
+        print(json.dumps(error.to_dict()), file=sys.stderr)
+        write_termination_log(_termination_log_of(args.spec), error)
+        return int(error.exit_code)
+
+    from trainers.common.reporter import reporter_from_spec
+    from trainers.common.signals import StopFlag
+
+    output_dir = Path(spec.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # The spool lives next to the checkpoints: both survive a restart of the trainer, so
+    # a restarted process re-sends what was not acknowledged and never reuses a seq.
+    reporter = reporter_from_spec(
+        spec.report,
+        default_spool_dir=Path(spec.checkpoint.dir) / SPOOL_DIR,
+        local_path=Path(spec.checkpoint.dir) / REPORTS_FILE,
+    )
+    stop = StopFlag().install()
+    error: TrainerError | None = None
+    try:
+        run = load_recipe(spec.trainer)
+        run(spec, reporter=reporter, stop=stop)
+    except BaseException as exc:  # every outcome must become an exit code  # noqa: BLE001
+        if isinstance(exc, KeyboardInterrupt):
+            exc = Preempted("interrupted")
+        error = classify(exc)
+        if error.exit_code == ExitCode.INTERNAL_ERROR:
+            log.error("trainer crashed:\n%s", "".join(traceback.format_exception(exc)))
+        else:
+            log.error("%s: %s", error.code, error.message)
+    finally:
+        stop.uninstall()
+    if error is not None:
+        if isinstance(error, Preempted):
+            reporter.event(f"preempted: {error.message}", level="warning")
+        else:
+            reporter.error(error.code, error.message)
+        write_termination_log(spec.termination_log, error)
+    if not reporter.close(timeout_s=CLOSE_TIMEOUT_S):
+        log.warning("some reports were not delivered; they stay spooled for the next attempt")
+    return int(error.exit_code) if error is not None else int(ExitCode.SUCCESS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

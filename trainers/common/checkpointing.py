@@ -1,0 +1,178 @@
+"""Checkpoint layout, atomic writes, keep-last-K, and the framework-neutral trainer state.
+
+Layout (docs/internals.md)::
+
+    <checkpoint.dir>/step-<N>/
+        trainer_state.json      step, epoch, data cursor, RNG states, metrics, extra
+        ...                     tensors written by the recipe (adapter, optimizer state)
+
+A checkpoint is written into a hidden temporary directory next to its final place and
+renamed into place once every file is fsynced, so a crash (or SIGKILL) mid-write never
+leaves a half checkpoint that :func:`latest_checkpoint` would pick. Framework tensors
+are the recipe's business: it passes a ``write_tensors(dir)`` callback.
+
+RNG: :func:`capture_host_rng` / :func:`restore_host_rng` cover Python's ``random`` and
+numpy's global generator; the recipe adds its framework's generator state (e.g. torch's
+CPU generator, base64-encoded) under ``rng["framework"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainers.common.data import DataCursor
+
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """What a resumed run needs besides tensors. JSON-serializable."""
+
+    step: int
+    epoch: int
+    cursor: DataCursor
+    rng: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cursor"] = self.cursor.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainerState:
+        return cls(
+            step=int(d["step"]),
+            epoch=int(d["epoch"]),
+            cursor=DataCursor.from_dict(d["cursor"]),
+            rng=d.get("rng", {}),
+            metrics=d.get("metrics", {}),
+            extra=d.get("extra", {}),
+        )
+
+
+def capture_host_rng() -> dict[str, Any]:
+    """Python ``random`` and numpy global RNG states as JSON values."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def restore_host_rng(rng: dict[str, Any]) -> None:
+    if "python" in rng:
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in rng:
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def checkpoint_path(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = []
+    for p in base.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / TRAINER_STATE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: str | Path,
+    state: TrainerState,
+    write_tensors: Callable[[Path], None],
+    *,
+    keep_last: int,
+) -> Path:
+    """Atomically write ``step-<state.step>`` under ``root`` and prune to ``keep_last``.
+
+    Args:
+        write_tensors: called with the (temporary) directory to put framework files in.
+
+    Returns:
+        The final checkpoint directory.
+    """
+    base = Path(root)
+    base.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(base, state.step)
+    tmp = base / f".tmp-step-{state.step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_tensors(tmp)
+    (tmp / TRAINER_STATE).write_text(json.dumps(state.to_dict(), indent=1), encoding="utf-8")
+    _fsync_tree(tmp)
+    if final.exists():  # the same step again (e.g. SIGTERM right after a periodic save)
+        old = base / f".old-step-{state.step}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(base)
+    prune_checkpoints(base, keep_last)
+    return final
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted paths."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    doomed = [p for _, p in list_checkpoints(root)[:-keep_last]]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def load_trainer_state(checkpoint_dir: str | Path) -> TrainerState:
+    return TrainerState.from_dict(
+        json.loads((Path(checkpoint_dir) / TRAINER_STATE).read_text(encoding="utf-8"))
+    )

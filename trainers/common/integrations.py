@@ -1,0 +1,215 @@
+"""Mirror a job's metrics and adapter to experiment trackers (MLflow, Weights & Biases).
+
+The job's ``integrations`` (``TrainerSpec.integrations``) name the trackers. The trainer
+builds one ``TrackerMirror`` with ``mirror_from_spec(spec)`` and the reporter hands it
+every report item it queues (``mirror.add(item)``), so the trackers see exactly what the
+service sees:
+
+- ``metric`` items -> tracker metrics at their ``step`` (loss, lr, grad norm, tokens/s, ...);
+- ``artifacts`` items -> the PEFT adapter directory (``<location>/adapter``) as an
+  artifact (MLflow: ``adapter/`` of the run; W&B: a ``model`` artifact);
+- ``error`` items -> the run ends as failed.
+
+A tracker is a convenience, never a reason to lose a training run: any tracker error is
+logged once, turned into a warning event for the user, and that tracker is switched off.
+The tracker libraries are imported only when a job asks for them (trainer images that
+never mirror need neither). Credentials come from the environment of the trainer
+(``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN`` ...), never from the spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainers.spec import IntegrationSpec, TrainerSpec
+
+log = logging.getLogger(__name__)
+
+# Metric fields of a report item that trackers get (ids and clocks are not metrics).
+_NOT_METRICS = frozenset({"type", "step", "total_steps", "time"})
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None: ...
+
+    def log_adapter(self, adapter_dir: Path) -> None: ...
+
+    def finish(self, failed: bool) -> None: ...
+
+
+def run_params(spec: TrainerSpec) -> dict[str, Any]:
+    """The hyperparameters a tracker shows next to the run (flat, short keys)."""
+    hp = spec.hyperparameters
+    ad = spec.adapter
+    return {
+        "job_id": spec.job_id, "trainer": spec.trainer, "base_model": spec.model.path,
+        "n_epochs": hp.n_epochs, "batch_size": hp.batch_size, "micro_batch_size": hp.micro_batch_size,
+        "learning_rate": hp.learning_rate, "lr_scheduler": hp.lr_scheduler, "warmup_steps": hp.warmup_steps,
+        "max_steps": hp.max_steps, "lora_method": ad.method, "lora_r": ad.r, "lora_alpha": ad.alpha,
+        "lora_dropout": ad.dropout, "target_modules": ",".join(ad.target_modules),
+        "quantization": ad.quantization, "max_seq_len": spec.data.max_seq_len, "packing": spec.data.packing,
+        "seed": spec.seed,
+    }
+
+
+class MlflowTracker:
+    """One MLflow run per job, through ``MlflowClient`` (no global active-run state)."""
+
+    name = "mlflow"
+
+    def __init__(self, integration: IntegrationSpec, spec: TrainerSpec) -> None:
+        from mlflow import MlflowClient
+
+        uri = integration.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise ValueError("the mlflow integration needs a tracking_uri (or MLFLOW_TRACKING_URI)")
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment_name = integration.project or "tunefleet"
+        experiment = self.client.get_experiment_by_name(experiment_name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
+        tags = {"tunefleet.job_id": spec.job_id, "tunefleet.trainer": spec.trainer}
+        tags.update({t: "" for t in integration.tags})
+        run = self.client.create_run(experiment_id, run_name=integration.name or spec.job_id, tags=tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)) for k, v in run_params(spec).items() if v is not None]
+        self.client.log_batch(self.run_id, params=params)
+
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None:
+        from mlflow.entities import Metric
+
+        ts = timestamp_ms if timestamp_ms is not None else 0
+        batch = [Metric(key, value, ts, step) for key, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_adapter(self, adapter_dir: Path) -> None:
+        self.client.log_artifacts(self.run_id, str(adapter_dir), artifact_path="adapter")
+
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class WandbTracker:
+    """One W&B run per job; ``WANDB_MODE=offline`` keeps it on local disk."""
+
+    name = "wandb"
+
+    def __init__(self, integration: IntegrationSpec, spec: TrainerSpec) -> None:
+        import wandb
+
+        self._wandb = wandb
+        self.job_id = spec.job_id
+        self.run = wandb.init(
+            project=integration.project or "tunefleet",
+            entity=integration.entity,
+            name=integration.name or spec.job_id,
+            tags=list(integration.tags) or None,
+            config=run_params(spec),
+            dir=os.environ.get("WANDB_DIR") or None,
+            reinit="create_new",
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_adapter(self, adapter_dir: Path) -> None:
+        artifact = self._wandb.Artifact(name=f"{self.job_id}-adapter", type="model",
+                                        metadata={"format": "peft-lora"})
+        artifact.add_dir(str(adapter_dir))
+        self.run.log_artifact(artifact)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+TRACKERS: dict[str, Callable[[IntegrationSpec, TrainerSpec], Tracker]] = {
+    "mlflow": MlflowTracker,
+    "wandb": WandbTracker,
+}
+
+
+class TrackerMirror:
+    """Feeds report items to the trackers; never raises into the training loop.
+
+    Args:
+        trackers: started trackers.
+        warn: called with a user-facing message when a tracker is switched off
+            (the recipe passes ``reporter.event`` with level ``warn``).
+    """
+
+    def __init__(self, trackers: list[Tracker], warn: Callable[[str], None] | None = None) -> None:
+        self.trackers = list(trackers)
+        self._warn = warn
+        self._failed = False
+        self._closed = False
+
+    def add(self, item: dict[str, Any]) -> None:
+        kind = item.get("type")
+        if kind == "metric":
+            step = item.get("step")
+            metrics = {
+                k: float(v) for k, v in item.items()
+                if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(float(v))
+            }
+            if isinstance(step, int) and metrics:
+                ts = int(item["time"] * 1000) if isinstance(item.get("time"), (int, float)) else None
+                self._each("log_metrics", step, metrics, ts)
+        elif kind == "artifacts":
+            location = item.get("location")
+            adapter = Path(location) / "adapter" if isinstance(location, str) and "://" not in location else None
+            if adapter is not None and adapter.is_dir():
+                self._each("log_adapter", adapter)
+            elif location:
+                self._disable_all_for_artifacts(str(location))
+        elif kind == "error":
+            self._failed = True
+
+    def close(self, failed: bool | None = None) -> None:
+        """End every run (failed if an error item was seen or ``failed`` is True)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._each("finish", self._failed if failed is None else failed)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:
+                log.exception("%s tracker failed in %s; it is switched off", tracker.name, method)
+                self.trackers.remove(tracker)
+                if self._warn is not None:
+                    self._warn(f"{tracker.name} mirroring stopped: {type(exc).__name__}: {exc}")
+
+    def _disable_all_for_artifacts(self, location: str) -> None:
+        log.warning("adapter at %s is not a local directory; trackers get no artifact", location)
+        if self._warn is not None and self.trackers:
+            self._warn(f"the adapter at {location} is not local; it was not uploaded to the trackers")
+
+
+def mirror_from_spec(spec: TrainerSpec, warn: Callable[[str], None] | None = None) -> TrackerMirror | None:
+    """Start one tracker per ``spec.integrations`` entry; None when there are none.
+
+    A tracker that cannot start (library missing, server unreachable) is reported through
+    ``warn`` and skipped; the job trains anyway."""
+    if not spec.integrations:
+        return None
+    trackers: list[Tracker] = []
+    for integration in spec.integrations:
+        try:
+            trackers.append(TRACKERS[integration.type](integration, spec))
+        except Exception as exc:
+            log.exception("cannot start the %s integration", integration.type)
+            if warn is not None:
+                warn(f"{integration.type} integration not started: {type(exc).__name__}: {exc}")
+    return TrackerMirror(trackers, warn)

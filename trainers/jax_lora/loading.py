@@ -1,0 +1,222 @@
+"""Load an HF Llama checkpoint tensor by tensor straight into sharded device arrays.
+
+Each parameter is created with ``jax.make_array_from_callback``: for every local device
+the callback reads only that device's slice of the stored tensor(s) from a memory-mapped
+safetensors file, converts it to the target dtype, and hands it over. The host never
+holds the whole model, nor a whole tensor in float32: the peak is about one device
+shard (plus the page cache, which the OS can drop). A 405B model loads on a host with
+far less RAM than the model.
+
+Why our own safetensors reader: ``safe_open(framework="numpy")`` cannot return bfloat16
+(numpy has no such dtype) and the "flax" framework materializes arrays on the default
+device. The format is an 8-byte header length, a JSON header (dtype, shape, byte
+offsets per tensor) and raw little-endian data, so ``np.memmap`` with ``ml_dtypes``
+gives zero-copy, lazily-paged views of any tensor in any dtype.
+
+HF stores ``nn.Linear`` weights as (out_features, in_features); our kernels are
+(in..., out...), so each slice is transposed and reshaped on the way in.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from trainers.errors import UserError
+from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.model import PROJECTIONS, Params, param_axes, param_shapes, projection_shape
+from trainers.jax_lora.sharding import PARAM_RULES, tree_shardings
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+}
+
+
+class SafetensorsFile:
+    """Read-only, memory-mapped view of one ``.safetensors`` file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > 100_000_000:
+                raise UserError(f"{path} has an implausible header; not a safetensors file", code="corrupt_model")
+            header = json.loads(fh.read(header_len))
+        header.pop("__metadata__", None)
+        self._header = header
+        self._base = 8 + header_len
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get(self, name: str) -> np.ndarray:
+        """A zero-copy view; only the pages that are sliced are read from disk."""
+        info = self._header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UserError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}", code="corrupt_model")
+        start, end = info["data_offsets"]
+        raw = self._mmap[self._base + start : self._base + end]
+        return raw.view(dtype).reshape(info["shape"])
+
+
+class CheckpointReader:
+    """All tensors of an HF checkpoint dir (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = {name: SafetensorsFile(model_dir / name) for name in sorted(set(weight_map.values()))}
+            self._where = {key: files[fname] for key, fname in weight_map.items()}
+        elif single.is_file():
+            f = SafetensorsFile(single)
+            self._where = {key: f for key in f.keys()}
+        else:
+            raise UserError(
+                f"no model.safetensors or model.safetensors.index.json in {model_dir}", code="model_not_found"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise UserError(f"the checkpoint has no tensor {name!r}", code="corrupt_model")
+        return self._where[name].get(name)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """How one JAX parameter is assembled from HF tensors."""
+
+    hf_names: tuple[str, ...]  # one per layer for stacked params, else one
+    stacked: bool
+    transpose: bool  # HF (out, in) -> our (in, out)
+    in_dims: tuple[int, ...] = ()
+    out_dims: tuple[int, ...] = ()
+
+
+def _sources(cfg: LlamaConfig) -> Params:
+    layers: dict[str, _Source] = {}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        layers[norm] = _Source(
+            tuple(f"model.layers.{i}.{norm}.weight" for i in range(cfg.num_layers)), True, False
+        )
+    for name, proj in PROJECTIONS.items():
+        in_dims, out_dims = projection_shape(cfg, name)
+        layers[name] = _Source(
+            tuple(f"model.layers.{i}.{proj.parent}.{name}.weight" for i in range(cfg.num_layers)),
+            True, True, in_dims, out_dims,
+        )
+    tree: Params = {
+        "embed_tokens": _Source(("model.embed_tokens.weight",), False, False),
+        "layers": layers,
+        "norm": _Source(("model.norm.weight",), False, False),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = _Source(("lm_head.weight",), False, True, (cfg.hidden_size,), (cfg.vocab_size,))
+    return tree
+
+
+def _flat_range(index: tuple[slice, ...], dims: tuple[int, ...]) -> slice:
+    """A slice over a group of split-out dims (e.g. heads, head_dim) as one flat HF range.
+
+    Only the first dim of a group may be partial (the rules never shard ``head_dim``).
+    """
+    first = index[0].indices(dims[0])
+    for s, d in zip(index[1:], dims[1:], strict=True):
+        if s.indices(d) != (0, d, 1):
+            raise AssertionError("only the leading dim of a split-out group can be sharded")
+    inner = int(np.prod(dims[1:], dtype=np.int64))
+    return slice(first[0] * inner, first[1] * inner)
+
+
+def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+    def one(hf: np.ndarray, idx: tuple[slice, ...]) -> np.ndarray:
+        if not src.transpose:
+            return np.asarray(hf[idx], dtype=dtype)
+        n_in = len(src.in_dims)
+        in_idx, out_idx = idx[:n_in], idx[n_in:]
+        rows, cols = _flat_range(out_idx, src.out_dims), _flat_range(in_idx, src.in_dims)
+        part = np.asarray(hf[rows, cols], dtype=dtype).T  # (in_flat, out_flat) of this shard
+        local_in = tuple(s.indices(d)[1] - s.indices(d)[0] for s, d in zip(in_idx, src.in_dims, strict=True))
+        local_out = tuple(s.indices(d)[1] - s.indices(d)[0] for s, d in zip(out_idx, src.out_dims, strict=True))
+        return np.ascontiguousarray(part).reshape(local_in + local_out)
+
+    if not src.stacked:
+        hf = reader.get(src.hf_names[0])
+        if not src.transpose and tuple(hf.shape) != shape:
+            raise UserError(f"{src.hf_names[0]} has shape {tuple(hf.shape)}, config implies {shape}", code="corrupt_model")
+        return one(hf, index)
+    layer_range = range(*index[0].indices(shape[0]))
+    parts = []
+    for layer in layer_range:
+        hf = reader.get(src.hf_names[layer])
+        expected = (
+            (int(np.prod(src.out_dims)), int(np.prod(src.in_dims))) if src.transpose else shape[1:]
+        )
+        if tuple(hf.shape) != tuple(expected):
+            raise UserError(
+                f"{src.hf_names[layer]} has shape {tuple(hf.shape)}, config implies {tuple(expected)}",
+                code="corrupt_model",
+            )
+        parts.append(one(hf, index[1:]))
+    return np.stack(parts)
+
+
+def host_peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_params(
+    model_dir: str | Path, cfg: LlamaConfig, mesh: Mesh, dtype: Any = jnp.bfloat16
+) -> tuple[Params, dict[str, int]]:
+    """Load the base weights into arrays sharded by ``PARAM_RULES`` on ``mesh``.
+
+    Returns:
+        (params, stats) with stats ``host_peak_rss_bytes`` (after loading) and
+        ``param_bytes`` (total, in the target dtype).
+    """
+    reader = CheckpointReader(model_dir)
+    if cfg.tie_word_embeddings is False and "lm_head.weight" not in reader:
+        raise UserError("config says untied embeddings but the checkpoint has no lm_head.weight", code="corrupt_model")
+    shapes = param_shapes(cfg, dtype)
+    shardings = tree_shardings(shapes, param_axes(cfg), mesh, PARAM_RULES)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def load_one(src: _Source, shape: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
+        return jax.make_array_from_callback(
+            shape.shape, sharding, lambda index: _read_shard(reader, src, shape.shape, index, np_dtype)
+        )
+
+    params = jax.tree.map(load_one, _sources(cfg), shapes, shardings, is_leaf=lambda x: isinstance(x, _Source))
+    total = sum(int(np.prod(s.shape)) * np_dtype.itemsize for s in jax.tree.leaves(shapes))
+    return params, {"host_peak_rss_bytes": host_peak_rss_bytes(), "param_bytes": total}
+
+
+def iter_hf_names(cfg: LlamaConfig) -> Iterator[str]:
+    """Every HF tensor name the model reads (for diagnostics and tests)."""
+    for src in jax.tree.leaves(_sources(cfg), is_leaf=lambda x: isinstance(x, _Source)):
+        yield from src.hf_names

@@ -1,0 +1,290 @@
+"""Llama 3.x in pure JAX: parameters as a pytree, with a parallel pytree of logical axes.
+
+Why pure JAX rather than Flax NNX: the trainer needs exactly three things from a model -
+a pytree of frozen base weights, a separate pytree of LoRA factors to differentiate, and
+logical axis names for both - and plain dicts give all three with no framework state to
+split or merge (``nnx.split``/``nnx.state`` filters), no module objects to trace, and a
+direct ``jax.grad`` w.r.t. the LoRA pytree alone. The whole model is ~200 lines that
+read like the math, and stacking the layers along a leading ``layers`` axis lets one
+``lax.scan`` compile a single layer body (compile time independent of depth; remat is a
+``jax.checkpoint`` around that body).
+
+Layout. Kernels are stored (in..., out...) with heads split out, e.g. ``q_proj`` is
+(layers, embed, heads, head_dim) and ``o_proj`` is (layers, heads, head_dim, embed), so
+every named dimension can be sharded by the rules in ``sharding.py``. Activations are
+constrained with logical names through an injected ``constrain(x, axes)``; this module
+never mentions a mesh axis.
+
+Numerics follow ``transformers.LlamaForCausalLM``: RMSNorm in float32 then cast back
+before the weight multiply, rotate-half RoPE (incl. Llama 3.1 ``llama3`` frequency
+scaling), softmax in float32, SwiGLU MLP, tied or untied LM head. Packed sequences use
+``segment_ids`` (0 = padding) and per-segment ``positions``: a token attends only to
+earlier tokens of its own segment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainers.jax_lora.config import LlamaConfig, rope_inverse_frequencies
+
+Params = dict[str, Any]
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
+RematPolicy = Literal["none", "per_layer", "dots_saveable"]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A linear layer inside a decoder layer: where it lives and the logical axes of its input/output."""
+
+    parent: str  # "self_attn" | "mlp" (the HF module path segment)
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+
+
+PROJECTIONS: dict[str, Projection] = {
+    "q_proj": Projection("self_attn", ("embed",), ("heads", "head_dim")),
+    "k_proj": Projection("self_attn", ("embed",), ("kv_heads", "head_dim")),
+    "v_proj": Projection("self_attn", ("embed",), ("kv_heads", "head_dim")),
+    "o_proj": Projection("self_attn", ("heads", "head_dim"), ("embed",)),
+    "gate_proj": Projection("mlp", ("embed",), ("mlp",)),
+    "up_proj": Projection("mlp", ("embed",), ("mlp",)),
+    "down_proj": Projection("mlp", ("mlp",), ("embed",)),
+}
+
+
+def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
+    return {
+        "layers": cfg.num_layers,
+        "vocab": cfg.vocab_size,
+        "embed": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "mlp": cfg.intermediate_size,
+    }
+
+
+def projection_shape(cfg: LlamaConfig, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input dims, output dims) of one projection, without the layers axis."""
+    sizes = axis_sizes(cfg)
+    proj = PROJECTIONS[name]
+    return tuple(sizes[a] for a in proj.in_axes), tuple(sizes[a] for a in proj.out_axes)
+
+
+def param_axes(cfg: LlamaConfig) -> Params:
+    """Logical axis names of every base parameter (same tree structure as the params)."""
+    layers: dict[str, tuple[str, ...]] = {
+        "input_layernorm": ("layers", "embed"),
+        "post_attention_layernorm": ("layers", "embed"),
+    }
+    for name, proj in PROJECTIONS.items():
+        layers[name] = ("layers", *proj.in_axes, *proj.out_axes)
+    axes: Params = {"embed_tokens": ("vocab", "embed"), "layers": layers, "norm": ("embed",)}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(cfg: LlamaConfig, dtype: Any) -> Params:
+    """``jax.ShapeDtypeStruct`` of every base parameter."""
+    sizes = axis_sizes(cfg)
+    return jax.tree.map(
+        lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), jnp.dtype(dtype)),
+        param_axes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+    """Random weights (normal(0, std), norms = 1) for tests and benchmarks; real runs load."""
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    out = []
+    for k, leaf, path in zip(keys, leaves, paths, strict=True):
+        if "norm" in path:
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            out.append((std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _identity_constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    return x
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As HF: normalize in float32, cast back to the activation dtype, then scale.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape (batch, seq, head_dim) for rotate-half RoPE."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: (batch, seq, heads, head_dim); cos/sin: (batch, seq, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+@dataclass(frozen=True)
+class LoraRuntime:
+    """How LoRA factors enter the forward pass (the factors themselves are an argument)."""
+
+    scaling: float = 1.0
+    dropout: float = 0.0
+
+
+def project(
+    x: jax.Array,
+    kernel: jax.Array,
+    lora: dict[str, jax.Array] | None,
+    n_in: int,
+    runtime: LoraRuntime,
+    dropout_key: jax.Array | None,
+) -> jax.Array:
+    """``x @ W`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear)."""
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())))
+    if lora is None:
+        return y
+    x_in = x
+    if runtime.dropout > 0.0 and dropout_key is not None:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - runtime.dropout, x.shape)
+        x_in = jnp.where(keep, x / (1.0 - runtime.dropout), 0).astype(x.dtype)
+    a = jax.lax.dot_general(x_in, lora["lora_a"].astype(x.dtype), (contract, ((), ())))
+    b = lora["lora_b"].astype(x.dtype)
+    delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())))
+    return y + (runtime.scaling * delta).astype(y.dtype)
+
+
+def _decoder_layer(
+    h: jax.Array,
+    layer: Params,
+    lora: Params,
+    key: jax.Array | None,
+    *,
+    cfg: LlamaConfig,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array | None,
+    runtime: LoraRuntime,
+    constrain: Constrain,
+) -> jax.Array:
+    def proj(name: str, x: jax.Array) -> jax.Array:
+        k = None if key is None else jax.random.fold_in(key, list(PROJECTIONS).index(name))
+        return project(x, layer[name], lora.get(name), len(PROJECTIONS[name].in_axes), runtime, k)
+
+    x = rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps)
+    q = constrain(proj("q_proj", x), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(proj("k_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(proj("v_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # GQA without materializing repeated K/V: jax.nn.dot_product_attention groups the
+    # query heads over the kv heads itself. Softmax runs in float32 inside it.
+    attn = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=mask is None, scale=1.0 / math.sqrt(cfg.head_dim)
+    )
+    attn = constrain(attn, ("batch", "seq", "heads", "head_dim"))
+    h = h + constrain(proj("o_proj", attn), ("batch", "seq", "embed"))
+
+    x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+    gate = constrain(proj("gate_proj", x), ("batch", "seq", "mlp"))
+    up = constrain(proj("up_proj", x), ("batch", "seq", "mlp"))
+    mlp = proj("down_proj", jax.nn.silu(gate) * up)
+    return h + constrain(mlp, ("batch", "seq", "embed"))
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """(batch, 1, seq, seq) boolean: query q may attend to key k iff k <= q and both are
+    in the same non-padding segment (``trainers.common.data.block_causal_mask``).
+
+    Padding queries (segment 0) attend to themselves only, so no softmax row is empty;
+    their outputs are never trained on.
+    """
+    seq = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+    pad_self = jnp.eye(seq, dtype=bool)[None] & (segment_ids[:, :, None] == 0)
+    return ((causal[None] & same) | pad_self)[:, None]
+
+
+def forward(
+    params: Params,
+    lora: Params | None,
+    tokens: jax.Array,
+    *,
+    cfg: LlamaConfig,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    runtime: LoraRuntime = LoraRuntime(),
+    dropout_key: jax.Array | None = None,
+    remat: RematPolicy = "none",
+    compute_dtype: Any = jnp.float32,
+    constrain: Constrain = _identity_constrain,
+) -> jax.Array:
+    """Logits (batch, seq, vocab) in float32.
+
+    Args:
+        params: base weights (see ``param_axes``); never differentiated by the trainer.
+        lora: ``{proj_name: {"lora_a", "lora_b"}}`` with a leading layers axis, or None.
+        tokens: (batch, seq) int token ids.
+        segment_ids: (batch, seq) packing segments (1, 2, ...; 0 = padding). None means
+            one causal sequence per row (lets GPUs use their fused causal attention).
+        positions: (batch, seq) positions restarting at 0 in each segment; default arange.
+        dropout_key: enables LoRA dropout (training); None = no dropout (eval).
+        remat: "per_layer" recomputes each layer in the backward pass; "dots_saveable"
+            keeps matmul outputs and recomputes the cheap elementwise parts.
+    """
+    batch, seq = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    mask = None if segment_ids is None else attention_mask(segment_ids)
+    cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(cfg.rope, cfg.head_dim), compute_dtype)
+
+    h = jnp.take(params["embed_tokens"], tokens, axis=0).astype(compute_dtype)
+    h = constrain(h, ("batch", "seq", "embed"))
+
+    lora = lora or {}
+    keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
+
+    def body(carry: jax.Array, xs: tuple[Params, Params, jax.Array | None]) -> tuple[jax.Array, None]:
+        layer, layer_lora, key = xs
+        out = _decoder_layer(
+            carry, layer, layer_lora, key,
+            cfg=cfg, cos=cos, sin=sin, mask=mask, runtime=runtime, constrain=constrain,
+        )
+        return out, None
+
+    if remat == "per_layer":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    elif remat == "dots_saveable":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+    elif remat != "none":
+        raise ValueError(f"unknown remat policy {remat!r}")
+    h, _ = jax.lax.scan(body, h, (params["layers"], lora, keys))
+
+    h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        head = params["embed_tokens"].astype(compute_dtype)
+        logits = jnp.einsum("bse,ve->bsv", h, head, preferred_element_type=jnp.float32)
+    else:
+        head = params["lm_head"].astype(compute_dtype)
+        logits = jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))

@@ -1,0 +1,256 @@
+"""The train state, the optimizer and THE jitted train step (plus the eval step).
+
+One place declares every sharding: ``compile_steps`` jits the train step with explicit
+``in_shardings``/``out_shardings`` and donates the state, so the LoRA factors and the
+AdamW moments stay sharded like the parameters they belong to and are updated in place.
+
+Loss. Completion-only, as ``trainers.common.data`` labels it: ``labels`` are aligned with
+``input_ids`` (HF convention), position t is scored on predicting ``labels[t+1]`` and
+``-100`` is ignored. The loss of an optimizer step is the mean over ALL trained tokens of
+all its micro-batches (sum of token losses / token count), so gradient accumulation gives
+exactly the gradient of the full batch, whatever the padding per micro-batch.
+
+Gradients. ``jax.value_and_grad`` is taken w.r.t. the LoRA pytree only; the base weights
+are a plain (non-differentiated) argument, so no base-weight gradient is ever built.
+Micro-batches are a ``lax.scan`` (one compiled body, accumulation in the LoRA dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.model import LoraRuntime, Params, RematPolicy, forward
+from trainers.jax_lora.sharding import ACTIVATION_RULES, logical_to_spec, make_activation_constraint
+
+IGNORE_INDEX = -100
+Batch = dict[str, jax.Array]  # input_ids, labels, positions, segment_ids: (accum, rows, seq)
+BATCH_KEYS = ("input_ids", "labels", "positions", "segment_ids")
+
+
+def make_schedule(kind: str, *, base_lr: float, total_steps: int, warmup_steps: int) -> Callable[[jax.Array], jax.Array]:
+    """``trainers.common.schedules.learning_rate_at`` in jnp, as an optax schedule.
+
+    optax calls it with the number of updates done so far, i.e. the 0-based step.
+    """
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown schedule {kind!r}")
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        warm = base_lr * (step + 1.0) / max(warmup_steps, 1)
+        progress = jnp.clip((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0, 1.0)
+        if kind == "constant":
+            after = jnp.asarray(base_lr, jnp.float32)
+        elif kind == "linear":
+            after = base_lr * (1.0 - progress)
+        else:
+            after = base_lr * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step < warmup_steps, warm, after)
+
+    return schedule
+
+
+def make_optimizer(
+    schedule: Callable[[jax.Array], jax.Array], *, weight_decay: float, max_grad_norm: float | None
+) -> optax.GradientTransformation:
+    """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8, decoupled decay scaled by lr)."""
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def token_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-token NLL, mask and correctness after the causal shift, each (rows, seq-1)."""
+    logits = logits[:, :-1].astype(jnp.float32)
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    safe = jnp.where(mask, targets, 0)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    nll = jnp.where(mask, logz - picked, 0.0)
+    correct = mask & (jnp.argmax(logits, axis=-1) == targets)
+    return nll, mask, correct
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the compiled step (hashable: part of the jit cache key)."""
+
+    cfg: LlamaConfig
+    runtime: LoraRuntime
+    remat: RematPolicy = "none"
+    compute_dtype: str = "float32"
+    packed: bool = True  # False: plain causal rows (no segment mask; fused attention on GPU)
+
+
+def _forward_logits(sc: StepConfig, params: Params, lora: Params, micro: Batch, key: jax.Array | None, constrain) -> jax.Array:
+    return forward(
+        params, lora, micro["input_ids"], cfg=sc.cfg,
+        segment_ids=micro["segment_ids"] if sc.packed else None,
+        positions=micro["positions"], runtime=sc.runtime, dropout_key=key, remat=sc.remat,
+        compute_dtype=jnp.dtype(sc.compute_dtype), constrain=constrain,
+    )
+
+
+def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
+    """``(lora, params, batch, key) -> (loss, grads, n_tokens)`` over all micro-batches.
+
+    ``key`` None disables dropout. The loss is the mean over every trained token of the
+    batch; the gradient is that of the same quantity, accumulated micro-batch by
+    micro-batch.
+    """
+    constrain = make_activation_constraint(mesh)
+    use_dropout = sc.runtime.dropout > 0.0
+
+    def loss_and_grads(lora: Params, params: Params, batch: Batch, key: jax.Array | None):
+        n_tokens = jnp.sum(batch["labels"][:, :, 1:] != IGNORE_INDEX)
+        denom = jnp.maximum(n_tokens, 1).astype(jnp.float32)
+
+        def micro_loss(lora: Params, micro: Batch, micro_key: jax.Array | None) -> jax.Array:
+            logits = _forward_logits(sc, params, lora, micro, micro_key, constrain)
+            nll, _, _ = token_losses(logits, micro["labels"])
+            return jnp.sum(nll) / denom
+
+        grad_fn = jax.value_and_grad(micro_loss)
+
+        def accumulate(carry, xs):
+            loss_sum, grads = carry
+            micro, idx = xs
+            micro_key = jax.random.fold_in(key, idx) if (use_dropout and key is not None) else None
+            loss, g = grad_fn(lora, micro, micro_key)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, lora)
+        n_micro = batch["input_ids"].shape[0]
+        (loss, grads), _ = jax.lax.scan(
+            accumulate, (jnp.zeros((), jnp.float32), zeros), (batch, jnp.arange(n_micro))
+        )
+        return loss, grads, n_tokens
+
+    return loss_and_grads
+
+
+def make_train_step(sc: StepConfig, optimizer: optax.GradientTransformation, mesh: Mesh | None):
+    """The pure train step ``(state, params, batch) -> (state, metrics)`` (not yet jitted).
+
+    ``state`` = ``{"lora", "opt_state", "step", "rng"}``; ``rng`` is a fixed key: the
+    dropout key of step s is ``fold_in(rng, s)``, so a resumed run draws the same masks.
+    """
+    loss_and_grads = make_loss_and_grads(sc, mesh)
+
+    def step_fn(state: dict[str, Any], params: Params, batch: Batch) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        step_key = jax.random.fold_in(state["rng"], state["step"])
+        loss, grads, n_tokens = loss_and_grads(state["lora"], params, batch, step_key)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["lora"])
+        lora = optax.apply_updates(state["lora"], updates)
+        new_state = {"lora": lora, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "n_tokens": n_tokens}
+
+    return step_fn
+
+
+def make_eval_step(sc: StepConfig, mesh: Mesh | None):
+    """``(lora, params, micro) -> {nll_sum, n_tokens, n_correct}`` for one micro-batch."""
+    constrain = make_activation_constraint(mesh)
+
+    def eval_fn(lora: Params, params: Params, micro: Batch) -> dict[str, jax.Array]:
+        logits = _forward_logits(sc, params, lora, micro, None, constrain)
+        nll, mask, correct = token_losses(logits, micro["labels"])
+        return {"nll_sum": jnp.sum(nll), "n_tokens": jnp.sum(mask), "n_correct": jnp.sum(correct)}
+
+    return eval_fn
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """(accum, rows, seq) train batches or (rows, seq) eval batches: rows over data x fsdp."""
+    axes = (None, "batch", "seq") if len(shape) == 3 else ("batch", "seq")
+    return NamedSharding(mesh, logical_to_spec(axes, mesh, ACTIVATION_RULES, shape))
+
+
+def state_shardings(lora_shardings: Params, optimizer: optax.GradientTransformation, lora_abstract: Params, mesh: Mesh) -> dict[str, Any]:
+    """Shardings of the whole train state: optimizer moments shard like their LoRA factor.
+
+    ``optax.tree_map_params`` walks the optimizer state and maps every leaf that mirrors
+    a parameter to that parameter's sharding; counters and other scalars are replicated.
+    """
+    opt_abstract = jax.eval_shape(optimizer.init, lora_abstract)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _leaf, sharding: sharding,
+        opt_abstract,
+        lora_shardings,
+        transform_non_params=lambda _leaf: replicated(mesh),
+    )
+    return {"lora": lora_shardings, "opt_state": opt_shardings, "step": replicated(mesh), "rng": replicated(mesh)}
+
+
+def init_state(lora: Params, optimizer: optax.GradientTransformation, shardings: dict[str, Any], rng: jax.Array, step: int = 0) -> dict[str, Any]:
+    """The train state, created directly with its declared shardings.
+
+    ``jax.jit(optimizer.init)`` without ``out_shardings`` would put the moments on one
+    device (and force a recompile of the step); we pass the shardings explicitly.
+    """
+    lora = jax.device_put(lora, shardings["lora"])  # no-op if already placed that way
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(lora)
+    return {
+        "lora": lora,
+        "opt_state": opt_state,
+        "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"]),
+        "rng": jax.device_put(rng, shardings["rng"]),
+    }
+
+
+def compile_steps(
+    sc: StepConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    shardings: dict[str, Any],
+    param_shardings: Params,
+):
+    """Jit the train step (state donated) and the eval step with their shardings declared."""
+    rep = replicated(mesh)
+
+    def batch_shardings(batch: Batch) -> Batch:
+        return {k: batch_sharding(mesh, v.shape) for k, v in batch.items()}
+
+    train = make_train_step(sc, optimizer, mesh)
+    evaluate = make_eval_step(sc, mesh)
+    cache: dict[tuple, Any] = {}
+
+    def train_step(state, params, batch):
+        key = ("train", tuple(v.shape for v in batch.values()))
+        if key not in cache:
+            cache[key] = jax.jit(
+                train,
+                in_shardings=(shardings, param_shardings, batch_shardings(batch)),
+                out_shardings=(shardings, {"loss": rep, "grad_norm": rep, "n_tokens": rep}),
+                donate_argnums=(0,),
+            )
+        return cache[key](state, params, batch)
+
+    def eval_step(lora, params, micro):
+        key = ("eval", tuple(v.shape for v in micro.values()))
+        if key not in cache:
+            cache[key] = jax.jit(
+                evaluate,
+                in_shardings=(shardings["lora"], param_shardings, batch_shardings(micro)),
+                out_shardings={"nll_sum": rep, "n_tokens": rep, "n_correct": rep},
+            )
+        return cache[key](lora, params, micro)
+
+    train_step.cache = cache  # type: ignore[attr-defined]
+    return train_step, eval_step

@@ -1,0 +1,126 @@
+"""How CLI results look: rich tables for people, JSON for scripts.
+
+Every client command takes ``--json``; with it the command prints exactly one JSON
+document on stdout (the API object, or ``{"data": [...], "has_more": ...}`` for lists)
+and errors go to stderr as ``{"error": {...}}``, so scripts can pipe into ``jq``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def to_jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_jsonable(v) for k, v in value.items()}
+    return value
+
+
+def print_json(value: Any) -> None:
+    """One JSON document on stdout (plain write: rich would wrap long lines)."""
+    sys.stdout.write(json.dumps(to_jsonable(value), indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_json_line(value: Any) -> None:
+    sys.stdout.write(json.dumps(to_jsonable(value)) + "\n")
+    sys.stdout.flush()
+
+
+def fmt_time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+STATUS_STYLE = {
+    "succeeded": "green",
+    "processed": "green",
+    "running": "cyan",
+    "queued": "yellow",
+    "validating_files": "yellow",
+    "uploaded": "yellow",
+    "paused": "magenta",
+    "failed": "red",
+    "error": "red",
+    "cancelled": "dim",
+}
+
+
+def status_markup(status: str | None) -> str:
+    """The status as rich markup (for format strings such as progress columns)."""
+    if status is None:
+        return "-"
+    style = STATUS_STYLE.get(status)
+    return f"[{style}]{escape(status)}[/{style}]" if style else escape(status)
+
+
+def status_text(status: str | None) -> Text:
+    """The status as a styled ``Text`` (table cells and prints)."""
+    return Text(status or "-", style=STATUS_STYLE.get(status or "", ""))
+
+
+def _cell(value: Any) -> Text:
+    """Table cells are plain text: user data such as 'messages[0]' must not parse as markup."""
+    if isinstance(value, Text):
+        return value
+    return Text("-" if value is None else str(value))
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+    t = Table(title=title, show_lines=False, header_style="bold")
+    for column in columns:
+        t.add_column(column, overflow="fold")
+    for row in rows:
+        t.add_row(*[_cell(v) for v in row])
+    return t
+
+
+def key_values(title: str, pairs: Sequence[tuple[str, Any]]) -> Table:
+    t = Table(title=title, show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    for key, value in pairs:
+        if value is None:
+            continue
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        t.add_row(key, _cell(value))
+    return t

@@ -1,0 +1,83 @@
+"""`tunefleet webhooks ...`: manage signed webhook endpoints and read their delivery log."""
+
+from typing import Annotated
+
+import typer
+
+from tunefleet.cli.commands import (
+    ApiKeyOpt,
+    BaseUrlOpt,
+    JsonOpt,
+    _client,
+    _errors,
+    webhooks_app,
+)
+from tunefleet.cli.render import console, fmt_time, key_values, print_json, table
+
+
+@webhooks_app.command("create")
+def webhooks_create(
+    url: str,
+    event: Annotated[list[str] | None, typer.Option("--event", help="Event type, repeatable; default all.")] = None,
+    description: Annotated[str | None, typer.Option(help="Free text.")] = None,
+    json_out: JsonOpt = False,
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Register an endpoint; prints its signing secret once."""
+    with _errors(json_out), _client(base_url, api_key) as client:
+        ep = client.webhooks.create(url=url, events=event, description=description)
+    if json_out:
+        print_json(ep)
+    else:
+        console.print(key_values(f"webhook {ep.id}", [("url", ep.url), ("events", ", ".join(ep.events)),
+                                                       ("secret", ep.secret)]))
+        console.print("store the secret now: it is not shown again")
+
+
+@webhooks_app.command("list")
+def webhooks_list(json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
+    """List endpoints."""
+    with _errors(json_out), _client(base_url, api_key) as client:
+        items = list(client.webhooks.list())
+    if json_out:
+        print_json({"object": "list", "data": items, "has_more": False})
+        return
+    rows = [(e.id, e.url, ", ".join(e.events), e.enabled, fmt_time(e.created_at)) for e in items]
+    console.print(table("webhooks", ["id", "url", "events", "enabled", "created"], rows))
+
+
+@webhooks_app.command("delete")
+def webhooks_delete(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
+                    api_key: ApiKeyOpt = None) -> None:
+    """Delete an endpoint."""
+    with _errors(json_out), _client(base_url, api_key) as client:
+        result = client.webhooks.delete(endpoint_id)
+    print_json(result) if json_out else console.print(f"deleted {result.id}")
+
+
+@webhooks_app.command("rotate-secret")
+def webhooks_rotate(
+    endpoint_id: str,
+    grace_period_s: Annotated[int | None, typer.Option(help="Seconds the old secret keeps signing.")] = None,
+    json_out: JsonOpt = False,
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Issue a new signing secret; the old one also signs during the grace period."""
+    with _errors(json_out), _client(base_url, api_key) as client:
+        ep = client.webhooks.rotate_secret(endpoint_id, grace_period_s=grace_period_s)
+    print_json(ep) if json_out else console.print(f"new secret: {ep.secret}")
+
+
+@webhooks_app.command("deliveries")
+def webhooks_deliveries(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
+                        api_key: ApiKeyOpt = None) -> None:
+    """The delivery log of an endpoint: each event, attempts, last answer."""
+    with _errors(json_out), _client(base_url, api_key) as client:
+        items = client.webhooks.list_deliveries(endpoint_id).data
+    if json_out:
+        print_json({"object": "list", "data": items})
+        return
+    rows = [(d.id, d.event_type, d.status, d.attempts, d.response_status, d.last_error) for d in items]
+    console.print(table(f"deliveries of {endpoint_id}", ["id", "event", "status", "attempts", "http", "error"], rows))

@@ -1,0 +1,472 @@
+"""The Kubernetes executor: one batch/v1 Job per fine-tuning job, on the job's node pool.
+
+``launch`` renders the job's objects (``worker.executors.manifests``) and creates them
+with the official ``kubernetes`` client: the Job first, then the ConfigMap (spec),
+Secret (report token) and, for multi-node jobs, the headless Service, each owned by the
+Job so that deleting the Job (or its TTL) removes them. Pods wait for their volumes
+like any pod does.
+
+Two informers (list + watch with resourceVersion resumption; a 410 Gone means "relist")
+keep a cache of our Jobs and Pods; ``reconcile`` turns what changed into
+``ObservedChange`` values with reasons a user can act on:
+
+=================================  ==========================================================
+observed                           change
+=================================  ==========================================================
+pod Running                        STARTED
+Pending, PodScheduled=False        WAITING (the scheduler's message); RETRYING after
+                                   ``max_pending_s`` (the Job is deleted, the job requeued)
+ImagePullBackOff / ErrImagePull    FAILED ``image_pull_failed``
+container OOMKilled                FAILED ``out_of_memory``
+pod Evicted / node lost            RETRYING (requeued from its last checkpoint)
+exit 0 on every pod                SUCCEEDED
+exit 10 / 11                       FAILED with the trainer's termination message
+exit 12                            STOPPED (after ``stop``) -- else RETRYING (the cluster
+                                   sent SIGTERM, e.g. a node drain)
+other exit codes / signals         RETRYING ``trainer_crashed`` (the store caps restarts)
+=================================  ==========================================================
+
+``stop`` deletes the Job with foreground propagation: Kubernetes sends SIGTERM to the
+pods, the trainer checkpoints and exits PREEMPTED within the grace period.
+
+API verbs used (the Helm chart's Role grants exactly these): namespaced jobs create/get/
+list/watch/delete; pods get/list/watch; pods/log get; services, configmaps, secrets
+create/get/delete; cluster-scoped nodes get/list/watch. Free GPUs are node allocatable
+minus the GPU requests of *our* pods (we may not list other namespaces' pods): give
+the pools dedicated nodes (taints) so nothing else takes their GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from trainers.exit_codes import ExitCode
+from trainers.spec import TrainerSpec
+from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
+from worker.executors.manifests import (
+    LABEL_JOB, LABEL_MANAGED, LABEL_POOL, LABEL_TENANT, TERMINATION_LOG, ManifestOptions, owner_reference,
+    render_all,
+)
+from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
+from worker.scheduler.pools import NodePool
+
+log = logging.getLogger(__name__)
+
+JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
+LABEL_PRIORITY = "tunefleet.io/priority"
+LABEL_ATTEMPT = "tunefleet.io/attempt"
+MANAGED = f"{LABEL_MANAGED}=tunefleet"
+IMAGE_ERRORS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
+
+
+class Informer:
+    """A cache of one resource kept current by list + watch (resourceVersion resumption).
+
+    ``run_once`` lists when it has no resourceVersion (first time, or after a 410) and
+    otherwise watches from the last one it saw (BOOKMARKs advance it too).
+    """
+
+    def __init__(self, list_fn: Callable[..., Any], namespace: str, label_selector: str,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.list_fn = list_fn
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.items: dict[str, Any] = {}
+        self.resource_version: str | None = None
+        self.relists = 0
+        self.lock = threading.Lock()
+        self.on_change = on_change
+
+    def relist(self) -> None:
+        result = self.list_fn(self.namespace, label_selector=self.label_selector)
+        with self.lock:
+            self.items = {o.metadata.name: o for o in result.items}
+            self.resource_version = result.metadata.resource_version
+            self.relists += 1
+
+    def run_once(self, timeout_s: int = 5) -> None:
+        if self.resource_version is None:
+            self.relist()
+            if self.on_change:
+                self.on_change()
+        w = watch.Watch()
+        try:
+            for event in w.stream(self.list_fn, self.namespace, label_selector=self.label_selector,
+                                  resource_version=self.resource_version, timeout_seconds=timeout_s,
+                                  allow_watch_bookmarks=True):
+                obj = event["object"]
+                with self.lock:
+                    if event["type"] == "DELETED":
+                        self.items.pop(obj.metadata.name, None)
+                    elif event["type"] in ("ADDED", "MODIFIED"):
+                        self.items[obj.metadata.name] = obj
+                if event["type"] != "BOOKMARK" and self.on_change:
+                    self.on_change()
+            if w.resource_version:
+                self.resource_version = w.resource_version
+        except ApiException as exc:
+            if exc.status == 410:
+                log.info("watch of %s expired (410): relisting", self.list_fn.__name__)
+                self.resource_version = None
+            else:
+                raise
+
+    def snapshot(self) -> list[Any]:
+        with self.lock:
+            return list(self.items.values())
+
+
+@dataclass
+class _Tracked:
+    """What the executor knows about one launched job."""
+
+    job_id: str
+    pool: str
+    tenant: str
+    priority: int
+    nodes: tuple[tuple[str, int], ...]
+    launched_at: float
+    stop_reason: StopReason | None = None
+    reported: set[str] = field(default_factory=set)
+    done: bool = False
+
+
+class KubernetesExecutor:
+    """Runs trainers as Kubernetes Jobs; implements ``worker.executors.base.Executor``."""
+
+    def __init__(self, api_client: client.ApiClient, pools: list[NodePool], *,
+                 options: ManifestOptions = ManifestOptions(), max_pending_s: float = 900.0,
+                 clock: Callable[[], float] = time.time, watch_timeout_s: int = 5,
+                 command: list[str] | None = None, extra_env: dict[str, str] | None = None) -> None:
+        self.batch = client.BatchV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.pools = {p.name: p for p in pools}
+        self.options = options
+        self.ns = options.namespace
+        self.max_pending_s = max_pending_s
+        self.clock = clock
+        self.watch_timeout_s = watch_timeout_s
+        self.command = command  # None: the image's `python -m trainers --spec ...`
+        self.extra_env = extra_env
+        self.jobs = Informer(self.batch.list_namespaced_job, self.ns, MANAGED)
+        self.pods = Informer(self.core.list_namespaced_pod, self.ns, MANAGED)
+        self.tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._stop_watching = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # --- informers ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Run both informers in background threads (the service does; tests may poll)."""
+        for inf in (self.jobs, self.pods):
+            t = threading.Thread(target=self._watch_loop, args=(inf,), daemon=True, name=f"k8s-watch-{id(inf)}")
+            t.start()
+            self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop_watching.set()
+        for t in self._threads:
+            t.join(timeout=self.watch_timeout_s + 2)
+
+    def _watch_loop(self, inf: Informer) -> None:
+        while not self._stop_watching.is_set():
+            try:
+                inf.run_once(self.watch_timeout_s)
+            except Exception:  # noqa: BLE001 - keep watching through API hiccups
+                log.exception("watch failed; retrying")
+                self._stop_watching.wait(1.0)
+
+    def sync(self) -> None:
+        """Bring both caches up to date now (used when no background informers run)."""
+        for inf in (self.jobs, self.pods):
+            inf.run_once(timeout_s=1)
+
+    # --- Executor protocol -------------------------------------------------------------
+    def launch(self, job: JobRef, spec: TrainerSpec, placement: Any) -> None:
+        pool = self.pools[placement.pool]
+        nodes = max(1, len(placement.nodes))
+        gpus_per_node = placement.gpus // nodes if placement.gpus else 0
+        tenant = str(getattr(job, "tenant_id", None) or getattr(job, "tenant", "") or "")
+        priority = int(getattr(job, "priority", 0) or 0)
+        existing = self.batch.list_namespaced_job(self.ns, label_selector=f"{MANAGED},{LABEL_JOB}={job.id}").items
+        live = [j for j in existing if not j.metadata.deletion_timestamp and not _job_finished(j)]
+        if live:
+            log.info("job %s already has Kubernetes Job %s: launch is a no-op", job.id, live[0].metadata.name)
+            return
+        attempt = 1 + max((int((j.metadata.labels or {}).get(LABEL_ATTEMPT, "0")) for j in existing), default=0)
+        token = spec.report.token or ""
+        spec_json = spec.model_dump(mode="json")
+        spec_json["report"]["token"] = None  # the token travels in the Secret only
+        spec_json["termination_log"] = TERMINATION_LOG
+        m = render_all(job_id=job.id, tenant=tenant, pool=pool, trainer=placement.trainer or pool.preferred_trainer(),
+                       nodes=nodes, gpus_per_node=gpus_per_node, spec_json=spec_json, token=token,
+                       opts=self.options, attempt=attempt, command=self.command, extra_env=self.extra_env)
+        for doc in m.all():
+            doc["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
+            doc["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
+        m.job["spec"]["template"]["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
+        created = self.batch.create_namespaced_job(self.ns, client.V1Job.from_dict(m.job), _headers=JSON)
+        owner = owner_reference({"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}})
+        for doc, create, model in (
+            (m.configmap, self.core.create_namespaced_config_map, client.V1ConfigMap),
+            (m.secret, self.core.create_namespaced_secret, client.V1Secret),
+            (m.service, self.core.create_namespaced_service, client.V1Service),
+        ):
+            if doc is None:
+                continue
+            doc["metadata"]["ownerReferences"] = [owner]
+            try:
+                create(self.ns, model.from_dict(doc), _headers=JSON)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        with self._lock:
+            self.tracked[job.id] = _Tracked(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock())
+
+    def stop(self, job: JobRef, reason: StopReason) -> None:
+        with self._lock:
+            tracked = self.tracked.get(job.id)
+            if tracked is not None:
+                tracked.stop_reason = reason
+        for j in self._jobs_of(job.id):
+            self._delete_job(j.metadata.name)
+
+    def snapshot(self) -> CapacitySnapshot:
+        snap = CapacitySnapshot(pools=dict(self.pools))
+        used: dict[str, int] = {}
+        holders: dict[str, dict[str, Any]] = {}
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=MANAGED).items
+        unbound: list[tuple[str, int]] = []
+        for pod in pods:
+            if pod.status is None or pod.status.phase not in ("Pending", "Running"):
+                continue
+            pool = self.pools.get((pod.metadata.labels or {}).get(LABEL_POOL, ""))
+            gpus = _gpu_request(pod, pool.resource_name if pool else None)
+            jid = (pod.metadata.labels or {}).get(LABEL_JOB, "")
+            info = holders.setdefault(jid, {"pod": pod, "nodes": []})
+            if pod.spec.node_name:
+                used[pod.spec.node_name] = used.get(pod.spec.node_name, 0) + gpus
+                info["nodes"].append((pod.spec.node_name, gpus))
+            elif pool is not None:
+                unbound.append((pool.name, gpus))
+                info["nodes"].append(("", gpus))
+        for pool in self.pools.values():
+            sel = ",".join(f"{k}={v}" for k, v in pool.node_selector.items()) or None
+            for node in self.core.list_node(label_selector=sel).items:
+                if node.spec and node.spec.unschedulable:
+                    continue
+                if not _ready(node):
+                    continue
+                alloc = (node.status.allocatable or {}) if node.status else {}
+                total = int(alloc.get(pool.resource_name, 0)) if pool.resource_name else pool.gpus_per_node
+                free = max(0, total - used.get(node.metadata.name, 0))
+                snap.add_node(NodeCapacity(node.metadata.name, pool.name, total, free))
+        # Pods not bound to a node yet (and jobs launched whose pods do not exist yet)
+        # still hold their GPUs in our books: take them off the fullest-free nodes.
+        with self._lock:
+            tracked = dict(self.tracked)
+        for jid, t in tracked.items():
+            if not t.done and jid not in holders:
+                unbound.extend((t.pool, n) for _, n in t.nodes)
+        for pool_name, gpus in unbound:
+            self._take_free(snap, pool_name, gpus)
+        for jid, info in holders.items():
+            t = tracked.get(jid)
+            labels = info["pod"].metadata.labels or {}
+            snap.add_running(RunningJob(
+                job_id=jid, tenant=labels.get(LABEL_TENANT, ""), pool=labels.get(LABEL_POOL, ""),
+                priority=int(labels.get(LABEL_PRIORITY, "0")),
+                started_at=t.launched_at if t else 0.0,
+                nodes=tuple((n, g) for n, g in info["nodes"] if n) or tuple(t.nodes if t else ()),
+                stopping=bool((t and t.stop_reason) or info["pod"].metadata.deletion_timestamp)))
+        return snap
+
+    @staticmethod
+    def _take_free(snap: CapacitySnapshot, pool: str, gpus: int) -> None:
+        for free in range(max(gpus, 1), 65):
+            names = list(snap.nodes_with_free(pool, free))
+            if names:
+                node = snap.nodes[pool][names[0]]
+                snap._set_free(pool, node.name, node.gpus_free - gpus)  # noqa: SLF001 - same package
+                return
+
+    def reconcile(self) -> list[ObservedChange]:
+        if not self._threads:
+            self.sync()
+        changes: list[ObservedChange] = []
+        pods_by_job: dict[str, list[Any]] = {}
+        for pod in self.pods.snapshot():
+            pods_by_job.setdefault((pod.metadata.labels or {}).get(LABEL_JOB, ""), []).append(pod)
+        jobs_by_id = {(j.metadata.labels or {}).get(LABEL_JOB, ""): j for j in self.jobs.snapshot()}
+        with self._lock:
+            tracked = list(self.tracked.values())
+        for t in tracked:
+            if t.done:
+                continue
+            change = self._observe(t, jobs_by_id.get(t.job_id), pods_by_job.get(t.job_id, []))
+            for ch in change:
+                key = f"{ch.kind.value}:{ch.message}"
+                if key in t.reported:
+                    continue
+                t.reported.add(key)
+                changes.append(ch)
+                if ch.kind in (ObservedKind.SUCCEEDED, ObservedKind.FAILED, ObservedKind.STOPPED, ObservedKind.RETRYING):
+                    t.done = True
+                    if ch.kind != ObservedKind.SUCCEEDED:
+                        for j in self._jobs_of(t.job_id):
+                            if not j.metadata.deletion_timestamp:
+                                self._delete_job(j.metadata.name)
+                    break
+        with self._lock:
+            for t in tracked:
+                if t.done:
+                    self.tracked.pop(t.job_id, None)
+        return changes
+
+    def logs(self, job_id: str, tail_lines: int | None = 200) -> str:
+        """The trainer log of the job's first pod (rank 0)."""
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
+        if not pods:
+            return ""
+        pods.sort(key=lambda p: (_index(p), p.metadata.creation_timestamp or ""))
+        return self.core.read_namespaced_pod_log(pods[0].metadata.name, self.ns, container="trainer",
+                                                 tail_lines=tail_lines)
+
+    # --- reconciliation rules ----------------------------------------------------------
+    def _observe(self, t: _Tracked, job: Any, pods: list[Any]) -> list[ObservedChange]:
+        jid = t.job_id
+        out: list[ObservedChange] = []
+        terminated = []
+        for pod in sorted(pods, key=_index):
+            st = pod.status
+            cs = (st.container_statuses or [None])[0] if st else None
+            waiting = cs.state.waiting if cs and cs.state else None
+            if waiting and waiting.reason in IMAGE_ERRORS:
+                image = pod.spec.containers[0].image
+                return [ObservedChange(jid, ObservedKind.FAILED, error_code="image_pull_failed", message=(
+                    f"the trainer image {image} could not be pulled ({waiting.reason}): {waiting.message or ''}".strip()
+                    + "; check the pool's trainer_image and the registry credentials"))]
+            if st and st.reason in ("Evicted", "NodeLost", "Preempting") or (st and st.reason == "Terminated"):
+                return [ObservedChange(jid, ObservedKind.RETRYING, error_code=_snake(st.reason),
+                                       message=f"pod {pod.metadata.name} {st.reason.lower()}: {st.message or ''}".strip()
+                                       + "; requeued from its last checkpoint")]
+            term = cs.state.terminated if cs and cs.state else None
+            if term is not None:
+                terminated.append((pod, term))
+            if st and st.phase == "Pending" and not pod.spec.node_name:
+                cond = next((c for c in st.conditions or [] if c.type == "PodScheduled" and c.status == "False"), None)
+                if cond is not None:
+                    if self.clock() - t.launched_at > self.max_pending_s:
+                        return [ObservedChange(jid, ObservedKind.RETRYING, error_code="unschedulable", message=(
+                            f"pods could not be scheduled for {self.max_pending_s:.0f} s ({cond.message}); requeued"))]
+                    out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"pod pending: {cond.message}"))
+        failed = [(p, term) for p, term in terminated if term.exit_code != 0]
+        if failed:
+            pod, term = failed[0]
+            return [self._exit_change(t, pod, term)]
+        n_pods = (job.spec.completions or 1) if job is not None else len(pods)
+        if terminated and len(terminated) >= n_pods or (job is not None and _job_condition(job) == "Complete"):
+            return [ObservedChange(jid, ObservedKind.SUCCEEDED, exit_code=0, message="trainer finished")]
+        if job is None and not pods and self.clock() - t.launched_at > 5:
+            if t.stop_reason is not None:
+                return [ObservedChange(jid, ObservedKind.STOPPED, stop_reason=t.stop_reason,
+                                       message=f"stopped ({t.stop_reason.value}) before the trainer started")]
+            return [ObservedChange(jid, ObservedKind.RETRYING, error_code="job_lost",
+                                   message="the Kubernetes Job disappeared; requeued")]
+        if any(p.status and p.status.phase == "Running" for p in pods):
+            out.append(ObservedChange(jid, ObservedKind.STARTED, message="trainer running"))
+        return out
+
+    def _exit_change(self, t: _Tracked, pod: Any, term: Any) -> ObservedChange:
+        jid, code = t.job_id, term.exit_code
+        error = _termination_error(term.message)
+        where = f"pod {pod.metadata.name}"
+        if term.reason == "OOMKilled":
+            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code, error_code="out_of_memory", message=(
+                f"{where} was OOM-killed (host memory limit); use a smaller micro_batch_size or max_seq_len"))
+        if code == ExitCode.USER_ERROR:
+            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code,
+                                  error_code=error.get("code", "user_error"),
+                                  message=error.get("message", f"{where}: the trainer reported a user error"))
+        if code == ExitCode.OUT_OF_MEMORY:
+            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code, error_code=error.get("code", "out_of_memory"),
+                                  message=error.get("message", f"{where}: the GPU ran out of memory"))
+        if code == ExitCode.PREEMPTED:
+            if t.stop_reason is not None:
+                return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
+                                      message=f"trainer checkpointed and stopped ({t.stop_reason.value})")
+            return ObservedChange(jid, ObservedKind.RETRYING, exit_code=code, error_code="preempted_by_cluster",
+                                  message=f"{where} received SIGTERM from the cluster; requeued from its checkpoint")
+        if t.stop_reason is not None:  # killed after the grace period while stopping
+            return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
+                                  message=f"trainer stopped ({t.stop_reason.value}) with exit code {code}")
+        return ObservedChange(jid, ObservedKind.RETRYING, exit_code=code, error_code=error.get("code", "trainer_crashed"),
+                              message=error.get("message") or f"{where} exited with code {code} ({term.reason})")
+
+    # --- helpers -----------------------------------------------------------------------
+    def _jobs_of(self, job_id: str) -> list[Any]:
+        return self.batch.list_namespaced_job(self.ns, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
+
+    def _delete_job(self, name: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(name, self.ns, propagation_policy="Foreground", _headers=JSON)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def _job_condition(job: Any) -> str | None:
+    for cond in (job.status.conditions or []) if job.status else []:
+        if cond.status == "True" and cond.type in ("Complete", "Failed"):
+            return cond.type
+    return None
+
+
+def _job_finished(job: Any) -> bool:
+    return _job_condition(job) is not None
+
+
+def _ready(node: Any) -> bool:
+    conds = (node.status.conditions or []) if node.status else []
+    return not conds or any(c.type == "Ready" and c.status == "True" for c in conds)
+
+
+def _gpu_request(pod: Any, resource_name: str | None) -> int:
+    if not resource_name:
+        return 1
+    total = 0
+    for c in pod.spec.containers:
+        res = c.resources
+        req = (res.requests or res.limits or {}) if res else {}
+        total += int(req.get(resource_name, 0))
+    return total
+
+
+def _index(pod: Any) -> int:
+    ann = (pod.metadata.annotations or {}) if pod.metadata else {}
+    try:
+        return int(ann.get("batch.kubernetes.io/job-completion-index", "0"))
+    except ValueError:
+        return 0
+
+
+def _termination_error(message: str | None) -> dict[str, str]:
+    if not message:
+        return {}
+    try:
+        data = json.loads(message.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"message": message.strip()[-500:]}
+    return {k: str(v) for k, v in data.items() if k in ("code", "message")} if isinstance(data, dict) else {}
+
+
+def _snake(text: str) -> str:
+    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in text).lstrip("_")

@@ -1,0 +1,103 @@
+"""The local executor: trainers as subprocesses of this machine's Celery worker.
+
+The embedded default (`tunefleet serve`) places jobs on the `local` pool, whose "GPUs"
+are trainer slots of this machine. `launch` writes the spec into the job directory and
+sends the Celery task ``tunefleet.run_local_job``; that task (worker/tasks/jobs.py)
+supervises the trainer process (worker/executors/local_process.py) and writes the
+outcome through the one transition function. Because the task is ``acks_late``, a
+worker killed mid-run gets it again: the task then stops the orphaned trainer and
+starts it anew from its latest checkpoint.
+
+`stop` leaves a stop request in the job directory (the reason: cancel, pause, preempt);
+the supervising task also stops the trainer whenever the job's status is no longer
+``running``, so a cancel through the API needs nothing but the transition.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+
+from api.db.models import Job
+from api.db.session import session_scope
+from api.queue import RUN_LOCAL_JOB, TaskQueue
+from api.settings import Settings
+from trainers.spec import TrainerSpec
+from worker.executors.base import JobRef, ObservedChange, StopReason
+from worker.scheduler.capacity import CapacitySnapshot, RunningJob
+from worker.scheduler.pools import NodePool
+from worker.spec_builder import write_spec
+
+SPEC_FILE = "spec.json"
+STOP_FILE = "stop_request"
+LOG_FILE = "trainer.log"
+
+
+def spec_path(settings: Settings, job_id: str) -> Path:
+    return settings.job_dir(job_id) / SPEC_FILE
+
+
+def stop_path(settings: Settings, job_id: str) -> Path:
+    return settings.job_dir(job_id) / STOP_FILE
+
+
+def read_stop_reason(settings: Settings, job_id: str) -> StopReason | None:
+    try:
+        return StopReason(stop_path(settings, job_id).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class LocalExecutor:
+    """Runs trainers on this machine; implements `worker.executors.base.Executor`."""
+
+    def __init__(self, settings: Settings, pools: list[NodePool], queue: TaskQueue) -> None:
+        self.settings = settings
+        self.pools = {p.name: p for p in pools}
+        self.queue = queue
+
+    def launch(self, job: JobRef, spec: TrainerSpec, placement: object) -> None:
+        job_dir = self.settings.job_dir(job.id)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        stop_path(self.settings, job.id).unlink(missing_ok=True)
+        write_spec(spec, spec_path(self.settings, job.id))
+        if not self.queue.send(RUN_LOCAL_JOB, job.id):
+            raise RuntimeError("the task queue did not accept the trainer task")
+
+    def stop(self, job: JobRef, reason: StopReason) -> None:
+        path = stop_path(self.settings, job.id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(reason.value)
+
+    def snapshot(self) -> CapacitySnapshot:
+        """The configured local pools, minus the slots of jobs running on them."""
+        snap = CapacitySnapshot.from_pools(list(self.pools.values()))
+        with session_scope(self.settings.resolved_database_url) as session:
+            rows = session.execute(
+                select(Job.id, Job.tenant_id, Job.pool, Job.gpus, Job.priority, Job.started_at)
+                .where(Job.status == "running", Job.pool.in_(list(self.pools)))
+            ).all()
+        for job_id, tenant, pool, gpus, priority, started_at in rows:
+            nodes = snap.nodes.get(pool, {})
+            need = max(1, gpus or 1)
+            held: list[tuple[str, int]] = []
+            for name, node in nodes.items():
+                take = min(node.gpus_free, need)
+                if take:
+                    held.append((name, take))
+                    need -= take
+                if not need:
+                    break
+            if held:
+                snap.allocate(RunningJob(
+                    job_id=job_id, tenant=tenant, pool=pool, priority=priority,
+                    started_at=started_at.timestamp() if started_at else time.time(),
+                    nodes=tuple(held),
+                ))
+        return snap
+
+    def reconcile(self) -> list[ObservedChange]:
+        """Nothing to collect: the supervising task writes each outcome itself, at once."""
+        return []

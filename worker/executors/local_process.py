@@ -1,0 +1,195 @@
+"""Supervising one trainer process on this machine (the heart of the local executor).
+
+`supervise_trainer` starts ``python -m trainers --spec spec.json`` as a child process in
+its own session (so a whole process tree can be signalled), appends its output to the
+job's log file, and watches it until it ends:
+
+- the service wants it stopped (cancel, pause, preemption — `should_stop()` turns true):
+  SIGTERM, which the trainer answers by checkpointing and exiting with PREEMPTED; after
+  `grace_s` seconds, SIGKILL;
+- it dies of a crash (INTERNAL_ERROR, a signal such as ``kill -9``): restarted from its
+  latest checkpoint, up to `max_restarts` times;
+- it ends with SUCCESS, USER_ERROR or OUT_OF_MEMORY: no restart, the outcome says why.
+
+It knows nothing of the database: the caller (the Celery task in worker/tasks/jobs.py)
+turns the returned `TrainerOutcome` into job transitions. The pid is written to the job
+directory so that a worker that was killed and got the task again can stop an orphaned
+trainer before starting a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainers.exit_codes import ExitCode
+
+log = logging.getLogger(__name__)
+
+_RESTARTABLE = {ExitCode.INTERNAL_ERROR}
+
+
+@dataclass
+class TrainerOutcome:
+    """How a supervised trainer run ended."""
+
+    returncode: int
+    stopped: bool = False  # ended because should_stop() asked for it
+    restarts: int = 0
+    error: dict[str, str] | None = None  # {"code", "message"} from the termination log
+    history: list[int] = field(default_factory=list)  # return codes of every attempt
+
+    @property
+    def succeeded(self) -> bool:
+        return self.returncode == ExitCode.SUCCESS
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    try:
+        return f"exit {returncode} ({ExitCode(returncode).name})"
+    except ValueError:
+        return f"exit {returncode}"
+
+
+def _read_termination(path: Path) -> dict[str, str] | None:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    if not text:
+        return None
+    try:
+        data = json.loads(text.splitlines()[-1])
+    except json.JSONDecodeError:
+        return {"code": "trainer_error", "message": text[-2000:]}
+    if isinstance(data, dict) and "code" in data:
+        return {"code": str(data["code"]), "message": str(data.get("message", ""))}
+    return None
+
+
+def kill_orphan(pid_file: Path, grace_s: float = 10.0) -> bool:
+    """Stop a trainer left running by a supervisor that died. Returns True if one was found."""
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        return False
+    except PermissionError:
+        return False
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pid_file.unlink(missing_ok=True)
+    return True
+
+
+def supervise_trainer(
+    spec_path: Path,
+    *,
+    log_path: Path,
+    termination_path: Path,
+    pid_path: Path,
+    should_stop: Callable[[], bool],
+    on_event: Callable[[str, str], None] = lambda level, message: None,
+    on_restart: Callable[[int], None] = lambda attempt: None,
+    max_restarts: int = 2,
+    grace_s: float = 30.0,
+    poll_s: float = 0.25,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+) -> TrainerOutcome:
+    """Run the trainer of `spec_path` until it ends for good (see the module docstring)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    restarts = 0
+    history: list[int] = []
+    while True:
+        termination_path.unlink(missing_ok=True)
+        with log_path.open("ab") as log_file:
+            proc = subprocess.Popen(
+                [python, "-m", "trainers", "--spec", str(spec_path)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                start_new_session=True,
+            )
+        pid_path.write_text(str(proc.pid))
+        stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s)
+        pid_path.unlink(missing_ok=True)
+        returncode = proc.returncode
+        history.append(returncode)
+        error = _read_termination(termination_path)
+        if stopped or returncode in (ExitCode.SUCCESS, ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY):
+            return TrainerOutcome(returncode, stopped=stopped, restarts=restarts, error=error, history=history)
+        if returncode == ExitCode.PREEMPTED:
+            # Nobody here asked for it: the process got SIGTERM from outside (a shutdown).
+            return TrainerOutcome(returncode, stopped=True, restarts=restarts, error=error, history=history)
+        crashed = returncode < 0 or returncode in _RESTARTABLE or returncode not in set(ExitCode)
+        if not crashed or restarts >= max_restarts:
+            if crashed and error is None:
+                error = {
+                    "code": "trainer_crashed",
+                    "message": f"the trainer {_describe(returncode)} and was restarted "
+                    f"{restarts} time(s), the most allowed (max_restarts={max_restarts})",
+                }
+            return TrainerOutcome(returncode, restarts=restarts, error=error, history=history)
+        restarts += 1
+        on_event(
+            "warn",
+            f"trainer {_describe(returncode)}; restarting from the latest checkpoint "
+            f"(restart {restarts}/{max_restarts})",
+        )
+        on_restart(restarts)
+
+
+def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: float, poll_s: float) -> bool:
+    """Wait for `proc`; SIGTERM then SIGKILL its process group once should_stop() is true."""
+    stop_sent_at: float | None = None
+    while True:
+        try:
+            proc.wait(timeout=poll_s)
+            return stop_sent_at is not None
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_sent_at is None:
+            if should_stop():
+                stop_sent_at = time.monotonic()
+                _signal_group(proc, signal.SIGTERM)
+        elif time.monotonic() - stop_sent_at > grace_s:
+            log.warning("trainer pid %s ignored SIGTERM for %.0fs; killing", proc.pid, grace_s)
+            _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,242 @@
+"""Kubernetes manifests for one job: pure functions from (job, spec, pool, placement) to dicts.
+
+Per job the executor creates, in order:
+
+1. a ``ConfigMap`` ``<name>-spec`` holding ``spec.json`` (the trainer spec without the
+   report token),
+2. a ``Secret`` ``<name>-token`` holding the per-job report token,
+3. for multi-node jobs a headless ``Service`` ``<name>`` (stable DNS for rank 0),
+4. the ``batch/v1`` ``Job`` ``<name>`` (``Indexed`` for multi-node: one pod per node).
+
+The ConfigMap, Secret and Service are owned by the Job (``ownerReferences``, set after
+the Job exists and has a uid), so deleting the Job -- or its TTL after it finished --
+cleans up everything. Every object carries the same labels, so the executor can list
+and watch them by selector. Rendered dicts are validated against the Kubernetes schema
+(``kubernetes_validate``) in the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from worker.scheduler.pools import NodePool
+
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_JOB = "tunefleet.io/job-id"
+LABEL_POOL = "tunefleet.io/pool"
+LABEL_TENANT = "tunefleet.io/tenant"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+
+SPEC_MOUNT = "/etc/tunefleet/spec"
+SPEC_FILE = f"{SPEC_MOUNT}/spec.json"
+TERMINATION_LOG = "/dev/termination-log"
+TOKEN_ENV = "TUNEFLEET_REPORT_TOKEN"
+JAX_PORT = 8476
+TORCH_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ManifestOptions:
+    """Deployment-wide knobs (from settings / Helm values)."""
+
+    namespace: str = "tunefleet-training"
+    ttl_seconds_after_finished: int = 3600
+    kueue_queue: str | None = None
+    shm_size: str = "16Gi"
+    service_account: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    termination_grace_period_s: int = 300
+    """Time a trainer gets after SIGTERM to write its checkpoint."""
+
+
+def resource_name(job_id: str, attempt: int = 1) -> str:
+    """A DNS-1123 name for one launch of a job (ids are mixed-case; a hash keeps them unique).
+
+    The attempt number makes a relaunch (after preemption) independent of the previous
+    launch's objects, which Kubernetes may still be deleting. At most 50 characters, so
+    pod hostnames ``<name>-<index>`` stay valid DNS labels.
+    """
+    slug = re.sub(r"[^a-z0-9-]", "-", job_id.lower()).strip("-")[:30].strip("-")
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
+    return f"tf-{slug}-{digest}-{attempt}"
+
+
+def labels(job_id: str, tenant: str, pool: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "tunefleet-trainer",
+        LABEL_MANAGED: "tunefleet",
+        LABEL_JOB: job_id,
+        LABEL_POOL: pool,
+        LABEL_TENANT: tenant,
+    }
+
+
+def selector(job_id: str) -> str:
+    return f"{LABEL_MANAGED}=tunefleet,{LABEL_JOB}={job_id}"
+
+
+def _meta(name: str, namespace: str, lbls: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": dict(lbls)}
+
+
+def render_configmap(name: str, spec_json: dict[str, Any], lbls: dict[str, str], opts: ManifestOptions) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{name}-spec", opts.namespace, lbls),
+        "data": {"spec.json": json.dumps(spec_json, indent=2, sort_keys=True)},
+    }
+
+
+def render_secret(name: str, token: str, lbls: dict[str, str], opts: ManifestOptions) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(f"{name}-token", opts.namespace, lbls),
+        "stringData": {"token": token},
+    }
+
+
+def render_service(name: str, lbls: dict[str, str], opts: ManifestOptions) -> dict[str, Any]:
+    """Headless Service: pods of an Indexed Job get ``<name>-<index>.<name>`` DNS names."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, opts.namespace, lbls),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_JOB: lbls[LABEL_JOB], LABEL_MANAGED: "tunefleet"},
+            # rank 0 must be reachable before every pod is Ready (they rendezvous first)
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "jax", "port": JAX_PORT}, {"name": "torch", "port": TORCH_PORT}],
+        },
+    }
+
+
+def _distributed_env(name: str, trainer: str, nodes: int, gpus_per_node: int, opts: ManifestOptions) -> list[dict[str, Any]]:
+    index = {"valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}
+    rank0 = f"{name}-0.{name}.{opts.namespace}.svc"
+    if nodes == 1:
+        env = [{"name": "NNODES", "value": "1"}, {"name": "NODE_RANK", "value": "0"}]
+        if trainer == "fsdp_qlora":
+            env.append({"name": "NPROC_PER_NODE", "value": str(gpus_per_node)})
+        return env
+    if trainer == "jax_lora":
+        return [
+            {"name": "JAX_COORDINATOR_ADDRESS", "value": f"{rank0}:{JAX_PORT}"},
+            {"name": "JAX_NUM_PROCESSES", "value": str(nodes)},
+            {"name": "JAX_PROCESS_ID", **index},
+        ]
+    return [
+        {"name": "MASTER_ADDR", "value": rank0},
+        {"name": "MASTER_PORT", "value": str(TORCH_PORT)},
+        {"name": "NNODES", "value": str(nodes)},
+        {"name": "NODE_RANK", **index},
+        {"name": "NPROC_PER_NODE", "value": str(gpus_per_node)},
+    ]
+
+
+def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes: int, gpus_per_node: int,
+               opts: ManifestOptions, command: list[str] | None = None, image: str | None = None,
+               extra_env: dict[str, str] | None = None, attempt: int = 1) -> dict[str, Any]:
+    """The batch/v1 Job running the trainer: one pod per node, all GPUs of the gang."""
+    name = resource_name(job_id, attempt)
+    lbls = labels(job_id, tenant, pool.name)
+    job_labels = dict(lbls)
+    if opts.kueue_queue:
+        job_labels[KUEUE_QUEUE_LABEL] = opts.kueue_queue
+    env: list[dict[str, Any]] = [
+        {"name": "TUNEFLEET_JOB_ID", "value": job_id},
+        {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *_distributed_env(name, trainer, nodes, gpus_per_node, opts),
+        *({"name": k, "value": v} for k, v in sorted((extra_env or {}).items())),
+    ]
+    resources: dict[str, Any] = {}
+    if pool.resource_name and gpus_per_node:
+        resources = {"limits": {pool.resource_name: str(gpus_per_node)},
+                     "requests": {pool.resource_name: str(gpus_per_node)}}
+    container = {
+        "name": "trainer",
+        "image": image or pool.trainer_image or "tunefleet-trainer:latest",
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": command or ["python", "-m", "trainers", "--spec", SPEC_FILE],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            {"name": "spec", "configMap": {"name": f"{name}-spec"}},
+            # NCCL/RCCL and data loader workers need more than the default 64 MiB /dev/shm.
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}},
+        ],
+        "terminationGracePeriodSeconds": opts.termination_grace_period_s,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in pool.tolerations]
+    if opts.service_account:
+        pod_spec["serviceAccountName"] = opts.service_account
+    if nodes > 1:
+        pod_spec["subdomain"] = name  # with the headless Service: <name>-<i>.<name> resolves
+    spec: dict[str, Any] = {
+        # The executor decides about retries (exit codes, pod failures): no blind retries.
+        "backoffLimit": 0,
+        "completions": nodes,
+        "parallelism": nodes,
+        "ttlSecondsAfterFinished": opts.ttl_seconds_after_finished,
+        "template": {"metadata": {"labels": dict(lbls)}, "spec": pod_spec},
+    }
+    if nodes > 1:
+        spec["completionMode"] = "Indexed"
+    if opts.kueue_queue:
+        spec["suspend"] = True  # Kueue admits (unsuspends) it when the quota allows
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(name, opts.namespace, job_labels), "spec": spec}
+
+
+def owner_reference(job_obj: dict[str, Any]) -> dict[str, Any]:
+    """An ownerReference to the created Job (needs its uid)."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": job_obj["metadata"]["name"],
+            "uid": job_obj["metadata"]["uid"], "controller": False, "blockOwnerDeletion": False}
+
+
+@dataclass(frozen=True)
+class JobManifests:
+    name: str
+    configmap: dict[str, Any]
+    secret: dict[str, Any]
+    service: dict[str, Any] | None
+    job: dict[str, Any]
+
+    def all(self) -> list[dict[str, Any]]:
+        return [d for d in (self.configmap, self.secret, self.service, self.job) if d is not None]
+
+
+def render_all(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes: int, gpus_per_node: int,
+               spec_json: dict[str, Any], token: str, opts: ManifestOptions,
+               command: list[str] | None = None, extra_env: dict[str, str] | None = None,
+               attempt: int = 1) -> JobManifests:
+    """Every object of one job. ``spec_json`` must not contain the token (it goes in the Secret)."""
+    name = resource_name(job_id, attempt)
+    lbls = labels(job_id, tenant, pool.name)
+    return JobManifests(
+        name=name,
+        configmap=render_configmap(name, spec_json, lbls, opts),
+        secret=render_secret(name, token, lbls, opts),
+        service=render_service(name, lbls, opts) if nodes > 1 else None,
+        job=render_job(job_id=job_id, tenant=tenant, pool=pool, trainer=trainer, nodes=nodes,
+                       gpus_per_node=gpus_per_node, opts=opts, command=command, extra_env=extra_env,
+                       attempt=attempt),
+    )

@@ -1,0 +1,158 @@
+"""Capacity snapshot: what the cluster holds right now, as plain values.
+
+The scheduling cycle takes one snapshot per cycle (step 2) and every placement decision
+is a pure function of (job, snapshot). Executors produce snapshots: the local executor
+from the configured pools, the Kubernetes executor from Nodes (allocatable GPUs per pool
+label) minus the GPU requests of running Pods. The cycle then applies each admission to
+*its working copy* (``copy()`` then ``allocate``), so later heads see the capacity that
+earlier admissions consumed.
+
+Two indexes keep a cycle over thousands of jobs fast: nodes bucketed by free GPU count
+per pool (a gang lookup costs O(GPUs per node), not O(nodes)), and GPUs held per
+(tenant, pool) for quotas and fair share.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.scheduler.pools import NodePool
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """One node of a pool: how many GPUs it has and how many are not requested by pods."""
+
+    name: str
+    pool: str
+    gpus_total: int
+    gpus_free: int
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job that holds GPUs now (a possible preemption victim, and fair-share input)."""
+
+    job_id: str
+    tenant: str
+    pool: str
+    priority: int
+    started_at: float
+    nodes: tuple[tuple[str, int], ...]
+    """(node name, GPUs on that node) for every node the job's gang holds."""
+    preemptible: bool = True
+    expected_end: float | None = None
+    """started_at + the estimator's ETA, when known (lets backfill respect reservations)."""
+    stopping: bool = False
+    """Told to stop (preempted/paused/cancelled) and not exited yet: its GPUs are about to
+    be free, and it must not be chosen as a victim again."""
+
+    @property
+    def gpus(self) -> int:
+        return sum(n for _, n in self.nodes)
+
+
+@dataclass
+class CapacitySnapshot:
+    """Pools, their nodes, and the jobs that hold GPUs on them.
+
+    ``nodes`` maps pool name -> {node name -> NodeCapacity}; change it only through
+    ``add_node``/``allocate``/``release`` so the indexes stay right.
+    """
+
+    pools: dict[str, "NodePool"] = field(default_factory=dict)
+    nodes: dict[str, dict[str, NodeCapacity]] = field(default_factory=dict)
+    running: dict[str, RunningJob] = field(default_factory=dict)
+    # pool -> free GPU count -> ordered set (dict) of node names
+    _by_free: dict[str, dict[int, dict[str, None]]] = field(default_factory=dict, repr=False)
+    _tenant_gpus: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int), repr=False)
+
+    # --- construction ---------------------------------------------------------------
+    @classmethod
+    def from_pools(cls, pools: "list[NodePool]") -> "CapacitySnapshot":
+        """All nodes of the configured pools, empty (local mode and simulations)."""
+        snap = cls(pools={p.name: p for p in pools})
+        for p in pools:
+            snap.nodes.setdefault(p.name, {})
+            for i in range(p.nodes):
+                snap.add_node(NodeCapacity(f"{p.name}-{i}", p.name, p.gpus_per_node, p.gpus_per_node))
+        return snap
+
+    @classmethod
+    def from_pools_and_running(cls, pools: "list[NodePool]", running: "list[RunningJob]") -> "CapacitySnapshot":
+        """Configured pools minus what ``running`` jobs hold (the local executor's view)."""
+        snap = cls.from_pools(pools)
+        for job in running:
+            if job.pool in snap.nodes:
+                snap.allocate(job, strict=False)
+        return snap
+
+    def add_node(self, node: NodeCapacity) -> None:
+        self.nodes.setdefault(node.pool, {})[node.name] = node
+        self._by_free.setdefault(node.pool, {}).setdefault(node.gpus_free, {})[node.name] = None
+
+    def add_running(self, job: RunningJob) -> None:
+        """Record a job whose GPUs are already subtracted from node capacity (Kubernetes
+        snapshots compute free GPUs from pod requests)."""
+        self.running[job.job_id] = job
+        self._tenant_gpus[(job.tenant, job.pool)] += job.gpus
+
+    def copy(self) -> "CapacitySnapshot":
+        return CapacitySnapshot(
+            pools=self.pools,
+            nodes={pool: dict(ns) for pool, ns in self.nodes.items()},
+            running=dict(self.running),
+            _by_free={p: {k: dict(v) for k, v in b.items()} for p, b in self._by_free.items()},
+            _tenant_gpus=defaultdict(int, self._tenant_gpus),
+        )
+
+    # --- queries --------------------------------------------------------------------
+    def pool_total(self, pool: str) -> int:
+        return sum(n.gpus_total for n in self.nodes.get(pool, {}).values())
+
+    def pool_free(self, pool: str) -> int:
+        return sum(n.gpus_free for n in self.nodes.get(pool, {}).values())
+
+    def tenant_gpus(self, tenant: str, pool: str) -> int:
+        """GPUs a tenant holds in a pool (for quotas and fair share)."""
+        return self._tenant_gpus.get((tenant, pool), 0)
+
+    def nodes_with_free(self, pool: str, gpus_free: int) -> dict[str, None]:
+        """Names of the pool's nodes with exactly ``gpus_free`` free GPUs (insertion order)."""
+        return self._by_free.get(pool, {}).get(gpus_free, {})
+
+    # --- changes --------------------------------------------------------------------
+    def _set_free(self, pool: str, name: str, free: int) -> None:
+        node = self.nodes[pool][name]
+        buckets = self._by_free[pool]
+        del buckets[node.gpus_free][name]
+        buckets.setdefault(free, {})[name] = None
+        self.nodes[pool][name] = NodeCapacity(node.name, node.pool, node.gpus_total, free)
+
+    def allocate(self, job: RunningJob, *, strict: bool = True) -> None:
+        """Record an admission: take the job's GPUs off its nodes."""
+        pool_nodes = self.nodes[job.pool]
+        for name, gpus in job.nodes:
+            if name not in pool_nodes:
+                if strict:
+                    raise ValueError(f"node {name} is not in pool {job.pool}")
+                continue
+            node = pool_nodes[name]
+            if gpus > node.gpus_free and strict:
+                raise ValueError(f"node {name} has {node.gpus_free} free GPUs, {gpus} requested")
+            self._set_free(job.pool, name, max(0, node.gpus_free - gpus))
+        self.add_running(job)
+
+    def release(self, job_id: str) -> RunningJob:
+        """Record that a job gave its GPUs back (finished or preempted)."""
+        job = self.running.pop(job_id)
+        self._tenant_gpus[(job.tenant, job.pool)] -= job.gpus
+        pool_nodes = self.nodes.get(job.pool, {})
+        for name, gpus in job.nodes:
+            if name in pool_nodes:
+                node = pool_nodes[name]
+                self._set_free(job.pool, name, min(node.gpus_total, node.gpus_free + gpus))
+        return job

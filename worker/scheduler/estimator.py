@@ -1,0 +1,392 @@
+"""Memory-fit estimator: bytes per GPU, GPU count, speed and cost of a LoRA/QLoRA job.
+
+Pure arithmetic over the base model's shape (from its Hugging Face ``config.json``) and
+the job's training settings. The scheduler uses it to decide how many GPUs of a pool a
+job needs (the smallest count that fits with headroom) and to refuse pools that cannot
+hold it; ``POST /v1/fine_tuning/estimate`` shows the same numbers to users.
+
+Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` x
+``tensor`` mesh in the JAX trainer)::
+
+    base weights / N          bf16: 2 B/param; NF4: 0.5 B/param + absmax (fp32 per 64,
+                              or 8-bit per 64 + fp32 per 256 blocks with double-quant);
+                              HQQ 4-bit: 0.5 B/param + bf16 scale and zero per group.
+                              Embeddings, lm_head and norms stay bf16 (never quantized).
+  + one gathered layer        FSDP all-gathers one decoder layer's weights at a time
+  + LoRA params / N           fp32 (the adapter dtype of both trainers)
+  + LoRA grads / N            fp32
+  + Adam moments / N          2 x fp32
+  + activations               saved tensors of the forward pass (per micro batch; with
+                              checkpointing only each layer's input plus one layer being
+                              recomputed), plus the logits and their fp32 loss copy
+  + framework overhead        CUDA/ROCm context, allocator slack, runtime
+
+Constants below are calibrated against published peaks (see tests/worker/
+test_estimator_anchors.py) and a measured peak of a real transformers+peft step on CPU
+(tests/worker/test_estimator_measured.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from worker.scheduler.pools import GIB, NodePool
+
+Method = Literal["lora", "qlora"]
+Quantization = Literal["none", "nf4", "hqq4"]
+
+# Fraction of a GPU's memory the estimate may use; the rest is kept as headroom for
+# fragmentation and spikes the model does not capture (a placement that OOMs costs a
+# whole restart, a wasted GPU costs little).
+HEADROOM = 0.90
+# Model FLOP utilisation assumed for throughput/ETA, per trainer family. Answer.AI's
+# fsdp_qlora benchmarks (benchmarks_03_2024.md) imply ~0.55-0.6 on 2x4090 (7B QLoRA
+# ~4.5k tok/s, 70B QLoRA+offload ~477 tok/s) and ~0.33 on 4xH100; we assume 0.5. The
+# JAX trainer (jitted, sharded) is assumed a little lower until measured on MI300X.
+MFU = {"fsdp_qlora": 0.50, "jax_lora": 0.40}
+# CPU offload moves sharded weights/optimizer state to host RAM; the GPU keeps the
+# gathered layer and activations. With full x16 PCIe lanes Answer.AI measured almost no
+# slowdown (34B on 2x4090: 2,061 s vs 2,072 s); on slow lanes it is worse, so we
+# assume a 10 % loss.
+OFFLOAD_SLOWDOWN = 0.9
+# Fixed runtime cost per process, by accelerator kind: CUDA/ROCm context + NCCL/RCCL
+# buffers on GPUs; interpreter + torch/transformers/peft import footprint on CPU
+# (FACTS.md: ~470 MB per FSDP rank on CPU).
+FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.42 * GIB)}
+# Allocator slack on top of live tensors (caching allocator rounding, temporaries).
+ALLOCATOR_SLACK = 0.08
+# FSDP's all-gather / reduce-scatter staging buffers when the job is sharded.
+FSDP_BUFFERS = int(0.5 * GIB)
+
+_BF16 = 2
+_FP32 = 4
+
+
+class EstimateError(ValueError):
+    """The model config or job settings cannot be estimated; ``code`` is stable."""
+
+    def __init__(self, message: str, code: str = "invalid_estimate_input") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a decoder-only (Llama-family) config that decide memory and FLOPs."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool = False
+    head_dim: int | None = None
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelShape":
+        """Read a Hugging Face ``config.json`` dict (Llama/Mistral/Qwen2 key names)."""
+        try:
+            heads = int(config["num_attention_heads"])
+            return cls(
+                hidden=int(config["hidden_size"]),
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                intermediate=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+            )
+        except KeyError as exc:
+            raise EstimateError(f"model config is missing {exc.args[0]!r}", "invalid_model_config") from exc
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> "ModelShape":
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise EstimateError(f"{cfg} not found", "model_not_found")
+        return cls.from_hf_config(json.loads(cfg.read_text(encoding="utf-8")))
+
+    # --- parameter counts -------------------------------------------------------------
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear module of one decoder layer."""
+        q_out, kv_out = self.heads * self.hd, self.kv_heads * self.hd
+        return {
+            "q_proj": (self.hidden, q_out),
+            "k_proj": (self.hidden, kv_out),
+            "v_proj": (self.hidden, kv_out),
+            "o_proj": (q_out, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        return sum(i * o for i, o in self.module_shapes().values())
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * self.linear_params_per_layer
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding + lm_head (once if tied) + norms: kept in bf16 always."""
+        emb = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        return emb + self.hidden * (2 * self.layers + 1)
+
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.embedding_params
+
+
+# Shapes of well-known base models (HF config values), for the estimate endpoint's
+# examples, the anchor tests and the benchmarks.
+KNOWN_MODELS: dict[str, ModelShape] = {
+    "llama-2-7b": ModelShape(4096, 32, 32, 32, 11008, 32000),
+    "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256),
+    "llama-3.1-70b": ModelShape(8192, 80, 64, 8, 28672, 128256),
+    "llama-2-70b": ModelShape(8192, 80, 64, 8, 28672, 32000),
+    "llama-3.1-405b": ModelShape(16384, 126, 128, 8, 53248, 128256),
+}
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The job settings that decide memory: adapter, precision, sequence and batch."""
+
+    method: Method = "lora"
+    quantization: Quantization = "none"
+    double_quant: bool = False
+    hqq_group_size: int = 64
+    r: int = 8
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    seq_len: int = 2048
+    micro_batch: int = 1
+    checkpointing: bool = True
+    cpu_offload: Literal["never", "auto", "always"] = "auto"
+    adapter_bytes: int = _FP32
+
+    def __post_init__(self) -> None:
+        if self.method == "qlora" and self.quantization == "none":
+            raise EstimateError("qlora needs quantization nf4 or hqq4", "invalid_adapter")
+        if self.method == "lora" and self.quantization != "none":
+            raise EstimateError("quantization needs method qlora", "invalid_adapter")
+        if self.seq_len < 1 or self.micro_batch < 1 or self.r < 1:
+            raise EstimateError("seq_len, micro_batch and r must be >= 1", "invalid_estimate_input")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU, by component (all already divided by the shard count)."""
+
+    weights: int
+    gathered_layer: int
+    lora_params: int
+    lora_grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    slack: int
+    """Allocator slack and (sharded jobs) FSDP communication buffers."""
+    framework: int
+
+    @property
+    def model_bytes(self) -> int:
+        """Everything the training framework allocates (comparable to a peak-allocated figure)."""
+        return self.total - self.framework
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights + self.gathered_layer + self.lora_params + self.lora_grads
+            + self.optimizer + self.activations + self.logits + self.slack + self.framework
+        )
+
+
+def quantized_bytes_per_param(t: TrainingShape) -> float:
+    """Storage of one quantized linear weight element, including quantization constants."""
+    if t.quantization == "none":
+        return _BF16
+    if t.quantization == "nf4":
+        # 4-bit codes + one fp32 absmax per block of 64. Double quantization stores the
+        # absmax values as 8-bit codes with one fp32 scale per 256 of them (one fp32
+        # offset per tensor is negligible).
+        absmax = (1 + _FP32 / 256) / 64 if t.double_quant else _FP32 / 64
+        return 0.5 + absmax
+    # HQQ: 4-bit codes + a bf16 scale and a bf16 zero per group.
+    return 0.5 + 2 * _BF16 / t.hqq_group_size
+
+
+def lora_params(m: ModelShape, t: TrainingShape) -> int:
+    shapes = m.module_shapes()
+    try:
+        per_layer = sum(t.r * sum(shapes[name]) for name in t.target_modules)
+    except KeyError as exc:
+        raise EstimateError(f"unknown target module {exc.args[0]!r}", "invalid_adapter") from exc
+    return m.layers * per_layer
+
+
+def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
+    """Tensors one decoder layer saves for backward (bf16 compute, SDPA attention).
+
+    Counted per token: the attention block saves its input, the norm output, q, k, v
+    (after RoPE), the attention output and its logsumexp; the MLP saves its input, the
+    norm output, gate, up, act(gate) and the product fed to down_proj. LoRA adds its
+    rank-r intermediate per target module. SDPA/flash keep no s x s matrix.
+    """
+    h, f = m.hidden, m.intermediate
+    q, kv = m.heads * m.hd, m.kv_heads * m.hd
+    per_token = _BF16 * (h + h + q + 2 * kv + q) + _FP32 * m.heads  # attention block
+    per_token += _BF16 * (h + h + 4 * f)  # MLP block
+    per_token += _BF16 * t.r * len(t.target_modules)  # LoRA A outputs
+    return per_token * t.seq_len * t.micro_batch
+
+
+def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator: str,
+                   offload: bool = False) -> MemoryBreakdown:
+    """Bytes per GPU for ``n_gpus`` sharding the job (``offload``: weights on the host)."""
+    if n_gpus < 1:
+        raise EstimateError("n_gpus must be >= 1")
+    qb = quantized_bytes_per_param(t)
+    weights_total = m.linear_params * qb + m.embedding_params * _BF16
+    layer_weights = m.linear_params_per_layer * qb
+    lora = lora_params(m, t)
+    weights = 0 if offload else int(weights_total / n_gpus)
+    # With more than one shard FSDP materialises a full layer while computing it (and
+    # prefetches the next one); unsharded runs hold it already.
+    gathered = int(2 * layer_weights) if n_gpus > 1 or offload else 0
+    lora_b = lora * t.adapter_bytes
+    lora_p = int(lora_b / n_gpus)
+    grads = int(lora_b / n_gpus)
+    optim = 0 if offload else int(2 * lora * _FP32 / n_gpus)
+    per_layer = activation_bytes_per_layer(m, t)
+    tokens = t.seq_len * t.micro_batch
+    if t.checkpointing:
+        # each layer's input is saved; one layer at a time is recomputed (its full set
+        # of saved tensors plus its gradient buffers).
+        acts = m.layers * tokens * m.hidden * _BF16 + 2 * per_layer
+    else:
+        acts = m.layers * per_layer + per_layer
+    # logits in bf16, their fp32 upcast for the loss, and the fp32 gradient of it.
+    logits = tokens * m.vocab * (_BF16 + _FP32 + _FP32)
+    live = weights + gathered + lora_p + grads + optim + acts + logits
+    buffers = FSDP_BUFFERS if n_gpus > 1 else 0
+    kind = "cpu" if accelerator == "cpu" else "gpu"
+    return MemoryBreakdown(
+        weights=weights, gathered_layer=gathered, lora_params=lora_p, lora_grads=grads,
+        optimizer=optim, activations=acts, logits=logits,
+        slack=int(ALLOCATOR_SLACK * live) + buffers, framework=FRAMEWORK_OVERHEAD[kind],
+    )
+
+
+def flops_per_token(m: ModelShape, t: TrainingShape) -> float:
+    """Training FLOPs per token: forward 2P, input-grad backward 2P (the base is frozen,
+    so no weight gradients), recompute 2P with checkpointing; plus attention scores."""
+    p = m.linear_params + m.vocab * m.hidden
+    passes = 3 if t.checkpointing else 2
+    attention = 2 * 2 * m.layers * t.seq_len * m.heads * m.hd  # QK^T and AV per token
+    lora = 6 * lora_params(m, t)
+    return passes * 2 * p + (passes + 1) * attention + lora
+
+
+@dataclass(frozen=True)
+class PoolEstimate:
+    """The estimate of one job on one pool."""
+
+    pool: str
+    fits: bool
+    gpus: int
+    nodes: int
+    offload: bool
+    memory: MemoryBreakdown | None
+    gpu_memory_bytes: int
+    tokens_per_s: float
+    eta_s: float | None
+    cost: float | None
+    trainer: str | None
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def bytes_per_gpu(self) -> int | None:
+        return self.memory.total if self.memory else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool, "fits": self.fits, "gpus": self.gpus, "nodes": self.nodes,
+            "cpu_offload": self.offload, "trainer": self.trainer,
+            "memory_per_gpu_bytes": self.bytes_per_gpu, "gpu_memory_bytes": self.gpu_memory_bytes,
+            "memory_breakdown": None if self.memory is None else {
+                k: getattr(self.memory, k) for k in (
+                    "weights", "gathered_layer", "lora_params", "lora_grads", "optimizer",
+                    "activations", "logits", "slack", "framework")},
+            "tokens_per_s": round(self.tokens_per_s, 1), "eta_s": self.eta_s,
+            "cost": None if self.cost is None else round(self.cost, 4), "reasons": list(self.reasons),
+        }
+
+
+def candidate_gpu_counts(pool: NodePool) -> list[int]:
+    """GPU counts a gang may have on a pool: powers of two within a node, then whole nodes."""
+    counts: list[int] = []
+    n = 1
+    while n < pool.gpus_per_node:
+        counts.append(n)
+        n *= 2
+    counts += [pool.gpus_per_node * k for k in range(1, pool.max_nodes_per_job + 1)]
+    return counts
+
+
+def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer: str | None = None,
+                     total_tokens: int | None = None, gpus: int | None = None) -> PoolEstimate:
+    """Smallest GPU count of ``pool`` that holds the job (or check a pinned ``gpus``)."""
+    trainer = trainer or pool.preferred_trainer()
+    budget = int(pool.gpu_memory_bytes * HEADROOM)
+    counts = [gpus] if gpus is not None else candidate_gpu_counts(pool)
+    offload_options = {"never": [False], "auto": [False, True], "always": [True]}[t.cpu_offload]
+    if pool.is_cpu or trainer != "fsdp_qlora":
+        # Offload needs a CUDA/ROCm device (FACTS.md) and only the torch trainer has it.
+        offload_options = [o for o in offload_options if not o]
+    best: tuple[int, bool, MemoryBreakdown] | None = None
+    smallest: MemoryBreakdown | None = None
+    for n in counts:
+        for off in offload_options:
+            mem = memory_per_gpu(m, t, n, accelerator=pool.accelerator, offload=off)
+            if smallest is None or mem.total < smallest.total:
+                smallest = mem
+            if mem.total <= budget:
+                best = (n, off, mem)
+                break
+        if best:
+            break
+    if best is None:
+        need = smallest.total if smallest else 0
+        top = counts[-1] if counts else 0
+        return PoolEstimate(
+            pool=pool.name, fits=False, gpus=top, nodes=math.ceil(top / pool.gpus_per_node),
+            offload=False, memory=smallest, gpu_memory_bytes=pool.gpu_memory_bytes,
+            tokens_per_s=0.0, eta_s=None, cost=None, trainer=trainer,
+            reasons=(f"needs {need / GIB:.1f} GiB per GPU even on {top}x {pool.accelerator}; "
+                     f"{pool.gpu_memory_gib:.0f} GiB available ({HEADROOM:.0%} usable)",),
+        )
+    n, off, mem = best
+    mfu = MFU.get(trainer, 0.35) * (OFFLOAD_SLOWDOWN if off else 1.0)
+    tps = n * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t)
+    eta = total_tokens / tps if total_tokens else None
+    cost = eta / 3600 * n * pool.price_per_gpu_hour if eta is not None else None
+    reasons = [f"{n}x {pool.accelerator}: {mem.total / GIB:.1f} of {pool.gpu_memory_gib:.0f} GiB per GPU"]
+    if off:
+        reasons.append("CPU offload of sharded weights needed to fit")
+    return PoolEstimate(
+        pool=pool.name, fits=True, gpus=n, nodes=math.ceil(n / pool.gpus_per_node), offload=off,
+        memory=mem, gpu_memory_bytes=pool.gpu_memory_bytes, tokens_per_s=tps, eta_s=eta,
+        cost=cost, trainer=trainer, reasons=tuple(reasons),
+    )

@@ -1,0 +1,153 @@
+"""An in-memory ``SchedulerStore`` and ``Executor``: the cycle without a DB or a cluster.
+
+Used by the benchmarks (10,000 queued jobs, trace simulation) and by tests of the
+cycle's I/O (lock, preemption flow). Jobs "run" until ``finish(job_id)`` is called
+(or a simulation's clock passes their end); capacity comes from the configured pools.
+Real deployments use ``worker.scheduler.store`` (the DB) and a real executor.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.scheduler.capacity import CapacitySnapshot, RunningJob
+from worker.scheduler.placement import Placement
+from worker.scheduler.pools import NodePool
+from worker.scheduler.request import JobRequest
+
+
+@dataclass
+class MemoryJob:
+    """A job row: request, status and the scheduler's notes."""
+
+    request: JobRequest
+    id: str
+    status: str = "queued"
+    queue_reason: str | None = None
+    events: list[str] = field(default_factory=list)
+    placement: Placement | None = None
+    resume_from: str | None = None
+    launches: int = 0
+
+
+class MemoryStore:
+    """Jobs in a dict; every method is thread-safe (the lock test runs two cycles)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, MemoryJob] = {}
+        self.usage: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, req: JobRequest) -> MemoryJob:
+        with self._lock:
+            job = MemoryJob(req, req.job_id)
+            self.jobs[req.job_id] = job
+            return job
+
+    def queued(self) -> list[JobRequest]:
+        with self._lock:
+            return [j.request for j in self.jobs.values() if j.status == "queued"]
+
+    def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
+        return dict(self.usage)
+
+    def admit(self, job: JobRequest, placement: Placement) -> tuple[MemoryJob, dict[str, Any]]:
+        with self._lock:
+            row = self.jobs[job.job_id]
+            if row.status != "queued":  # the transition function would refuse this (409)
+                raise RuntimeError(f"{job.job_id} is {row.status}, not queued")
+            row.status, row.placement, row.queue_reason = "running", placement, None
+            row.events.append(f"admitted on {placement.pool} ({placement.gpus} GPUs)")
+            return row, {"job_id": job.job_id, "resume_from": row.resume_from}
+
+    def launch_failed(self, job: JobRequest, error: Exception) -> None:
+        with self._lock:
+            row = self.jobs[job.job_id]
+            row.status = "queued"
+            row.events.append(f"launch failed: {error}")
+
+    def preempting(self, victim_id: str, for_job: str) -> MemoryJob | None:
+        with self._lock:
+            row = self.jobs.get(victim_id)
+            if row is None or row.status != "running":
+                return None
+            row.events.append(f"preempted for {for_job}")
+            return row
+
+    def set_waiting(self, job: JobRequest, reason: str) -> None:
+        with self._lock:
+            row = self.jobs[job.job_id]
+            if row.queue_reason != reason:
+                row.queue_reason = reason
+                row.events.append(reason)
+
+    def apply_observed(self, changes: list[ObservedChange]) -> None:
+        with self._lock:
+            for ch in changes:
+                row = self.jobs[ch.job_id]
+                if ch.kind == ObservedKind.STOPPED and ch.stop_reason == StopReason.PREEMPT:
+                    row.status, row.resume_from = "queued", ch.checkpoint
+                    row.events.append(f"requeued from {ch.checkpoint}")
+                elif ch.kind == ObservedKind.SUCCEEDED:
+                    row.status = "succeeded"
+                elif ch.kind == ObservedKind.FAILED:
+                    row.status = "failed"
+
+
+class MemoryExecutor:
+    """Holds GPUs for launched jobs until ``finish``/``stop``; records every call."""
+
+    def __init__(self, pools: list[NodePool], clock=lambda: 0.0) -> None:
+        self.pools = pools
+        self.clock = clock
+        self.running: dict[str, RunningJob] = {}
+        self.launched: list[str] = []
+        self.stopped: list[tuple[str, StopReason]] = []
+        self._changes: list[ObservedChange] = []
+        self._lock = threading.Lock()
+        self.snapshot_hook = None  # tests: called inside snapshot() to force interleavings
+
+    def launch(self, job: Any, spec: Any, placement: Placement) -> None:
+        with self._lock:
+            if job.id in self.running:
+                return  # idempotent
+            req = job.request
+            self.launched.append(job.id)
+            self.running[job.id] = RunningJob(
+                job.id, req.tenant, placement.pool or "", req.priority, self.clock(), placement.nodes,
+                preemptible=req.preemptible,
+                expected_end=(self.clock() + placement.estimate.eta_s)
+                if placement.estimate and placement.estimate.eta_s is not None else None)
+
+    def stop(self, job: Any, reason: StopReason) -> None:
+        with self._lock:
+            self.stopped.append((job.id, reason))
+            if job.id in self.running:
+                self.running[job.id] = replace(self.running[job.id], stopping=True)
+
+    def exit_stopped(self, job_id: str, checkpoint: str = "ckpt") -> None:
+        """The stopped trainer wrote its checkpoint and exited (PREEMPTED)."""
+        with self._lock:
+            self.running.pop(job_id, None)
+            self._changes.append(ObservedChange(job_id, ObservedKind.STOPPED, stop_reason=StopReason.PREEMPT,
+                                                checkpoint=checkpoint, exit_code=12))
+
+    def finish(self, job_id: str) -> None:
+        with self._lock:
+            self.running.pop(job_id, None)
+            self._changes.append(ObservedChange(job_id, ObservedKind.SUCCEEDED, exit_code=0))
+
+    def snapshot(self) -> CapacitySnapshot:
+        with self._lock:
+            snap = CapacitySnapshot.from_pools_and_running(self.pools, list(self.running.values()))
+        if self.snapshot_hook:
+            self.snapshot_hook()
+        return snap
+
+    def reconcile(self) -> list[ObservedChange]:
+        with self._lock:
+            out, self._changes = self._changes, []
+            return out

@@ -1,0 +1,299 @@
+"""Placement: the pure decision of where (and whether) one job can run now.
+
+``place_job(job, snapshot)`` looks at every pool the job may use, asks the estimator
+how many GPUs of that pool the job needs, checks the tenant's quota and finds a gang
+allocation (all GPUs at once: within one node, or whole free nodes for multi-node
+jobs). It returns a ``Placement``:
+
+- ``fit``: the job can start now on ``pool`` with ``nodes``;
+- ``fit_after_preemption``: it can start once the ``victims`` (lower-priority jobs
+  allowed by the preemption policy) have checkpointed and released their GPUs;
+- ``no_fit``: it must wait; ``reasons`` say why in words a user understands
+  ("needs 2x nvidia-rtx-4090, 0 free").
+
+Heterogeneity: among pools where the job fits now, the ``objective`` picks: ``cost``
+(default: lowest estimated GPU-hour cost, ties by earliest finish) keeps a 7B QLoRA job
+on a free 4090 instead of a slice of the MI300X node a 405B job needs; ``time`` takes
+the earliest estimated finish. The trainer family follows the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob  # noqa: F401
+from worker.scheduler.estimator import PoolEstimate, estimate_on_pool
+from worker.scheduler.pools import NodePool
+from worker.scheduler.request import JobRequest
+
+Mode = Literal["fit", "fit_after_preemption", "no_fit"]
+Objective = Literal["cost", "time"]
+
+
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    """When a waiting job may evict running ones.
+
+    ``min_priority_gap``: the victim's priority must be at least this much lower.
+    Victims are taken from the same tenant; another tenant's job is a victim only when
+    that tenant is *borrowing* (over its quota in a pool with ``quota_borrowing``) and
+    the preemptor stays within its own quota.
+    """
+
+    enabled: bool = True
+    min_priority_gap: int = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    mode: Mode
+    pool: str | None = None
+    gpus: int = 0
+    nodes: tuple[tuple[str, int], ...] = ()
+    trainer: str | None = None
+    victims: tuple[str, ...] = ()
+    reasons: tuple[str, ...] = ()
+    estimate: PoolEstimate | None = None
+    borrowing: bool = False
+    """The tenant exceeds its quota in this pool (its job may be preempted by the owner)."""
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.estimate and self.estimate.offload)
+
+    def reason_text(self) -> str:
+        return "; ".join(self.reasons)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    pool: NodePool
+    trainer: str
+    estimate: PoolEstimate
+
+
+_ESTIMATES: dict[tuple, PoolEstimate] = {}
+
+
+def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
+    """``estimate_on_pool`` memoised: the same job shape on the same pool is asked every cycle."""
+    key = (job.model, job.training, job.total_tokens, job.gpus, trainer, pool.name,
+           pool.gpu_memory_bytes, pool.gpus_per_node, pool.max_nodes_per_job,
+           pool.peak_tflops, pool.price_per_gpu_hour, pool.accelerator)
+    est = _ESTIMATES.get(key)
+    if est is None:
+        if len(_ESTIMATES) > 100_000:
+            _ESTIMATES.clear()
+        est = estimate_on_pool(job.model, job.training, pool, trainer=trainer,
+                               total_tokens=job.total_tokens, gpus=job.gpus)
+        _ESTIMATES[key] = est
+    return est
+
+
+def _trainer_for(job: JobRequest, pool: NodePool) -> str | None:
+    if job.trainer == "auto":
+        return pool.preferred_trainer()
+    return job.trainer if job.trainer in pool.trainers else None
+
+
+def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_Candidate], list[str]]:
+    """Pools whose family and memory can hold the job at all, and reasons for the rest."""
+    out: list[_Candidate] = []
+    reasons: list[str] = []
+    if job.pool is not None and job.pool not in snapshot.pools:
+        return [], [f"pool {job.pool!r} does not exist"]
+    for pool in snapshot.pools.values():
+        if job.pool is not None and pool.name != job.pool:
+            continue
+        trainer = _trainer_for(job, pool)
+        if trainer is None:
+            reasons.append(f"{pool.name}: runs {'/'.join(pool.trainers)}, job needs {job.trainer}")
+            continue
+        if job.gpus is not None and job.gpus > pool.gpus_per_node * pool.max_nodes_per_job:
+            reasons.append(f"{pool.name}: at most {pool.gpus_per_node * pool.max_nodes_per_job} GPUs per job")
+            continue
+        est = estimate_for(job, pool, trainer)
+        if not est.fits:
+            reasons.append(f"{pool.name}: {est.reasons[0]}")
+            continue
+        out.append(_Candidate(pool, trainer, est))
+    return out, reasons
+
+
+def gang_nodes(pool: NodePool, snapshot: CapacitySnapshot, gpus: int,
+               blocked: frozenset[str] = frozenset()) -> tuple[tuple[str, int], ...] | None:
+    """A gang allocation of ``gpus`` on a pool's nodes, or None.
+
+    Within a node: the fullest node that still has room (best fit, keeps whole nodes
+    free for multi-node jobs). Across nodes: whole free nodes.
+    """
+    if gpus <= pool.gpus_per_node:
+        for free in range(gpus, pool.gpus_per_node + 1):
+            for name in snapshot.nodes_with_free(pool.name, free):
+                if name not in blocked:
+                    return ((name, gpus),)
+        return None
+    if gpus % pool.gpus_per_node:
+        return None
+    need = gpus // pool.gpus_per_node
+    chosen: list[str] = []
+    for name in snapshot.nodes_with_free(pool.name, pool.gpus_per_node):
+        if name not in blocked:
+            chosen.append(name)
+            if len(chosen) == need:
+                return tuple((n, pool.gpus_per_node) for n in chosen)
+    return None
+
+
+def _quota_check(job: JobRequest, pool: NodePool, snapshot: CapacitySnapshot, gpus: int) -> tuple[bool, bool, str | None]:
+    """(allowed, borrowing, reason) for the tenant taking ``gpus`` more GPUs of the pool."""
+    quota = pool.quota_for(job.tenant)
+    if quota is None:
+        return True, False, None
+    used = snapshot.tenant_gpus(job.tenant, pool.name)
+    if used + gpus <= quota:
+        return True, False, None
+    if pool.quota_borrowing:
+        return True, True, None
+    return False, False, (f"{pool.name}: tenant quota {quota} GPUs, {used} in use, needs {gpus} more")
+
+
+def _free_text(pool: NodePool, nodes: dict[str, NodeCapacity], gpus: int) -> str:
+    free = sum(n.gpus_free for n in nodes.values())
+    if gpus > pool.gpus_per_node:
+        whole = sum(1 for n in nodes.values() if n.gpus_free == n.gpus_total)
+        return (f"needs {gpus}x {pool.accelerator} ({gpus // pool.gpus_per_node} whole nodes), "
+                f"{whole} whole nodes free")
+    return f"needs {gpus}x {pool.accelerator}, {free} free" + (
+        f" but not {gpus} on one node" if free >= gpus else "")
+
+
+def _rank(c: _Candidate, objective: Objective = "cost") -> tuple[float, float, str]:
+    # Without a token count, rank by time/cost per token (same order).
+    eta = c.estimate.eta_s if c.estimate.eta_s is not None else 1.0 / max(c.estimate.tokens_per_s, 1e-9)
+    cost = eta * c.estimate.gpus * c.pool.price_per_gpu_hour
+    return (cost, eta, c.pool.name) if objective == "cost" else (eta, cost, c.pool.name)
+
+
+def place_job(job: JobRequest, snapshot: CapacitySnapshot, *, policy: PreemptionPolicy | None = None,
+              blocked_nodes: frozenset[str] = frozenset(), objective: Objective = "cost") -> Placement:
+    """Decide where ``job`` runs now, after preemption, or why it waits.
+
+    Args:
+        job: the queued job.
+        snapshot: pools, node capacity and running jobs (not modified).
+        policy: preemption policy; None disables preemption.
+        blocked_nodes: nodes reserved for a higher-ordered waiting job (backfill guard).
+        objective: how to choose among pools that fit now ("cost" or "time").
+    """
+    candidates, reasons = candidate_pools(job, snapshot)
+    if not candidates:
+        return Placement("no_fit", reasons=tuple(reasons) or ("no pool can run this job",))
+    fits: list[tuple[_Candidate, tuple[tuple[str, int], ...], bool]] = []
+    waiting: list[str] = []
+    for cand in candidates:
+        ok, borrowing, why = _quota_check(job, cand.pool, snapshot, cand.estimate.gpus)
+        if not ok:
+            waiting.append(why or "")
+            continue
+        nodes = gang_nodes(cand.pool, snapshot, cand.estimate.gpus, blocked_nodes)
+        if nodes is None:
+            waiting.append(f"{cand.pool.name}: {_free_text(cand.pool, snapshot.nodes.get(cand.pool.name, {}), cand.estimate.gpus)}")
+            continue
+        fits.append((cand, nodes, borrowing))
+    if fits:
+        cand, nodes, borrowing = min(fits, key=lambda f: _rank(f[0], objective))
+        return Placement("fit", pool=cand.pool.name, gpus=cand.estimate.gpus, nodes=nodes,
+                         trainer=cand.trainer, reasons=cand.estimate.reasons, estimate=cand.estimate,
+                         borrowing=borrowing)
+    if policy is not None and policy.enabled and job.priority > 0:
+        options = []
+        for cand in candidates:
+            plan = _preemption_plan(job, cand, snapshot, policy, blocked_nodes)
+            if plan is not None:
+                options.append((len(plan[1]), _rank(cand, objective), cand, plan))
+        if options:
+            _, _, cand, (nodes, victims) = min(options, key=lambda o: (o[0], o[1]))
+            return Placement(
+                "fit_after_preemption", pool=cand.pool.name, gpus=cand.estimate.gpus, nodes=nodes,
+                trainer=cand.trainer, victims=tuple(v.job_id for v in victims),
+                reasons=((f"preempting {len(victims)} lower-priority job(s) on {cand.pool.name}",) if victims
+                         else (f"waiting for stopping job(s) on {cand.pool.name} to release their GPUs",)),
+                estimate=cand.estimate,
+            )
+    return Placement("no_fit", reasons=tuple(["waiting: " + "; ".join(waiting)] + reasons))
+
+
+def _may_preempt(job: JobRequest, victim: RunningJob, pool: NodePool, snapshot: CapacitySnapshot,
+                 policy: PreemptionPolicy, gpus: int) -> bool:
+    if not victim.preemptible or victim.stopping or victim.pool != pool.name:
+        return False
+    if job.priority - victim.priority < policy.min_priority_gap:
+        return False
+    if victim.tenant == job.tenant:
+        return True
+    # Across tenants only to take back borrowed GPUs: the victim's tenant is over its
+    # quota and the preemptor stays within its own.
+    quota_v, quota_j = pool.quota_for(victim.tenant), pool.quota_for(job.tenant)
+    if not pool.quota_borrowing or quota_v is None or quota_j is None:
+        return False
+    return (snapshot.tenant_gpus(victim.tenant, pool.name) > quota_v
+            and snapshot.tenant_gpus(job.tenant, pool.name) + gpus <= quota_j)
+
+
+def _preemption_plan(job: JobRequest, cand: _Candidate, snapshot: CapacitySnapshot, policy: PreemptionPolicy,
+                     blocked: frozenset[str]) -> tuple[tuple[tuple[str, int], ...], list[RunningJob]] | None:
+    """The fewest, least valuable victims whose GPUs let the job's gang fit."""
+    pool, gpus = cand.pool, cand.estimate.gpus
+    ok, _, _ = _quota_check(job, pool, snapshot, gpus)
+    if not ok:
+        return None
+    eligible = [v for v in snapshot.running.values() if _may_preempt(job, v, pool, snapshot, policy, gpus)]
+    # Jobs already stopping free their GPUs soon: count them first, so a job that
+    # preempted last cycle waits for those victims instead of choosing new ones.
+    stopping = [v for v in snapshot.running.values() if v.stopping and v.pool == pool.name]
+    if not eligible and not stopping:
+        return None
+    # Lowest priority first; among equals the most recently started (least work lost).
+    eligible.sort(key=lambda v: (v.priority, -v.started_at, v.job_id))
+    nodes = snapshot.nodes[pool.name]
+    freed: dict[str, int] = {}
+    for v in stopping:
+        for name, n in v.nodes:
+            freed[name] = freed.get(name, 0) + n
+    if stopping:
+        alloc = _gang_after_release(pool, nodes, freed, gpus, blocked)
+        if alloc is not None:
+            return alloc, []
+    chosen: list[RunningJob] = []
+    for victim in eligible:
+        chosen.append(victim)
+        for name, n in victim.nodes:
+            freed[name] = freed.get(name, 0) + n
+        alloc = _gang_after_release(pool, nodes, freed, gpus, blocked)
+        if alloc is not None:
+            used = {name for name, _ in alloc}
+            # Keep only victims on the nodes the gang uses (earlier picks elsewhere are spared).
+            return alloc, [v for v in chosen if any(n in used for n, _ in v.nodes)]
+    return None
+
+
+def _gang_after_release(pool: NodePool, nodes: dict[str, NodeCapacity], freed: dict[str, int], gpus: int,
+                        blocked: frozenset[str]) -> tuple[tuple[str, int], ...] | None:
+    """gang_nodes over the nodes whose capacity grew by ``freed`` (the victims' GPUs)."""
+    names = [n for n in freed if n not in blocked and n in nodes]
+    if gpus <= pool.gpus_per_node:
+        fitting = [n for n in names if nodes[n].gpus_free + freed[n] >= gpus]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda n: (nodes[n].gpus_free + freed[n], n))
+        return ((best, gpus),)
+    need = gpus // pool.gpus_per_node
+    whole = [n for n in nodes if n not in blocked
+             and nodes[n].gpus_free + freed.get(n, 0) >= nodes[n].gpus_total == pool.gpus_per_node]
+    # Prefer nodes that were free already, then those the victims free.
+    whole.sort(key=lambda n: (n in freed, n))
+    if len(whole) < need:
+        return None
+    return tuple((n, pool.gpus_per_node) for n in whole[:need])

@@ -1,0 +1,219 @@
+"""From a job row to the trainer spec: the one mapping between the API's job and a trainer.
+
+STYLE.md: "The API's job schema maps to exactly one trainer spec." This module is that
+map. Every value a trainer uses is resolved here (no "auto" crosses into a spec): the
+trainer family follows the pool, precision follows the accelerator (fp32 on CPU pools,
+bf16 base + fp32 adapter on GPUs), the parallel layout follows the GPU count, and the
+locations follow the artifact store (a local directory in the embedded default, S3 in
+production).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.artifacts import artifact_store, file_store
+from api.base_models import load_base_models
+from api.db.models import File, Job
+from api.settings import Settings
+from trainers.spec import (
+    AdapterSpec,
+    CheckpointSpec,
+    DataSpec,
+    EvalSpec,
+    HyperparametersSpec,
+    IntegrationSpec,
+    MeshSpec,
+    ModelSpec,
+    ParallelismSpec,
+    PrecisionSpec,
+    ReportSpec,
+    TrainerSpec,
+)
+
+# API spellings of the trainer -> the spec's recipe names.
+TRAINER_NAMES = {"jax": "jax_lora", "jax_lora": "jax_lora", "fsdp_qlora": "fsdp_qlora"}
+
+
+class SpecError(ValueError):
+    """The job cannot be turned into a spec (its model or file disappeared)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def resolve_trainer(requested: str, pool_families: tuple[str, ...]) -> str:
+    """The recipe for a job on a pool: the pool decides; "auto" takes its first family."""
+    if requested in ("auto", "", None):
+        return pool_families[0]
+    name = TRAINER_NAMES.get(requested, requested)
+    if name not in pool_families:
+        raise SpecError(
+            "trainer_not_available",
+            f"trainer '{requested}' does not run on this pool (it runs {', '.join(pool_families)})",
+        )
+    return name
+
+
+def precision_for(accelerator: str) -> PrecisionSpec:
+    if accelerator == "cpu":
+        return PrecisionSpec(base_dtype="float32", compute_dtype="float32", adapter_dtype="float32")
+    return PrecisionSpec(base_dtype="bfloat16", compute_dtype="bfloat16", adapter_dtype="float32")
+
+
+def _integrations(raw: list[dict[str, Any]] | None) -> tuple[IntegrationSpec, ...]:
+    out = []
+    for item in raw or []:
+        kind = item.get("type")
+        if kind == "wandb":
+            cfg = item.get("wandb") or {}
+            out.append(IntegrationSpec(type="wandb", project=cfg.get("project"), name=cfg.get("name"),
+                                       entity=cfg.get("entity"), tags=tuple(cfg.get("tags") or ())))
+        elif kind == "mlflow":
+            cfg = item.get("mlflow") or {}
+            out.append(IntegrationSpec(type="mlflow", tracking_uri=cfg.get("tracking_uri"),
+                                       project=cfg.get("experiment"), name=cfg.get("run_name")))
+    return tuple(out)
+
+
+def _hyperparameters(hp: dict[str, Any], data_parallel: int) -> HyperparametersSpec:
+    batch = int(hp["batch_size"])
+    micro = int(hp.get("micro_batch_size") or 1)
+    # Each data-parallel rank takes `micro` examples per forward; the global batch must
+    # split evenly over ranks and micro-batches.
+    while micro > 1 and batch % (micro * data_parallel):
+        micro -= 1
+    return HyperparametersSpec(
+        n_epochs=int(hp["n_epochs"]),
+        batch_size=batch,
+        micro_batch_size=micro,
+        learning_rate=float(hp["learning_rate"]),
+        lr_scheduler=hp.get("lr_scheduler") or "cosine",
+        warmup_steps=int(hp.get("warmup_steps") or 0),
+        weight_decay=float(hp.get("weight_decay") or 0.0),
+        max_grad_norm=hp.get("max_grad_norm", 1.0),
+        max_steps=hp.get("max_steps"),
+    )
+
+
+def job_output_key(job_id: str) -> str:
+    """Artifact-store key prefix of a job's outputs."""
+    return f"{job_id}/output"
+
+
+def build_spec(
+    session: Session,
+    job: Job,
+    settings: Settings,
+    *,
+    pool_accelerator: str,
+    pool_families: tuple[str, ...],
+    gpus: int,
+    token: str,
+    in_cluster: bool = False,
+) -> TrainerSpec:
+    """The trainer spec for ``job`` placed on ``gpus`` GPUs of a pool.
+
+    Args:
+        session: a DB session (reads the job's files).
+        job: the job row.
+        settings: service settings (locations, public URL).
+        pool_accelerator: the pool's accelerator (``cpu`` selects fp32).
+        pool_families: trainer families the pool runs, preferred first.
+        gpus: GPUs (local: processes) the job gets.
+        token: the job's fresh report token.
+        in_cluster: the trainer runs in a Kubernetes pod (paths inside the pod).
+
+    Raises:
+        SpecError: the model or a file no longer exists.
+    """
+    models = load_base_models(settings)
+    if job.model not in models:
+        raise SpecError("model_not_found", f"base model '{job.model}' is no longer configured")
+    trainer = resolve_trainer(job.trainer, pool_families)
+
+    files = file_store(settings)
+    train = session.get(File, job.training_file)
+    if train is None or train.deleted_at is not None:
+        raise SpecError("file_not_found", f"training file {job.training_file} was deleted")
+    fmt = (train.validation or {}).get("format")
+    if fmt not in ("chat", "prompt_completion", "alpaca"):
+        raise SpecError("invalid_file", f"training file {train.id} has no validated format")
+    valid_location = None
+    if job.validation_file:
+        valid = session.get(File, job.validation_file)
+        if valid is None or valid.deleted_at is not None:
+            raise SpecError("file_not_found", f"validation file {job.validation_file} was deleted")
+        valid_location = files.location(valid.location)
+
+    store = artifact_store(settings)
+    local_store = not store.location().startswith("s3://")
+    job_dir = settings.job_dir(job.id)
+    if in_cluster:
+        checkpoint_dir = store.location(f"{job.id}/checkpoints")
+        spool_dir, termination = "/tmp/tunefleet-spool", "/dev/termination-log"
+    else:
+        checkpoint_dir = str(job_dir / "checkpoints") if local_store else store.location(f"{job.id}/checkpoints")
+        spool_dir, termination = str(job_dir / "spool"), str(job_dir / "termination.json")
+
+    data_parallel = gpus if trainer == "fsdp_qlora" else 1
+    adapter = dict(job.adapter or {})
+    quantization = adapter.get("quantization") or ("nf4" if adapter.get("method") == "qlora" else "none")
+    adapter_spec = AdapterSpec(
+        method=adapter.get("method", "lora"),
+        r=int(adapter.get("r", 8)),
+        alpha=float(adapter.get("alpha", 16.0)),
+        dropout=float(adapter.get("dropout", 0.0)),
+        target_modules=tuple(adapter.get("target_modules") or ("q_proj", "k_proj", "v_proj", "o_proj")),
+        quantization=quantization if adapter.get("method") == "qlora" else "none",
+        double_quant=bool(adapter.get("double_quant", False)),
+        hqq_group_size=int(adapter.get("hqq_group_size", 64)),
+        use_dora=bool(adapter.get("use_dora", False)),
+    )
+    parallelism = ParallelismSpec(
+        world_size=gpus if trainer == "fsdp_qlora" else 1,
+        mesh=MeshSpec(data=1, fsdp=gpus, tensor=1) if trainer == "jax_lora" else MeshSpec(),
+        activation_checkpointing="none" if pool_accelerator == "cpu" else "non_reentrant",
+        remat="none" if pool_accelerator == "cpu" else "per_layer",
+    )
+    return TrainerSpec(
+        job_id=job.id,
+        trainer=trainer,  # type: ignore[arg-type]
+        model=ModelSpec(path=models[job.model].path, architecture=models[job.model].architecture),
+        data=DataSpec(
+            train_file=files.location(train.location),
+            validation_file=valid_location,
+            format=fmt,
+            max_seq_len=job.max_seq_len,
+            packing=job.packing,
+        ),
+        hyperparameters=_hyperparameters(job.hyperparameters, data_parallel),
+        adapter=adapter_spec,
+        parallelism=parallelism,
+        precision=precision_for(pool_accelerator),
+        eval=EvalSpec(**{k: v for k, v in (job.eval or {}).items() if k in ("every_n_steps", "max_batches")}),
+        output_dir=store.location(job_output_key(job.id)),
+        checkpoint=CheckpointSpec(dir=checkpoint_dir, resume_from="latest"),
+        report=ReportSpec(
+            url=f"{settings.public_url}/internal/v1/jobs/{job.id}/reports",
+            token=token,
+            spool_dir=spool_dir,
+        ),
+        integrations=_integrations(job.integrations),
+        seed=int(job.seed),
+        suffix=job.suffix,
+        termination_log=termination,
+    )
+
+
+def write_spec(spec: TrainerSpec, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    spec.dump(tmp)
+    tmp.replace(path)
+    return path
