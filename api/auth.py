@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, joinedload
 
 from api.db.base import utcnow
 from api.db.models import ApiKey, Tenant
@@ -24,7 +24,10 @@ def authenticate(session: Session, authorization: str | None) -> ApiKey:
     token = token.strip()
     if scheme.lower() != "bearer" or key_prefix(token) is None:
         raise _invalid_key()
-    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_secret(token)))
+    # One round trip: the key and its tenant (every authenticated route needs both).
+    key = session.scalar(
+        select(ApiKey).options(joinedload(ApiKey.tenant)).where(ApiKey.key_hash == hash_secret(token))
+    )
     if key is None or key.revoked_at is not None:
         raise _invalid_key()
     return key

@@ -83,6 +83,7 @@ def create_job(
     base_models: dict[str, BaseModelEntry],
     queue: TaskQueue,
     idempotency_key: str | None = None,
+    _retried: bool = False,
 ) -> Job:
     """Create a job (or return the one created earlier with the same Idempotency-Key)."""
     digest = request_hash(raw_body)
@@ -132,22 +133,24 @@ def create_job(
         integrations=[i.model_dump(exclude_none=True) for i in body.integrations or []],
         result_files=[], restarts=0,
     )
-    session.add(job)
-    session.flush()
-    add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
-    if idempotency_key is not None:
-        session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
-                                   request_hash=digest, job_id=job.id))
-    queued = _queue_if_files_ready(session, job)
     try:
+        session.add(job)
+        session.flush()  # the job row first: events and the idempotency key refer to it
+        if idempotency_key is not None:
+            # Claimed before anything else: a concurrent twin blocks or fails right here.
+            session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
+                                       request_hash=digest, job_id=job.id))
+            session.flush()
+        add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
+        queued = _queue_if_files_ready(session, job)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race: answer like a retry.
         session.rollback()
-        if idempotency_key is None:
+        if idempotency_key is None or _retried:
             raise
         return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models,
-                          queue=queue, idempotency_key=idempotency_key)
+                          queue=queue, idempotency_key=idempotency_key, _retried=True)
     if queued:
         queue.send(SCHEDULE)
     return job
@@ -217,7 +220,7 @@ def list_jobs(
     return page_newest_first(session, query, Job, after=after, limit=limit)
 
 
-def _latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
+def latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
     return session.scalar(
         select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
     )
@@ -242,7 +245,7 @@ def pause_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queu
 
 def resume_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
     job = lock_job_of(session, tenant, job_id)
-    checkpoint = _latest_checkpoint(session, job)
+    checkpoint = latest_checkpoint(session, job)
     transition(
         session, job, "queued", actor=actor,
         message="Job resumed" + (f" from step {checkpoint.step}." if checkpoint else "."),

@@ -88,7 +88,7 @@ def start_demo(settings, base_url: str, admin_key: str) -> str:  # noqa: ANN001 
                 "training_file": file_id,
                 "suffix": "demo",
                 "seed": 0,
-                "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 10.0},
+                "hyperparameters": {"n_epochs": 3, "batch_size": 8, "learning_rate_multiplier": 25.0},
                 "adapter": {"method": "lora", "r": 16, "alpha": 32,
                             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                "gate_proj", "up_proj", "down_proj"]},

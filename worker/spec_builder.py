@@ -10,6 +10,7 @@ production).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,18 @@ def _hyperparameters(hp: dict[str, Any], data_parallel: int) -> HyperparametersS
         max_grad_norm=hp.get("max_grad_norm", 1.0),
         max_steps=hp.get("max_steps"),
     )
+
+
+MAX_CHECKPOINT_INTERVAL = 500
+
+
+def checkpoint_interval(hp: dict[str, Any]) -> int:
+    """Steps between checkpoints: one per epoch, as OpenAI's jobs keep epoch checkpoints,
+    but at least every MAX_CHECKPOINT_INTERVAL steps so a long epoch is never all lost
+    (a SIGTERM — cancel, pause, preemption — checkpoints at once besides)."""
+    total = int(hp.get("total_steps") or 1)
+    per_epoch = max(1, math.ceil(total / max(1, int(hp.get("n_epochs") or 1))))
+    return min(per_epoch, MAX_CHECKPOINT_INTERVAL)
 
 
 def job_output_key(job_id: str) -> str:
@@ -198,7 +211,8 @@ def build_spec(
         precision=precision_for(pool_accelerator),
         eval=EvalSpec(**{k: v for k, v in (job.eval or {}).items() if k in ("every_n_steps", "max_batches")}),
         output_dir=store.location(job_output_key(job.id)),
-        checkpoint=CheckpointSpec(dir=checkpoint_dir, resume_from="latest"),
+        checkpoint=CheckpointSpec(dir=checkpoint_dir, resume_from="latest",
+                                  every_n_steps=checkpoint_interval(job.hyperparameters)),
         report=ReportSpec(
             url=f"{settings.public_url}/internal/v1/jobs/{job.id}/reports",
             token=token,

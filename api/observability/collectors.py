@@ -81,9 +81,13 @@ class DatabaseCollector(Collector):
         ):
             pool = (placement or {}).get("pool") or "any"
             queued.setdefault(pool, []).append((now - created_at).total_seconds())
-        for pool, waits in sorted(queued.items()):
+        # Every known pool (and "any") gets a sample, 0 when empty: "no data" on a
+        # dashboard would read as "not scraped".
+        capacity = _safe_capacity()
+        for pool in sorted(set(queued) | set(capacity) | {"any"}):
+            waits = queued.get(pool, [])
             depth.add_metric([pool], len(waits))
-            oldest.add_metric([pool], max(waits))
+            oldest.add_metric([pool], max(waits, default=0.0))
         yield depth
         yield oldest
 
@@ -93,7 +97,6 @@ class DatabaseCollector(Collector):
             select(Job.pool, func.coalesce(func.sum(Job.gpus), 0)).where(Job.status == "running").group_by(Job.pool)
         ):
             held[pool or NO_POOL] = int(gpus)
-        capacity = _safe_capacity()
         for pool in sorted(set(held) | set(capacity)):
             allocated.add_metric([pool], held.get(pool, 0))
         yield allocated
@@ -145,7 +148,8 @@ class DatabaseCollector(Collector):
             return
         deliveries = GaugeMetricFamily("tunefleet_webhook_deliveries", "Webhook deliveries by status",
                                        labels=["status"])
-        counts = dict(session.execute(select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)))
+        counts = dict(session.execute(
+            select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)).tuples().all())
         for status in ("pending", "succeeded", "failed"):
             deliveries.add_metric([status], counts.get(status, 0))
         yield deliveries

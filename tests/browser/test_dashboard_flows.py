@@ -17,6 +17,7 @@ import random
 import re
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -87,10 +88,14 @@ def _drive_unless_real(service, job_id: str, total: int, *, finish: bool) -> Non
     driver = ReportDriver(service.url, service.data_dir, job_id)
 
     def run() -> None:
-        driver.start()
-        driver.metrics(range(1, (total if finish else 4) + 1), total, pause_s=0.4)
-        if finish:
-            driver.finish(total)
+        try:
+            driver.start()
+            driver.metrics(range(1, (total if finish else 4) + 1), total, pause_s=0.4)
+            if finish:
+                driver.finish(total)
+        except Exception:  # shown with the failing test's output
+            traceback.print_exc()
+            raise
 
     threading.Thread(target=run, daemon=True).start()
 

@@ -456,3 +456,27 @@ def test_without_a_database_the_service_refuses_to_start_and_says_what_to_set(mo
     container = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]["containers"][0]
     with pytest.raises(ValueError, match="TUNEFLEET_DATABASE_URL"):
         _settings_from(_resolved_env(docs, container), monkeypatch)
+
+
+def test_probe_paths_are_routes_of_the_api():
+    import ast
+
+    from tests.deploy.chart import REPO_ROOT
+
+    routes = set()
+    for path in (REPO_ROOT / "api").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                routes.add(node.args[0].value)
+    api = one(rendered_docs("default"), "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]
+    probes = {
+        api["containers"][0][probe]["httpGet"]["path"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
+    assert probes == {"/healthz", "/readyz"} and probes <= routes

@@ -1,8 +1,13 @@
 """The chart's RBAC grants exactly what the service's Kubernetes client calls need.
 
-The needed set is derived from the code (tests/deploy/k8s_calls.py: every client method
-the service references, mapped to its HTTP request by the client's own generated code),
-not written by hand, and compared with the rules in helm/tunefleet/templates/rbac.yaml.
+Two independent derivations, neither written by hand, are compared with the rules in
+helm/tunefleet/templates/rbac.yaml:
+
+- static: every client method the service code references, mapped to its HTTP request by
+  the client's own generated code (tests/deploy/k8s_calls.py) — covers every code path;
+- dynamic: the real executor runs a two-node job's life (informers, launch, logs, stop)
+  against the fake API server of tests/k8s, which records every request it serves.
+
 A new client call without a rule fails here (it would fail with 403 in a cluster), and so
 does a rule that no code uses (least privilege).
 """
@@ -125,29 +130,67 @@ def test_the_executor_against_the_fake_api_server_needs_exactly_these_permission
     """Run the real executor through a job's life against the fake API server (which speaks
     the REST + watch protocol and records every request) and compare what it really asked
     for with the chart's RBAC and with the static derivation."""
-    from tests.k8s.fake_apiserver import FakeApiServer, two_pool_cluster
-    from tests.k8s.test_kubernetes_executor import Row, executor, kinds, placement, spec, until
-    from worker.executors.base import ObservedKind, StopReason
+    import sys
+    from dataclasses import dataclass
 
-    groups = {"jobs": "batch"}
+    import yaml
+
+    from tests.deploy.chart import CHART_DIR
+    from tests.k8s.fake_apiserver import FakeApiServer, two_pool_cluster
+    from trainers.spec import TrainerSpec
+    from worker.executors.base import ObservedKind, StopReason
+    from worker.executors.kubernetes import KubernetesExecutor
+    from worker.executors.manifests import SPEC_FILE, ManifestOptions
+    from worker.scheduler.placement import Placement
+    from worker.scheduler.pools import parse_pools
+
+    @dataclass
+    class JobRow:
+        id: str
+        tenant_id: str = "org-1"
+        priority: int = 50
+
+    namespace = "tunefleet-training"
+    job = JobRow("ftjob-Rbac")
+    spec = TrainerSpec.model_validate({
+        "job_id": job.id, "trainer": "jax_lora", "model": {"path": "/models/tiny"},
+        "data": {"train_file": "/data/train.jsonl", "format": "chat"},
+        "hyperparameters": {"n_epochs": 1, "batch_size": 2, "micro_batch_size": 1, "learning_rate": 1e-4},
+        "output_dir": "/out", "checkpoint": {"dir": "/ckpt"},
+        "report": {"url": "http://api/internal", "token": "tok"},
+    })  # fmt: skip
+    # The chart's own default pools (two MI300X nodes of 8 GPUs in the fake cluster).
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text(encoding="utf-8"))
+    pools = parse_pools(yaml.safe_dump({"pools": values["pools"]}))
+    placement = Placement(
+        "fit", pool="mi300x", gpus=16, nodes=(("mi300x-0", 8), ("mi300x-1", 8)), trainer="jax_lora"
+    )
+    fake_trainer = str(REPO_ROOT / "tests" / "k8s" / "fake_trainer.py")
+
     with FakeApiServer(tmp_path / "k8s") as api:
-        two_pool_cluster(api, namespace="tunefleet-training")
-        ex = executor(api)  # started: the background informers list and watch
+        two_pool_cluster(api, namespace=namespace)
+        ex = KubernetesExecutor(
+            api.api_client(), pools, options=ManifestOptions(namespace=namespace, termination_grace_period_s=5),
+            command=[sys.executable, fake_trainer, "--spec", SPEC_FILE],
+            extra_env={"FAKE_TRAINER_MODE": "succeed"}, watch_timeout_s=1,
+        )  # fmt: skip
+        ex.start()  # the background informers list and watch, as in the service
         try:
             ex.snapshot()  # nodes
             # Two nodes: the spec ConfigMap, token Secret, headless Service and the Job.
-            ex.launch(
-                Row("ftjob-Rbac"),
-                spec("ftjob-Rbac"),
-                placement("mi300x", nodes=2, gpn=8, trainer="jax_lora"),
+            ex.launch(job, spec, placement)
+            seen = []
+            api.wait_for(
+                lambda: (
+                    seen.extend(ex.reconcile()) or ObservedKind.SUCCEEDED in [c.kind for c in seen]
+                )
             )
-            until(api, ex, lambda seen: ObservedKind.SUCCEEDED in kinds(seen))
-            assert ex.logs("ftjob-Rbac")
-            ex.stop(Row("ftjob-Rbac"), StopReason.CANCEL)
+            assert ex.logs(job.id)
+            ex.stop(job, StopReason.CANCEL)
         finally:
             ex.close()
         recorded = {
-            Permission(groups.get(resource.split("/")[0], ""), resource, verb, resource != "nodes")
+            Permission("batch" if resource == "jobs" else "", resource, verb, resource != "nodes")
             for verb, resource in api.cluster.requests
         }
     granted = granted_by_chart()

@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,23 @@ def test_mlflow_run_has_metrics_params_and_adapter(tmp_path: Path, monkeypatch: 
     local = Path(client.download_artifacts(run.info.run_id, "adapter", str(tmp_path / "dl")))
     got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in local.iterdir()}
     assert got == digests
+
+
+def test_restarted_trainer_continues_the_same_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow import MlflowClient
+
+    uri = local_mlflow(tmp_path, monkeypatch)
+    spec = make_spec(tmp_path, [{"type": "mlflow", "tracking_uri": uri}])
+    for steps in ((1, 2), (3, 4)):  # the second process resumes after a preemption
+        mirror = mirror_from_spec(spec)
+        assert mirror is not None and mirror.trackers
+        for step in steps:
+            mirror.add({"type": "metric", "step": step, "train_loss": LOSSES[step - 1]})
+        mirror.close()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tunefleet").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)
+    assert [m.value for m in history] == LOSSES and run.info.status == "FINISHED"
 
 
 def test_error_item_marks_mlflow_run_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,6 +189,12 @@ def test_wandb_offline_run_has_metrics_and_adapter(tmp_path: Path, monkeypatch: 
     mirror.close()
     assert warnings == []
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb-core (a separate process) may still be writing the log when finish() returns:
+    # wait for its `exit` record, which it writes last.
+    deadline = time.monotonic() + 20
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(run_file)):
+        assert time.monotonic() < deadline, "wandb never wrote the exit record"
+        time.sleep(0.1)
     history, artifacts, exit_codes, config, runs, kinds = [], [], [], {}, [], []
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")

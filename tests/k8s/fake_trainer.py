@@ -12,6 +12,13 @@ import signal
 import sys
 import time
 
+mode = os.environ.get("FAKE_TRAINER_MODE", "succeed")
+if mode == "sleep":
+    def on_term(*_):
+        print("SIGTERM: checkpoint written", flush=True)
+        sys.exit(12)
+    signal.signal(signal.SIGTERM, on_term)  # before the first line: "running" means ready to stop
+
 spec_path = sys.argv[sys.argv.index("--spec") + 1]
 spec = json.load(open(spec_path))
 assert spec["report"]["token"] is None, "token leaked into the ConfigMap"
@@ -19,7 +26,6 @@ env = {k: os.environ.get(k) for k in (
     "TUNEFLEET_REPORT_TOKEN", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
     "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "TUNEFLEET_JOB_ID")}
 print(json.dumps({"env": env, "job_id": spec["job_id"]}), flush=True)
-mode = os.environ.get("FAKE_TRAINER_MODE", "succeed")
 if mode == "user_error":
     with open(spec["termination_log"], "w") as f:
         json.dump({"code": "invalid_dataset", "message": "line 3: messages must be a list"}, f)
@@ -27,10 +33,6 @@ if mode == "user_error":
 if mode == "crash":
     sys.exit(1)
 if mode == "sleep":
-    def on_term(*_):
-        print("SIGTERM: checkpoint written", flush=True)
-        sys.exit(12)
-    signal.signal(signal.SIGTERM, on_term)
     while True:
         time.sleep(0.1)
 sys.exit(0)

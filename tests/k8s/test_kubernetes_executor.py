@@ -140,7 +140,7 @@ def test_eviction_requeues(fake_api):
     ex.launch(Row("ftjob-Evi"), spec("ftjob-Evi"), placement())
     until(fake_api, ex, lambda s: ObservedKind.STARTED in kinds(s))
     fake_api.cluster.evict(fake_api.cluster.pods("ftjob-Evi")[0]["metadata"]["name"])
-    ch = until(fake_api, ex, lambda s: ObservedKind.RETRYING in kinds(s))[-1]
+    ch = until(fake_api, ex, lambda s: ObservedKind.REQUEUE in kinds(s))[-1]
     assert ch.error_code == "evicted" and "requeued" in ch.message
 
 
@@ -155,6 +155,7 @@ def test_stop_sigterms_and_reports_the_reason(fake_api):
     ex = executor(fake_api, mode="sleep")
     ex.launch(Row("ftjob-Pre"), spec("ftjob-Pre"), placement())
     until(fake_api, ex, lambda s: ObservedKind.STARTED in kinds(s))
+    fake_api.wait_for(lambda: "ftjob-Pre" in ex.logs("ftjob-Pre"))  # the trainer is up
     assert ex.snapshot().running["ftjob-Pre"].stopping is False
     ex.stop(Row("ftjob-Pre"), StopReason.PREEMPT)
     ch = until(fake_api, ex, lambda s: ObservedKind.STOPPED in kinds(s))[-1]

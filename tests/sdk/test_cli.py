@@ -128,3 +128,33 @@ def test_login_and_config(cli: Any, service: Service, isolated_config: Path, mon
     assert shown["base_url"] == service.base_url and shown["api_key"].endswith("...")
     assert service.key not in cli("config").stdout
     assert js(cli("jobs", "list", "--json"))["data"] == []  # works from the saved file alone
+
+
+def _has_route(app: Any, path: str) -> bool:
+    return any(getattr(r, "path", None) == path for r in app.routes)
+
+
+def test_pools_and_estimate(app: Any, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """`pools` and `estimate` print what the service answers (routes of the scheduler issue)."""
+    import httpx
+
+    if not (_has_route(app, "/v1/node_pools") and _has_route(app, "/v1/fine_tuning/estimate")):
+        pytest.skip("GET /v1/node_pools or POST /v1/fine_tuning/estimate is not served by this build")
+    cli, service = request.getfixturevalue("cli"), request.getfixturevalue("service")
+    headers = {"Authorization": f"Bearer {service.key}"}
+    raw_pools = httpx.get(f"{service.base_url}/v1/node_pools", headers=headers).json()
+    pools = js(cli("pools", "--json"))["data"]
+    assert [p["name"] for p in pools] == [p["name"] for p in raw_pools["data"]] and pools
+    assert pools[0]["name"] in cli("pools").stdout
+
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(chat_jsonl(4))
+    fid = js(cli("files", "upload", str(data), "--json"))["id"]
+    body = {"model": DEMO_MODEL, "training_file": fid, "adapter": {"r": 4}}
+    direct = httpx.post(f"{service.base_url}/v1/fine_tuning/estimate", json=body, headers=headers)
+    assert direct.status_code == 200, direct.text
+    estimate = js(cli("estimate", "-m", DEMO_MODEL, "-t", fid, "--r", "4", "--json"))
+    assert set(estimate) == set(direct.json())
+    assert cli("estimate", "-m", DEMO_MODEL, "-t", fid).stdout.strip()
+    bad = cli("estimate", "-m", "nope", "-t", fid, "--json", code=1)
+    assert json.loads(bad.stderr)["error"]["param"] == "model"

@@ -119,10 +119,12 @@ def test_async_transport_retries_the_same_way(sleeps: list[float]) -> None:
         return error(503)(request) if len(seen) == 1 else ok(request)
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            async with AsyncTunefleet(base_url="http://svc", api_key="k", http_client=http) as client:
-                job = await client.jobs.create(model="m", training_file="f", idempotency_key="mine")
-                assert job.id == "ftjob-1"
+        async with (
+            httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http,
+            AsyncTunefleet(base_url="http://svc", api_key="k", http_client=http) as client,
+        ):
+            job = await client.jobs.create(model="m", training_file="f", idempotency_key="mine")
+            assert job.id == "ftjob-1"
 
     asyncio.run(scenario())
     assert [r.headers["Idempotency-Key"] for r in seen] == ["mine", "mine"]

@@ -60,7 +60,10 @@ def run_params(spec: TrainerSpec) -> dict[str, Any]:
 
 
 class MlflowTracker:
-    """One MLflow run per job, through ``MlflowClient`` (no global active-run state)."""
+    """One MLflow run per job, through ``MlflowClient`` (no global active-run state).
+
+    A restarted trainer (preemption, crash recovery) continues the job's existing run,
+    found by its ``tunefleet.job_id`` tag, so the loss curve stays in one place."""
 
     name = "mlflow"
 
@@ -74,6 +77,13 @@ class MlflowTracker:
         experiment_name = integration.project or "tunefleet"
         experiment = self.client.get_experiment_by_name(experiment_name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
+        existing = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`tunefleet.job_id` = '{spec.job_id}'", max_results=1
+        )
+        if existing:
+            self.run_id = existing[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
         tags = {"tunefleet.job_id": spec.job_id, "tunefleet.trainer": spec.trainer}
         tags.update({t: "" for t in integration.tags})
         run = self.client.create_run(experiment_id, run_name=integration.name or spec.job_id, tags=tags)
@@ -98,7 +108,8 @@ class MlflowTracker:
 
 
 class WandbTracker:
-    """One W&B run per job; ``WANDB_MODE=offline`` keeps it on local disk."""
+    """One W&B run per job (run id = job id, resumed by a restarted trainer);
+    ``WANDB_MODE=offline`` keeps it on local disk."""
 
     name = "wandb"
 
@@ -111,6 +122,8 @@ class WandbTracker:
             project=integration.project or "tunefleet",
             entity=integration.entity,
             name=integration.name or spec.job_id,
+            id=spec.job_id,
+            resume="allow",
             tags=list(integration.tags) or None,
             config=run_params(spec),
             dir=os.environ.get("WANDB_DIR") or None,

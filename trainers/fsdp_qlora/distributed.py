@@ -291,25 +291,41 @@ def launch_local(
     *,
     env: Mapping[str, str] | None = None,
     on_cpu: bool | None = None,
+    nnodes: int = 1,
     poll_s: float = 0.2,
 ) -> int:
-    """Run ``argv`` as ``world_size`` processes on this machine, torchrun-style.
+    """Run ``argv`` as this node's share of ``world_size`` processes, torchrun-style.
 
     Each child gets ``MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK`` (and
-    ``OMP_NUM_THREADS=1`` on CPU so N ranks do not oversubscribe the cores). SIGTERM to
-    this launcher is forwarded to every rank (they checkpoint and exit PREEMPTED). If one
-    rank fails, the others are terminated. Returns the exit code of the job: the first
-    failing rank's code (user error, OOM, preempted keep their meaning), else 0.
+    ``OMP_NUM_THREADS=1`` on CPU so N ranks do not oversubscribe the cores). One node:
+    ranks 0..N-1 and a free local port. Several nodes (``nnodes`` > 1, e.g. a Kubernetes
+    Indexed Job): ``world_size / nnodes`` ranks here, numbered from
+    ``NODE_RANK * that``, with ``MASTER_ADDR/MASTER_PORT`` taken from the environment.
+    SIGTERM to this launcher is forwarded to every rank (they checkpoint and exit
+    PREEMPTED). If one rank fails, the others are terminated. Returns the exit code of
+    the job: the first failing rank's code (user error, OOM, preempted keep their
+    meaning), else 0.
     """
     base = dict(os.environ if env is None else env)
     if on_cpu is None:
         on_cpu = not accelerator_available()
-    base.setdefault("MASTER_ADDR", "127.0.0.1")
-    base["MASTER_PORT"] = str(free_port())
+    if world_size % nnodes:
+        raise UserError(f"world_size {world_size} is not a multiple of nodes {nnodes}", code="invalid_parallelism")
+    per_node = world_size // nnodes
+    if nnodes == 1:
+        base["MASTER_ADDR"] = "127.0.0.1"
+        base["MASTER_PORT"] = str(free_port())
+        first_rank = 0
+    else:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+            if key not in base:
+                raise UserError(f"{key} must be set for a {nnodes}-node job", code="invalid_parallelism")
+        first_rank = int(base["NODE_RANK"]) * per_node
     base["WORLD_SIZE"] = str(world_size)
     procs: list[subprocess.Popen] = []
-    for rank in range(world_size):
-        child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+    for local_rank in range(per_node):
+        rank = first_rank + local_rank
+        child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank))
         if on_cpu:
             child_env["OMP_NUM_THREADS"] = "1"
         procs.append(subprocess.Popen(list(argv), env=child_env))

@@ -437,7 +437,9 @@ class _TensorReader:
             raise UserError(f"tensor {name!r} not in the checkpoint", code="corrupt_model")
         handle = self._open.get(path)
         if handle is None:
-            handle = self._stack.enter_context(self._safe_open(str(path), framework="pt"))
+            # pread, not mmap: an mmapped shard stays resident (and counted in RSS) while
+            # open; pread copies exactly one tensor, so host memory is what we hold.
+            handle = self._stack.enter_context(self._safe_open(str(path), framework="pt", backend="pread"))
             self._open[path] = handle
         return handle.get_tensor(name)
 

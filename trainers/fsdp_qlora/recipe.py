@@ -360,7 +360,7 @@ def run(spec: TrainerSpec, *, reporter: Reporter, stop: StopFlag) -> RunResult:
                 loss_sum, _, _ = token_losses(model, batch, device)
             if not torch.isfinite(loss_sum):
                 raise UserError(
-                    f"the loss is {float(loss_sum)} at step {step + 1}; lower the learning rate or check the "
+                    f"the loss is {float(loss_sum.detach())} at step {step + 1}; lower the learning rate or check the "
                     "model and data", code="nan_loss")
             (loss_sum / n_labels).backward()
             step_loss += float(loss_sum.detach())

@@ -201,6 +201,15 @@ def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
     return False
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: get SIGTERM if `serve` dies, even by SIGKILL (Linux prctl)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _stop(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
     """SIGTERM every child, then SIGKILL what is still alive after ``grace_s``."""
     for child in children:
@@ -251,9 +260,10 @@ def serve(
                    "(or TUNEFLEET_ADMIN_API_KEY)")
 
     children = [subprocess.Popen(_cli_command(
-        "worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING"))]
+        "worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING"),
+        preexec_fn=_die_with_parent)]
     if not no_scheduler:
-        children.append(subprocess.Popen(_cli_command("scheduler")))
+        children.append(subprocess.Popen(_cli_command("scheduler"), preexec_fn=_die_with_parent))
     if demo:
         key_file = settings.data_path / "admin_key"
         admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")
@@ -268,7 +278,15 @@ def serve(
 
     import uvicorn
 
+    # uvicorn re-raises the SIGINT/SIGTERM it shut down for once it has restored the
+    # previous handlers; with these (no-op) handlers in place that re-raise returns here
+    # instead of killing this process before it has stopped the worker and scheduler.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: received.append(number))
     try:
         uvicorn.run("api.main:create_app", factory=True, host=host, port=port, log_level="info")
     finally:
         _stop(children)
+    if received:
+        raise typer.Exit(0)

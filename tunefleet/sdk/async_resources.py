@@ -233,6 +233,10 @@ class AsyncModels(_AsyncResource):
     async def retrieve(self, model_id: str) -> Model:
         return Model.model_validate(await self._json(RequestOptions("GET", f"/v1/models/{rq.seg(model_id)}")))
 
+    async def delete(self, model_id: str) -> DeletedObject:
+        options = RequestOptions("DELETE", f"/v1/models/{rq.seg(model_id)}")
+        return DeletedObject.model_validate(await self._json(options))
+
 
 class AsyncWebhooks(_AsyncResource):
     async def create(self, *, url: str, events: list[str] | None = None, description: str | None = None,
@@ -244,9 +248,22 @@ class AsyncWebhooks(_AsyncResource):
     async def list(self, *, limit: int | None = None, after: str | None = None) -> AsyncPage[WebhookEndpoint]:
         return await self._page("/v1/webhooks", rq.list_params(limit, after), WebhookEndpoint.model_validate)
 
+    async def retrieve(self, endpoint_id: str) -> WebhookEndpoint:
+        options = RequestOptions("GET", f"/v1/webhooks/{rq.seg(endpoint_id)}")
+        return WebhookEndpoint.model_validate(await self._json(options))
+
+    async def update(self, endpoint_id: str, **changes: Any) -> WebhookEndpoint:
+        options = RequestOptions("PATCH", f"/v1/webhooks/{rq.seg(endpoint_id)}", json=changes)
+        return WebhookEndpoint.model_validate(await self._json(options))
+
     async def delete(self, endpoint_id: str) -> DeletedObject:
         options = RequestOptions("DELETE", f"/v1/webhooks/{rq.seg(endpoint_id)}")
         return DeletedObject.model_validate(await self._json(options))
+
+    async def rotate_secret(self, endpoint_id: str, *, grace_period_s: int | None = None) -> WebhookEndpoint:
+        body = {} if grace_period_s is None else {"grace_period_s": grace_period_s}
+        options = RequestOptions("POST", f"/v1/webhooks/{rq.seg(endpoint_id)}/rotate_secret", json=body)
+        return WebhookEndpoint.model_validate(await self._json(options))
 
     async def list_deliveries(self, endpoint_id: str, *, limit: int | None = None,
                               after: str | None = None) -> AsyncPage[WebhookDelivery]:

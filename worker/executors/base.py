@@ -46,7 +46,9 @@ class ObservedKind(str, enum.Enum):
     SUCCEEDED = "succeeded"  # exit 0
     FAILED = "failed"  # a terminal failure: error_code/message say why
     STOPPED = "stopped"  # exited after stop(): see stop_reason
-    RETRYING = "retrying"  # a transient failure; the executor restarts it (attempt counted)
+    RETRYING = "retrying"  # a transient failure; the executor restarts it itself (an event only)
+    REQUEUE = "requeue"  # the run was lost (evicted, node lost, crashed, never scheduled):
+    # requeue the job from its last checkpoint; counts as a restart (the store caps them)
 
 
 @dataclass(frozen=True)

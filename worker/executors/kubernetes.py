@@ -14,16 +14,16 @@ keep a cache of our Jobs and Pods; ``reconcile`` turns what changed into
 observed                           change
 =================================  ==========================================================
 pod Running                        STARTED
-Pending, PodScheduled=False        WAITING (the scheduler's message); RETRYING after
+Pending, PodScheduled=False        WAITING (the scheduler's message); REQUEUE after
                                    ``max_pending_s`` (the Job is deleted, the job requeued)
 ImagePullBackOff / ErrImagePull    FAILED ``image_pull_failed``
 container OOMKilled                FAILED ``out_of_memory``
-pod Evicted / node lost            RETRYING (requeued from its last checkpoint)
+pod Evicted / node lost            REQUEUE (from its last checkpoint)
 exit 0 on every pod                SUCCEEDED
 exit 10 / 11                       FAILED with the trainer's termination message
-exit 12                            STOPPED (after ``stop``) -- else RETRYING (the cluster
+exit 12                            STOPPED (after ``stop``) -- else REQUEUE (the cluster
                                    sent SIGTERM, e.g. a node drain)
-other exit codes / signals         RETRYING ``trainer_crashed`` (the store caps restarts)
+other exit codes / signals         REQUEUE ``trainer_crashed``  (the store caps restarts)
 =================================  ==========================================================
 
 ``stop`` deletes the Job with foreground propagation: Kubernetes sends SIGTERM to the
@@ -318,7 +318,7 @@ class KubernetesExecutor:
                     continue
                 t.reported.add(key)
                 changes.append(ch)
-                if ch.kind in (ObservedKind.SUCCEEDED, ObservedKind.FAILED, ObservedKind.STOPPED, ObservedKind.RETRYING):
+                if ch.kind in (ObservedKind.SUCCEEDED, ObservedKind.FAILED, ObservedKind.STOPPED, ObservedKind.REQUEUE):
                     t.done = True
                     if ch.kind != ObservedKind.SUCCEEDED:
                         for j in self._jobs_of(t.job_id):
@@ -355,7 +355,7 @@ class KubernetesExecutor:
                     f"the trainer image {image} could not be pulled ({waiting.reason}): {waiting.message or ''}".strip()
                     + "; check the pool's trainer_image and the registry credentials"))]
             if st and st.reason in ("Evicted", "NodeLost", "Preempting") or (st and st.reason == "Terminated"):
-                return [ObservedChange(jid, ObservedKind.RETRYING, error_code=_snake(st.reason),
+                return [ObservedChange(jid, ObservedKind.REQUEUE, error_code=_snake(st.reason),
                                        message=f"pod {pod.metadata.name} {st.reason.lower()}: {st.message or ''}".strip()
                                        + "; requeued from its last checkpoint")]
             term = cs.state.terminated if cs and cs.state else None
@@ -365,7 +365,7 @@ class KubernetesExecutor:
                 cond = next((c for c in st.conditions or [] if c.type == "PodScheduled" and c.status == "False"), None)
                 if cond is not None:
                     if self.clock() - t.launched_at > self.max_pending_s:
-                        return [ObservedChange(jid, ObservedKind.RETRYING, error_code="unschedulable", message=(
+                        return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="unschedulable", message=(
                             f"pods could not be scheduled for {self.max_pending_s:.0f} s ({cond.message}); requeued"))]
                     out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"pod pending: {cond.message}"))
         failed = [(p, term) for p, term in terminated if term.exit_code != 0]
@@ -379,7 +379,7 @@ class KubernetesExecutor:
             if t.stop_reason is not None:
                 return [ObservedChange(jid, ObservedKind.STOPPED, stop_reason=t.stop_reason,
                                        message=f"stopped ({t.stop_reason.value}) before the trainer started")]
-            return [ObservedChange(jid, ObservedKind.RETRYING, error_code="job_lost",
+            return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="job_lost",
                                    message="the Kubernetes Job disappeared; requeued")]
         if any(p.status and p.status.phase == "Running" for p in pods):
             out.append(ObservedChange(jid, ObservedKind.STARTED, message="trainer running"))
@@ -403,12 +403,12 @@ class KubernetesExecutor:
             if t.stop_reason is not None:
                 return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
                                       message=f"trainer checkpointed and stopped ({t.stop_reason.value})")
-            return ObservedChange(jid, ObservedKind.RETRYING, exit_code=code, error_code="preempted_by_cluster",
+            return ObservedChange(jid, ObservedKind.REQUEUE, exit_code=code, error_code="preempted_by_cluster",
                                   message=f"{where} received SIGTERM from the cluster; requeued from its checkpoint")
         if t.stop_reason is not None:  # killed after the grace period while stopping
             return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
                                   message=f"trainer stopped ({t.stop_reason.value}) with exit code {code}")
-        return ObservedChange(jid, ObservedKind.RETRYING, exit_code=code, error_code=error.get("code", "trainer_crashed"),
+        return ObservedChange(jid, ObservedKind.REQUEUE, exit_code=code, error_code=error.get("code", "trainer_crashed"),
                               message=error.get("message") or f"{where} exited with code {code} ({term.reason})")
 
     # --- helpers -----------------------------------------------------------------------

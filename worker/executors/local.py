@@ -25,7 +25,7 @@ from api.db.session import session_scope
 from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
 from trainers.spec import TrainerSpec
-from worker.executors.base import JobRef, ObservedChange, StopReason
+from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
 from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.pools import NodePool
 from worker.spec_builder import write_spec
@@ -33,6 +33,10 @@ from worker.spec_builder import write_spec
 SPEC_FILE = "spec.json"
 STOP_FILE = "stop_request"
 LOG_FILE = "trainer.log"
+HEARTBEAT_FILE = "supervisor.heartbeat"
+# A supervising task touches its heartbeat several times a second; one silent this long
+# has died with its worker (a broker without redelivery, e.g. the server-less one).
+STALE_HEARTBEAT_S = 60.0
 
 
 def spec_path(settings: Settings, job_id: str) -> Path:
@@ -99,5 +103,33 @@ class LocalExecutor:
         return snap
 
     def reconcile(self) -> list[ObservedChange]:
-        """Nothing to collect: the supervising task writes each outcome itself, at once."""
-        return []
+        """Re-supervise running local jobs whose supervising task died with its worker.
+
+        Outcomes need no collecting: the supervising task writes each one itself. But a
+        worker killed mid-job takes its task along on brokers that do not redeliver
+        (kombu's server-less transport); a stale heartbeat tells, and the task is sent
+        again (it stops the orphaned trainer and resumes from the latest checkpoint).
+        """
+        changes: list[ObservedChange] = []
+        now = time.time()
+        with session_scope(self.settings.resolved_database_url) as session:
+            rows = session.execute(
+                select(Job.id, Job.started_at)
+                .where(Job.status == "running", Job.pool.in_(list(self.pools)))
+            ).all()
+        for job_id, started_at in rows:
+            job_dir = self.settings.job_dir(job_id)
+            if not (job_dir / SPEC_FILE).exists():
+                continue
+            heartbeat = job_dir / HEARTBEAT_FILE
+            last = heartbeat.stat().st_mtime if heartbeat.exists() else (
+                started_at.timestamp() if started_at else now)
+            if now - last > STALE_HEARTBEAT_S:
+                heartbeat.touch()  # one re-send per stale period
+                if self.queue.send(RUN_LOCAL_JOB, job_id):
+                    changes.append(ObservedChange(
+                        job_id=job_id, kind=ObservedKind.RETRYING,
+                        message="the worker supervising the trainer stopped; supervising it again "
+                                "(the trainer resumes from its latest checkpoint)",
+                    ))
+        return changes

@@ -116,6 +116,7 @@ def supervise_trainer(
     termination_path: Path,
     pid_path: Path,
     should_stop: Callable[[], bool],
+    heartbeat_path: Path | None = None,
     on_event: Callable[[str, str], None] = lambda level, message: None,
     on_restart: Callable[[int], None] = lambda attempt: None,
     max_restarts: int = 2,
@@ -142,7 +143,8 @@ def supervise_trainer(
                 start_new_session=True,
             )
         pid_path.write_text(str(proc.pid))
-        stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s)
+        stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s,
+                        heartbeat_path=heartbeat_path)
         pid_path.unlink(missing_ok=True)
         returncode = proc.returncode
         history.append(returncode)
@@ -170,10 +172,17 @@ def supervise_trainer(
         on_restart(restarts)
 
 
-def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: float, poll_s: float) -> bool:
-    """Wait for `proc`; SIGTERM then SIGKILL its process group once should_stop() is true."""
+def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: float, poll_s: float,
+          heartbeat_path: Path | None = None) -> bool:
+    """Wait for `proc`; SIGTERM then SIGKILL its process group once should_stop() is true.
+
+    Touches `heartbeat_path` on every poll: the executor restarts supervision of a job
+    whose heartbeat went stale (the worker running this loop died).
+    """
     stop_sent_at: float | None = None
     while True:
+        if heartbeat_path is not None:
+            heartbeat_path.touch()
         try:
             proc.wait(timeout=poll_s)
             return stop_sent_at is not None

@@ -14,8 +14,8 @@ per pool (a gang lookup costs O(GPUs per node), not O(nodes)), and GPUs held per
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,6 +69,10 @@ class CapacitySnapshot:
     # pool -> free GPU count -> ordered set (dict) of node names
     _by_free: dict[str, dict[int, dict[str, None]]] = field(default_factory=dict, repr=False)
     _tenant_gpus: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int), repr=False)
+    _free: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
+    # priorities of running jobs that may be preempted, and how many are stopping, per pool
+    _victim_priorities: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter), repr=False)
+    _stopping: Counter = field(default_factory=Counter, repr=False)
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -93,12 +97,38 @@ class CapacitySnapshot:
     def add_node(self, node: NodeCapacity) -> None:
         self.nodes.setdefault(node.pool, {})[node.name] = node
         self._by_free.setdefault(node.pool, {}).setdefault(node.gpus_free, {})[node.name] = None
+        self._free[node.pool] += node.gpus_free
 
     def add_running(self, job: RunningJob) -> None:
         """Record a job whose GPUs are already subtracted from node capacity (Kubernetes
         snapshots compute free GPUs from pod requests)."""
         self.running[job.job_id] = job
         self._tenant_gpus[(job.tenant, job.pool)] += job.gpus
+        self._index_running(job, +1)
+
+    def _index_running(self, job: RunningJob, sign: int) -> None:
+        if job.stopping:
+            self._stopping[job.pool] += sign
+        elif job.preemptible:
+            self._victim_priorities[job.pool][job.priority] += sign
+            if self._victim_priorities[job.pool][job.priority] <= 0:
+                del self._victim_priorities[job.pool][job.priority]
+
+    def mark_stopping(self, job_id: str) -> None:
+        """The job was told to stop: not a victim any more, its GPUs free up soon."""
+        job = self.running[job_id]
+        if not job.stopping:
+            self._index_running(job, -1)
+            self.running[job_id] = job = replace(job, stopping=True)
+            self._index_running(job, +1)
+
+    def lowest_victim_priority(self, pool: str) -> int | None:
+        """Lowest priority among preemptible, not-stopping jobs in ``pool`` (None: none)."""
+        prios = self._victim_priorities.get(pool)
+        return min(prios) if prios else None
+
+    def stopping_count(self, pool: str) -> int:
+        return self._stopping.get(pool, 0)
 
     def copy(self) -> "CapacitySnapshot":
         return CapacitySnapshot(
@@ -107,6 +137,9 @@ class CapacitySnapshot:
             running=dict(self.running),
             _by_free={p: {k: dict(v) for k, v in b.items()} for p, b in self._by_free.items()},
             _tenant_gpus=defaultdict(int, self._tenant_gpus),
+            _free=defaultdict(int, self._free),
+            _victim_priorities=defaultdict(Counter, {p: Counter(c) for p, c in self._victim_priorities.items()}),
+            _stopping=Counter(self._stopping),
         )
 
     # --- queries --------------------------------------------------------------------
@@ -114,7 +147,7 @@ class CapacitySnapshot:
         return sum(n.gpus_total for n in self.nodes.get(pool, {}).values())
 
     def pool_free(self, pool: str) -> int:
-        return sum(n.gpus_free for n in self.nodes.get(pool, {}).values())
+        return self._free.get(pool, 0)
 
     def tenant_gpus(self, tenant: str, pool: str) -> int:
         """GPUs a tenant holds in a pool (for quotas and fair share)."""
@@ -130,6 +163,7 @@ class CapacitySnapshot:
         buckets = self._by_free[pool]
         del buckets[node.gpus_free][name]
         buckets.setdefault(free, {})[name] = None
+        self._free[pool] += free - node.gpus_free
         self.nodes[pool][name] = NodeCapacity(node.name, node.pool, node.gpus_total, free)
 
     def allocate(self, job: RunningJob, *, strict: bool = True) -> None:
@@ -150,6 +184,7 @@ class CapacitySnapshot:
         """Record that a job gave its GPUs back (finished or preempted)."""
         job = self.running.pop(job_id)
         self._tenant_gpus[(job.tenant, job.pool)] -= job.gpus
+        self._index_running(job, -1)
         pool_nodes = self.nodes.get(job.pool, {})
         for name, gpus in job.nodes:
             if name in pool_nodes:

@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
@@ -75,12 +75,15 @@ class CyclePlan:
 
 
 def _reserve(job: JobRequest, snapshot: CapacitySnapshot, blocked: Mapping[str, tuple[str, float]],
-             now: float) -> tuple[list[str], float] | None:
-    """Nodes to hold for a waiting job: in its best pool, those closest to free."""
+             now: float, used: Mapping[str, int], per_pool: int) -> tuple[list[str], float] | None:
+    """Nodes to hold for a waiting job: in its best pool (with a reservation left), those
+    closest to free."""
     candidates, _ = candidate_pools(job, snapshot)
     best = None
     for cand in candidates:
         pool, gpus = cand.pool, cand.estimate.gpus
+        if used.get(pool.name, 0) >= per_pool:
+            continue
         quota = pool.quota_for(job.tenant)
         if quota is not None and not pool.quota_borrowing and snapshot.tenant_gpus(job.tenant, pool.name) + gpus > quota:
             continue  # waits for its own jobs to finish; holding nodes would not help
@@ -140,19 +143,18 @@ def plan_cycle(queued: Iterable[JobRequest], snapshot: CapacitySnapshot, *, now:
         position += 1
         if placement.mode == "fit_after_preemption":
             for victim_id in placement.victims:
-                victim = working.running[victim_id]
-                working.running[victim_id] = replace(victim, stopping=True)
-                plan.preemptions.append(Preemption(victim_id, job.job_id, victim.pool))
+                working.mark_stopping(victim_id)
+                plan.preemptions.append(Preemption(victim_id, job.job_id, working.running[victim_id].pool))
             for name, _ in placement.nodes:
                 reserved[name] = (job.job_id, now)  # nobody backfills nodes being emptied for it
-        elif config.backfill:
-            hold = _reserve(job, working, reserved, now)
+        elif config.backfill and any(reservations_used.get(p, 0) < config.reservations_per_pool
+                                     for p in snapshot.pools):
+            hold = _reserve(job, working, reserved, now, reservations_used, config.reservations_per_pool)
             if hold is not None:
                 pool = working_pool_of(working, hold[0][0])
-                if reservations_used.get(pool, 0) < config.reservations_per_pool:
-                    reservations_used[pool] = reservations_used.get(pool, 0) + 1
-                    for name in hold[0]:
-                        reserved[name] = (job.job_id, hold[1])
+                reservations_used[pool] = reservations_used.get(pool, 0) + 1
+                for name in hold[0]:
+                    reserved[name] = (job.job_id, hold[1])
         reason = placement.reason_text()
         if placement.mode == "no_fit":
             reason = f"{reason}; position {position} in queue"

@@ -159,10 +159,10 @@ def _quota_check(job: JobRequest, pool: NodePool, snapshot: CapacitySnapshot, gp
     return False, False, (f"{pool.name}: tenant quota {quota} GPUs, {used} in use, needs {gpus} more")
 
 
-def _free_text(pool: NodePool, nodes: dict[str, NodeCapacity], gpus: int) -> str:
-    free = sum(n.gpus_free for n in nodes.values())
+def _free_text(pool: NodePool, snapshot: CapacitySnapshot, gpus: int) -> str:
+    free = snapshot.pool_free(pool.name)
     if gpus > pool.gpus_per_node:
-        whole = sum(1 for n in nodes.values() if n.gpus_free == n.gpus_total)
+        whole = len(snapshot.nodes_with_free(pool.name, pool.gpus_per_node))
         return (f"needs {gpus}x {pool.accelerator} ({gpus // pool.gpus_per_node} whole nodes), "
                 f"{whole} whole nodes free")
     return f"needs {gpus}x {pool.accelerator}, {free} free" + (
@@ -199,7 +199,7 @@ def place_job(job: JobRequest, snapshot: CapacitySnapshot, *, policy: Preemption
             continue
         nodes = gang_nodes(cand.pool, snapshot, cand.estimate.gpus, blocked_nodes)
         if nodes is None:
-            waiting.append(f"{cand.pool.name}: {_free_text(cand.pool, snapshot.nodes.get(cand.pool.name, {}), cand.estimate.gpus)}")
+            waiting.append(f"{cand.pool.name}: {_free_text(cand.pool, snapshot, cand.estimate.gpus)}")
             continue
         fits.append((cand, nodes, borrowing))
     if fits:
@@ -246,6 +246,10 @@ def _preemption_plan(job: JobRequest, cand: _Candidate, snapshot: CapacitySnapsh
                      blocked: frozenset[str]) -> tuple[tuple[tuple[str, int], ...], list[RunningJob]] | None:
     """The fewest, least valuable victims whose GPUs let the job's gang fit."""
     pool, gpus = cand.pool, cand.estimate.gpus
+    lowest = snapshot.lowest_victim_priority(pool.name)
+    has_victims = lowest is not None and job.priority - lowest >= policy.min_priority_gap
+    if not has_victims and not snapshot.stopping_count(pool.name):
+        return None  # fast path: nobody to preempt or wait for in this pool
     ok, _, _ = _quota_check(job, pool, snapshot, gpus)
     if not ok:
         return None

@@ -36,7 +36,7 @@ from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.celery_app import app
 from worker.executors.base import StopReason
-from worker.executors.local import LOG_FILE, read_stop_reason, spec_path
+from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import kill_orphan, supervise_trainer
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ def run_local_job(job_id: str) -> str:
         termination_path=Path(spec.termination_log or job_dir / "termination.json"),
         pid_path=job_dir / "trainer.pid",
         should_stop=should_stop,
+        heartbeat_path=job_dir / HEARTBEAT_FILE,
         on_event=on_event,
         on_restart=on_restart,
         max_restarts=MAX_RESTARTS,

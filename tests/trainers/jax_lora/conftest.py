@@ -26,3 +26,11 @@ def tiny_untied(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_tied(tmp_path_factory: pytest.TempPathFactory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_tied"), TinySpec(tied=True, rope="default"))
+
+
+@pytest.fixture(scope="session")
+def recipe_model(tmp_path_factory: pytest.TempPathFactory):
+    """The shared tiny Llama with a vocab of 264 (divisible by every test mesh axis)."""
+    from trainers.common.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("recipe_model"), vocab_size=264, seed=0)

@@ -1,0 +1,215 @@
+"""API throughput on PostgreSQL: ``GET /v1/fine_tuning/jobs`` next to a bare FastAPI hello.
+
+One run, side by side, on this machine:
+
+1. a fresh PostgreSQL database (Alembic-migrated) with 1,000 jobs of one tenant;
+2. uvicorn (1 process) serving ``api.main:create_app`` and, separately, a bare FastAPI app
+   with one ``async`` hello endpoint;
+3. ``wrk`` against ``GET /v1/fine_tuning/jobs`` (20 jobs per page, auth, DB query,
+   serialization) and against the hello endpoint: requests/s and p99 latency, and the
+   ratio of the two;
+4. ``wrk`` POSTing ``/v1/fine_tuning/jobs`` (job creation incl. the Celery send to Redis):
+   creates/s, and every non-2xx answer counted as an error.
+
+Results are appended to ``bench/RESULTS.md``. Needs PostgreSQL and Redis on 127.0.0.1 and
+``wrk`` (apt: wrk). Usage: ``python bench/api_bench.py [--duration 10] [--connections 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HELLO_APP = '''
+from fastapi import FastAPI
+
+app = FastAPI()
+
+
+@app.get("/hello")
+async def hello() -> dict[str, str]:
+    return {"hello": "world"}
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_uvicorn(target: str, port: int, env: dict[str, str], *, factory: bool, cwd: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "uvicorn", target, "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning", "--no-access-log"]
+    if factory:
+        command.append("--factory")
+    proc = subprocess.Popen(command, cwd=cwd, env=env)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=0.5)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"uvicorn {target} did not start")
+
+
+def wrk(url: str, *, duration: int, connections: int, headers: dict[str, str],
+        script: Path | None = None) -> dict[str, float]:
+    command = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", url]
+    for name, value in headers.items():
+        command[1:1] = ["-H", f"{name}: {value}"]
+    if script is not None:
+        command[1:1] = ["-s", str(script)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p99.group(2)]
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p99_ms": float(p99.group(1)) * scale, "requests": total,
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0,
+            "socket_errors": socket_errors.group(1) if socket_errors else "none"}
+
+
+def seed(url: str, n_jobs: int) -> tuple[str, str]:
+    """A tenant with a key, one processed file and ``n_jobs`` queued jobs; returns (key, file)."""
+    from api.auth import create_api_key, create_tenant
+    from api.base_models import load_base_models
+    from api.db.models import File
+    from api.db.session import session_scope
+    from api.ids import new_id
+    from api.jobs import create_job
+    from api.queue import RecordingQueue
+    from api.schemas.jobs import JobCreate
+    from api.settings import Settings
+    from api.validation import apply_validation
+
+    settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
+    models = load_base_models(settings)
+    with session_scope(url) as session:
+        tenant = create_tenant(session, "bench")
+        _, key = create_api_key(session, tenant)
+        file = File(id=new_id("file"), tenant_id=tenant.id, filename="bench.jsonl", bytes=1,
+                    purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
+        session.add(file)
+        session.flush()
+        apply_validation(session, file, {"ok": True, "format": "chat", "n_examples": 500,
+                                         "n_tokens_estimate": 50_000, "n_errors": 0, "errors": []})
+    body = JobCreate(model="tunefleet-tiny-llama", training_file=file.id)
+    with session_scope(url) as session:
+        from api.db.models import Tenant
+
+        tenant = session.get_one(Tenant, tenant.id)
+        for i in range(n_jobs):
+            create_job(session, tenant, body, raw_body={"i": i}, base_models=models,
+                       queue=RecordingQueue())
+    return key, file.id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--jobs", type=int, default=1000)
+    args = parser.parse_args()
+
+    name = f"tunefleet_bench_{os.getpid()}"
+    admin = psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres", autocommit=True)
+    admin.execute(f"CREATE DATABASE {name}")
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    procs: list[subprocess.Popen] = []
+    work = Path(tempfile.mkdtemp(prefix="tf-bench-"))
+    try:
+        from api.db.migrate import upgrade
+
+        upgrade(url)
+        t0 = time.perf_counter()
+        key, file_id = seed(url, args.jobs)
+        print(f"seeded {args.jobs} jobs in {time.perf_counter() - t0:.1f}s")
+        env = {**os.environ, "TUNEFLEET_DATABASE_URL": url, "TUNEFLEET_DATA_DIR": str(work / "data"),
+               "TUNEFLEET_BROKER_URL": "redis://127.0.0.1:6379/13", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO)}
+        (work / "hello_app.py").write_text(HELLO_APP)
+        api_port, hello_port = free_port(), free_port()
+        procs.append(start_uvicorn("api.main:create_app", api_port, env, factory=True, cwd=REPO))
+        procs.append(start_uvicorn("hello_app:app", hello_port, env, factory=False, cwd=work))
+        auth = {"Authorization": f"Bearer {key}"}
+        list_url = f"http://127.0.0.1:{api_port}/v1/fine_tuning/jobs"
+        page = httpx.get(list_url, headers=auth).json()
+        assert len(page["data"]) == 20 and page["has_more"], page
+
+        common = {"duration": args.duration, "connections": args.connections}
+        wrk(list_url, headers=auth, duration=2, connections=args.connections)  # warm-up
+        hello = wrk(f"http://127.0.0.1:{hello_port}/hello", headers={}, **common)
+        jobs = wrk(list_url, headers=auth, **common)
+        script = work / "create.lua"
+        script.write_text(
+            'wrk.method = "POST"\n'
+            f"wrk.body = '{json.dumps({'model': 'tunefleet-tiny-llama', 'training_file': file_id})}'\n"
+            'wrk.headers["Content-Type"] = "application/json"\n'
+        )
+        creates = wrk(list_url, headers=auth, script=script, **common)
+        with psycopg.connect(f"host=127.0.0.1 user=postgres dbname={name}") as conn:
+            n_jobs = conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
+        created = n_jobs - args.jobs
+        # wrk counts the requests completed inside its window; a few more were in flight.
+        assert created >= creates["requests"] - creates["non_2xx"], (created, creates)
+
+        ratio = jobs["rps"] / hello["rps"]
+        lines = [
+            f"\n## API throughput on PostgreSQL ({dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC)\n",
+            f"`python bench/api_bench.py --duration {args.duration} --connections "
+            f"{args.connections}`; uvicorn 1 process each; wrk -t1 -c{args.connections}; "
+            f"{args.jobs} jobs in the table; machine shared (2 cores).\n",
+            "| endpoint | req/s | p99 (ms) | non-2xx |",
+            "|---|---|---|---|",
+            f"| bare FastAPI `async` hello | {hello['rps']:.0f} | {hello['p99_ms']:.1f} | "
+            f"{hello['non_2xx']} |",
+            f"| `GET /v1/fine_tuning/jobs` (20/page, auth, Postgres) | {jobs['rps']:.0f} | "
+            f"{jobs['p99_ms']:.1f} | {jobs['non_2xx']} |",
+            f"| `POST /v1/fine_tuning/jobs` (create + Celery send to Redis) | {creates['rps']:.0f} "
+            f"| {creates['p99_ms']:.1f} | {creates['non_2xx']} |",
+            "",
+            f"Ratio list/hello = **{ratio:.2f}** (goal >= 0.5); list p99 = "
+            f"**{jobs['p99_ms']:.1f} ms** (goal < 50 ms); job creation **{creates['rps']:.0f}/s** "
+            f"with {creates['non_2xx']} errors ({created} jobs created; socket errors: "
+            f"{creates['socket_errors']}).",
+        ]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        with (REPO / "bench" / "RESULTS.md").open("a", encoding="utf-8") as handle:
+            handle.write(text)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+        from api.db.session import dispose_engine
+
+        dispose_engine(url)
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+        import redis
+
+        redis.Redis(host="127.0.0.1", port=6379, db=13).flushdb()
+
+
+if __name__ == "__main__":
+    main()

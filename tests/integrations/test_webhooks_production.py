@@ -1,0 +1,29 @@
+"""The webhook delivery scenario on the production stack: PostgreSQL + Redis broker.
+
+Same scenario as ``test_webhooks.test_job_events_are_signed_delivered_and_retried_by_celery``
+(outbox rows written in the transition's transaction, Celery worker on Redis, retries
+after 500s, receiver verifying with ``standardwebhooks``). Skipped locally when
+PostgreSQL or Redis is unreachable, a failure under ``CI=true`` (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import make_settings
+from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
+    receiver,
+    sdk,
+    test_job_events_are_signed_delivered_and_retried_by_celery,
+    webhook_env,
+)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Any:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    return make_settings(data_dir, database_url=pg_url, broker_url=redis_url)

@@ -1,0 +1,111 @@
+"""The cycle on the real database: jobs created through the API, placed by DbStore.
+
+Admission goes through ``api.lifecycle.transition`` (queued -> running, an event, pool,
+gpus, usage); waiting jobs show ``queue_reason`` on ``GET /v1/fine_tuning/jobs/{id}``
+with one event per change; executor observations requeue (preemption, lost runs) or end
+jobs; usage accounting sums GPU-seconds per tenant and pool.
+"""
+
+import json
+
+from api.db.models import Job, JobEvent
+from api.db.session import session_scope
+from sqlalchemy import func, select
+
+from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.scheduler.capacity import CapacitySnapshot, RunningJob
+from worker.scheduler.cycle import run_cycle
+from worker.scheduler.pools import local_pool
+from worker.scheduler.store import DbStore
+from worker.scheduler.usage import tenant_usage
+from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+class Clock:
+    def __init__(self, t=1_764_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+class RecordingExecutor:
+    """Holds 'GPUs' of the local pool for launched jobs; records launches and stops."""
+
+    def __init__(self, pools):
+        self.pools = pools
+        self.running: dict[str, RunningJob] = {}
+        self.launches: list[tuple[str, dict]] = []
+        self.stops: list[tuple[str, StopReason]] = []
+        self.changes: list[ObservedChange] = []
+
+    def launch(self, job, spec, placement):
+        self.launches.append((job.id, json.loads(spec.model_dump_json())))
+        self.running[job.id] = RunningJob(job.id, job.tenant_id, placement.pool, job.priority, 0.0, placement.nodes)
+
+    def stop(self, job, reason):
+        self.stops.append((job.id, reason))
+
+    def snapshot(self):
+        return CapacitySnapshot.from_pools_and_running(self.pools, list(self.running.values()))
+
+    def reconcile(self):
+        out, self.changes = self.changes, []
+        return out
+
+
+def _tiny_config(settings):
+    d = settings.models_dir / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "config.json").exists():
+        (d / "config.json").write_text(json.dumps({
+            "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 256}))
+
+
+def test_cycle_on_the_database(settings, client, tenant_key, make_job):  # noqa: F811
+    _tiny_config(settings)
+    a, b = tenant_key(), tenant_key()
+    j1 = make_job(a.headers)["id"]
+    j2 = make_job(b.headers)["id"]
+    j3 = make_job(a.headers, priority="low")["id"]
+    pools = [local_pool(slots=2)]
+    clock = Clock()
+    store, ex = DbStore(settings, pools, clock=clock), RecordingExecutor(pools)
+
+    run_cycle(store, ex, clock=clock)
+    assert sorted(j for j, _ in ex.launches) == sorted([j1, j2])
+    spec = dict(ex.launches)[j1]
+    assert spec["job_id"] == j1 and spec["report"]["token"].startswith("tfjob_")
+    got = client.get(f"{JOBS}/{j1}", headers=a.headers).json()
+    assert (got["status"], got["pool"], got["gpus"]) == ("running", "local", 1)
+    assert got["usage"]["segments"][0]["start"] == clock.t and got["estimate"]["pool"] == "local"
+    waiting = client.get(f"{JOBS}/{j3}", headers=a.headers).json()
+    assert waiting["status"] == "queued"
+    assert waiting["queue_reason"] == "waiting: local: needs 1x cpu, 0 free; position 1 in queue"
+
+    def reason_events(job_id):
+        with session_scope(settings.resolved_database_url) as s:
+            return s.scalar(select(func.count()).select_from(JobEvent).where(
+                JobEvent.job_id == job_id, JobEvent.message.like("Waiting:%")))
+
+    run_cycle(store, ex, clock=clock)
+    run_cycle(store, ex, clock=clock)
+    assert reason_events(j3) == 1  # the reason did not change: no event spam
+
+    # j1 preempted (checkpointed) -> requeued with resume_from; j2 lost its pod -> restart 1
+    clock.t += 3600
+    ex.running.pop(j1), ex.running.pop(j2)
+    ex.changes = [ObservedChange(j1, ObservedKind.STOPPED, stop_reason=StopReason.PREEMPT, checkpoint="/ck/step-5"),
+                  ObservedChange(j2, ObservedKind.REQUEUE, error_code="evicted", message="pod evicted")]
+    run_cycle(store, ex, clock=clock)
+    with session_scope(settings.resolved_database_url) as s:
+        r1, r2 = s.get(Job, j1), s.get(Job, j2)
+        assert r1.resume_from == "/ck/step-5" and r2.restarts == 1
+        assert r1.usage["segments"][0]["end"] == clock.t and r1.usage["gpu_seconds"] == 3600.0
+        # both were requeued and (normal priority first) placed again in the same cycle
+        assert {r1.status, r2.status} == {"running"} and len(r1.usage["segments"]) == 2
+        usage_a = tenant_usage(s, a.tenant_id, clock.t - 7200, clock.t + 1, now=clock.t)
+    assert usage_a["by_pool"]["local"]["gpu_seconds"] == 3600.0 and usage_a["jobs"] == 1

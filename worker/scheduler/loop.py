@@ -1,0 +1,96 @@
+"""The scheduler process: a scheduling cycle every few seconds, one active replica at a time.
+
+``tunefleet scheduler`` (and ``tunefleet serve``) call ``run_forever(settings)``; the
+Celery task ``tunefleet.schedule`` runs a single cycle with the same components
+(``build_components``). Both take the scheduler lock first (``worker.scheduler.lock``),
+so any number of replicas and tasks never place a job twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from api.settings import Settings
+from worker.executors.base import Executor
+from worker.scheduler.cycle import CycleConfig, CycleResult, run_cycle
+from worker.scheduler.lock import SchedulerLock, make_lock
+from worker.scheduler.pools import load_pools
+from worker.scheduler.store import DbStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    store: DbStore
+    executor: Executor
+    lock: SchedulerLock
+    config: CycleConfig
+
+
+def make_executor(settings: Settings, pools: list[Any]) -> Executor:
+    """The executor the settings ask for (``TUNEFLEET_EXECUTOR``)."""
+    if settings.executor == "kubernetes":
+        from kubernetes import client, config
+
+        from worker.executors.kubernetes import KubernetesExecutor
+        from worker.executors.manifests import ManifestOptions
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        ex = KubernetesExecutor(client.ApiClient(), pools, options=ManifestOptions(
+            namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue))
+        ex.start()
+        return ex
+    from api.queue import CeleryQueue
+    from worker.executors.local import LocalExecutor
+
+    return LocalExecutor(settings, pools, CeleryQueue(settings))
+
+
+def build_components(settings: Settings) -> Components:
+    from api.db.session import get_engine
+
+    pools = load_pools(settings.node_pools_file)
+    executor = make_executor(settings, pools)
+    store = DbStore(settings, pools, in_cluster=settings.executor == "kubernetes")
+    engine = get_engine(settings.resolved_database_url)
+    return Components(store, executor, make_lock(settings, engine), CycleConfig())
+
+
+def run_once(components: Components) -> CycleResult:
+    return run_cycle(components.store, components.executor, lock=components.lock, config=components.config)
+
+
+def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_cycles: int | None = None) -> None:
+    """Run cycles every ``settings.schedule_interval_s`` until SIGTERM/SIGINT (or ``stop``)."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    components = build_components(settings)
+    log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
+    cycles = 0
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            result = run_once(components)
+            if result.ran and result.plan and (result.plan.admissions or result.plan.preemptions):
+                log.info("cycle: %d admitted, %d preempted, %d waiting (%.3f s)", len(result.plan.admissions),
+                         len(result.plan.preemptions), len(result.plan.waiting), result.seconds)
+        except Exception:  # noqa: BLE001 - one bad cycle must not stop scheduling
+            log.exception("scheduling cycle failed")
+        cycles += 1
+        if max_cycles is not None and cycles >= max_cycles:
+            break
+        stop.wait(max(0.0, settings.schedule_interval_s - (time.monotonic() - started)))
+    close = getattr(components.executor, "close", None)
+    if close:
+        close()

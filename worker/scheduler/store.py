@@ -1,0 +1,243 @@
+"""The scheduler's view of the database: queued jobs in, admissions and reasons out.
+
+``DbStore`` implements the cycle's ``SchedulerStore`` on the service's DB. Every status
+change goes through ``api.lifecycle.transition`` (actor ``scheduler`` or ``executor``)
+with the row locked (``lock_job``), so the scheduler, the API and trainer reports never
+overwrite each other. Besides statuses it writes ``queue_reason`` (shown on
+``GET /v1/fine_tuning/jobs/{id}``; an event only when the reason changes), ``pool``,
+``gpus``, ``estimate`` and ``usage`` (see ``worker.scheduler.usage``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from api.base_models import load_base_models
+from api.db.models import Checkpoint, Job
+from api.db.session import session_scope
+from api.errors import APIError
+from api.ids import hash_secret, new_job_token
+from api.lifecycle import add_event, lock_job, transition
+from api.settings import Settings
+from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.scheduler.estimator import KNOWN_MODELS, EstimateError, ModelShape, TrainingShape
+from worker.scheduler.placement import Placement
+from worker.scheduler.pools import NodePool
+from worker.scheduler.request import JobRequest
+from worker.scheduler.usage import close_segment, open_segment, recent_gpu_seconds
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """What the executor gets for a job (``JobRef`` plus labels it puts on objects)."""
+
+    id: str
+    tenant_id: str
+    priority: int
+
+
+@lru_cache(maxsize=256)
+def _shape_from_dir(path: str) -> ModelShape:
+    return ModelShape.from_pretrained_dir(path)
+
+
+def model_shape(path: str, params_b: float | None) -> ModelShape:
+    """The base model's shape: its local config.json, else the known model nearest in size."""
+    if not path.startswith("s3://") and (Path(path) / "config.json").is_file():
+        return _shape_from_dir(path)
+    if params_b:
+        return min(KNOWN_MODELS.values(), key=lambda m: abs(m.params / 1e9 - params_b))
+    raise EstimateError(f"cannot read the base model config at {path}", "model_config_unavailable")
+
+
+class DbStore:
+    """``SchedulerStore`` on the service database."""
+
+    def __init__(self, settings: Settings, pools: list[NodePool], *, in_cluster: bool = False,
+                 clock: Any = time.time, max_restarts: int = MAX_RESTARTS) -> None:
+        self.settings = settings
+        self.url = settings.resolved_database_url
+        self.pools = {p.name: p for p in pools}
+        self.in_cluster = in_cluster
+        self.clock = clock
+        self.max_restarts = max_restarts
+        self._reasons: dict[str, str | None] = {}
+
+    # --- reading -----------------------------------------------------------------------
+    def queued(self) -> list[JobRequest]:
+        models = load_base_models(self.settings)
+        out: list[JobRequest] = []
+        with session_scope(self.url) as session:
+            rows = session.scalars(select(Job).where(Job.status == "queued")).all()
+            self._reasons = {j.id: j.queue_reason for j in rows}
+            for job in rows:
+                try:
+                    out.append(self._request(job, models))
+                except EstimateError as exc:
+                    self._set_reason(session, job, f"waiting: {exc}")
+        return out
+
+    def _request(self, job: Job, models: dict[str, Any]) -> JobRequest:
+        entry = models.get(job.model)
+        if entry is None:
+            raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
+        adapter = dict(job.adapter or {})
+        method = adapter.get("method", "lora")
+        quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
+        hp = dict(job.hyperparameters or {})
+        placement = dict(job.placement or {})
+        trainer = job.trainer if job.trainer in ("jax_lora", "fsdp_qlora") else "auto"
+        if job.resume_from and job.usage and job.usage.get("trainer"):
+            trainer = job.usage["trainer"]  # a checkpoint only resumes in its own trainer family
+        training = TrainingShape(
+            method=method, quantization=quant if method == "qlora" else "none",
+            double_quant=bool(adapter.get("double_quant", False)),
+            hqq_group_size=int(adapter.get("hqq_group_size", 64)), r=int(adapter.get("r", 8)),
+            target_modules=tuple(adapter.get("target_modules") or ("q_proj", "k_proj", "v_proj", "o_proj")),
+            seq_len=int(job.max_seq_len), micro_batch=int(hp.get("micro_batch_size") or 1),
+        )
+        steps = int(hp.get("total_steps") or 0)
+        tokens = steps * int(hp.get("batch_size") or 1) * int(job.max_seq_len) or None
+        created = job.created_at.timestamp() if job.created_at else 0.0
+        return JobRequest(
+            job_id=job.id, tenant=job.tenant_id, model=model_shape(entry.path, entry.params_b), training=training,
+            priority=int(job.priority or 0), created_at=created, total_tokens=tokens, trainer=trainer,
+            pool=placement.get("pool"), gpus=placement.get("gpus"),
+        )
+
+    def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
+        with session_scope(self.url) as session:
+            return recent_gpu_seconds(session, since, now=self.clock())
+
+    # --- writing -----------------------------------------------------------------------
+    def admit(self, req: JobRequest, placement: Placement) -> tuple[JobHandle, Any]:
+        from worker.spec_builder import SpecError, build_spec
+
+        pool = self.pools[placement.pool or ""]
+        with session_scope(self.url) as session:
+            job = lock_job(session, req.job_id)
+            if job is None or job.status != "queued":
+                raise RuntimeError(f"{req.job_id} is no longer queued")
+            token = new_job_token()
+            try:
+                spec = build_spec(session, job, self.settings, pool_accelerator=pool.accelerator,
+                                  pool_families=(placement.trainer or pool.preferred_trainer(),),
+                                  gpus=placement.gpus, token=token, in_cluster=self.in_cluster)
+            except SpecError as exc:
+                transition(session, job, "failed", actor="scheduler", message=str(exc),
+                           error={"code": exc.code, "message": str(exc)})
+                raise RuntimeError(f"{req.job_id}: {exc}") from exc
+            now = self.clock()
+            est = placement.estimate
+            transition(
+                session, job, "running", actor="scheduler",
+                message=f"Admitted on pool {pool.name}: {placement.gpus}x {pool.accelerator} "
+                        f"({placement.trainer}).",
+                data={"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
+                pool=pool.name, gpus=placement.gpus, queue_reason=None, job_token_hash=hash_secret(token),
+                estimate=est.to_dict() if est else job.estimate,
+                usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
+                                   price_per_gpu_hour=pool.price_per_gpu_hour, trainer=placement.trainer),
+            )
+            handle = JobHandle(job.id, job.tenant_id, int(job.priority or 0))
+        return handle, spec
+
+    def launch_failed(self, req: JobRequest, error: Exception) -> None:
+        with session_scope(self.url) as session:
+            job = lock_job(session, req.job_id)
+            if job is not None and job.status == "running":
+                transition(session, job, "queued", actor="scheduler",
+                           message=f"Launch failed ({error}); requeued.", level="warn",
+                           usage=close_segment(job.usage, now=self.clock()))
+
+    def preempting(self, victim_id: str, for_job: str) -> JobHandle | None:
+        with session_scope(self.url) as session:
+            job = lock_job(session, victim_id)
+            if job is None or job.status != "running":
+                return None
+            add_event(session, job, f"Preempted by higher-priority job {for_job}: checkpointing, then "
+                                    "requeued to resume from the checkpoint.", level="warn")
+            return JobHandle(job.id, job.tenant_id, int(job.priority or 0))
+
+    def set_waiting(self, req: JobRequest, reason: str) -> None:
+        if self._reasons.get(req.job_id) == reason:
+            return  # unchanged: no write, no event
+        with session_scope(self.url) as session:
+            job = session.get(Job, req.job_id)
+            if job is not None and job.status == "queued":
+                self._set_reason(session, job, reason)
+
+    def _set_reason(self, session: Any, job: Job, reason: str) -> None:
+        if job.queue_reason != reason:
+            job.queue_reason = reason
+            add_event(session, job, reason.capitalize(), type="message", data={"queue_reason": reason})
+            self._reasons[job.id] = reason
+
+    def apply_observed(self, changes: list[ObservedChange]) -> None:
+        for ch in changes:
+            try:
+                with session_scope(self.url) as session:
+                    job = lock_job(session, ch.job_id)
+                    if job is not None:
+                        self._apply(session, job, ch)
+            except APIError as exc:  # a race with the API (e.g. cancelled meanwhile): log, go on
+                log.info("observed %s for %s not applied: %s", ch.kind.value, ch.job_id, exc)
+
+    def _apply(self, session: Any, job: Job, ch: ObservedChange) -> None:
+        now = self.clock()
+        if ch.kind in (ObservedKind.STARTED, ObservedKind.WAITING, ObservedKind.RETRYING):
+            add_event(session, job, ch.message or ch.kind.value,
+                      level="warn" if ch.kind != ObservedKind.STARTED else "info")
+            return
+        if job.status != "running":
+            # the API already moved it (cancel/pause) or the trainer reported its end
+            if job.status in ("paused", "cancelled", "succeeded", "failed") and job.usage:
+                job.usage = close_segment(job.usage, now=now)
+            return
+        usage = close_segment(job.usage, now=now)
+        if ch.kind == ObservedKind.SUCCEEDED:
+            transition(session, job, "succeeded", actor="executor", message="The trainer finished.", usage=usage)
+        elif ch.kind == ObservedKind.FAILED:
+            transition(session, job, "failed", actor="executor", message=ch.message, level="error",
+                       error={"code": ch.error_code or "trainer_failed", "message": ch.message}, usage=usage)
+        elif ch.kind == ObservedKind.STOPPED:
+            resume = ch.checkpoint or _latest_checkpoint(session, job.id)
+            if ch.stop_reason == StopReason.PAUSE:
+                transition(session, job, "paused", actor="system", message=ch.message, resume_from=resume, usage=usage)
+            elif ch.stop_reason == StopReason.CANCEL:
+                transition(session, job, "cancelled", actor="system", message=ch.message, usage=usage)
+            else:
+                transition(session, job, "queued", actor="scheduler", resume_from=resume, usage=usage,
+                           message=f"Preempted and requeued; resumes from {resume or 'the start'}.")
+        elif ch.kind == ObservedKind.REQUEUE:
+            resume = _latest_checkpoint(session, job.id)
+            if (job.restarts or 0) >= self.max_restarts:
+                transition(session, job, "failed", actor="executor", level="error", usage=usage,
+                           message=f"{ch.message} (gave up after {job.restarts} restarts)",
+                           error={"code": ch.error_code or "trainer_crashed", "message": ch.message})
+            else:
+                transition(session, job, "queued", actor="executor", level="warn", usage=usage,
+                           resume_from=resume, restarts=(job.restarts or 0) + 1,
+                           message=f"{ch.message} (restart {(job.restarts or 0) + 1} of {self.max_restarts})")
+
+
+def _latest_checkpoint(session: Any, job_id: str) -> str | None:
+    row = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                          .order_by(Checkpoint.step.desc()).limit(1)).first()
+    return row.location if row else None
+
+
+def describe(req: JobRequest) -> str:  # for logs
+    return json.dumps({"id": req.job_id, "tenant": req.tenant, "priority": req.priority})

@@ -1,0 +1,30 @@
+"""Celery task ``tunefleet.schedule``: run one scheduling cycle now.
+
+The API sends it after a job becomes ``queued`` (and after cancel/pause) so placement
+does not wait for the loop's next tick; the scheduler lock makes it safe to run next to
+``tunefleet scheduler``. Idempotent: a cycle only moves jobs whose state allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from api.settings import get_settings
+from worker.celery_app import app
+from worker.scheduler.loop import Components, build_components, run_once
+
+log = logging.getLogger(__name__)
+_components: Components | None = None
+
+
+@app.task(name="tunefleet.schedule", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def schedule() -> dict[str, int]:
+    """One cycle; returns counts (0s when another scheduler held the lock)."""
+    global _components
+    if _components is None:
+        _components = build_components(get_settings())
+    result = run_once(_components)
+    if not result.ran or result.plan is None:
+        return {"ran": 0, "admitted": 0, "preempted": 0, "waiting": 0}
+    return {"ran": 1, "admitted": len(result.plan.admissions), "preempted": len(result.plan.preemptions),
+            "waiting": len(result.plan.waiting)}
