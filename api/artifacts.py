@@ -224,12 +224,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def artifact_store(settings: "Settings") -> ArtifactStore:
+def artifact_store(settings: Settings) -> ArtifactStore:
     """The store for job outputs: ``TUNEFLEET_ARTIFACT_URL`` or ``<data>/artifacts``."""
     return store_for(settings.resolved_artifact_url, s3_endpoint_url=settings.s3_endpoint_url)
 
 
-def file_store(settings: "Settings") -> ArtifactStore:
+def file_store(settings: Settings) -> ArtifactStore:
     """The store for uploaded files (keys ``files/<id>.jsonl``).
 
     Embedded default: the data dir itself, so files land in ``<data>/files/``. With

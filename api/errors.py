@@ -33,6 +33,7 @@ idempotency_conflict           409   an ``Idempotency-Key`` reused with another 
 invalid_state_transition       409   e.g. cancelling a succeeded job
 invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
+invalid_artifact_location      400   report endpoint: outputs outside the service's storage
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """
@@ -73,7 +74,7 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        type: str | None = None,  # noqa: A002 (OpenAI's field name)
+        type: str | None = None,
         details: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:

@@ -57,7 +57,7 @@ def create_file(
     return row
 
 
-def tenant_files(tenant: Tenant):  # noqa: ANN201 (a Select)
+def tenant_files(tenant: Tenant):
     return select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
 
 

@@ -197,7 +197,7 @@ def advance_after_validation(session: Session, file: File) -> list[str]:
     return queued
 
 
-def tenant_jobs(tenant: Tenant):  # noqa: ANN201 (a Select)
+def tenant_jobs(tenant: Tenant):
     return select(Job).where(Job.tenant_id == tenant.id)
 
 

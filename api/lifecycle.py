@@ -189,7 +189,7 @@ def transition(
         created_at=now,
     )
     session.flush()
-    for hook in list(_hooks):
+    for hook in _hooks:
         hook(session, job, from_status, to, actor)
     return event
 
@@ -200,7 +200,7 @@ def add_event(
     message: str,
     *,
     level: str = "info",
-    type: str = "message",  # noqa: A002 (OpenAI's field name)
+    type: str = "message",
     data: dict[str, Any] | None = None,
     created_at: Any = None,
 ) -> JobEvent:

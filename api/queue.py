@@ -46,7 +46,7 @@ class CeleryQueue:
                 retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5},
             )
             return True
-        except Exception:  # noqa: BLE001 (any broker failure: log it, the system re-sends)
+        except Exception:
             log.warning("could not send task %s%r", name, args, exc_info=True)
             return False
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -32,6 +33,7 @@ from api.schemas.reports import (
     MetricItem,
     ReportBatchIn,
 )
+from api.settings import Settings
 
 # Trainer metric names -> OpenAI checkpoint metric names.
 CHECKPOINT_METRIC_NAMES = {
@@ -67,8 +69,33 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
-def apply_report(session: Session, job: Job, batch: ReportBatchIn) -> bool:
+def check_artifact_location(location: str, settings: Settings) -> None:
+    """Refuse output locations outside this service's storage (400 ``invalid_artifact_location``).
+
+    Artifacts are later served from their location with the API's own file access and S3
+    credentials, so a trainer (or a stolen job token) must not be able to register
+    ``/etc`` or another bucket as a job's output.
+    """
+    root = settings.resolved_artifact_url
+    if location.startswith("s3://"):
+        allowed = root.startswith("s3://") and (
+            location == root or location.startswith(root.rstrip("/") + "/")
+        )
+    else:
+        path = Path(location).expanduser().resolve()
+        roots = [settings.data_path] + ([] if root.startswith("s3://") else [Path(root).resolve()])
+        allowed = any(path == r or r in path.parents for r in roots)
+    if not allowed:
+        raise APIError(400, "invalid_artifact_location",
+                       f"Artifact location '{location}' is outside the service's storage ({root}).",
+                       param="items.location")
+
+
+def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Settings) -> bool:
     """Apply ``batch`` to ``job`` and commit; returns False when it was a duplicate."""
+    for item in batch.items:
+        if isinstance(item, ArtifactsItem):
+            check_artifact_location(item.location, settings)
     if session.scalar(
         select(ReportBatch.id).where(ReportBatch.job_id == job.id, ReportBatch.seq == batch.seq)
     ) is not None:

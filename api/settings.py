@@ -73,17 +73,17 @@ class Settings(BaseSettings):
     def _known_database(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        if value.startswith("postgresql://") or value.startswith("postgres://"):
+        if value.startswith(("postgresql://", "postgres://")):
             # psycopg 3 is the driver we ship; SQLAlchemy would pick psycopg2 otherwise.
             value = "postgresql+psycopg://" + value.split("://", 1)[1]
-        if not (value.startswith("sqlite") or value.startswith("postgresql+psycopg://")):
+        if not value.startswith(("sqlite", "postgresql+psycopg://")):
             raise ValueError(
                 "TUNEFLEET_DATABASE_URL must be sqlite:///<path> or postgresql+psycopg://..."
             )
         return value
 
     @model_validator(mode="after")
-    def _refuse_unsafe_production(self) -> "Settings":
+    def _refuse_unsafe_production(self) -> Settings:
         if self.env != "production":
             return self
         problems: list[str] = []

@@ -175,7 +175,7 @@ async def receive_upload(request: Request, *, tmp_dir: Path, limit: int) -> Uplo
     except APIError:
         collector.abort()
         raise
-    except Exception as exc:  # noqa: BLE001 (python-multipart raises several types)
+    except Exception as exc:
         collector.abort()
         raise APIError(400, "invalid_request", f"Malformed multipart body: {exc}") from exc
     if upload.path is None:

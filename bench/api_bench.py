@@ -174,24 +174,27 @@ def main() -> None:
         assert created >= creates["requests"] - creates["non_2xx"], (created, creates)
 
         ratio = jobs["rps"] / hello["rps"]
+        when = f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
+        how = (f"`python bench/api_bench.py --duration {args.duration} --connections "
+               f"{args.connections}`; uvicorn 1 process each; wrk -t1 -c{args.connections}; "
+               f"{args.jobs} jobs in the table; machine shared (2 cores).\n")
+        rows = [
+            ("bare FastAPI `async` hello", hello),
+            ("`GET /v1/fine_tuning/jobs` (20/page, auth, Postgres)", jobs),
+            ("`POST /v1/fine_tuning/jobs` (create + Celery send to Redis)", creates),
+        ]
+        summary = (f"Ratio list/hello = **{ratio:.2f}** (goal >= 0.5); list p99 = "
+                   f"**{jobs['p99_ms']:.1f} ms** (goal < 50 ms); job creation "
+                   f"**{creates['rps']:.0f}/s** with {creates['non_2xx']} errors ({created} jobs "
+                   f"created; socket errors: {creates['socket_errors']}).")
         lines = [
-            f"\n## API throughput on PostgreSQL ({dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC)\n",
-            f"`python bench/api_bench.py --duration {args.duration} --connections "
-            f"{args.connections}`; uvicorn 1 process each; wrk -t1 -c{args.connections}; "
-            f"{args.jobs} jobs in the table; machine shared (2 cores).\n",
+            f"\n## API throughput on PostgreSQL ({when})\n",
+            how,
             "| endpoint | req/s | p99 (ms) | non-2xx |",
             "|---|---|---|---|",
-            f"| bare FastAPI `async` hello | {hello['rps']:.0f} | {hello['p99_ms']:.1f} | "
-            f"{hello['non_2xx']} |",
-            f"| `GET /v1/fine_tuning/jobs` (20/page, auth, Postgres) | {jobs['rps']:.0f} | "
-            f"{jobs['p99_ms']:.1f} | {jobs['non_2xx']} |",
-            f"| `POST /v1/fine_tuning/jobs` (create + Celery send to Redis) | {creates['rps']:.0f} "
-            f"| {creates['p99_ms']:.1f} | {creates['non_2xx']} |",
+            *(f"| {name} | {r['rps']:.0f} | {r['p99_ms']:.1f} | {r['non_2xx']} |" for name, r in rows),
             "",
-            f"Ratio list/hello = **{ratio:.2f}** (goal >= 0.5); list p99 = "
-            f"**{jobs['p99_ms']:.1f} ms** (goal < 50 ms); job creation **{creates['rps']:.0f}/s** "
-            f"with {creates['non_2xx']} errors ({created} jobs created; socket errors: "
-            f"{creates['socket_errors']}).",
+            summary,
         ]
         text = "\n".join(lines) + "\n"
         print(text)

@@ -84,23 +84,26 @@ def main() -> None:
                                  intermediate_size=1024, vocab_size=1024)
     data = work / "train.jsonl"
     with open(data, "w") as f:  # every example is longer than SEQ: truncated to exactly SEQ tokens
-        for i in range(BATCH * (args.steps + 2)):
-            f.write(json.dumps({"prompt": f"q{i} " + "x" * 60, "completion": ("abc " * 100)}) + "\n")
+        f.writelines(json.dumps({"prompt": f"q{i} " + "x" * 60, "completion": ("abc " * 100)}) + "\n" for i in range(BATCH * (args.steps + 2)))
     recipe, plain = [], []
     for k in range(args.rounds):
         recipe.append(recipe_tokens_per_s(model_dir, data, work / f"r{k}", args.steps))
         plain.append(plain_tokens_per_s(model_dir, args.steps))
     r, p = statistics.median(recipe), statistics.median(plain)
-    line = (f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | trainer_torch_vs_peft | h256 L4 seq{SEQ} b{BATCH} r{R} "
-            f"fp32 CPU ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}) | recipe "
-            f"{r:,.0f} tok/s | plain peft {p:,.0f} tok/s | ratio {r / p:.2f} |")
-    print(f"recipe rounds {[round(x) for x in recipe]}, plain rounds {[round(x) for x in plain]}")
-    print(line)
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    section = (
+        f"\n## fsdp_qlora recipe vs plain transformers+peft ({stamp} UTC)\n\n"
+        f"`OMP_NUM_THREADS=2 python bench/trainer_torch_vs_peft.py --steps {args.steps} --rounds {args.rounds}`; "
+        f"h256 L4 heads 8/4 ffn 1024 vocab 1024, seq {SEQ} x batch {BATCH}, LoRA r{R} q/k/v/o, fp32, CPU "
+        f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}); "
+        f"median of per-step tokens/s over {args.rounds} alternating rounds.\n\n"
+        f"recipe **{r:,.0f} tok/s**, plain peft loop **{p:,.0f} tok/s**, ratio recipe/plain = **{r / p:.2f}** "
+        f"(rounds: recipe {[round(x) for x in recipe]}, plain {[round(x) for x in plain]}).\n"
+    )
+    print(section)
     results = Path(__file__).with_name("RESULTS.md")
-    if not results.exists():
-        results.write_text("# Benchmark results\n\nOne line per run, appended by the bench scripts.\n\n")
     with open(results, "a") as f:
-        f.write(line + "\n")
+        f.write(section)
 
 
 if __name__ == "__main__":

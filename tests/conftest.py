@@ -30,7 +30,7 @@ Fixtures (function scope unless noted):
 ``celery_worker``
     Factory: ``celery_worker(settings) -> Popen``: a real ``celery -A worker.celery_app
     worker --pool solo`` subprocess configured through ``TUNEFLEET_*`` variables,
-    stopped (SIGTERM, then SIGKILL) at the end of the test.
+    stopped at the end of the test (SIGQUIT: Celery's immediate shutdown; SIGKILL after 10 s).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_settings(data_dir: Path, **overrides: Any):  # noqa: ANN201 (api.settings.Settings)
+def make_settings(data_dir: Path, **overrides: Any):
     from api.settings import Settings
 
     values: dict[str, Any] = {
@@ -97,7 +97,7 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, sqlite_template: Path):  # noqa: ANN201
+def settings(tmp_path: Path, sqlite_template: Path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     shutil.copyfile(sqlite_template, data_dir / "tunefleet.db")
@@ -110,7 +110,7 @@ def pg_url() -> Iterator[str]:
         import psycopg
 
         admin = psycopg.connect(PG_ADMIN_DSN, autocommit=True)
-    except Exception as exc:  # noqa: BLE001 (any connection failure)
+    except Exception as exc:
         _unavailable("PostgreSQL on 127.0.0.1:5432", exc)
         raise
     name = f"tunefleet_test_{os.getpid()}"
@@ -137,7 +137,7 @@ def redis_url() -> Iterator[str]:
         db = 1 + os.getpid() % 15
         client = redis.Redis(host="127.0.0.1", port=6379, db=db, socket_connect_timeout=3)
         client.ping()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _unavailable("Redis on 127.0.0.1:6379", exc)
         raise
     client.flushdb()
@@ -149,7 +149,7 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def db_session(settings) -> Iterator[Any]:  # noqa: ANN001
+def db_session(settings) -> Iterator[Any]:
     from api.db.session import session_factory
 
     session = session_factory(settings.resolved_database_url)()
@@ -189,19 +189,19 @@ class InlineQueue:
 
 
 @pytest.fixture
-def inline_queue(settings) -> InlineQueue:  # noqa: ANN001
+def inline_queue(settings) -> InlineQueue:
     return InlineQueue(settings)
 
 
 @pytest.fixture
-def app(settings, inline_queue):  # noqa: ANN001, ANN201
+def app(settings, inline_queue):
     from api.main import create_app
 
     return create_app(settings, queue=inline_queue)
 
 
 @pytest.fixture
-def client(app) -> Iterator[Any]:  # noqa: ANN001
+def client(app) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
     with TestClient(app, raise_server_exceptions=False) as test_client:
@@ -219,7 +219,7 @@ class TenantKey:
 
 
 @pytest.fixture
-def tenant_key(settings) -> Callable[..., TenantKey]:  # noqa: ANN001
+def tenant_key(settings) -> Callable[..., TenantKey]:
     from api.auth import create_api_key, create_tenant
     from api.db.session import session_scope
     from api.ids import new_id
@@ -234,7 +234,7 @@ def tenant_key(settings) -> Callable[..., TenantKey]:  # noqa: ANN001
 
 
 @pytest.fixture
-def admin_key(tenant_key) -> str:  # noqa: ANN001
+def admin_key(tenant_key) -> str:
     return tenant_key(admin=True).key
 
 
@@ -305,7 +305,7 @@ def celery_worker(tmp_path: Path) -> Iterator[Callable[[Any], subprocess.Popen[b
     yield start
     for proc in workers:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGQUIT)
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

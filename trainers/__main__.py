@@ -1,7 +1,8 @@
 """Trainer entry point: ``python -m trainers --spec spec.json``.
 
 1. Parse the spec (unreadable or invalid -> exit USER_ERROR, code ``invalid_spec``).
-2. Build the reporter (``trainers.common.reporter``) and install the SIGTERM flag.
+2. Build the reporter (``trainers.common.reporter``), mirror its items to the spec's
+   experiment trackers (``trainers.common.integrations``), install the SIGTERM flag.
 3. Dispatch to the recipe named by ``spec.trainer`` (imported lazily, so a torch image
    without jax, or the reverse, still starts): ``trainers.fsdp_qlora.recipe:run`` or
    ``trainers.jax_lora.recipe:run``. A recipe is ``run(spec, *, reporter, stop)``; it
@@ -150,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_spool_dir=Path(spec.checkpoint.dir) / SPOOL_DIR,
         local_path=Path(spec.checkpoint.dir) / REPORTS_FILE,
     )
+    if spec.integrations:
+        from trainers.common.integrations import mirror_from_spec
+
+        reporter.mirror = mirror_from_spec(spec, warn=lambda msg: reporter.event(msg, level="warning"))
     stop = StopFlag().install()
     error: TrainerError | None = None
     try:
@@ -171,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             reporter.error(error.code, error.message)
         write_termination_log(spec.termination_log, error)
+    if reporter.mirror is not None:
+        reporter.mirror.close(failed=error is not None and not isinstance(error, Preempted))
     if not reporter.close(timeout_s=CLOSE_TIMEOUT_S):
         log.warning("some reports were not delivered; they stay spooled for the next attempt")
     return int(error.exit_code) if error is not None else int(ExitCode.SUCCESS)

@@ -7,7 +7,7 @@ Times are timezone-aware UTC everywhere. SQLite has no time zone type, so
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import JSON, DateTime, MetaData
 from sqlalchemy.engine import Dialect
@@ -57,4 +57,4 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dt.datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dt.datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}

@@ -18,7 +18,7 @@ _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 (DB-API object)
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=15000")

@@ -27,7 +27,7 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
-def _tenant_adapters(tenant_id: str):  # noqa: ANN202 (a Select)
+def _tenant_adapters(tenant_id: str):
     return select(Job).where(
         Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None)
     )

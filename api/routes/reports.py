@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header
 
-from api.deps import SessionDep
+from api.deps import SessionDep, SettingsDep
 from api.reports import apply_report, authenticate_job
 from api.schemas.reports import ReportAck, ReportBatchIn
 
@@ -15,10 +15,10 @@ router = APIRouter(prefix="/internal/v1/jobs", tags=["internal"])
 
 @router.post("/{job_id}/reports", response_model=ReportAck)
 def post_reports(
-    job_id: str, batch: ReportBatchIn, session: SessionDep,
+    job_id: str, batch: ReportBatchIn, session: SessionDep, settings: SettingsDep,
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> ReportAck:
     """Apply one batch (idempotent by ``seq``); authenticated by the per-job token."""
     job = authenticate_job(session, job_id, authorization)
-    applied = apply_report(session, job, batch)
+    applied = apply_report(session, job, batch, settings)
     return ReportAck(acked_seq=batch.seq, duplicate=not applied)

@@ -25,7 +25,7 @@ class FilePublic(BaseModel):
     validation: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, row: File) -> "FilePublic":
+    def of(cls, row: File) -> FilePublic:
         return cls(
             id=row.id, bytes=row.bytes, created_at=to_unix(row.created_at) or 0,
             filename=row.filename, purpose=row.purpose, status=row.status,  # type: ignore[arg-type]

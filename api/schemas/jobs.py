@@ -42,7 +42,7 @@ class Hyperparameters(Strict):
     max_steps: PositiveInt | None = None
 
     @model_validator(mode="after")
-    def _micro_divides(self) -> "Hyperparameters":
+    def _micro_divides(self) -> Hyperparameters:
         if (
             self.micro_batch_size is not None
             and isinstance(self.batch_size, int)
@@ -74,7 +74,7 @@ class Adapter(Strict):
     quantization: Literal["none", "nf4", "hqq4"] | None = None
 
     @model_validator(mode="after")
-    def _method_matches_quantization(self) -> "Adapter":
+    def _method_matches_quantization(self) -> Adapter:
         if self.quantization is None:
             self.quantization = "nf4" if self.method == "qlora" else "none"
         if self.method == "qlora" and self.quantization == "none":
@@ -116,7 +116,7 @@ class Integration(Strict):
     mlflow: MlflowSettings | None = None
 
     @model_validator(mode="after")
-    def _settings_for_type(self) -> "Integration":
+    def _settings_for_type(self) -> Integration:
         if getattr(self, self.type) is None:
             raise ValueError(f"integration of type '{self.type}' needs a '{self.type}' object")
         return self
@@ -148,7 +148,7 @@ class JobCreate(Strict):
     eval: EvalSettings = EvalSettings()
 
     @model_validator(mode="after")
-    def _one_hyperparameter_source(self) -> "JobCreate":
+    def _one_hyperparameter_source(self) -> JobCreate:
         if (
             self.hyperparameters is not None
             and self.method is not None
@@ -161,9 +161,9 @@ class JobCreate(Strict):
         return self
 
     def requested_hyperparameters(self) -> Hyperparameters:
-        if self.method is not None and self.method.supervised is not None:
-            if self.method.supervised.hyperparameters != Hyperparameters():
-                return self.method.supervised.hyperparameters
+        supervised = self.method.supervised if self.method is not None else None
+        if supervised is not None and supervised.hyperparameters != Hyperparameters():
+            return supervised.hyperparameters
         return self.hyperparameters or Hyperparameters()
 
     @property
@@ -236,7 +236,7 @@ class JobPublic(BaseModel):
     usage: dict[str, Any] | None
 
     @classmethod
-    def of(cls, job: Job) -> "JobPublic":
+    def of(cls, job: Job) -> JobPublic:
         hp = _public_hyperparameters(job.hyperparameters or {})
         return cls(
             id=job.id, created_at=to_unix(job.created_at) or 0, error=job.error,
@@ -270,7 +270,7 @@ class JobEventPublic(BaseModel):
     data: dict[str, Any] | None
 
     @classmethod
-    def of(cls, event: JobEvent) -> "JobEventPublic":
+    def of(cls, event: JobEvent) -> JobEventPublic:
         return cls(
             id=event.id, created_at=to_unix(event.created_at) or 0, level=event.level,
             message=event.message, type=event.type, data=event.data,
@@ -295,7 +295,7 @@ class CheckpointPublic(BaseModel):
     step_number: int
 
     @classmethod
-    def of(cls, checkpoint: Checkpoint, job: Job) -> "CheckpointPublic":
+    def of(cls, checkpoint: Checkpoint, job: Job) -> CheckpointPublic:
         return cls(
             id=checkpoint.id, created_at=to_unix(checkpoint.created_at) or 0,
             fine_tuned_model_checkpoint=checkpoint_model_id(job, checkpoint.step),

@@ -238,9 +238,14 @@ def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -
 
 
 def _job_visible(db: Session, principal: Principal, job_id: str) -> bool:
-    """The API's isolation rule: a tenant sees its own jobs, an admin sees every job."""
+    """The job API's isolation rule: a key sees its own organization's jobs only.
+
+    Admins get every tenant's jobs in the jobs table (``/ui/api/jobs``), but the job
+    routes the page reads (events, metrics, logs, artifacts, stream) are tenant-scoped,
+    so the page opens for the owning organization's keys only.
+    """
     job = db.get(Job, job_id)
-    return job is not None and (principal.is_admin or job.tenant_id == principal.tenant_id)
+    return job is not None and job.tenant_id == principal.tenant_id
 
 
 def login_redirect(_request: Request, exc: LoginRequired) -> RedirectResponse:

@@ -24,7 +24,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest):  # noqa: ANN201
+def settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     if backend == "postgres":
@@ -53,7 +53,7 @@ BAD_LINES = (
 
 
 @pytest.fixture
-def upload(client) -> Callable[..., Any]:  # noqa: ANN001
+def upload(client) -> Callable[..., Any]:
     def do(headers: dict[str, str], data: bytes | None = None, *, name: str = "train.jsonl",
            purpose: str = "fine-tune") -> Any:
         return client.post(
@@ -66,7 +66,7 @@ def upload(client) -> Callable[..., Any]:  # noqa: ANN001
 
 
 @pytest.fixture
-def processed_file(upload) -> Callable[..., str]:  # noqa: ANN001
+def processed_file(upload) -> Callable[..., str]:
     def do(headers: dict[str, str], data: bytes | None = None) -> str:
         response = upload(headers, data)
         assert response.status_code == 200, response.text
@@ -76,7 +76,7 @@ def processed_file(upload) -> Callable[..., str]:  # noqa: ANN001
 
 
 @pytest.fixture
-def make_job(client, processed_file) -> Callable[..., dict[str, Any]]:  # noqa: ANN001
+def make_job(client, processed_file) -> Callable[..., dict[str, Any]]:
     def do(headers: dict[str, str], **body: Any) -> dict[str, Any]:
         payload = {"model": "tunefleet-tiny-llama", "training_file": processed_file(headers), **body}
         response = client.post("/v1/fine_tuning/jobs", headers=headers, json=payload)

@@ -18,7 +18,7 @@ from tests.conftest import free_port
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):
     binary = shutil.which("moto_server")
     if binary is None:
         pytest.fail("moto_server is not installed (pip install 'moto[server]')")
@@ -95,13 +95,14 @@ def test_s3_store_roundtrip(s3_endpoint: str, tmp_path: Path) -> None:
         store.put_bytes("../escape", b"x")
 
 
-def test_s3_artifact_download_redirects(client, tenant_key, make_job, db_session, s3_endpoint,  # noqa: ANN001
+def test_s3_artifact_download_redirects(client, tenant_key, make_job, db_session, s3_endpoint,
                                         app) -> None:
     from api.db.models import Job
     from api.jobs import issue_job_token
     from api.lifecycle import transition
 
-    app.state.settings = app.state.settings.model_copy(update={"s3_endpoint_url": s3_endpoint})
+    app.state.settings = app.state.settings.model_copy(
+        update={"s3_endpoint_url": s3_endpoint, "artifact_url": "s3://tf-artifacts"})
     tenant = tenant_key()
     job = make_job(tenant.headers)
     row = db_session.get_one(Job, job["id"])

@@ -56,7 +56,7 @@ FOUNDATION_TAGS = {"files", "fine-tuning", "fine-tuning outputs", "models", "int
                    "health"}
 
 
-def test_route_table_covers_every_route(app) -> None:  # noqa: ANN001
+def test_route_table_covers_every_route(app) -> None:
     served = {
         (method.upper(), path)
         for path, operations in app.openapi()["paths"].items()
@@ -68,7 +68,7 @@ def test_route_table_covers_every_route(app) -> None:  # noqa: ANN001
 
 
 @pytest.fixture
-def world(client, tenant_key, make_job, settings, db_session):  # noqa: ANN001, ANN201
+def world(client, tenant_key, make_job, settings, db_session):
     """Tenant A with a finished job (adapter, checkpoint, metric, log) and B, a stranger."""
     a, b = tenant_key(), tenant_key()
     job = make_job(a.headers)
@@ -103,7 +103,7 @@ def world(client, tenant_key, make_job, settings, db_session):  # noqa: ANN001, 
     return {"a": a, "b": b, "names": names, "token": token}
 
 
-def _call(client, method: str, path: str, body: Any, headers: dict[str, str]):  # noqa: ANN001, ANN202
+def _call(client, method: str, path: str, body: Any, headers: dict[str, str]):
     if body == "upload":
         return client.request(method, path, headers=headers,
                               files={"file": ("t.jsonl", chat_lines(2))},
@@ -119,7 +119,7 @@ BAD_AUTH = ({}, {"Authorization": "Bearer tf_aaaaaaaa_" + "b" * 32},
             {"Authorization": "Basic abc"}, {"Authorization": "Bearer"})
 
 
-def test_no_key_or_bad_key_is_401(client) -> None:  # noqa: ANN001
+def test_no_key_or_bad_key_is_401(client) -> None:
     for method, template, body in SCOPED + LISTS + ADMIN:
         path = template.format(**FAKE_NAMES)
         for headers in BAD_AUTH:
@@ -128,7 +128,7 @@ def test_no_key_or_bad_key_is_401(client) -> None:  # noqa: ANN001
             assert response.json()["error"]["code"] in {"missing_api_key", "invalid_api_key"}
 
 
-def test_other_tenant_gets_404_and_owner_does_not(client, world) -> None:  # noqa: ANN001
+def test_other_tenant_gets_404_and_owner_does_not(client, world) -> None:
     for method, template, body in SCOPED:
         path = template.format(**world["names"])
         response = _call(client, method, path, body, world["b"].headers)
@@ -141,7 +141,7 @@ def test_other_tenant_gets_404_and_owner_does_not(client, world) -> None:  # noq
         assert owner.status_code in {200, 409}, (path, owner.text)
 
 
-def test_lists_show_only_own_objects(client, world) -> None:  # noqa: ANN001
+def test_lists_show_only_own_objects(client, world) -> None:
     b = world["b"].headers
     assert client.get("/v1/files", headers=b).json()["data"] == []
     assert client.get("/v1/fine_tuning/jobs", headers=b).json()["data"] == []
@@ -152,7 +152,7 @@ def test_lists_show_only_own_objects(client, world) -> None:  # noqa: ANN001
     assert created.status_code == 400  # file-x is nobody's file: never someone else's job
 
 
-def test_admin_routes_need_admin(client, tenant_key, admin_key) -> None:  # noqa: ANN001
+def test_admin_routes_need_admin(client, tenant_key, admin_key) -> None:
     tenant = tenant_key()
     names = {**FAKE_NAMES, "tenant_id": tenant.tenant_id}
     for method, template, body in ADMIN:
@@ -164,7 +164,7 @@ def test_admin_routes_need_admin(client, tenant_key, admin_key) -> None:  # noqa
         assert admin.status_code in {200, 404}, (path, admin.text)
 
 
-def test_report_route_uses_job_tokens(client, world, tenant_key, make_job, db_session) -> None:  # noqa: ANN001
+def test_report_route_uses_job_tokens(client, world, tenant_key, make_job, db_session) -> None:
     job_id = world["names"]["job_id"]
     path = f"/internal/v1/jobs/{job_id}/reports"
     body = {"seq": 99, "items": []}

@@ -14,14 +14,14 @@ from tests.conftest import make_settings
 
 
 @pytest.fixture
-def broker_settings(backend, settings, request):  # noqa: ANN001, ANN201
+def broker_settings(backend, settings, request):
     if backend == "postgres":
         return make_settings(settings.data_path, database_url=settings.resolved_database_url,
                              broker_url=request.getfixturevalue("redis_url"))
     return settings
 
 
-def _wait_for(check, timeout_s: float = 30.0):  # noqa: ANN001, ANN202
+def _wait_for(check, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
@@ -31,7 +31,7 @@ def _wait_for(check, timeout_s: float = 30.0):  # noqa: ANN001, ANN202
     raise AssertionError("timed out")
 
 
-def test_worker_validates_and_queues(broker_settings, tenant_key, celery_worker) -> None:  # noqa: ANN001
+def test_worker_validates_and_queues(broker_settings, tenant_key, celery_worker) -> None:
     worker = celery_worker(broker_settings)
     headers = tenant_key().headers
     with TestClient(create_app(broker_settings), raise_server_exceptions=False) as client:
@@ -53,3 +53,17 @@ def test_worker_validates_and_queues(broker_settings, tenant_key, celery_worker)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=headers).json()
         assert job["status"] == "queued" and job["hyperparameters"]["n_epochs"] == 25
         assert worker.poll() is None
+
+
+def test_worker_start_resends_lost_validations(broker_settings, tenant_key, celery_worker,
+                                               client, inline_queue) -> None:
+    """A file whose validation task was lost is validated when a worker starts."""
+    headers = tenant_key().headers
+    inline_queue.run_validation = False  # the task is "lost": nothing validates the upload
+    file_id = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
+                          files={"file": ("t.jsonl", chat_lines(2))}).json()["id"]
+    assert client.get(f"/v1/files/{file_id}", headers=headers).json()["status"] == "uploaded"
+    celery_worker(broker_settings)
+    assert _wait_for(lambda: client.get(f"/v1/files/{file_id}", headers=headers).json()["status"]
+                     != "uploaded") is True
+    assert client.get(f"/v1/files/{file_id}", headers=headers).json()["status"] == "processed"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from tests.api.conftest import BAD_LINES, chat_lines
 
 
-def test_upload_validate_retrieve_content_delete(client, tenant_key, upload, inline_queue) -> None:  # noqa: ANN001
+def test_upload_validate_retrieve_content_delete(client, tenant_key, upload, inline_queue) -> None:
     headers = tenant_key().headers
     data = chat_lines(5)
     response = upload(headers, data)
@@ -35,7 +32,7 @@ def test_upload_validate_retrieve_content_delete(client, tenant_key, upload, inl
     assert client.get(f"/v1/files/{created['id']}", headers=headers).status_code == 404
 
 
-def test_invalid_file_reports_lines_and_codes(client, tenant_key, upload) -> None:  # noqa: ANN001
+def test_invalid_file_reports_lines_and_codes(client, tenant_key, upload) -> None:
     headers = tenant_key().headers
     file_id = upload(headers, BAD_LINES).json()["id"]
     body = client.get(f"/v1/files/{file_id}", headers=headers).json()
@@ -55,14 +52,14 @@ def test_invalid_file_reports_lines_and_codes(client, tenant_key, upload) -> Non
     ],
     ids=["empty", "latin1", "garbage-bytes"],
 )
-def test_bad_file_bytes(client, tenant_key, upload, data, status, code) -> None:  # noqa: ANN001
+def test_bad_file_bytes(client, tenant_key, upload, data, status, code) -> None:
     response = upload(tenant_key().headers, data)
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
     assert response.json()["error"]["param"] == "file"
 
 
-def test_bad_upload_requests(client, tenant_key) -> None:  # noqa: ANN001
+def test_bad_upload_requests(client, tenant_key) -> None:
     headers = tenant_key().headers
     no_purpose = client.post("/v1/files", headers=headers, files={"file": ("a.jsonl", b"{}\n")})
     assert no_purpose.status_code == 400 and no_purpose.json()["error"]["param"] == "purpose"
@@ -79,7 +76,7 @@ def test_bad_upload_requests(client, tenant_key) -> None:  # noqa: ANN001
     assert broken.status_code == 400
 
 
-def test_too_large_is_413_streaming(settings, tenant_key) -> None:  # noqa: ANN001
+def test_too_large_is_413_streaming(settings, tenant_key) -> None:
     """Past the limit -> 413, with and without Content-Length, and nothing is kept."""
     from fastapi.testclient import TestClient
 
@@ -102,7 +99,7 @@ def test_too_large_is_413_streaming(settings, tenant_key) -> None:  # noqa: ANN0
         head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
                 f"fine-tune\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
                 f"filename=\"b.jsonl\"\r\n\r\n").encode()
-        def body():  # noqa: ANN202
+        def body():
             yield head
             for _ in range(200):  # 200 x 512 bytes = 100 KiB, far past the limit
                 yield b"x" * 512
@@ -115,7 +112,7 @@ def test_too_large_is_413_streaming(settings, tenant_key) -> None:  # noqa: ANN0
     assert list(small.tmp_dir.iterdir()) == []
 
 
-def test_list_purpose_filter_and_cursor(client, tenant_key, upload) -> None:  # noqa: ANN001
+def test_list_purpose_filter_and_cursor(client, tenant_key, upload) -> None:
     headers = tenant_key().headers
     ids = [upload(headers, chat_lines(2)).json()["id"] for _ in range(3)]
     page = client.get("/v1/files?limit=2", headers=headers).json()
@@ -132,7 +129,7 @@ def test_list_purpose_filter_and_cursor(client, tenant_key, upload) -> None:  # 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
-def test_file_in_use_cannot_be_deleted(client, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_file_in_use_cannot_be_deleted(client, tenant_key, make_job) -> None:
     headers = tenant_key().headers
     job = make_job(headers)
     response = client.delete(f"/v1/files/{job['training_file']}", headers=headers)

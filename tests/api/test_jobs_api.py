@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.conftest import BAD_LINES, chat_lines
+from tests.api.conftest import BAD_LINES
 
 JOBS = "/v1/fine_tuning/jobs"
 
 
-def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job, inline_queue) -> None:  # noqa: ANN001
+def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job, inline_queue) -> None:
     headers = tenant_key().headers
     job = make_job(
         headers,
@@ -35,7 +35,7 @@ def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job,
     assert "tunefleet.schedule" in inline_queue.names()
 
 
-def test_method_hyperparameters(client, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_method_hyperparameters(client, tenant_key, make_job) -> None:
     job = make_job(tenant_key().headers, method={
         "type": "supervised",
         "supervised": {"hyperparameters": {"batch_size": 4, "learning_rate_multiplier": 0.5}}})
@@ -45,7 +45,7 @@ def test_method_hyperparameters(client, tenant_key, make_job) -> None:  # noqa: 
     assert job["method"]["supervised"]["hyperparameters"]["batch_size"] == 4
 
 
-def test_still_validating_file_waits_then_queues(client, tenant_key, upload, inline_queue) -> None:  # noqa: ANN001
+def test_still_validating_file_waits_then_queues(client, tenant_key, upload, inline_queue) -> None:
     headers = tenant_key().headers
     inline_queue.run_validation = False
     file_id = upload(headers).json()["id"]
@@ -58,7 +58,7 @@ def test_still_validating_file_waits_then_queues(client, tenant_key, upload, inl
     assert job["status"] == "queued" and job["hyperparameters"]["n_epochs"] == 9
 
 
-def test_file_failing_validation_fails_waiting_job(client, tenant_key, upload, inline_queue) -> None:  # noqa: ANN001
+def test_file_failing_validation_fails_waiting_job(client, tenant_key, upload, inline_queue) -> None:
     headers = tenant_key().headers
     inline_queue.run_validation = False
     file_id = upload(headers, BAD_LINES).json()["id"]
@@ -71,11 +71,11 @@ def test_file_failing_validation_fails_waiting_job(client, tenant_key, upload, i
     assert "line 2" in job["error"]["message"]
 
 
-def _post(client, headers, **body):  # noqa: ANN001, ANN202
+def _post(client, headers, **body):
     return client.post(JOBS, headers=headers, json=body)
 
 
-def test_bad_files(client, tenant_key, upload, processed_file) -> None:  # noqa: ANN001
+def test_bad_files(client, tenant_key, upload, processed_file) -> None:
     me, other = tenant_key().headers, tenant_key().headers
     bad = upload(me, BAD_LINES).json()["id"]
     response = _post(client, me, model="tunefleet-tiny-llama", training_file=bad)
@@ -124,7 +124,7 @@ def test_bad_files(client, tenant_key, upload, processed_file) -> None:  # noqa:
         ({"training_file": None}, "training_file", "invalid_request"),
     ],
 )
-def test_bad_bodies_name_the_field(client, tenant_key, processed_file, patch, param, code) -> None:  # noqa: ANN001
+def test_bad_bodies_name_the_field(client, tenant_key, processed_file, patch, param, code) -> None:
     headers = tenant_key().headers
     body = {"model": "tunefleet-tiny-llama", "training_file": processed_file(headers), **patch}
     response = client.post(JOBS, headers=headers, json=body)
@@ -139,14 +139,14 @@ def test_bad_bodies_name_the_field(client, tenant_key, processed_file, patch, pa
     [(b"{not json", "invalid_json"), (b"[1, 2]", "invalid_request"), (b"", "invalid_request"),
      (b'"a string"', "invalid_request"), (b"\xff\xfe", "invalid_json")],
 )
-def test_malformed_bodies(client, tenant_key, content, code) -> None:  # noqa: ANN001
+def test_malformed_bodies(client, tenant_key, content, code) -> None:
     headers = {**tenant_key().headers, "Content-Type": "application/json"}
     response = client.post(JOBS, headers=headers, content=content)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == code
 
 
-def test_idempotency_key(client, tenant_key, processed_file) -> None:  # noqa: ANN001
+def test_idempotency_key(client, tenant_key, processed_file) -> None:
     headers = tenant_key().headers
     file_id = processed_file(headers)
     body = {"model": "tunefleet-tiny-llama", "training_file": file_id, "seed": 1}
@@ -164,7 +164,7 @@ def test_idempotency_key(client, tenant_key, processed_file) -> None:  # noqa: A
     assert len(client.get(JOBS, headers=headers).json()["data"]) == 2
 
 
-def test_list_cursor_and_metadata_filter(client, tenant_key, processed_file) -> None:  # noqa: ANN001
+def test_list_cursor_and_metadata_filter(client, tenant_key, processed_file) -> None:
     headers = tenant_key().headers
     file_id = processed_file(headers)
     ids = []
@@ -188,7 +188,7 @@ def test_list_cursor_and_metadata_filter(client, tenant_key, processed_file) -> 
         "invalid_cursor")
 
 
-def test_cancel_pause_resume_and_illegal_transitions(client, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_cancel_pause_resume_and_illegal_transitions(client, tenant_key, make_job) -> None:
     headers = tenant_key().headers
     job = make_job(headers)
     paused = client.post(f"{JOBS}/{job['id']}/pause", headers=headers).json()
@@ -209,7 +209,7 @@ def test_cancel_pause_resume_and_illegal_transitions(client, tenant_key, make_jo
     assert statuses == ["cancelled", "queued", "paused", "queued"]  # newest first
 
 
-def test_events_cursor(client, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_events_cursor(client, tenant_key, make_job) -> None:
     headers = tenant_key().headers
     job = make_job(headers)
     client.post(f"{JOBS}/{job['id']}/pause", headers=headers)
@@ -225,7 +225,7 @@ def test_events_cursor(client, tenant_key, make_job) -> None:  # noqa: ANN001
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_cursor"
 
 
-def test_unknown_routes_and_methods(client, tenant_key) -> None:  # noqa: ANN001
+def test_unknown_routes_and_methods(client, tenant_key) -> None:
     headers = tenant_key().headers
     response = client.get("/v1/nothing", headers=headers)
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
@@ -234,7 +234,7 @@ def test_unknown_routes_and_methods(client, tenant_key) -> None:  # noqa: ANN001
     assert response.json()["error"]["code"] == "method_not_allowed"
 
 
-def test_values_the_database_cannot_store_are_400(client, tenant_key, processed_file) -> None:  # noqa: ANN001
+def test_values_the_database_cannot_store_are_400(client, tenant_key, processed_file) -> None:
     headers = tenant_key().headers
     file_id = processed_file(headers)
     cases = [
@@ -261,7 +261,7 @@ def test_values_the_database_cannot_store_are_400(client, tenant_key, processed_
     assert upload.status_code == 200 and upload.json()["filename"] == "x.jsonl", upload.text
 
 
-def test_concurrent_same_idempotency_key_makes_one_job(app, live_server, tenant_key,  # noqa: ANN001
+def test_concurrent_same_idempotency_key_makes_one_job(app, live_server, tenant_key,
                                                         processed_file) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -57,17 +57,17 @@ def test_terminal_states_never_change() -> None:
                 lifecycle.check_transition(status, to, actor)
 
 
-def _job(db_session, tenant_key, make_job) -> Job:  # noqa: ANN001
+def _job(db_session, tenant_key, make_job) -> Job:
     headers = tenant_key().headers
     return db_session.get_one(Job, make_job(headers)["id"])
 
 
-def test_transition_writes_row_event_and_calls_hooks(db_session, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_transition_writes_row_event_and_calls_hooks(db_session, tenant_key, make_job) -> None:
     job = _job(db_session, tenant_key, make_job)
     assert job.status == "queued"
     seen: list[tuple[str, str, str, str]] = []
 
-    def hook(session, hooked_job, from_status, to, actor) -> None:  # noqa: ANN001
+    def hook(session, hooked_job, from_status, to, actor) -> None:
         assert session is db_session
         seen.append((hooked_job.id, from_status, to, actor))
 
@@ -97,11 +97,11 @@ def test_transition_writes_row_event_and_calls_hooks(db_session, tenant_key, mak
     assert last.level == "error"
 
 
-def test_failing_hook_rolls_back_the_transition(db_session, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_failing_hook_rolls_back_the_transition(db_session, tenant_key, make_job) -> None:
     job = _job(db_session, tenant_key, make_job)
     n_events = len(db_session.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).all())
 
-    def broken(*_args) -> None:  # noqa: ANN002
+    def broken(*_args) -> None:
         raise RuntimeError("webhook outbox full")
 
     lifecycle.register_transition_hook(broken)
@@ -116,7 +116,7 @@ def test_failing_hook_rolls_back_the_transition(db_session, tenant_key, make_job
     assert len(db_session.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).all()) == n_events
 
 
-def test_status_is_not_a_change(db_session, tenant_key, make_job) -> None:  # noqa: ANN001
+def test_status_is_not_a_change(db_session, tenant_key, make_job) -> None:
     job = _job(db_session, tenant_key, make_job)
     with pytest.raises(TypeError):
         lifecycle.transition(db_session, job, "running", actor="scheduler", status="succeeded")

@@ -15,13 +15,13 @@ from tests.api.conftest import chat_lines
 
 
 @pytest.fixture
-def sdk(client, tenant_key):  # noqa: ANN001, ANN201
+def sdk(client, tenant_key):
     tenant = tenant_key()
     return OpenAI(api_key=tenant.key, base_url="http://testserver/v1", http_client=client,
                   max_retries=0), tenant
 
 
-def test_openai_sdk_end_to_end(sdk, client, db_session) -> None:  # noqa: ANN001
+def test_openai_sdk_end_to_end(sdk, client, db_session) -> None:
     oai, tenant = sdk
     uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(chat_lines(8))), purpose="fine-tune")
     assert uploaded.object == "file" and uploaded.purpose == "fine-tune"

@@ -15,7 +15,7 @@ JOBS = "/v1/fine_tuning/jobs"
 
 
 @pytest.fixture
-def running(client, tenant_key, make_job, db_session, settings):  # noqa: ANN001, ANN201
+def running(client, tenant_key, make_job, db_session, settings):
     """A running job of a fresh tenant, its token and a helper that posts report batches."""
     tenant = tenant_key()
     job = make_job(tenant.headers)
@@ -24,7 +24,7 @@ def running(client, tenant_key, make_job, db_session, settings):  # noqa: ANN001
     transition(db_session, row, "running", actor="scheduler")
     db_session.commit()
 
-    def post(seq: int, *items: dict, auth: str | None = None):  # noqa: ANN202
+    def post(seq: int, *items: dict, auth: str | None = None):
         return client.post(f"/internal/v1/jobs/{job['id']}/reports",
                            json={"seq": seq, "items": list(items)},
                            headers={"Authorization": f"Bearer {auth or token}"})
@@ -32,12 +32,12 @@ def running(client, tenant_key, make_job, db_session, settings):  # noqa: ANN001
     return {"job": job, "row": row, "token": token, "post": post, "headers": tenant.headers}
 
 
-def metric(step: int, loss: float, **extra) -> dict:  # noqa: ANN003
+def metric(step: int, loss: float, **extra) -> dict:
     return {"type": "metric", "step": step, "total_steps": 4, "train_loss": loss,
             "tokens_seen": 100 * step, "learning_rate": 1e-4, **extra}
 
 
-def test_same_seq_is_applied_once(client, running) -> None:  # noqa: ANN001
+def test_same_seq_is_applied_once(client, running) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     batch = (metric(1, 2.5), {"type": "event", "level": "info", "message": "step 1/4"})
     first = post(0, *batch)
@@ -54,7 +54,7 @@ def test_same_seq_is_applied_once(client, running) -> None:  # noqa: ANN001
     assert job["estimated_finish"] is not None
 
 
-def test_metrics_cursor_and_restart_overwrite(client, running) -> None:  # noqa: ANN001
+def test_metrics_cursor_and_restart_overwrite(client, running) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     post(0, *(metric(s, 3.0 - 0.1 * s) for s in range(1, 4)))
     post(1, metric(3, 2.0))  # restarted from a checkpoint: step 3 again, newest wins
@@ -64,7 +64,7 @@ def test_metrics_cursor_and_restart_overwrite(client, running) -> None:  # noqa:
     assert [(m["step"], m["train_loss"]) for m in rest["data"]] == [(3, 2.0)]
 
 
-def test_bad_reports(client, running) -> None:  # noqa: ANN001
+def test_bad_reports(client, running) -> None:
     post = running["post"]
     assert post(0, {"type": "metric"}).status_code == 400
     assert post(-1).status_code == 400
@@ -78,7 +78,7 @@ def test_bad_reports(client, running) -> None:  # noqa: ANN001
     assert metrics.json()["data"][0]["train_loss"] is None
 
 
-def test_rotated_token_stops_working(client, running, db_session) -> None:  # noqa: ANN001
+def test_rotated_token_stops_working(client, running, db_session) -> None:
     row = db_session.get_one(Job, running["job"]["id"])
     new = issue_job_token(db_session, row)
     db_session.commit()
@@ -86,7 +86,7 @@ def test_rotated_token_stops_working(client, running, db_session) -> None:  # no
     assert running["post"](0, auth=new).status_code == 200
 
 
-def test_checkpoints_in_openai_shape(client, running) -> None:  # noqa: ANN001
+def test_checkpoints_in_openai_shape(client, running) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     post(0, {"type": "checkpoint", "step": 2, "location": "/ck/step-2",
              "metrics": {"train_loss": 1.5, "valid_loss": 1.7, "token_accuracy": 0.4}})
@@ -106,7 +106,7 @@ def test_checkpoints_in_openai_shape(client, running) -> None:  # noqa: ANN001
     assert resumed["resume_from"] == "/ck/step-4"
 
 
-def test_artifacts_listing_download_and_traversal(client, running, settings, db_session) -> None:  # noqa: ANN001
+def test_artifacts_listing_download_and_traversal(client, running, settings, db_session) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     out = settings.data_path / "artifacts" / job_id
     files = {"adapter/adapter_model.safetensors": b"\x00weights", "manifest.json": b"{}"}
@@ -135,7 +135,7 @@ def test_artifacts_listing_download_and_traversal(client, running, settings, db_
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
 
 
-def test_logs_tail(client, running, settings) -> None:  # noqa: ANN001
+def test_logs_tail(client, running, settings) -> None:
     job_id, headers = running["job"]["id"], running["headers"]
     assert client.get(f"{JOBS}/{job_id}/logs", headers=headers).text == ""
     log = settings.job_dir(job_id) / "trainer.log"
@@ -156,7 +156,7 @@ def _sse(text: str) -> list[tuple[str, str, dict]]:
     return out
 
 
-def test_stream_and_resume_with_last_event_id(client, running, db_session) -> None:  # noqa: ANN001
+def test_stream_and_resume_with_last_event_id(client, running, db_session) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     post(0, metric(1, 2.0), metric(2, 1.5))
     row = db_session.get_one(Job, job_id)
@@ -177,6 +177,16 @@ def test_stream_and_resume_with_last_event_id(client, running, db_session) -> No
     assert all(k != "status" or d["status"] != "queued" for _, k, d in later)
 
 
-def test_out_of_range_numbers_are_400(running) -> None:  # noqa: ANN001
+def test_out_of_range_numbers_are_400(running) -> None:
     assert running["post"](2**63).status_code == 400
     assert running["post"](0, metric(2**40, 1.0)).status_code == 400
+
+
+def test_artifacts_outside_the_service_storage_are_refused(client, running, tmp_path) -> None:
+    for location in ("/etc", str(tmp_path.parent), "s3://someone-elses-bucket/x"):
+        response = running["post"](0, {"type": "artifacts", "location": location, "files": [
+            {"name": "passwd", "bytes": 1, "sha256": "0" * 64}]})
+        assert response.status_code == 400, location
+        assert response.json()["error"]["code"] == "invalid_artifact_location"
+    listing = client.get(f"{JOBS}/{running['job']['id']}/artifacts", headers=running["headers"])
+    assert listing.json()["data"] == []

@@ -44,7 +44,7 @@ def test_production_refuses(change: dict, needle: str) -> None:
         Settings(_env_file=None, **{**SAFE, **change})
 
 
-def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TUNEFLEET_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("TUNEFLEET_MAX_UPLOAD_BYTES", "123")
     settings = Settings(_env_file=None)
@@ -59,14 +59,14 @@ def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:  # noqa: A
         Settings(_env_file=None, database_url="mysql://x")
 
 
-def test_health(client, settings) -> None:  # noqa: ANN001
+def test_health(client, settings) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
     assert client.get("/openapi.json").json()["info"]["title"] == "tunefleet"
 
 
-def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:  # noqa: ANN001
+def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:
     from fastapi.testclient import TestClient
 
     from api.main import create_app
@@ -84,7 +84,7 @@ def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:  #
         assert response.status_code == 503 and response.json()["checks"]["database"] != "ok"
 
 
-def test_operator_cli(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_operator_cli(tmp_path, monkeypatch) -> None:
     from api.settings import get_settings
     from tunefleet.cli import app
     from tunefleet.cli.operator import ensure_admin_key
@@ -130,3 +130,14 @@ def test_operator_cli(tmp_path, monkeypatch) -> None:  # noqa: ANN001
             assert first.encode() not in db and key.encode() not in db
     finally:
         get_settings.cache_clear()
+
+
+def test_services_are_required_in_ci(monkeypatch) -> None:
+    import tests.conftest as shared
+
+    monkeypatch.setattr(shared, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        shared._unavailable("PostgreSQL on 127.0.0.1:5432", "connection refused")
+    monkeypatch.setattr(shared, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception):
+        shared._unavailable("PostgreSQL on 127.0.0.1:5432", "connection refused")

@@ -25,7 +25,7 @@ from report_driver import ReportDriver, real_executor_available
 
 pytestmark = pytest.mark.browser
 
-TRAIN_STEPS = 12
+TRAIN_STEPS = 150
 
 
 WORDS = ["able", "acid", "aged", "area", "army", "baby", "back", "ball", "band", "bank", "base", "bath", "bear", "beat", "bell", "belt"]
@@ -205,10 +205,10 @@ def test_submit_watch_training_and_download_adapter(service, page_for, screensho
 
 
 def test_cancel_a_running_job_from_its_page(service, page_for, screenshots: Path) -> None:
-    job_id = _create_job_over_api(service, service.admin_key, steps=400)
+    job_id = _create_job_over_api(service, service.admin_key, steps=5000)
     page = page_for(service.admin_key)
     page.goto(f"{service.url}/ui/jobs/{job_id}")
-    _drive_unless_real(service, job_id, 400, finish=False)
+    _drive_unless_real(service, job_id, 5000, finish=False)
     _wait_status(page, {"running"}, timeout_s=90)
     page.wait_for_function("Number(document.querySelector('#chart-loss').dataset.points || 0) >= 1",
                            timeout=60_000)

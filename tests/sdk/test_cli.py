@@ -72,6 +72,8 @@ def test_jobs_commands(cli: Any, service: Service, tmp_path: Path) -> None:
     assert json.loads(bad.stderr)["error"]["param"] == "model"
 
     assert [j["id"] for j in js(cli("jobs", "list", "--json"))["data"]] == [job["id"]]
+    assert js(cli("jobs", "list", "--status", "running", "--json"))["data"] == []
+    assert len(js(cli("jobs", "list", "--status", "queued", "--metadata", "team=nlp", "--json"))["data"]) == 1
     assert js(cli("jobs", "get", job["id"], "--json"))["id"] == job["id"]
     assert "queued" in cli("jobs", "get", job["id"]).stdout
     assert js(cli("jobs", "pause", job["id"], "--json"))["status"] == "paused"
@@ -158,3 +160,63 @@ def test_pools_and_estimate(app: Any, request: pytest.FixtureRequest, tmp_path: 
     assert cli("estimate", "-m", DEMO_MODEL, "-t", fid).stdout.strip()
     bad = cli("estimate", "-m", "nope", "-t", fid, "--json", code=1)
     assert json.loads(bad.stderr)["error"]["param"] == "model"
+
+
+def test_webhooks_commands(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.webhooks.config import get_webhook_settings
+
+    monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
+    get_webhook_settings.cache_clear()
+    try:
+        created = js(cli("webhooks", "create", "http://127.0.0.1:9/hook", "--event", "fine_tuning.job.failed",
+                         "--json"))
+        assert created["secret"].startswith("whsec_") and created["events"] == ["fine_tuning.job.failed"]
+        human = cli("webhooks", "create", "http://127.0.0.1:9/other")
+        assert "whsec_" in human.stdout and "not shown again" in human.stdout
+        listed = js(cli("webhooks", "list", "--json"))["data"]
+        assert created["id"] in [e["id"] for e in listed] and len(listed) == 2
+        rotated = js(cli("webhooks", "rotate-secret", created["id"], "--grace-period-s", "10", "--json"))
+        assert rotated["secret"] != created["secret"]
+        assert js(cli("webhooks", "deliveries", created["id"], "--json"))["data"] == []
+        assert js(cli("webhooks", "delete", created["id"], "--json"))["deleted"] is True
+        gone = cli("webhooks", "deliveries", created["id"], "--json", code=1)
+        assert json.loads(gone.stderr)["error"]["code"] == "not_found"
+    finally:
+        monkeypatch.delenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE")
+        get_webhook_settings.cache_clear()
+    refused = cli("webhooks", "create", "http://127.0.0.1:9/hook", "--json", code=1)
+    assert json.loads(refused.stderr)["error"]["code"] == "webhook_url_not_public"
+
+
+def test_create_with_watch_follows_the_job(cli: Any, service: Service, tmp_path: Path) -> None:
+    """`jobs create --watch --json` streams the job as JSON lines until it ends."""
+    import threading
+    import time
+
+    from tunefleet import Tunefleet
+
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(chat_jsonl(4))
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(data, wait=True).id
+
+    def finish_when_created() -> None:
+        with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+            for _ in range(200):
+                jobs = client.jobs.list().data
+                if jobs:
+                    driver = JobDriver(service, jobs[0].id)
+                    driver.start()
+                    driver.report(driver.metric(1, 1, 0.5))
+                    driver.finish("succeeded")
+                    return
+                time.sleep(0.05)
+
+    helper = threading.Thread(target=finish_when_created)
+    helper.start()
+    result = cli("jobs", "create", "-m", DEMO_MODEL, "-t", fid, "--watch", "--json")
+    helper.join()
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0]["event"] == "job" and lines[-1]["event"] == "job"
+    assert lines[-1]["data"]["status"] == "succeeded"
+    assert any(m["event"] == "metric" and m["data"]["train_loss"] == 0.5 for m in lines)

@@ -97,7 +97,7 @@ TABLE = [
     ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, False),
     ("8b lora on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024), rtx4090(), 1, False),
     ("8b lora 8k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192), rtx4090(), 1, True),
-    ("8b lora 8k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"), rtx4090(), 6, False),
+    ("8b lora 8k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"), rtx4090(), 8, False),
     ("70b qlora on 4090 (no offload; Answer.AI: 4x A5000 24GB)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512, cpu_offload="never"), rtx4090(), 4, False),
     ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
     ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, False),

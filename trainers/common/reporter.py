@@ -81,6 +81,7 @@ class Reporter:
         self.max_items_per_batch = max_items_per_batch
         self.max_backoff_s = max_backoff_s
         self.rejected: tuple[int, str] | None = None
+        self.mirror: Any | None = None  # an object with add(item), e.g. a TrackerMirror
         self.sent_batches = 0
         self._clock = clock
         self._pending: list[dict[str, Any]] = []
@@ -115,6 +116,10 @@ class Reporter:
             raise ValueError("a report item needs a 'type'")
         with self._lock:
             self._pending.append(item)
+        if self.mirror is not None:
+            # Experiment trackers (trainers.common.integrations) see exactly what the API
+            # sees; a mirror never raises (it switches a failing tracker off).
+            self.mirror.add(item)
 
     def metric(self, **fields: Any) -> None:
         self.add({"type": "metric", "time": time.time(), **fields})

@@ -170,20 +170,34 @@ def export_adapter(model: nn.Module, spec: TrainerSpec, out_dir: Path) -> Path:
 # ---- checkpoints -------------------------------------------------------------------------
 
 
-def _torch_rng_state() -> str:
-    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+def _encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
 
 
-def _set_torch_rng_state(encoded: str) -> None:
-    raw = np.frombuffer(base64.b64decode(encoded), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(raw))
+def _decode_rng(encoded: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.uint8).copy())
+
+
+def _torch_rng_states() -> dict[str, Any]:
+    """torch's CPU generator and, on GPU, every CUDA generator (dropout draws there)."""
+    states: dict[str, Any] = {"torch": _encode_rng(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        states["cuda"] = [_encode_rng(s) for s in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def _set_torch_rng_states(states: dict[str, Any]) -> None:
+    if "torch" in states:
+        torch.set_rng_state(_decode_rng(states["torch"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_decode_rng(s) for s in states["cuda"]])
 
 
 def save_recipe_checkpoint(
     spec: TrainerSpec, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
 ) -> Path:
     """``step-N/``: PEFT adapter + AdamW state + trainer_state.json (cursor, RNG, metrics)."""
-    state.rng = {**capture_host_rng(), "framework": {"torch": _torch_rng_state()}}
+    state.rng = {**capture_host_rng(), "framework": _torch_rng_states()}
 
     def write_tensors(tmp: Path) -> None:
         export_adapter(model, spec, tmp / ADAPTER_DIR)
@@ -219,8 +233,7 @@ def load_recipe_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.
     optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
     state = load_trainer_state(path)
     restore_host_rng(state.rng)
-    if "torch" in state.rng.get("framework", {}):
-        _set_torch_rng_state(state.rng["framework"]["torch"])
+    _set_torch_rng_states(state.rng.get("framework", {}))
     return state
 
 

@@ -84,6 +84,8 @@ def restore_state(directory: str | Path, abstract_state: dict[str, Any], shardin
     out = []
     for (p, leaf), sharding in zip(leaves_with_path, shard_leaves, strict=True):
         value = saved[_path_key(p)]
+        if leaf.shape == () and value.shape == (1,):  # safetensors stores 0-d tensors as (1,)
+            value = value.reshape(())
         if tuple(value.shape) != tuple(leaf.shape) or value.dtype != np.dtype(leaf.dtype):
             raise UserError(
                 f"checkpoint tensor {_path_key(p)} is {value.shape} {value.dtype}, this run needs "

@@ -31,7 +31,7 @@ app.add_typer(admin_app, name="admin")
 ADMIN_TENANT = "admin"
 
 
-def _settings():  # noqa: ANN202 (api.settings.Settings; imported lazily: the SDK has no server deps)
+def _settings():
     from api.settings import get_settings
 
     try:
@@ -107,7 +107,7 @@ def list_tenants() -> None:
             typer.echo(f"{tenant.id}\t{tenant.name}\t{'admin' if tenant.is_admin else ''}")
 
 
-def ensure_admin_key(settings) -> str | None:  # noqa: ANN001 (api.settings.Settings)
+def ensure_admin_key(settings) -> str | None:
     """Make sure an admin tenant and key exist; return a new raw key, or None if one existed.
 
     With ``TUNEFLEET_ADMIN_API_KEY`` set, that key is installed (once). Otherwise a key is
@@ -177,7 +177,7 @@ def scheduler() -> None:
     run_forever(settings)
 
 
-def start_demo(settings, base_url: str, admin_key: str) -> None:  # noqa: ANN001
+def start_demo(settings, base_url: str, admin_key: str) -> None:
     """``serve --demo``: submit the demo job once the API answers (``tunefleet.demo``)."""
     try:
         from tunefleet.demo import start_demo as submit
@@ -259,11 +259,13 @@ def serve(
         typer.echo(f"  admin API key: see {settings.data_path / 'admin_key'} "
                    "(or TUNEFLEET_ADMIN_API_KEY)")
 
-    children = [subprocess.Popen(_cli_command(
-        "worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING"),
-        preexec_fn=_die_with_parent)]
+    # Children get SIGTERM when this process dies, even by SIGKILL (no threads exist yet,
+    # so running preexec_fn is safe here).
+    worker_cmd = _cli_command("worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING")
+    children = [subprocess.Popen(worker_cmd, preexec_fn=_die_with_parent)]  # noqa: PLW1509
     if not no_scheduler:
-        children.append(subprocess.Popen(_cli_command("scheduler"), preexec_fn=_die_with_parent))
+        scheduler_cmd = _cli_command("scheduler")
+        children.append(subprocess.Popen(scheduler_cmd, preexec_fn=_die_with_parent))  # noqa: PLW1509
     if demo:
         key_file = settings.data_path / "admin_key"
         admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")

@@ -65,9 +65,9 @@ class AsyncFiles(_AsyncResource):
             return await self.wait(uploaded.id, timeout=timeout, poll_interval=poll_interval)
         return uploaded
 
-    async def list(self, *, purpose: str | None = None, limit: int | None = None, after: str | None = None,
-                   order: str | None = None) -> AsyncPage[FileObject]:
-        params = rq.list_params(limit, after, purpose=purpose, order=order)
+    async def list(self, *, purpose: str | None = None, limit: int | None = None,
+                   after: str | None = None) -> AsyncPage[FileObject]:
+        params = rq.list_params(limit, after, purpose=purpose)
         return await self._page("/v1/files", params, FileObject.model_validate)
 
     async def retrieve(self, file_id: str) -> FileObject:

@@ -77,9 +77,9 @@ class Files(_Resource):
             return self.wait(uploaded.id, timeout=timeout, poll_interval=poll_interval)
         return uploaded
 
-    def list(self, *, purpose: str | None = None, limit: int | None = None, after: str | None = None,
-             order: str | None = None) -> SyncPage[FileObject]:
-        params = rq.list_params(limit, after, purpose=purpose, order=order)
+    def list(self, *, purpose: str | None = None, limit: int | None = None,
+             after: str | None = None) -> SyncPage[FileObject]:
+        params = rq.list_params(limit, after, purpose=purpose)
         return self._page("/v1/files", params, FileObject.model_validate)
 
     def retrieve(self, file_id: str) -> FileObject:

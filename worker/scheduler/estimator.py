@@ -39,10 +39,11 @@ from worker.scheduler.pools import GIB, NodePool
 Method = Literal["lora", "qlora"]
 Quantization = Literal["none", "nf4", "hqq4"]
 
-# Fraction of a GPU's memory the estimate may use; the rest is kept as headroom for
-# fragmentation and spikes the model does not capture (a placement that OOMs costs a
-# whole restart, a wasted GPU costs little).
-HEADROOM = 0.90
+# Fraction of a GPU's memory the estimate may use. Against published peaks the estimate
+# was at worst 15.6 % low (tests/worker/test_estimator_anchors.py: true = 1.185x
+# predicted), so 1 / 1.185 = 0.84 of the memory is all we plan for: a placement that
+# OOMs costs a whole restart, an unused GiB costs little.
+HEADROOM = 0.84
 # Model FLOP utilisation assumed for throughput/ETA, per trainer family. Answer.AI's
 # fsdp_qlora benchmarks (benchmarks_03_2024.md) imply ~0.55-0.6 on 2x4090 (7B QLoRA
 # ~4.5k tok/s, 70B QLoRA+offload ~477 tok/s) and ~0.33 on 4xH100; we assume 0.5. The

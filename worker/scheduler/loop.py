@@ -75,6 +75,9 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    from api.webhooks import install_hooks
+
+    install_hooks()  # status changes made in this process notify webhooks too (issue 9)
     components = build_components(settings)
     log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
     cycles = 0

@@ -36,7 +36,7 @@
         axes: [
           { stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" } },
           {
-            stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" }, size: 60,
+            stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" }, size: 72,
             values: (u, vals) => vals.map((v) => (opts.yTick || opts.yFmt || String)(v)),
           },
         ],

@@ -102,6 +102,8 @@
       const box = notice("ok", "Training finished", null);
       box.append(el("div", job.fine_tuned_model ? ["Fine-tuned model ", el("code", job.fine_tuned_model), " — download the adapter below."] : "Download the adapter below."));
       notices.append(box);
+    } else if (job.status === "cancelled") {
+      notices.append(notice("info", "Cancelled", "The job was stopped; checkpoints written before the cancel are kept."));
     } else if (job.status === "paused") {
       notices.append(notice("info", "Paused", "The job stopped at its last checkpoint and resumes from it."));
     }
@@ -122,7 +124,7 @@
     const seen = job.trained_tokens || lastMetric?.tokens_seen;
     document.getElementById("stat-tokens").textContent = seen ? `${fmt.num(seen)} tokens seen` : " ";
     const eta = job.estimated_finish && LIVE.has(job.status) ? job.estimated_finish - Date.now() / 1000 : null;
-    document.getElementById("stat-eta").textContent = LIVE.has(job.status) ? (eta !== null ? fmt.duration(eta) : "—") : "done";
+    document.getElementById("stat-eta").textContent = LIVE.has(job.status) ? (eta !== null ? fmt.duration(eta) : "—") : job.status === "succeeded" ? "done" : "—";
     const start = job.started_at;
     const end = job.finished_at || (LIVE.has(job.status) ? Date.now() / 1000 : null);
     document.getElementById("stat-elapsed").textContent = start && end ? `running for ${fmt.duration(end - start)}` : " ";
@@ -134,7 +136,7 @@
     const rows = [
       ["Model", el("span", job.model)],
       ["Method", ad.method ? `${ad.method.toUpperCase()}${ad.quantization && ad.quantization !== "none" ? ` (${ad.quantization})` : ""} · r ${ad.r ?? "—"} · α ${ad.alpha ?? "—"}` : "—"],
-      ["Trainer", job.trainer || "—"],
+      ["Trainer", job.estimate?.chosen?.trainer || job.trainer || "—"],
       ["Pool", job.pool ? el("span.tag", job.pool) : el("span.muted", "not placed yet")],
       ["GPUs", job.gpus ?? "—"],
       ["Priority", job.priority ?? "—"],
@@ -159,23 +161,25 @@
 
   // ---- events -------------------------------------------------------------------------
 
-  function addEvent(ev) {
+  /** Newest first. A live event goes above events of the same second; listed history
+   *  (already newest first) goes below them. */
+  function addEvent(ev, live = true) {
     if (!ev || !ev.id || seenEvents.has(ev.id)) return;
     seenEvents.add(ev.id);
     const list = document.getElementById("events");
     const item = el(`li.${ev.level || "info"}`, { "data-created": ev.created_at },
       el("span.dot"), el("div", el("div", ev.message), el("div.when", fmt.time(ev.created_at))));
-    // Newest first; events arrive mostly in order, so scan from the top.
     let before = null;
     for (const node of list.children) {
-      if (Number(node.dataset.created) <= ev.created_at) { before = node; break; }
+      const t = Number(node.dataset.created);
+      if (live ? t <= ev.created_at : t < ev.created_at) { before = node; break; }
     }
     list.insertBefore(item, before);
   }
 
   async function loadEvents() {
     const page = await api(`${base}/events?limit=100`);
-    for (const ev of page.data || []) addEvent(ev);
+    for (const ev of page.data || []) addEvent(ev, false);
   }
 
   // ---- checkpoints and artifacts ------------------------------------------------------

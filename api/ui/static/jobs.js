@@ -47,9 +47,14 @@
     const total = job.total_steps || metric?.total_steps || job.hyperparameters?.total_steps || null;
     const step = Math.max(job.current_step || 0, metric?.step || 0);
     const eta = job.estimated_finish && LIVE.has(job.status) ? fmt.duration(job.estimated_finish - Date.now() / 1000) : "—";
-    const href = `/ui/jobs/${encodeURIComponent(job.id)}`;
-    const tr = el("tr.link", { "data-job-id": job.id, "data-status": job.status },
-      el("td", el("a.cell-main.mono", { href }, job.id), job.suffix ? el("div.cell-sub", job.suffix) : null),
+    // The job API is tenant-scoped even for admins: another organization's job is listed
+    // here (admin view) but opens only with a key of that organization.
+    const own = job.organization_id === tf.page().principal.tenant_id;
+    const href = own ? `/ui/jobs/${encodeURIComponent(job.id)}` : null;
+    const title = own ? null : "another organization's job: open it with a key of that organization";
+    const tr = el(own ? "tr.link" : "tr", { "data-job-id": job.id, "data-status": job.status, title },
+      el("td", own ? el("a.cell-main.mono", { href }, job.id) : el("span.cell-main.mono", job.id),
+        job.suffix ? el("div.cell-sub", job.suffix) : null),
       el("td", pill(job.status)),
       el("td", el("div", job.model), job.adapter?.method ? el("div.cell-sub", job.adapter.method.toUpperCase()) : null),
       isAdmin ? el("td.small", { title: job.organization_id }, job.tenant_name || job.organization_id || "—") : null,
@@ -61,7 +66,7 @@
       el("td.num", metric?.tokens_per_s ? fmt.num(metric.tokens_per_s) : "—"),
       el("td.num", eta),
       el("td.num.nowrap", { title: fmt.time(job.created_at) }, fmt.age(job.created_at)));
-    tr.addEventListener("click", (e) => { if (!e.target.closest("a")) location.href = href; });
+    if (own) tr.addEventListener("click", (e) => { if (!e.target.closest("a")) location.href = href; });
     return tr;
   }
 
@@ -119,7 +124,7 @@
   }
 
   function resetAndLoad() {
-    cursors = [null]; pageIndex = 0; syncUrl(); load(); loadCounts();
+    cursors = [null]; pageIndex = 0; syncUrl(); load().catch(() => {}); loadCounts().catch(() => {});
   }
 
   let searchTimer = null;
@@ -140,5 +145,22 @@
 
   restoreFromUrl();
   loadFilterOptions();
-  every(3000, async () => { await load(); await loadCounts(); });
+  let loadedOnce = false;
+  every(3000, async () => {
+    try {
+      await Promise.all([load(), loadCounts()]);
+      loadedOnce = true;
+      document.getElementById("live-dot").classList.remove("off");
+      document.getElementById("live-text").textContent = "live";
+    } catch (err) {
+      document.getElementById("live-dot").classList.add("off");
+      document.getElementById("live-text").textContent = "offline";
+      if (!loadedOnce && err instanceof tf.Unreachable) {
+        document.getElementById("jobs-body").replaceChildren();
+        document.getElementById("jobs-empty").replaceChildren(emptyState("⚠", "Jobs could not be loaded",
+          "The tunefleet API did not answer. This page retries every few seconds."));
+      }
+      throw err;
+    }
+  });
 })();

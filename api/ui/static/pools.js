@@ -6,7 +6,12 @@
 (function () {
   "use strict";
   const { api, apiAll, el, fmt, pill, emptyState, every } = tf;
-  const WINDOW_S = 6 * 3600;
+  const MAX_WINDOW_S = 24 * 3600;
+  const MIN_WINDOW_S = 15 * 60;
+  const ownJob = (j) => j.organization_id === tf.page().principal.tenant_id;
+  const jobLink = (j) => (ownJob(j)
+    ? el("a.mono.small", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id)
+    : el("span.mono.small", { title: "another organization's job" }, j.id));
   let util = null;
 
   function poolCard(p, running) {
@@ -56,7 +61,7 @@
     box.replaceChildren(...[...byPool.entries()].map(([pool, list]) => el("div", { style: "padding:6px 20px 12px" },
       el("h3", { style: "margin-top:8px" }, pool),
       ...list.map((j) => el("div", { style: "display:flex;gap:10px;align-items:center;padding:6px 0" },
-        pill(j.status), el("a.mono.small", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id),
+        pill(j.status), jobLink(j),
         el("span.muted.small", { style: "margin-left:auto" }, `${j.gpus ?? "?"} GPU · ${j.total_steps ? `${j.current_step || 0}/${j.total_steps}` : "starting"}`))))));
   }
 
@@ -68,7 +73,7 @@
     const body = document.querySelector("#queue-table tbody");
     body.replaceChildren(...queued.map((j, i) => el("tr", { "data-job-id": j.id },
       el("td.num", String(i + 1)),
-      el("td", el("a.mono", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id), el("div", pill(j.status))),
+      el("td", jobLink(j), el("div", pill(j.status))),
       el("td", j.model),
       el("td.num", j.priority ?? "—"),
       el("td.small", j.queue_reason || el("span.muted", j.status === "validating_files" ? "validating files" : "waiting for the next scheduling cycle")),
@@ -79,7 +84,11 @@
 
   function utilization(jobs) {
     const now = Date.now() / 1000;
-    const from = now - WINDOW_S;
+    // From shortly before the earliest start we know of, between 15 minutes and a day.
+    const starts = jobs.filter((j) => j.started_at).map((j) => j.started_at);
+    const earliest = starts.length ? Math.min(...starts) - 60 : now - MIN_WINDOW_S;
+    const from = Math.max(now - MAX_WINDOW_S, Math.min(earliest, now - MIN_WINDOW_S));
+    document.getElementById("util-window").textContent = fmt.duration(now - from);
     const changes = [];
     for (const j of jobs) {
       if (!j.started_at || !j.gpus) continue;

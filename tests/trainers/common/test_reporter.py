@@ -145,3 +145,19 @@ def test_local_jsonl_without_url(tmp_path):
     assert [r["type"] for r in rows] == ["metric", "checkpoint"] and rows[0]["seq"] == 1
     with pytest.raises(ValueError):
         Reporter(url="http://x", spool_dir=None)
+
+
+def test_every_queued_item_is_mirrored_to_trackers(tmp_path):
+    seen = []
+
+    class Mirror:
+        def add(self, item):
+            seen.append(item["type"])
+
+    rep = Reporter(url=None, local_path=tmp_path / "r.jsonl", flush_interval_s=0.02)
+    rep.mirror = Mirror()
+    rep.metric(step=1, train_loss=1.0)
+    rep.artifacts("/out", [])
+    rep.error("nan_loss", "x")
+    assert rep.close()
+    assert seen == ["metric", "artifacts", "error"]

@@ -30,7 +30,18 @@ def _losses(out_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def test_resume_continues_the_same_loss_curve(recipe_model, tiny_datasets, tmp_path):
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """The three runs compile the same programs: let runs 2 and 3 reuse run 1's executables."""
+    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def test_resume_continues_the_same_loss_curve(recipe_model, tiny_datasets, tmp_path, compilation_cache):
     overrides = dict(
         parallelism={"mesh": _mesh()},
         adapter={"r": 4, "alpha": 8.0, "dropout": 0.1},
