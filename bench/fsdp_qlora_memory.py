@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,11 +30,29 @@ CONFIGS = {
     "qlora_nf4": dict(quantization="nf4"),
     "qlora_hqq4": dict(quantization="hqq4"),
 }
+# Large allocations get their own mmap and go back to the OS when freed, so RSS tracks
+# live tensors instead of glibc's heap high-water mark (set for the child processes).
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> int:
+    """Peak RSS since the last :func:`_reset_hwm` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _reset_hwm() -> None:
+    # Linux: writing 5 to clear_refs resets the peak-RSS counter to the current RSS.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def child(model_dir: str, name: str, seq: int, steps: int) -> None:
@@ -51,6 +68,7 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     baseline = _rss_bytes()
+    _reset_hwm()
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     opts = ModelOptions(model_dir=Path(model_dir), base_dtype="bfloat16", compute_dtype="bfloat16",
                         adapter_dtype="float32", lora_r=16, lora_alpha=32.0,
@@ -59,6 +77,7 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     model, report = build_model(opts, ctx)
     load_s = time.perf_counter() - t0
     after_load = _rss_bytes()
+    load_peak = _hwm_bytes()
     opt = build_optimizer(model, learning_rate=1e-4, weight_decay=0.0)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, size=(1, seq), dtype=np.int64)
@@ -67,11 +86,12 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     for s in range(steps):
         stats = train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
     step_s = (time.perf_counter() - t0) / steps
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _hwm_bytes()  # since the baseline: loading and training
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({
         "config": name, "baseline_rss_mib": baseline / 2**20, "peak_minus_baseline_mib": (peak - baseline) / 2**20,
-        "after_load_minus_baseline_mib": (after_load - baseline) / 2**20, "param_mib": local / 2**20,
+        "after_load_minus_baseline_mib": (after_load - baseline) / 2**20,
+        "load_peak_minus_baseline_mib": (load_peak - baseline) / 2**20, "param_mib": local / 2**20,
         "load_s": round(load_s, 2), "step_s": round(step_s, 3), "loss": stats.loss,
         "quantized_layers": report.quantized_layers,
     }), flush=True)
@@ -84,6 +104,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--configs", default="lora_bf16,qlora_nf4,qlora_hqq4")
     p.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "CONFIG"))
     args = p.parse_args()
     if args.child:
@@ -97,14 +118,15 @@ def main() -> None:
                                      intermediate_size=args.ffn, vocab_size=512, dtype="bfloat16",
                                      max_shard_size="64MB")
         results = {}
-        for name in CONFIGS:
+        for name in args.configs.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), name, "--seq", str(args.seq),
-                                  "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+                                  "--steps", str(args.steps)], capture_output=True, text=True, check=True,
+                                 env={**os.environ, **CHILD_ENV})
             row = json.loads(out.stdout.strip().splitlines()[-1])
             results[name] = row
             print(json.dumps(row), flush=True)
         base = results["lora_bf16"]["peak_minus_baseline_mib"]
-        for name in ("qlora_nf4", "qlora_hqq4"):
+        for name in [c for c in results if c != "lora_bf16"]:
             print(f"{name} / lora_bf16 peak memory ratio: {results[name]['peak_minus_baseline_mib'] / base:.3f}")
 
 

@@ -141,15 +141,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trainers.common.reporter import reporter_from_spec
     from trainers.common.signals import StopFlag
+    from trainers.common.storage import S3Staging, uses_s3
 
-    output_dir = Path(spec.output_dir)
+    # s3:// locations: the recipe gets a copy of the spec with local paths (a cache dir);
+    # inputs are downloaded and outputs uploaded around it (trainers.common.storage).
+    staging: S3Staging | None = None
+    run_spec = spec
+    if uses_s3(spec):
+        try:
+            staging = S3Staging(spec)
+        except TrainerError as exc:
+            print(json.dumps(exc.to_dict()), file=sys.stderr)
+            write_termination_log(spec.termination_log, exc)
+            return int(exc.exit_code)
+        run_spec = staging.local_spec
+    output_dir = Path(run_spec.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     # The spool lives next to the checkpoints: both survive a restart of the trainer, so
     # a restarted process re-sends what was not acknowledged and never reuses a seq.
     reporter = reporter_from_spec(
         spec.report,
-        default_spool_dir=Path(spec.checkpoint.dir) / SPOOL_DIR,
-        local_path=Path(spec.checkpoint.dir) / REPORTS_FILE,
+        default_spool_dir=Path(run_spec.checkpoint.dir) / SPOOL_DIR,
+        local_path=Path(run_spec.checkpoint.dir) / REPORTS_FILE,
     )
     if spec.integrations:
         from trainers.common.integrations import mirror_from_spec
@@ -159,7 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     error: TrainerError | None = None
     try:
         run = load_recipe(spec.trainer)
-        run(spec, reporter=reporter, stop=stop)
+        recipe_reporter: Any = reporter
+        if staging is not None:
+            reporter.event("staging s3:// inputs", data={"cache_dir": str(staging.root)})
+            reporter.event("s3:// inputs staged", data=staging.stage_inputs())
+            recipe_reporter = staging.wrap_reporter(reporter)
+        run(run_spec, reporter=recipe_reporter, stop=stop)
     except BaseException as exc:  # every outcome must become an exit code  # noqa: BLE001
         if isinstance(exc, KeyboardInterrupt):
             exc = Preempted("interrupted")

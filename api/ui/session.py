@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from api.db.models import ApiKey
 from api.errors import APIError
+from api.settings import Settings, get_settings
 
 SESSION_COOKIE = "tf_session"
 LOGIN_CSRF_COOKIE = "tf_login_csrf"
@@ -61,25 +62,21 @@ class UiSession:
     csrf_token: str
 
 
-def _secret_key() -> str:
-    # Imported here so this module stays importable without a configured environment
-    # (settings read the data dir lazily).
-    from api.settings import get_settings
-
-    return get_settings().secret_key_value()
+def _settings(request: Request) -> Settings:
+    """The app's settings (``create_app`` puts them on ``app.state``), else the environment's."""
+    settings = getattr(request.app.state, "settings", None)
+    return settings if settings is not None else get_settings()
 
 
-def _serializer(salt: str, secret: str | None = None) -> URLSafeTimedSerializer:
-    return URLSafeTimedSerializer(secret or _secret_key(), salt=salt)
+def _serializer(request: Request, salt: str) -> URLSafeTimedSerializer:
+    return URLSafeTimedSerializer(_settings(request).secret_key_value(), salt=salt)
 
 
 def _is_https(request: Request) -> bool:
     if request.url.scheme == "https":
         return True
     # Behind a TLS-terminating ingress the app sees http; trust the configured public URL.
-    from api.settings import get_settings
-
-    return get_settings().public_url.startswith("https://")
+    return _settings(request).public_url.startswith("https://")
 
 
 def start_session(response: Response, request: Request, key_id: str) -> UiSession:
@@ -88,7 +85,7 @@ def start_session(response: Response, request: Request, key_id: str) -> UiSessio
     A fresh CSRF token is drawn for every login, so tokens never survive a re-login.
     """
     session = UiSession(key_id=key_id, csrf_token=secrets.token_urlsafe(32))
-    value = _serializer(_SESSION_SALT).dumps({"kid": session.key_id, "csrf": session.csrf_token})
+    value = _serializer(request, _SESSION_SALT).dumps({"kid": session.key_id, "csrf": session.csrf_token})
     response.set_cookie(
         SESSION_COOKIE,
         value,
@@ -112,7 +109,7 @@ def read_session(request: Request) -> UiSession | None:
     if not raw:
         return None
     try:
-        data = _serializer(_SESSION_SALT).loads(raw, max_age=SESSION_MAX_AGE_S)
+        data = _serializer(request, _SESSION_SALT).loads(raw, max_age=SESSION_MAX_AGE_S)
     except (SignatureExpired, BadSignature):
         return None
     if not isinstance(data, dict):
@@ -191,7 +188,7 @@ def set_login_cookie(response: Response, request: Request, token: str) -> None:
     """
     response.set_cookie(
         LOGIN_CSRF_COOKIE,
-        _serializer(_LOGIN_SALT).dumps(token),
+        _serializer(request, _LOGIN_SALT).dumps(token),
         max_age=LOGIN_FORM_MAX_AGE_S,
         path="/ui",
         httponly=True,
@@ -206,7 +203,7 @@ def check_login_token(request: Request, form_token: str | None) -> bool:
     if not raw or not form_token:
         return False
     try:
-        expected = _serializer(_LOGIN_SALT).loads(raw, max_age=LOGIN_FORM_MAX_AGE_S)
+        expected = _serializer(request, _LOGIN_SALT).loads(raw, max_age=LOGIN_FORM_MAX_AGE_S)
     except (SignatureExpired, BadSignature):
         return False
     return isinstance(expected, str) and tokens_match(expected, form_token) and _same_origin(

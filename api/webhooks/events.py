@@ -144,7 +144,12 @@ def _on_checkpoint_insert(_mapper: Mapper[Any], connection: Connection, checkpoi
 def _after_commit(session: Session) -> None:
     delivery_ids = session.info.pop(_PENDING_KEY, None)
     for delivery_id in delivery_ids or []:
-        if not _default_dispatch(delivery_id):
+        try:
+            sent = _default_dispatch(delivery_id)
+        except Exception:  # the commit already happened: never fail the caller for this
+            log.exception("webhook delivery %s: enqueueing failed", delivery_id)
+            sent = False
+        if not sent:
             log.warning("webhook delivery %s not enqueued; the sweep will send it", delivery_id)
 
 

@@ -4,6 +4,15 @@ The signed content is ``f"{webhook_id}.{webhook_timestamp}.{body}"``; the signat
 ``v1,`` + base64(HMAC-SHA256(key, content)) where ``key`` is the base64-decoded part of a
 ``whsec_<base64>`` secret. Several signatures (during a secret rotation) are sent
 space-separated; a verifier accepts the message if any of them matches.
+
+Receivers verify with any Standard Webhooks library, e.g.::
+
+    from standardwebhooks import Webhook
+    event = Webhook(secret).verify(request_body, request_headers)  # raises if forged or stale
+
+or with the official ``openai`` SDK: ``client.webhooks.unwrap(body, headers, secret=secret)``.
+Verifiers reject timestamps more than 5 minutes off, so a receiver also gets replay
+protection; ``webhook-id`` is stable across retries of one event (deduplicate on it).
 """
 
 from __future__ import annotations

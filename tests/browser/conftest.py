@@ -3,7 +3,8 @@
 ``service`` runs ``tunefleet serve`` (API + Celery worker + scheduler, embedded
 defaults: SQLite, server-less broker, local executor) as a subprocess on a free port with
 its own data directory, after building the demo's tiny Llama there (hidden 64, 2 layers)
-so jobs really train. It creates a second tenant with its own key for isolation tests.
+so jobs really train, plus a registered but broken model (config only) whose jobs fail
+in the trainer. It creates a second tenant with its own key for isolation tests.
 
 ``browser`` launches /usr/bin/chromium through Playwright's driver (never ``playwright
 install``); ``page_for(key)`` gives a logged-in page. Screenshots go to
@@ -89,9 +90,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     from trainers.common.tiny_model import build_tiny_llama
 
     data_dir = tmp_path_factory.mktemp("tunefleet-ui")
-    # The demo model id maps to <data>/models/tiny-llama (api/base_models.py).
-    build_tiny_llama(data_dir / "models" / "tiny-llama", hidden_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, intermediate_size=128, seed=0)
+    models = data_dir / "models"
+    models_file = data_dir / "base_models.yaml"
+    models_file.write_text(
+        "models:\n"
+        f"  - {{id: tunefleet-tiny-llama, path: '{models / 'tiny-llama'}', params_b: 0.0001, max_seq_len: 512}}\n"
+        f"  - {{id: broken-llama, path: '{models / 'broken-llama'}', params_b: 0.0001, max_seq_len: 512}}\n"
+    )
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -99,6 +104,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         "TUNEFLEET_DATA_DIR": str(data_dir),
         "TUNEFLEET_PUBLIC_URL": url,
         "TUNEFLEET_ENV": "test",
+        "TUNEFLEET_BASE_MODELS_FILE": str(models_file),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -112,6 +118,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
+        # The checkpoints are only read when a job trains: build them while serve boots.
+        build_tiny_llama(models / "tiny-llama", hidden_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, intermediate_size=128, seed=0)
+        # A registered model whose checkpoint has a config but no weights or tokenizer: the
+        # trainer refuses it with a stable error code (the failed-job page shows it).
+        (models / "broken-llama").mkdir()
+        shutil.copy(models / "tiny-llama" / "config.json", models / "broken-llama" / "config.json")
         _wait_healthy(url, process, log_path, timeout_s=60)
         admin_key = (data_dir / "admin_key").read_text().strip()
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_key}"}) as api:

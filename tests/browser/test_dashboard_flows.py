@@ -63,7 +63,7 @@ def _upload(page, name: str, data: bytes) -> None:
     page.set_input_files("#upload-input", {"name": name, "mimeType": "application/jsonl", "buffer": data})
 
 
-def _create_job_over_api(service, key: str, *, steps: int) -> str:
+def _create_job_over_api(service, key: str, *, steps: int, model: str = "tunefleet-tiny-llama") -> str:
     with service.api(key) as api:
         file = api.post("/v1/files", data={"purpose": "fine-tune"},
                         files={"file": ("train.jsonl", GOOD_FILE, "application/jsonl")}).json()
@@ -73,7 +73,7 @@ def _create_job_over_api(service, key: str, *, steps: int) -> str:
             file = api.get(f"/v1/files/{file['id']}").json()
         assert file["status"] == "processed", file
         job = api.post("/v1/fine_tuning/jobs", json={
-            "model": "tunefleet-tiny-llama", "training_file": file["id"],
+            "model": model, "training_file": file["id"],
             "hyperparameters": {"max_steps": steps},
         })
         assert job.status_code == 200, job.text
@@ -149,6 +149,7 @@ def test_submit_watch_training_and_download_adapter(service, page_for, screensho
     _upload(page, "reverse-words.jsonl", GOOD_FILE)
     ok = page.wait_for_selector("[data-testid=validation-ok]", timeout=60_000)
     assert "48 examples" in ok.inner_text()
+    page.select_option("#model-select", "tunefleet-tiny-llama")
     page.fill("input[name=max_steps]", str(TRAIN_STEPS))
     # 48 examples: "auto" is 3 epochs of batch 1 (api/hyperparameters.py); max_steps caps it.
     page.wait_for_function(
@@ -275,3 +276,19 @@ def test_api_unreachable_shows_a_banner(service, page_for, screenshots: Path) ->
     page.screenshot(path=screenshots / "12-api-unreachable.png")
     page.unroute("**/ui/api/jobs**")
     page.wait_for_selector("#api-banner:not(.show)", state="attached", timeout=10_000)
+
+
+def test_failed_job_shows_its_error_code(service, page_for, screenshots: Path) -> None:
+    if not real_executor_available():
+        pytest.skip("needs the local executor: the failure comes from a real trainer run")
+    job_id = _create_job_over_api(service, service.other_key, steps=5, model="broken-llama")
+    page = page_for(service.other_key)
+    page.goto(f"{service.url}/ui/jobs/{job_id}")
+    assert _wait_status(page, {"failed", "succeeded"}, timeout_s=120) == "failed"
+    error = page.wait_for_selector("[data-testid=job-error]")
+    assert "corrupt_model" in error.inner_text()
+    assert page.is_hidden("#btn-cancel")
+    page.screenshot(path=screenshots / "13-job-failed.png", full_page=True)
+    page.goto(f"{service.url}/ui/?status=failed")
+    row = page.wait_for_selector(f'tr[data-job-id="{job_id}"]')
+    assert row.get_attribute("data-status") == "failed"

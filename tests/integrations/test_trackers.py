@@ -221,3 +221,35 @@ def test_wandb_offline_run_has_metrics_and_adapter(tmp_path: Path, monkeypatch: 
     assert artifact.type == "model" and artifact.name == "ftjob-test123-adapter"
     md5 = {p.name: base64.b64encode(hashlib.md5(p.read_bytes()).digest()).decode() for p in adapter_dir.iterdir()}
     assert {e.path: e.digest for e in artifact.manifest.contents} == md5
+
+
+def test_a_slow_tracker_does_not_block_the_training_loop() -> None:
+    import threading
+
+    class Slow:
+        name = "slow"
+
+        def __init__(self) -> None:
+            self.release = threading.Event()
+            self.entered = threading.Event()
+            self.logged: list[int] = []
+
+        def log_metrics(self, step: int, metrics: dict, ts: int | None) -> None:
+            self.entered.set()
+            self.release.wait(10)  # a tracking server that hangs
+            self.logged.append(step)
+
+        def log_adapter(self, adapter_dir: Path) -> None:  # pragma: no cover - not used here
+            raise AssertionError
+
+        def finish(self, failed: bool) -> None:
+            self.finished = failed
+
+    slow = Slow()
+    mirror = TrackerMirror([slow])
+    mirror.add({"type": "metric", "step": 1, "train_loss": 1.0})
+    mirror.add({"type": "metric", "step": 2, "train_loss": 0.5})  # returns while step 1 hangs
+    assert slow.entered.wait(5) and slow.logged == []
+    slow.release.set()
+    mirror.close()
+    assert slow.logged == [1, 2] and slow.finished is False

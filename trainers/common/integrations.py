@@ -10,6 +10,8 @@ service sees:
   artifact (MLflow: ``adapter/`` of the run; W&B: a ``model`` artifact);
 - ``error`` items -> the run ends as failed.
 
+Items are handed to the trackers by a background thread, so a slow tracking server
+never slows the training loop; ``close()`` drains the queue before ending the runs.
 A tracker is a convenience, never a reason to lose a training run: any tracker error is
 logged once, turned into a warning event for the user, and that tracker is switched off.
 The tracker libraries are imported only when a job asks for them (trainer images that
@@ -22,6 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -151,21 +155,57 @@ TRACKERS: dict[str, Callable[[IntegrationSpec, TrainerSpec], Tracker]] = {
 
 
 class TrackerMirror:
-    """Feeds report items to the trackers; never raises into the training loop.
+    """Feeds report items to the trackers from a background thread; never raises into
+    the training loop and never makes it wait on a tracker's network calls.
 
     Args:
         trackers: started trackers.
         warn: called with a user-facing message when a tracker is switched off
-            (the recipe passes ``reporter.event`` with level ``warn``).
+            (the trainer passes ``reporter.event`` with level ``warning``).
+        close_timeout_s: how long ``close`` waits for queued items to reach the trackers.
     """
 
-    def __init__(self, trackers: list[Tracker], warn: Callable[[str], None] | None = None) -> None:
+    _STOP = object()
+
+    def __init__(self, trackers: list[Tracker], warn: Callable[[str], None] | None = None,
+                 close_timeout_s: float = 60.0) -> None:
         self.trackers = list(trackers)
         self._warn = warn
         self._failed = False
         self._closed = False
+        self._close_timeout_s = close_timeout_s
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tracker-mirror", daemon=True)
+        self._thread.start()
 
     def add(self, item: dict[str, Any]) -> None:
+        """Queue one report item (called by the reporter for every item it queues)."""
+        if item.get("type") == "error":
+            self._failed = True
+        if not self._closed and self.trackers:
+            self._queue.put(item)
+
+    def close(self, failed: bool | None = None) -> None:
+        """Deliver what is queued, then end every run (failed if an error item was seen
+        or ``failed`` is True)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(self._STOP)
+        self._thread.join(self._close_timeout_s)
+        if self._thread.is_alive():
+            log.warning("trackers did not take the last items within %.0f s", self._close_timeout_s)
+            return
+        self._each("finish", self._failed if failed is None else failed)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            self._apply(item)
+
+    def _apply(self, item: dict[str, Any]) -> None:
         kind = item.get("type")
         if kind == "metric":
             step = item.get("step")
@@ -183,28 +223,19 @@ class TrackerMirror:
             if adapter is not None and adapter.is_dir():
                 self._each("log_adapter", adapter)
             elif location:
-                self._disable_all_for_artifacts(str(location))
-        elif kind == "error":
-            self._failed = True
-
-    def close(self, failed: bool | None = None) -> None:
-        """End every run (failed if an error item was seen or ``failed`` is True)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._each("finish", self._failed if failed is None else failed)
+                self._no_local_adapter(str(location))
 
     def _each(self, method: str, *args: Any) -> None:
         for tracker in list(self.trackers):
             try:
                 getattr(tracker, method)(*args)
-            except Exception as exc:
+            except Exception as exc:  # a tracker must never stop training
                 log.exception("%s tracker failed in %s; it is switched off", tracker.name, method)
                 self.trackers.remove(tracker)
                 if self._warn is not None:
                     self._warn(f"{tracker.name} mirroring stopped: {type(exc).__name__}: {exc}")
 
-    def _disable_all_for_artifacts(self, location: str) -> None:
+    def _no_local_adapter(self, location: str) -> None:
         log.warning("adapter at %s is not a local directory; trackers get no artifact", location)
         if self._warn is not None and self.trackers:
             self._warn(f"the adapter at {location} is not local; it was not uploaded to the trackers")

@@ -315,6 +315,9 @@ def build_model(
 
     ``log``: optional callable ``log(message, **data)`` for progress events.
     """
+    import peft  # noqa: F401  (first imports take seconds: keep them out of the load time)
+    import transformers  # noqa: F401
+
     started = time.monotonic()
     check_options(opts)
     if opts.cpu_offload and ctx.device.type == "cpu":

@@ -556,17 +556,15 @@ def jobs_metrics(
 @jobs_app.command("logs")
 def jobs_logs(
     job_id: str,
-    tail: Annotated[int | None, typer.Option(help="Only the last N lines.")] = None,
+    tail: Annotated[int | None, typer.Option(min=1, help="Only the last N lines.")] = None,
     json_out: JsonOpt = False,
     base_url: BaseUrlOpt = None,
     api_key: ApiKeyOpt = None,
 ) -> None:
-    """Print the trainer's log."""
+    """Print the trainer's log (the last --tail lines; the service's default is 200)."""
     with _errors(json_out), _client(base_url, api_key) as client:
-        text = client.jobs.logs(job_id)
+        text = client.jobs.logs(job_id, tail=tail)
     lines = text.splitlines()
-    if tail is not None:
-        lines = lines[-tail:] if tail else []
     if json_out:
         print_json({"job_id": job_id, "lines": lines})
     else:

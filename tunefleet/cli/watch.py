@@ -120,10 +120,9 @@ def _poll_messages(client: Tunefleet, job_id: str, interval: float) -> Any:
 
 
 def _messages(client: Tunefleet, job_id: str, poll_interval: float) -> Any:
-    first = client.jobs.retrieve(job_id)
-    yield StreamEvent(event="job", data=first.to_dict())
-    if first.is_terminal:
-        return
+    # A job that already ended is streamed too: the service replays its history, so the
+    # bar shows where it got to before the final status.
+    yield StreamEvent(event="job", data=client.jobs.retrieve(job_id).to_dict())
     while True:
         try:
             yield from client.jobs.stream(job_id)
@@ -155,8 +154,6 @@ def watch_job(
         for message in _messages(client, job_id, poll_interval):
             print_json_line(message)
             state.apply(message, clock())
-            if state.finished and message.event == "job":
-                break
         return client.jobs.retrieve(job_id)
 
     console = console or Console()
@@ -177,8 +174,6 @@ def watch_job(
                 progress.console.print(line, markup=False, highlight=False)
             state.new_events.clear()
             progress.update(task, completed=state.step, total=state.total_steps, **state.fields())
-            if state.finished and message.event == "job":
-                break
     final = client.jobs.retrieve(job_id)
     detail = f": {final.error.message}" if final.error and final.error.message else ""
     console.print(Text.assemble(f"{job_id} ", status_text(final.status), detail))

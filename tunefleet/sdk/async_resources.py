@@ -139,8 +139,9 @@ class AsyncJobs(_AsyncResource):
         return await self._page(f"{JOBS}/{rq.seg(job_id)}/metrics", {"limit": limit, "after": after},
                                 JobMetric.model_validate, cursor_of=lambda m: m.step)
 
-    async def logs(self, job_id: str, **params: Any) -> str:
-        options = RequestOptions("GET", f"{JOBS}/{rq.seg(job_id)}/logs", params=params, headers={"Accept": "*/*"})
+    async def logs(self, job_id: str, *, tail: int | None = None) -> str:
+        options = RequestOptions("GET", f"{JOBS}/{rq.seg(job_id)}/logs", params={"tail": tail},
+                                 headers={"Accept": "*/*"})
         return (await self._client._transport.request(options)).text
 
     async def list_artifacts(self, job_id: str) -> list[Artifact]:
@@ -155,7 +156,8 @@ class AsyncJobs(_AsyncResource):
             if name in listed:
                 expected_sha256 = listed[name].sha256
         writer = ArtifactWriter(Path(dest), name, expected_sha256)
-        options = RequestOptions("GET", rq.artifact_path(job_id, name), stream=True, headers={"Accept": "*/*"})
+        options = RequestOptions("GET", rq.artifact_path(job_id, name), stream=True, headers={"Accept": "*/*"},
+                                 follow_redirects=True)
         try:
             response = await self._client._transport.request(options)
             try:

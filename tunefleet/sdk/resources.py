@@ -160,9 +160,10 @@ class Jobs(_Resource):
             cursor_of=lambda m: m.step,
         )
 
-    def logs(self, job_id: str, **params: Any) -> str:
+    def logs(self, job_id: str, *, tail: int | None = None) -> str:
+        """The trainer log; the last ``tail`` lines (the service's default when None)."""
         response = self._client._transport.request(
-            RequestOptions("GET", f"{JOBS}/{rq.seg(job_id)}/logs", params=params, headers={"Accept": "*/*"})
+            RequestOptions("GET", f"{JOBS}/{rq.seg(job_id)}/logs", params={"tail": tail}, headers={"Accept": "*/*"})
         )
         return response.text
 
@@ -181,7 +182,8 @@ class Jobs(_Resource):
             if name in listed:
                 expected_sha256 = listed[name].sha256
         writer = ArtifactWriter(Path(dest), name, expected_sha256)
-        options = RequestOptions("GET", rq.artifact_path(job_id, name), stream=True, headers={"Accept": "*/*"})
+        options = RequestOptions("GET", rq.artifact_path(job_id, name), stream=True, headers={"Accept": "*/*"},
+                                 follow_redirects=True)
         try:
             response = self._client._transport.request(options)
             try:

@@ -43,6 +43,9 @@ class RequestOptions:
     headers: dict[str, str] = field(default_factory=dict)
     stream: bool = False
     timeout: httpx.Timeout | float | None = None
+    # Artifact downloads may be answered with a 307 to a presigned S3 URL; httpx drops
+    # the Authorization header when a redirect leaves the service's origin.
+    follow_redirects: bool = False
 
     @property
     def replayable(self) -> bool:
@@ -157,7 +160,8 @@ class SyncTransport(_TransportBase):
         while True:
             request = self._build(self.client, options)
             try:
-                response = self.client.send(request, stream=options.stream)
+                response = self.client.send(request, stream=options.stream,
+                                            follow_redirects=options.follow_redirects)
             except httpx.TransportError as exc:
                 retryable = not _is_replay_unsafe_exc(exc) or options.replayable
                 if retryable and attempt < self.max_retries:
@@ -194,7 +198,8 @@ class AsyncTransport(_TransportBase):
         while True:
             request = self._build(self.client, options)
             try:
-                response = await self.client.send(request, stream=options.stream)
+                response = await self.client.send(request, stream=options.stream,
+                                                  follow_redirects=options.follow_redirects)
             except httpx.TransportError as exc:
                 retryable = not _is_replay_unsafe_exc(exc) or options.replayable
                 if retryable and attempt < self.max_retries:

@@ -176,6 +176,8 @@ class TrainingShape:
     checkpointing: bool = True
     cpu_offload: Literal["never", "auto", "always"] = "auto"
     adapter_bytes: int = _FP32
+    compute_bytes: int = _BF16
+    """Bytes per element of unquantized weights and activations (4 for the fp32 CPU runs)."""
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quantization == "none":
@@ -217,7 +219,7 @@ class MemoryBreakdown:
 def quantized_bytes_per_param(t: TrainingShape) -> float:
     """Storage of one quantized linear weight element, including quantization constants."""
     if t.quantization == "none":
-        return _BF16
+        return t.compute_bytes
     if t.quantization == "nf4":
         # 4-bit codes + one fp32 absmax per block of 64. Double quantization stores the
         # absmax values as 8-bit codes with one fp32 scale per 256 of them (one fp32
@@ -238,18 +240,19 @@ def lora_params(m: ModelShape, t: TrainingShape) -> int:
 
 
 def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
-    """Tensors one decoder layer saves for backward (bf16 compute, SDPA attention).
+    """Tensors one decoder layer saves for backward (Hugging Face Llama, SDPA attention).
 
-    Counted per token: the attention block saves its input, the norm output, q, k, v
-    (after RoPE), the attention output and its logsumexp; the MLP saves its input, the
-    norm output, gate, up, act(gate) and the product fed to down_proj. LoRA adds its
+    Counted per token: each RMSNorm saves its input, the normalised input and its output;
+    attention saves q, and k, v expanded to all query heads (``repeat_kv`` before SDPA),
+    after RoPE, the attention output and its logsumexp, and o_proj's (contiguous) input;
+    the MLP saves gate, up, act(gate) and the product fed to down_proj. LoRA adds its
     rank-r intermediate per target module. SDPA/flash keep no s x s matrix.
     """
-    h, f = m.hidden, m.intermediate
-    q, kv = m.heads * m.hd, m.kv_heads * m.hd
-    per_token = _BF16 * (h + h + q + 2 * kv + q) + _FP32 * m.heads  # attention block
-    per_token += _BF16 * (h + h + 4 * f)  # MLP block
-    per_token += _BF16 * t.r * len(t.target_modules)  # LoRA A outputs
+    h, f, b = m.hidden, m.intermediate, t.compute_bytes
+    q = m.heads * m.hd
+    per_token = b * (3 * h + q + 2 * q + q + q) + _FP32 * m.heads  # norm + attention block
+    per_token += b * (3 * h + 4 * f)  # norm + MLP block
+    per_token += b * t.r * len(t.target_modules)  # LoRA A outputs
     return per_token * t.seq_len * t.micro_batch
 
 
@@ -259,7 +262,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     if n_gpus < 1:
         raise EstimateError("n_gpus must be >= 1")
     qb = quantized_bytes_per_param(t)
-    weights_total = m.linear_params * qb + m.embedding_params * _BF16
+    weights_total = m.linear_params * qb + m.embedding_params * t.compute_bytes
     layer_weights = m.linear_params_per_layer * qb
     lora = lora_params(m, t)
     weights = 0 if offload else int(weights_total / n_gpus)
@@ -275,11 +278,11 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     if t.checkpointing:
         # each layer's input is saved; one layer at a time is recomputed (its full set
         # of saved tensors plus its gradient buffers).
-        acts = m.layers * tokens * m.hidden * _BF16 + 2 * per_layer
+        acts = m.layers * tokens * m.hidden * t.compute_bytes + 2 * per_layer
     else:
         acts = m.layers * per_layer + per_layer
-    # logits in bf16, their fp32 upcast for the loss, and the fp32 gradient of it.
-    logits = tokens * m.vocab * (_BF16 + _FP32 + _FP32)
+    # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient.
+    logits = tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
     live = weights + gathered + lora_p + grads + optim + acts + logits
     buffers = FSDP_BUFFERS if n_gpus > 1 else 0
     kind = "cpu" if accelerator == "cpu" else "gpu"
@@ -335,6 +338,13 @@ class PoolEstimate:
         }
 
 
+def tokens_per_second(m: ModelShape, t: TrainingShape, pool: NodePool, gpus: int, *, trainer: str,
+                      offload: bool = False) -> float:
+    """Training throughput of ``gpus`` GPUs of ``pool``: peak FLOP/s x assumed MFU / FLOPs per token."""
+    mfu = MFU.get(trainer, 0.35) * (OFFLOAD_SLOWDOWN if offload else 1.0)
+    return gpus * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t)
+
+
 def candidate_gpu_counts(pool: NodePool) -> list[int]:
     """GPU counts a gang may have on a pool: powers of two within a node, then whole nodes."""
     counts: list[int] = []
@@ -379,8 +389,7 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
                      f"{pool.gpu_memory_gib:.0f} GiB available ({HEADROOM:.0%} usable)",),
         )
     n, off, mem = best
-    mfu = MFU.get(trainer, 0.35) * (OFFLOAD_SLOWDOWN if off else 1.0)
-    tps = n * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t)
+    tps = tokens_per_second(m, t, pool, n, trainer=trainer, offload=off)
     eta = total_tokens / tps if total_tokens else None
     cost = eta / 3600 * n * pool.price_per_gpu_hour if eta is not None else None
     reasons = [f"{n}x {pool.accelerator}: {mem.total / GIB:.1f} of {pool.gpu_memory_gib:.0f} GiB per GPU"]

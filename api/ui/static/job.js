@@ -107,6 +107,9 @@
     } else if (job.status === "paused") {
       notices.append(notice("info", "Paused", "The job stopped at its last checkpoint and resumes from it."));
     }
+    if (!LIVE.has(job.status)) {
+      for (const empty of document.querySelectorAll(".chart-empty")) empty.textContent = "No data was reported.";
+    }
     renderStats();
     renderDetails();
   }
@@ -127,7 +130,8 @@
     document.getElementById("stat-eta").textContent = LIVE.has(job.status) ? (eta !== null ? fmt.duration(eta) : "—") : job.status === "succeeded" ? "done" : "—";
     const start = job.started_at;
     const end = job.finished_at || (LIVE.has(job.status) ? Date.now() / 1000 : null);
-    document.getElementById("stat-elapsed").textContent = start && end ? `running for ${fmt.duration(end - start)}` : " ";
+    document.getElementById("stat-elapsed").textContent =
+      start && end ? `${LIVE.has(job.status) ? "running for" : "ran for"} ${fmt.duration(end - start)}` : " ";
   }
 
   function renderDetails() {

@@ -1,0 +1,145 @@
+"""JAX LoRA train step vs a plain transformers + peft LoRA loop, same shape, one run.
+
+Shape (issue 4): Llama hidden 256, 4 layers, heads 8 / kv 4, ffn 1024, vocab 1024,
+seq 256 x batch 4, LoRA r 8 on q/k/v/o, fp32, AdamW, one optimizer step per batch.
+Both sides start from the same random weights (saved by transformers, loaded by our
+loader) and train on the same token batch. Rounds alternate torch / JAX so that a
+shared, noisy machine hits both alike; the ratio is of medians of per-step tokens/s.
+JAX compile time (first call) is reported separately and excluded from its tokens/s.
+
+    OMP_NUM_THREADS=2 python bench/jax_lora_cpu.py --steps 10 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 4, 8, 4, 1024, 1024
+SEQ, BATCH, RANK = 256, 4, 8
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def build_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def torch_loop(path: Path, tokens, threads: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(threads)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=16, target_modules=list(TARGETS)))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.tensor(tokens, dtype=torch.long)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def jax_loop(path: Path, tokens):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from trainers.jax_lora.config import LlamaConfig
+    from trainers.jax_lora.loading import load_params
+    from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
+    from trainers.jax_lora.model import param_axes
+    from trainers.jax_lora.sharding import make_mesh, tree_shardings
+    from trainers.jax_lora.step import StepConfig, compile_steps, init_state, make_optimizer, state_shardings
+
+    cfg = LlamaConfig.from_pretrained(path)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    params, _ = load_params(path, cfg, mesh, jnp.float32)
+    l_abs = lora_shapes(cfg, TARGETS, RANK, jnp.float32)
+    l_shard = tree_shardings(l_abs, lora_axes(TARGETS), mesh)
+    opt = make_optimizer(lambda s: 1e-4, weight_decay=0.0, max_grad_norm=None)
+    shardings = state_shardings(l_shard, opt, l_abs, mesh)
+    lora = jax.jit(lambda k: init_lora(cfg, TARGETS, RANK, k), out_shardings=l_shard)(jax.random.key(0))
+    state = {"s": init_state(lora, opt, shardings, jax.random.key(1))}
+    sc = StepConfig(cfg=cfg, runtime=lora_runtime(16.0, RANK, 0.0), packed=False)
+    train_step, _ = compile_steps(sc, opt, mesh, shardings, tree_shardings(params, param_axes(cfg), mesh))
+    ids = np.asarray(tokens, np.int32)[None]
+    batch = {
+        "input_ids": ids, "labels": ids,
+        "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), ids.shape).copy(),
+        "segment_ids": np.ones_like(ids),
+    }
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+
+    def step() -> float:
+        state["s"], out = train_step(state["s"], params, batch)
+        return float(out["loss"])
+
+    return step
+
+
+def timed(step, n: int) -> list[float]:
+    rates = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        rates.append(SEQ * BATCH / (time.perf_counter() - t))
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        build_model(path)
+        t_step = torch_loop(path, tokens, threads)
+        j_step = jax_loop(path, tokens)
+        t0 = time.perf_counter()
+        j_step()
+        compile_s = time.perf_counter() - t0
+        t_step()  # warm-up
+        j_step()
+        torch_rates, jax_rates = [], []
+        for _ in range(args.rounds):
+            torch_rates.append(statistics.median(timed(t_step, args.steps)))
+            jax_rates.append(statistics.median(timed(j_step, args.steps)))
+    t_med, j_med = statistics.median(torch_rates), statistics.median(jax_rates)
+    print(json.dumps({
+        "torch_peft_tokens_per_s": round(t_med, 1), "jax_tokens_per_s": round(j_med, 1),
+        "ratio_jax_over_torch": round(j_med / t_med, 3), "jax_compile_s": round(compile_s, 2),
+        "rounds_torch": [round(x) for x in torch_rates], "rounds_jax": [round(x) for x in jax_rates],
+        "load_average": os.getloadavg()[0],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Time from submitting a job over HTTP to its first training step (embedded service).
+
+Starts `tunefleet serve` with the embedded defaults (SQLite, server-less broker, local
+executor) in a fresh data dir, then submits the demo job a few times, one after the other,
+and measures for each:
+
+- create -> running: the scheduler admitted it and the local executor launched it;
+- create -> first step: the trainer's first metric row (its wall-clock ``time``), which
+  includes starting Python, importing torch/transformers/peft, loading the tiny model
+  and tokenizing the data.
+
+Goal (issue 3): first step <= 15 s. Results go to bench/RESULTS.md.
+
+    python bench/submit_to_first_step.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tunefleet.demo import DEMO_MODEL_ID, demo_examples, ensure_demo_model  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    data_dir = Path(tempfile.mkdtemp(prefix="tf-bench-"))
+    port = _free_port()
+    key = f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}"
+    env = {**os.environ, "TUNEFLEET_DATA_DIR": str(data_dir), "TUNEFLEET_ADMIN_API_KEY": key,
+           "TUNEFLEET_SCHEDULE_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"}
+    ensure_demo_model(data_dir / "models")  # built once before timing, as `serve --demo` does
+    log = (data_dir / "serve.log").open("wb")
+    serve = subprocess.Popen(
+        [sys.executable, "-c", "from tunefleet.cli import app; app()", "serve", "--port", str(port)],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        _wait(lambda: _get_ok(f"{base}/healthz"), 120, "the API")
+        http = httpx.Client(base_url=f"{base}/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        body = "".join(__import__("json").dumps(e) + "\n" for e in demo_examples(64)).encode()
+        file_id = http.post("/files", data={"purpose": "fine-tune"},
+                            files={"file": ("demo.jsonl", body, "application/jsonl")}).json()["id"]
+        _wait(lambda: http.get(f"/files/{file_id}").json()["status"] == "processed", 60, "validation")
+        time.sleep(5)  # let the worker and scheduler settle after start-up
+        for run in range(args.runs):
+            t0 = time.time()
+            job = http.post("/fine_tuning/jobs", json={
+                "model": DEMO_MODEL_ID, "training_file": file_id, "seed": run,
+                "hyperparameters": {"n_epochs": 1, "batch_size": 8},
+                "max_seq_len": 64,
+            }).json()
+            job_id = job["id"]
+            running = _wait(lambda: _status_time(http, job_id, "running"), 120, "running")
+            first = _wait(lambda: _first_metric_time(http, job_id), 180, "first step")
+            _wait(lambda: http.get(f"/fine_tuning/jobs/{job_id}").json()["status"] in
+                  ("succeeded", "failed", "cancelled"), 300, "the end")
+            results.append((running - t0, first - t0))
+            print(f"run {run}: running after {running - t0:.2f} s, first step after {first - t0:.2f} s", flush=True)
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    admit = statistics.median(r[0] for r in results)
+    first = statistics.median(r[1] for r in results)
+    load = os.getloadavg()[0]
+    print(f"median: running after {admit:.2f} s, first step after {first:.2f} s (goal <= 15 s)")
+    _record(admit, first, results, load, args.runs)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _status_time(http: httpx.Client, job_id: str, status: str) -> float | None:
+    events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 50}).json()["data"]
+    for event in events:
+        if event["type"] == "status" and (event.get("data") or {}).get("to") == status:
+            return float(event["created_at"])
+    return None
+
+
+def _first_metric_time(http: httpx.Client, job_id: str) -> float | None:
+    rows = http.get(f"/fine_tuning/jobs/{job_id}/metrics", params={"limit": 1}).json()["data"]
+    return float(rows[0]["time"]) if rows and rows[0].get("time") else None
+
+
+def _record(admit: float, first: float, results: list[tuple[float, float]], load: float, runs: int) -> None:
+    path = REPO / "bench" / "RESULTS.md"
+    heading = "## Submit to first training step (issue 3)"
+    runs_text = ", ".join(f"{f:.1f}" for _, f in results)
+    section = (
+        f"{heading}\n\n"
+        f"`python bench/submit_to_first_step.py --runs {runs}` ({dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"load average {load:.1f} on 2 cores); embedded `tunefleet serve` (SQLite, kombu sqla+sqlite "
+        f"broker polling 1/s, scheduler every 0.5 s), demo tiny Llama, 64 examples.\n\n"
+        f"median create -> running **{admit:.1f} s**; create -> first step **{first:.1f} s** "
+        f"(goal <= 15 s); per run first step: {runs_text} s. Note: `created_at` of events has 1 s "
+        f"resolution.\n"
+    )
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    if heading in text:
+        start = text.index(heading)
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + (text[end:] if end != -1 else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
