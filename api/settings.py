@@ -40,7 +40,7 @@ _UNSAFE_SECRETS = {"", "changeme", "change-me", "secret", "dev", "development", 
 class Settings(BaseSettings):
     """All configuration of the control plane (env prefix ``TUNEFLEET_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="TUNEFLEET_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="TUNEFLEET_", extra="ignore", frozen=True, env_ignore_empty=True)
 
     env: Literal["development", "test", "production"] = "development"
     data_dir: Path = Path("./.tunefleet")

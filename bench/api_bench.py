@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -124,11 +125,87 @@ def seed(url: str, n_jobs: int) -> tuple[str, str]:
     return key, file.id
 
 
+async def _asgi_get(app: Any, path: str, query: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One GET straight through the ASGI app (no sockets, no HTTP parsing): (status, body)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
+        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    sent: dict[str, Any] = {"body": b""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            sent["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            sent["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return sent["status"], sent["body"]
+
+
+def measure_in_process(url: str, key: str, *, requests: int, concurrency: int) -> dict[str, float]:
+    """Per-request wall and CPU time of the list endpoint and of a bare hello, in this process.
+
+    The machine is shared, so wrk's numbers swing with other people's load; the CPU time a
+    request costs this process (``time.process_time``, all threads) is the steadier signal.
+    """
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from api.main import create_app
+    from api.queue import RecordingQueue
+    from api.settings import Settings
+
+    settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
+    app = create_app(settings, queue=RecordingQueue())
+    hello = FastAPI()
+
+    @hello.get("/hello")
+    async def hello_route() -> dict[str, str]:
+        return {"hello": "world"}
+
+    auth = {"Authorization": f"Bearer {key}"}
+
+    async def run(target: Any, path: str, headers: dict[str, str]) -> dict[str, float]:
+        for _ in range(20):  # warm-up: pool connections, caches, lazy imports
+            status, _body = await _asgi_get(target, path, "", headers)
+            assert status == 200, (status, _body[:300])
+        per_worker = requests // concurrency
+
+        async def worker() -> None:
+            for _ in range(per_worker):
+                await _asgi_get(target, path, "", headers)
+
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        n = per_worker * concurrency
+        return {"wall_ms": (time.perf_counter() - wall0) * 1e3 / n,
+                "cpu_ms": (time.process_time() - cpu0) * 1e3 / n}
+
+    async def both() -> dict[str, float]:
+        h = await run(hello, "/hello", {})
+        j = await run(app, "/v1/fine_tuning/jobs", auth)
+        return {"hello_wall_ms": h["wall_ms"], "hello_cpu_ms": h["cpu_ms"],
+                "list_wall_ms": j["wall_ms"], "list_cpu_ms": j["cpu_ms"]}
+
+    return asyncio.run(both())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--in-process-requests", type=int, default=400,
+                        help="requests per endpoint for the in-process CPU-time measurement")
+    parser.add_argument("--in-process-only", action="store_true",
+                        help="measure in-process only (no uvicorn/wrk; nothing written)")
     args = parser.parse_args()
 
     name = f"tunefleet_bench_{os.getpid()}"
@@ -144,6 +221,20 @@ def main() -> None:
         t0 = time.perf_counter()
         key, file_id = seed(url, args.jobs)
         print(f"seeded {args.jobs} jobs in {time.perf_counter() - t0:.1f}s")
+        local = measure_in_process(url, key, requests=args.in_process_requests, concurrency=1)
+        local8 = measure_in_process(url, key, requests=args.in_process_requests, concurrency=8)
+        load = os.getloadavg()[0]
+        in_process = (
+            f"In-process (ASGI called directly, {args.in_process_requests} requests, load average "
+            f"{load:.1f}): list **{local['list_cpu_ms']:.2f} ms CPU** / {local['list_wall_ms']:.2f} ms "
+            f"wall per request sequentially, {local8['list_cpu_ms']:.2f} ms CPU / "
+            f"{local8['list_wall_ms']:.2f} ms wall with 8 concurrent; bare hello "
+            f"{local['hello_cpu_ms']:.2f} ms CPU; CPU ratio hello/list = "
+            f"**{local['hello_cpu_ms'] / local['list_cpu_ms']:.2f}**."
+        )
+        print(in_process)
+        if args.in_process_only:
+            return
         env = {**os.environ, "TUNEFLEET_DATABASE_URL": url, "TUNEFLEET_DATA_DIR": str(work / "data"),
                "TUNEFLEET_BROKER_URL": "redis://127.0.0.1:6379/13", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(REPO)}
@@ -177,7 +268,8 @@ def main() -> None:
         when = f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
         how = (f"`python bench/api_bench.py --duration {args.duration} --connections "
                f"{args.connections}`; uvicorn 1 process each; wrk -t1 -c{args.connections}; "
-               f"{args.jobs} jobs in the table; machine shared (2 cores).\n")
+               f"{args.jobs} jobs in the table; machine shared (2 cores), load average "
+               f"{os.getloadavg()[0]:.1f} at the end.\n")
         rows = [
             ("bare FastAPI `async` hello", hello),
             ("`GET /v1/fine_tuning/jobs` (20/page, auth, Postgres)", jobs),
@@ -195,6 +287,8 @@ def main() -> None:
             *(f"| {name} | {r['rps']:.0f} | {r['p99_ms']:.1f} | {r['non_2xx']} |" for name, r in rows),
             "",
             summary,
+            "",
+            in_process,
         ]
         text = "\n".join(lines) + "\n"
         print(text)

@@ -15,6 +15,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 _engines: dict[str, Engine] = {}
+POOL_RECYCLE_S = 300
 _lock = threading.Lock()
 
 
@@ -36,7 +37,13 @@ def get_engine(url: str) -> Engine:
                 engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 15})
                 event.listen(engine, "connect", _sqlite_pragmas)
             else:
-                engine = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+                # No pool_pre_ping: it costs a round trip on every checkout, i.e. on every
+                # request. Connections are recycled before server/proxy idle timeouts
+                # instead, and a connection found dead mid-request invalidates the whole
+                # pool (SQLAlchemy's disconnect handling), so after a database restart
+                # only the requests already holding a stale connection fail (once).
+                engine = create_engine(url, pool_size=10, max_overflow=20,
+                                       pool_recycle=POOL_RECYCLE_S, pool_use_lifo=True)
             _engines[url] = engine
         return engine
 

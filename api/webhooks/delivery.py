@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from api.db.base import utcnow
 from api.webhooks.config import WebhookSettings
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
+from api.webhooks.sealing import SecretUnreadable
 from api.webhooks.signing import signature_headers
 from api.webhooks.urls import TargetURLError, check_target_url
 
@@ -53,10 +54,14 @@ def attempt_delivery(
     delivery_id: str,
     settings: WebhookSettings,
     *,
+    service_key: str,
     http: httpx.Client | None = None,
     now: dt.datetime | None = None,
 ) -> AttemptOutcome:
-    """Make one attempt for ``delivery_id`` and record it; the caller commits."""
+    """Make one attempt for ``delivery_id`` and record it; the caller commits.
+
+    Args:
+        service_key: the service secret key that seals the endpoint's signing secrets."""
     delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.id == delivery_id).with_for_update())
     if delivery is None:
         return AttemptOutcome(delivery_id, "missing", attempted=False)
@@ -76,7 +81,8 @@ def attempt_delivery(
     try:
         check_target_url(endpoint.url, allow_private=settings.allow_private)
         timestamp = int(now.timestamp())
-        headers = signature_headers(endpoint.signing_secrets(now), delivery.event_id, timestamp, delivery.body)
+        headers = signature_headers(endpoint.signing_secrets(now, service_key), delivery.event_id, timestamp,
+                                    delivery.body)
         headers.update({"content-type": "application/json", "user-agent": _USER_AGENT})
         client = http or httpx.Client(timeout=settings.timeout_s, follow_redirects=False)
         try:
@@ -89,6 +95,8 @@ def attempt_delivery(
             error = f"HTTP {response.status_code}: {response.text[:_MAX_ERROR_CHARS]}"
     except TargetURLError as exc:
         error = f"{exc.code}: {exc.message}"
+    except SecretUnreadable as exc:
+        error = f"webhook_secret_unreadable: {exc}; rotate the endpoint's secret"
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
 

@@ -14,6 +14,7 @@ from sqlalchemy import JSON, Boolean, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from api.db.base import Base, utcnow
+from api.webhooks.sealing import unseal
 
 DELIVERY_STATUSES = ("pending", "succeeded", "failed")
 
@@ -28,19 +29,22 @@ class WebhookEndpoint(Base):
     description: Mapped[str | None] = mapped_column(String(512))
     events: Mapped[list[Any]] = mapped_column(JSON, default=list, doc="Subscribed types; empty = all.")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
-    # The signing secret must be readable to sign; see the issue notes on encryption at rest.
-    secret: Mapped[str] = mapped_column(String(128))
-    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    # Sealed (encrypted) with the service secret key: see api/webhooks/sealing.py.
+    secret: Mapped[str] = mapped_column(String(512))
+    previous_secret: Mapped[str | None] = mapped_column(String(512))
     previous_secret_expires_at: Mapped[dt.datetime | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     deleted_at: Mapped[dt.datetime | None]
 
-    def signing_secrets(self, now: dt.datetime) -> list[str]:
-        """The current secret, plus the previous one while its grace window lasts."""
-        out = [self.secret]
+    def signing_secrets(self, now: dt.datetime, service_key: str) -> list[str]:
+        """The current secret, plus the previous one while its grace window lasts (unsealed).
+
+        Raises:
+            SecretUnreadable: the service secret key changed since the secret was sealed."""
+        out = [unseal(self.secret, service_key)]
         if self.previous_secret and self.previous_secret_expires_at and now < self.previous_secret_expires_at:
-            out.append(self.previous_secret)
+            out.append(unseal(self.previous_secret, service_key))
         return out
 
 

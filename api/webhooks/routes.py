@@ -14,7 +14,7 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from api.db.base import utcnow
-from api.deps import CurrentTenant, SessionDep
+from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import APIError, not_found
 from api.ids import new_id
 from api.pagination import page_newest_first
@@ -30,6 +30,7 @@ from api.webhooks.schemas import (
     WebhooksPublic,
     WebhookUpdate,
 )
+from api.webhooks.sealing import seal
 from api.webhooks.signing import generate_secret
 from api.webhooks.urls import TargetURLError, check_target_url
 
@@ -51,14 +52,17 @@ def _get_endpoint(session: SessionDep, tenant_id: str, endpoint_id: str) -> Webh
 
 
 @router.post("", response_model=WebhookPublic)
-def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTenant) -> WebhookPublic:
+def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTenant,
+                   settings: SettingsDep) -> WebhookPublic:
+    secret = generate_secret()
     row = WebhookEndpoint(
         id=new_id("whep"), tenant_id=tenant.id, url=_checked_url(body.url), description=body.description,
-        events=list(dict.fromkeys(body.events)), enabled=body.enabled, secret=generate_secret(),
+        events=list(dict.fromkeys(body.events)), enabled=body.enabled,
+        secret=seal(secret, settings.secret_key_value()),
     )
     session.add(row)
     session.commit()
-    return WebhookPublic.of(row, with_secret=True)
+    return WebhookPublic.of(row, secret=secret)
 
 
 @router.get("", response_model=WebhooksPublic)
@@ -104,7 +108,7 @@ def delete_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant)
 
 
 @router.post("/{endpoint_id}/rotate_secret", response_model=WebhookPublic)
-def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant,
+def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
                   body: RotateSecret | None = None) -> WebhookPublic:
     """New secret now; the old one keeps signing (a second signature) for the grace period,
     so receivers can switch without dropping events."""
@@ -114,9 +118,10 @@ def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant,
         grace = body.grace_period_s
     row.previous_secret = row.secret if grace > 0 else None
     row.previous_secret_expires_at = utcnow() + dt.timedelta(seconds=grace) if grace > 0 else None
-    row.secret = generate_secret()
+    secret = generate_secret()
+    row.secret = seal(secret, settings.secret_key_value())
     session.commit()
-    return WebhookPublic.of(row, with_secret=True)
+    return WebhookPublic.of(row, secret=secret)
 
 
 @router.get("/{endpoint_id}/deliveries", response_model=DeliveriesPublic)

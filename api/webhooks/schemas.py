@@ -49,12 +49,12 @@ class WebhookPublic(BaseModel):
     secret: str | None = Field(default=None, description="Only in the create and rotate answers.")
 
     @classmethod
-    def of(cls, row: WebhookEndpoint, *, with_secret: bool = False) -> WebhookPublic:
+    def of(cls, row: WebhookEndpoint, *, secret: str | None = None) -> WebhookPublic:
         return cls(
             id=row.id, url=row.url, events=list(row.events or []), description=row.description,
             enabled=row.enabled, created_at=to_unix(row.created_at) or 0,
             previous_secret_expires_at=to_unix(row.previous_secret_expires_at),
-            secret=row.secret if with_secret else None,
+            secret=secret,
         )
 
 

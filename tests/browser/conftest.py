@@ -97,6 +97,14 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         f"  - {{id: tunefleet-tiny-llama, path: '{models / 'tiny-llama'}', params_b: 0.0001, max_seq_len: 512}}\n"
         f"  - {{id: broken-llama, path: '{models / 'broken-llama'}', params_b: 0.0001, max_seq_len: 512}}\n"
     )
+    # Three trainer slots on this machine, so a long job, a failing one and the submitted
+    # one can run side by side (the embedded default has one).
+    pools_file = data_dir / "node_pools.yaml"
+    pools_file.write_text(
+        "pools:\n"
+        "  - {name: local, accelerator: cpu, gpu_memory_gib: 16, gpus_per_node: 3,\n"
+        "     trainers: [fsdp_qlora, jax_lora], peak_tflops: 0.5, nodes: 1}\n"
+    )
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -105,6 +113,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         "TUNEFLEET_PUBLIC_URL": url,
         "TUNEFLEET_ENV": "test",
         "TUNEFLEET_BASE_MODELS_FILE": str(models_file),
+        "TUNEFLEET_NODE_POOLS_FILE": str(pools_file),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",

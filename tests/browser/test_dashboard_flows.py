@@ -80,6 +80,19 @@ def _create_job_over_api(service, key: str, *, steps: int, model: str = "tunefle
         return job.json()["id"]
 
 
+@pytest.fixture(scope="module")
+def background_jobs(service) -> dict[str, str]:
+    """Jobs started early so their trainers boot while other tests run: ``long`` (the
+    admin's, thousands of steps, to be cancelled) and ``broken`` (the other tenant's, on
+    the broken model, fails in the trainer)."""
+    jobs = {
+        "long": _create_job_over_api(service, service.admin_key, steps=5000),
+        "broken": _create_job_over_api(service, service.other_key, steps=5, model="broken-llama"),
+    }
+    _drive_unless_real(service, jobs["long"], 5000, finish=False)
+    return jobs
+
+
 def _drive_unless_real(service, job_id: str, total: int, *, finish: bool) -> None:
     """Without a local executor, report this job's progress from a thread (see module doc)."""
     if real_executor_available():
@@ -128,10 +141,25 @@ def test_login_rejects_a_wrong_key(service, browser, screenshots: Path) -> None:
     context.close()
 
 
-def test_submit_watch_training_and_download_adapter(service, page_for, screenshots: Path) -> None:
-    page = page_for(service.admin_key)
-    page.wait_for_selector("#jobs-empty .empty")
+def test_a_new_organization_sees_empty_states(service, page_for, screenshots: Path) -> None:
+    with service.api() as api:
+        tenant = api.post("/v1/admin/tenants", json={"name": "fresh-org"}).json()
+        key = api.post(f"/v1/admin/tenants/{tenant['id']}/api_keys", json={}).json()["key"]
+    page = page_for(key)
+    empty = page.wait_for_selector("#jobs-empty .empty")
+    assert "No fine-tuning jobs yet" in empty.inner_text()
+    assert page.inner_text('[data-count="running"]') == "0"
     page.screenshot(path=screenshots / "02-jobs-empty.png", full_page=True)
+    page.goto(f"{service.url}/ui/pools")
+    assert "The queue is empty" in page.wait_for_selector("#queue-empty .empty").inner_text()
+
+
+def test_submit_watch_training_and_download_adapter(
+    service, page_for, screenshots: Path, background_jobs: dict[str, str]
+) -> None:
+    page = page_for(service.admin_key)
+    page.wait_for_selector(f'tr[data-job-id="{background_jobs["long"]}"]')
+    page.screenshot(path=screenshots / "02b-jobs-list-running.png", full_page=True)
 
     # 1. A file with errors: the line-numbered problems show inline, nothing is queued.
     page.click("text=New job")
@@ -205,11 +233,12 @@ def test_submit_watch_training_and_download_adapter(service, page_for, screensho
     page.screenshot(path=screenshots / "08-queue-and-pools.png", full_page=True)
 
 
-def test_cancel_a_running_job_from_its_page(service, page_for, screenshots: Path) -> None:
-    job_id = _create_job_over_api(service, service.admin_key, steps=5000)
+def test_cancel_a_running_job_from_its_page(
+    service, page_for, screenshots: Path, background_jobs: dict[str, str]
+) -> None:
+    job_id = background_jobs["long"]
     page = page_for(service.admin_key)
     page.goto(f"{service.url}/ui/jobs/{job_id}")
-    _drive_unless_real(service, job_id, 5000, finish=False)
     _wait_status(page, {"running"}, timeout_s=90)
     page.wait_for_function("Number(document.querySelector('#chart-loss').dataset.points || 0) >= 1",
                            timeout=60_000)
@@ -224,13 +253,10 @@ def test_cancel_a_running_job_from_its_page(service, page_for, screenshots: Path
         assert api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "cancelled"
 
 
-def test_another_tenants_job_is_not_found(service, page_for, screenshots: Path) -> None:
-    with service.api() as api:
-        jobs = api.get("/v1/fine_tuning/jobs", params={"limit": 1}).json()["data"]
-    if jobs:
-        job_id = jobs[0]["id"]
-    else:
-        job_id = _create_job_over_api(service, service.admin_key, steps=2)
+def test_another_tenants_job_is_not_found(
+    service, page_for, screenshots: Path, background_jobs: dict[str, str]
+) -> None:
+    job_id = background_jobs["long"]  # the admin organization's job
     page = page_for(service.other_key)
     assert page.inner_text("[data-testid=tenant-name]") == "other-org"
     response = page.goto(f"{service.url}/ui/jobs/{job_id}")
@@ -239,7 +265,7 @@ def test_another_tenants_job_is_not_found(service, page_for, screenshots: Path) 
     page.screenshot(path=screenshots / "11-other-tenant-not-found.png", full_page=True)
     # Its own list does not show the job either, and the JSON API agrees.
     page.goto(f"{service.url}/ui/")
-    page.wait_for_selector("#jobs-empty .empty")
+    page.wait_for_selector(f'tr[data-job-id="{background_jobs["broken"]}"]')
     assert page.query_selector(f'tr[data-job-id="{job_id}"]') is None
     answer = page.request.get(f"{service.url}/v1/fine_tuning/jobs/{job_id}")
     assert answer.status == 404
@@ -278,10 +304,12 @@ def test_api_unreachable_shows_a_banner(service, page_for, screenshots: Path) ->
     page.wait_for_selector("#api-banner:not(.show)", state="attached", timeout=10_000)
 
 
-def test_failed_job_shows_its_error_code(service, page_for, screenshots: Path) -> None:
+def test_failed_job_shows_its_error_code(
+    service, page_for, screenshots: Path, background_jobs: dict[str, str]
+) -> None:
     if not real_executor_available():
         pytest.skip("needs the local executor: the failure comes from a real trainer run")
-    job_id = _create_job_over_api(service, service.other_key, steps=5, model="broken-llama")
+    job_id = background_jobs["broken"]
     page = page_for(service.other_key)
     page.goto(f"{service.url}/ui/jobs/{job_id}")
     assert _wait_status(page, {"failed", "succeeded"}, timeout_s=120) == "failed"

@@ -126,6 +126,12 @@ def test_jobs_table_is_tenant_scoped_and_admins_see_every_tenant(client, tenant_
     status = client.get("/ui/api/jobs", params={"status": "succeeded"}).json()["data"]
     assert status == []
     assert client.get("/ui/api/jobs", params={"status": "nope"}).status_code == 400
+    # Cursor pagination, newest first, like the public list.
+    first = client.get("/ui/api/jobs", params={"limit": 1}).json()
+    assert first["has_more"] is True and len(first["data"]) == 1
+    second = client.get("/ui/api/jobs", params={"limit": 1, "after": first["last_id"]}).json()
+    assert second["data"][0]["created_at"] <= first["data"][0]["created_at"]
+    assert second["data"][0]["id"] != first["data"][0]["id"]
     tenants = {t["name"] for t in client.get("/ui/api/tenants").json()["data"]}
     assert {"acme", "other", "ops"} <= tenants
 

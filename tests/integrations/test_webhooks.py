@@ -197,7 +197,7 @@ def _attempt(service: Service, delivery_id: str, **overrides: Any) -> Any:
 
     settings = WebhookSettings(**{"allow_private": True, "retry_base_s": 0.01, **overrides})
     with session_scope(service.settings.resolved_database_url) as session:
-        return attempt_delivery(session, delivery_id, settings)
+        return attempt_delivery(session, delivery_id, settings, service_key=service.settings.secret_key_value())
 
 
 def test_rotation_signs_with_both_secrets_during_the_grace_window(
@@ -292,3 +292,30 @@ def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
     assert outcome.status == "pending" and receiver.received == []
     (row,) = _deliveries(service, ep.id)
     assert row.last_error.startswith("webhook_url_not_public")
+
+
+def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, webhook_env: Any,
+                                    receiver: Receiver) -> None:
+    from api.db.session import session_scope
+    from api.webhooks import events
+    from api.webhooks.models import WebhookEndpoint
+
+    webhook_env(allow_private="true")
+    events.set_dispatcher(lambda d: True)
+    ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.running"])
+    with session_scope(service.settings.resolved_database_url) as session:
+        stored = session.get(WebhookEndpoint, ep.id).secret
+    assert ep.secret not in stored and ep.secret[6:] not in stored and stored.startswith("fernet1:")
+
+    driver = _job(sdk, service)
+    driver.start()
+    (delivery,) = _deliveries(service, ep.id)
+    from api.webhooks.config import WebhookSettings
+    from api.webhooks.delivery import attempt_delivery
+
+    with session_scope(service.settings.resolved_database_url) as session:  # the service key changed
+        outcome = attempt_delivery(session, delivery.id, WebhookSettings(allow_private=True),
+                                   service_key="another-service-secret-key-0123456789")
+    assert outcome.status == "pending" and receiver.received == []
+    (row,) = _deliveries(service, ep.id)
+    assert row.last_error.startswith("webhook_secret_unreadable")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -146,3 +147,25 @@ def test_sse_decoder_follows_the_whatwg_rules() -> None:
     assert [(m.event, m.data, m.id) for m in out] == [
         ("metric", '{"a":\n1}', "4.1"), ("message", "no-event-name", "4.1")]
     assert decoder.retry_ms == 2000 and decoder.last_event_id == "4.1"
+
+
+def test_artifact_download_follows_the_s3_redirect_without_the_api_key(tmp_path: Path) -> None:
+    import hashlib
+
+    content = b"adapter weights" * 100
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.host == "svc":
+            return httpx.Response(307, headers={"Location": "http://s3.example/bucket/out/adapter.bin?X-Sig=1"})
+        return httpx.Response(200, content=content)
+
+    client = Tunefleet(base_url="http://svc", api_key="secret-key",
+                       http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    path = client.jobs.download_artifact("ftjob-1", "adapter/adapter.bin", tmp_path / "a.bin",
+                                         expected_sha256=hashlib.sha256(content).hexdigest())
+    assert path.read_bytes() == content
+    assert [r.url.host for r in seen] == ["svc", "s3.example"]
+    assert seen[0].headers["Authorization"] == "Bearer secret-key"
+    assert "Authorization" not in seen[1].headers

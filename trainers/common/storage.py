@@ -139,7 +139,9 @@ def make_s3_client() -> Any:
 
     endpoint = endpoint_url()
     try:
-        return boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
+        # A session of its own: boto3's default session caches the credentials it found first.
+        session = boto3.session.Session()
+        return session.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
     except ValueError as exc:  # botocore's InvalidEndpoint etc. are ValueErrors
         raise StorageUnreachable(f"invalid S3 endpoint {endpoint!r}: {exc}") from exc
 

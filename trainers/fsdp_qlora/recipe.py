@@ -295,10 +295,12 @@ def _take(batches: Iterator[Batch], n: int) -> list[Batch]:
 def run(spec: TrainerSpec, *, reporter: Reporter, stop: StopFlag) -> RunResult:
     """Train the LoRA adapter described by ``spec``; see the module docstring."""
     # -- setup: refuse what this path cannot do, fail fast on missing inputs --------------
-    if spec.parallelism.world_size != 1:
-        raise UserError("this trainer build runs world_size 1 only", code="invalid_parallelism")
-    if spec.adapter.quantization != "none":
-        raise UserError("quantized (QLoRA) bases need the FSDP/QLoRA path", code="unsupported_quantization")
+    if spec.parallelism.world_size != 1 or spec.adapter.quantization != "none":
+        # N processes (FSDP2) and/or a 4-bit base: the same loop with the low-memory
+        # loader, sharded step and DCP checkpoints (trainers.fsdp_qlora.distributed_recipe).
+        from trainers.fsdp_qlora.distributed_recipe import run as run_distributed
+
+        return run_distributed(spec, reporter=reporter, stop=stop)
     check_inputs_exist(spec)
     hp = spec.hyperparameters
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

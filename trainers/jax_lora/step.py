@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -198,19 +199,28 @@ def state_shardings(lora_shardings: Params, optimizer: optax.GradientTransformat
     return {"lora": lora_shardings, "opt_state": opt_shardings, "step": replicated(mesh), "rng": replicated(mesh)}
 
 
+def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Put ``x`` on ``sharding`` (multi-host safe: no device_put onto other hosts' devices)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def init_state(lora: Params, optimizer: optax.GradientTransformation, shardings: dict[str, Any], rng: jax.Array, step: int = 0) -> dict[str, Any]:
     """The train state, created directly with its declared shardings.
 
     ``jax.jit(optimizer.init)`` without ``out_shardings`` would put the moments on one
     device (and force a recompile of the step); we pass the shardings explicitly.
     """
-    lora = jax.device_put(lora, shardings["lora"])  # no-op if already placed that way
+    lora = jax.tree.map(_place, lora, shardings["lora"])
     opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(lora)
+    key_data = _place(np.asarray(jax.random.key_data(rng)), shardings["rng"])
     return {
         "lora": lora,
         "opt_state": opt_state,
-        "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"]),
-        "rng": jax.device_put(rng, shardings["rng"]),
+        "step": _place(np.asarray(step, np.int32), shardings["step"]),
+        "rng": jax.jit(jax.random.wrap_key_data, out_shardings=shardings["rng"])(key_data),
     }
 
 

@@ -32,7 +32,8 @@ def deliver_webhook(delivery_id: str) -> str:
     """Attempt ``delivery_id`` once; schedule the retry when it failed and attempts remain."""
     settings = get_settings()
     with session_scope(settings.resolved_database_url) as session:
-        outcome = attempt_delivery(session, delivery_id, get_webhook_settings())
+        outcome = attempt_delivery(session, delivery_id, get_webhook_settings(),
+                                   service_key=settings.secret_key_value())
     if outcome.retry_in_s is not None:
         deliver_webhook.apply_async((delivery_id,), countdown=outcome.retry_in_s)
     log.info("webhook delivery %s: %s (HTTP %s)", delivery_id, outcome.status, outcome.response_status)
