@@ -114,6 +114,22 @@ def _detached_copy(key: ApiKey) -> ApiKey:
 key_cache = KeyCache()
 
 
+def authenticate_cached(session: Session, authorization: str) -> ApiKey | None:
+    """The key of a well-formed Bearer header if ``key_cache`` holds it, else None.
+
+    Does no I/O (safe in the event loop): the cached snapshot is merged into ``session``
+    without a query. None means "ask ``authenticate``", not "invalid".
+    """
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or key_prefix(token) is None:
+        return None
+    cached = key_cache.get(session.get_bind().url, hash_secret(token))
+    if cached is None:
+        return None
+    return session.merge(cached, load=False)
+
+
 def authenticate(session: Session, authorization: str | None) -> ApiKey:
     """The live key named by an ``Authorization: Bearer`` header, else a 401.
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import select
@@ -30,6 +32,8 @@ from api.schemas.jobs import JobCreate
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MAX_FIRST_ERRORS = 5
+
+log = logging.getLogger(__name__)
 
 
 def request_hash(body: dict[str, Any]) -> str:
@@ -67,7 +71,7 @@ def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> 
     return file
 
 
-def _check_trainer(body: JobCreate) -> None:
+def check_trainer(body: JobCreate) -> None:
     if body.trainer_name == "jax_lora" and body.adapter.method == "qlora":
         raise APIError(400, "invalid_request",
                        "The JAX trainer trains LoRA on bf16/fp32 weights; QLoRA (4-bit) needs "
@@ -83,9 +87,14 @@ def create_job(
     base_models: dict[str, BaseModelEntry],
     queue: TaskQueue,
     idempotency_key: str | None = None,
+    estimate: Callable[[Job], dict[str, Any]] | None = None,
     _retried: bool = False,
 ) -> Job:
-    """Create a job (or return the one created earlier with the same Idempotency-Key)."""
+    """Create a job (or return the one created earlier with the same Idempotency-Key).
+
+    ``estimate(job)`` (``api.fleet.estimate_job``) is stored on ``job.estimate``; a
+    failing estimate never fails the creation: its error is stored instead.
+    """
     digest = request_hash(raw_body)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= 255:
@@ -108,7 +117,7 @@ def create_job(
         known = ", ".join(sorted(base_models)) or "none"
         raise APIError(400, "invalid_model",
                        f"Unknown base model '{body.model}'. Available: {known}.", param="model")
-    _check_trainer(body)
+    check_trainer(body)
     max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len > model.max_seq_len:
         raise APIError(400, "invalid_request",
@@ -143,6 +152,8 @@ def create_job(
             session.flush()
         add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
         queued = _queue_if_files_ready(session, job)
+        if estimate is not None:
+            job.estimate = _estimate_or_error(estimate, job)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race: answer like a retry.
@@ -150,10 +161,20 @@ def create_job(
         if idempotency_key is None or _retried:
             raise
         return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models,
-                          queue=queue, idempotency_key=idempotency_key, _retried=True)
+                          queue=queue, idempotency_key=idempotency_key, estimate=estimate,
+                          _retried=True)
     if queued:
         queue.send(SCHEDULE)
     return job
+
+
+def _estimate_or_error(estimate: Callable[[Job], dict[str, Any]], job: Job) -> dict[str, Any]:
+    try:
+        return estimate(job)
+    except Exception as exc:  # noqa: BLE001 - an estimate is advice; creation must not fail on it
+        log.warning("estimate for %s failed: %s", job.id, exc, exc_info=True)
+        code = getattr(exc, "code", None) or "estimate_failed"
+        return {"object": "fine_tuning.estimate", "error": {"code": code, "message": str(exc)}}
 
 
 def _queue_if_files_ready(session: Session, job: Job) -> bool:

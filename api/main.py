@@ -12,13 +12,14 @@ import time
 
 from fastapi import FastAPI
 
-from api import observability, webhooks
+from api import fleet, observability, webhooks
 from api.artifacts import artifact_store, file_store
 from api.base_models import load_base_models
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryQueue, TaskQueue
 from api.routes import admin, files, health, jobs, models, outputs, reports
+from api.routes import fleet as fleet_routes
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
 
@@ -48,7 +49,8 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.base_models = load_base_models(settings)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    for module in (health, files, jobs, outputs, models, reports, admin):
+    fleet.install(app, settings)  # node pools + the Prometheus capacity provider
+    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.

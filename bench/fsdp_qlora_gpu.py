@@ -27,14 +27,14 @@ import os
 import time
 from pathlib import Path
 
-SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-             intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
+SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "4090": 165e12, "3090": 71e12}
 
 
-SMOKE_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=512, vocab_size=1024, max_position_embeddings=512)
+SMOKE_SHAPE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 512, "vocab_size": 1024, "max_position_embeddings": 512}
 
 
 def _device() -> str:

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 CONFIGS = {
-    "lora_bf16": dict(quantization="none"),
-    "qlora_nf4": dict(quantization="nf4"),
-    "qlora_hqq4": dict(quantization="hqq4"),
+    "lora_bf16": {"quantization": "none"},
+    "qlora_nf4": {"quantization": "nf4"},
+    "qlora_hqq4": {"quantization": "hqq4"},
 }
 # Large allocations get their own mmap and go back to the OS when freed, so RSS tracks
 # live tensors instead of glibc's heap high-water mark (set for the child processes).
@@ -56,17 +56,22 @@ def _reset_hwm() -> None:
 
 
 def child(model_dir: str, name: str, seq: int, steps: int) -> None:
+    import bitsandbytes  # noqa: F401
     import numpy as np
+    import peft  # noqa: F401  (imported before the baseline is taken)
     import torch
 
     from trainers.common.data import Batch
     from trainers.fsdp_qlora.distributed import DistContext
     from trainers.fsdp_qlora.loading import ModelOptions, build_model
     from trainers.fsdp_qlora.train_step import build_optimizer, train_step
-    import peft, transformers  # noqa: F401  (imported before the baseline is taken)
-    import bitsandbytes, hqq.core.quantize  # noqa: F401
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    # Warm the libraries both configurations load anyway (bnb's first op pulls in
+    # torch._dynamo, ~30 MiB), so the baseline holds the same code in every process.
+    from trainers.fsdp_qlora.quantize import QuantConfig, dequantized_weight, quantize_linear
+
+    dequantized_weight(quantize_linear(torch.nn.Linear(64, 64, bias=False), QuantConfig("nf4")))
     baseline = _rss_bytes()
     _reset_hwm()
     ctx = DistContext(0, 1, 0, torch.device("cpu"))

@@ -72,7 +72,13 @@ def jax_loop(path: Path, tokens):
     from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import param_axes
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
-    from trainers.jax_lora.step import StepConfig, compile_steps, init_state, make_optimizer, state_shardings
+    from trainers.jax_lora.step import (
+        StepConfig,
+        compile_steps,
+        init_state,
+        make_optimizer,
+        state_shardings,
+    )
 
     cfg = LlamaConfig.from_pretrained(path)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])

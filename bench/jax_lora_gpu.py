@@ -57,7 +57,13 @@ def main() -> None:
     from trainers.jax_lora.lora import count_params, init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import init_params, param_axes, param_shapes
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
-    from trainers.jax_lora.step import StepConfig, compile_steps, init_state, make_optimizer, state_shardings
+    from trainers.jax_lora.step import (
+        StepConfig,
+        compile_steps,
+        init_state,
+        make_optimizer,
+        state_shardings,
+    )
 
     raw = dict(TINY if args.tiny else LLAMA_8B)
     if args.layers:

@@ -3,6 +3,11 @@
 1. Parse the spec (unreadable or invalid -> exit USER_ERROR, code ``invalid_spec``).
 2. Build the reporter (``trainers.common.reporter``), mirror its items to the spec's
    experiment trackers (``trainers.common.integrations``), install the SIGTERM flag.
+   s3:// locations (``trainers.common.storage``): the recipe gets a copy of the spec with
+   local paths; model and data are downloaded into the cache dir first (and, with
+   ``resume_from: latest``, the newest checkpoint in the bucket), and each reported
+   checkpoint and the final output dir are uploaded before their report items go out
+   with their s3:// locations.
 3. Dispatch to the recipe named by ``spec.trainer`` (imported lazily, so a torch image
    without jax, or the reverse, still starts): ``trainers.fsdp_qlora.recipe:run`` or
    ``trainers.jax_lora.recipe:run``. A recipe is ``run(spec, *, reporter, stop)``; it
@@ -178,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             reporter.event("s3:// inputs staged", data=staging.stage_inputs())
             recipe_reporter = staging.wrap_reporter(reporter)
         run(run_spec, reporter=recipe_reporter, stop=stop)
+        if getattr(recipe_reporter, "failure", None) is not None:
+            raise recipe_reporter.failure  # an upload that failed outside the recipe's thread
     except BaseException as exc:  # every outcome must become an exit code  # noqa: BLE001
         if isinstance(exc, KeyboardInterrupt):
             exc = Preempted("interrupted")

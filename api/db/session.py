@@ -7,10 +7,14 @@ keys on (SQLite leaves them off by default).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from typing import Any
+
+from pydantic_core import from_json
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -28,13 +32,34 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+def _json_loads(data: bytes | str) -> Any:
+    """Parse a JSON column value: pydantic-core's parser, ~5-50x faster than ``json.loads``.
+
+    A page of 20 jobs holds ~170 JSON values; with the stdlib parser decoding them cost
+    more CPU than the rest of the request. Anything it refuses (PostgreSQL's ``json``
+    type keeps the text as written) goes to the stdlib parser, so nothing that loaded
+    before stops loading.
+    """
+    try:
+        return from_json(data)
+    except ValueError:
+        return json.loads(data)
+
+
+def _psycopg_fast_json(dbapi_connection, _record) -> None:
+    from psycopg.types.json import set_json_loads  # only engines on psycopg get here
+
+    set_json_loads(_json_loads, dbapi_connection)
+
+
 def get_engine(url: str) -> Engine:
     """The process-wide engine for ``url`` (created on first use)."""
     with _lock:
         engine = _engines.get(url)
         if engine is None:
             if url.startswith("sqlite"):
-                engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 15})
+                engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 15},
+                                       json_deserializer=_json_loads)
                 event.listen(engine, "connect", _sqlite_pragmas)
             else:
                 # No pool_pre_ping: it costs a round trip on every checkout, i.e. on every
@@ -44,6 +69,8 @@ def get_engine(url: str) -> Engine:
                 # only the requests already holding a stale connection fail (once).
                 engine = create_engine(url, pool_size=10, max_overflow=20,
                                        pool_recycle=POOL_RECYCLE_S, pool_use_lifo=True)
+                if engine.dialect.driver == "psycopg":
+                    event.listen(engine, "connect", _psycopg_fast_json)
             _engines[url] = engine
         return engine
 

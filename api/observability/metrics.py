@@ -26,8 +26,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import APIError
 from api.observability.collectors import DatabaseCollector
@@ -44,29 +44,49 @@ WEBHOOK_FAILURES = Counter(
 )
 
 
-def _route_template(request: Request) -> str:
-    route = request.scope.get("route")
+def _route_template(app: ASGIApp, scope: Scope) -> str:
+    route = scope.get("route")
     if route is not None and getattr(route, "path", None):
         return route.path
-    for candidate in request.app.router.routes:
-        match, _ = candidate.matches(request.scope)
+    router = getattr(app, "router", None)
+    for candidate in getattr(router, "routes", ()):
+        match, _ = candidate.matches(scope)
         if match == Match.FULL:
             return getattr(candidate, "path", "unmatched")
     return "unmatched"
 
 
-class RequestLatencyMiddleware(BaseHTTPMiddleware):
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+class RequestLatencyMiddleware:
+    """Observes every HTTP request's latency, labelled by method, route template, status.
+
+    A plain ASGI middleware, not ``BaseHTTPMiddleware``: the latter runs each request
+    through an extra task and memory streams, which halved the API's throughput.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         start = time.perf_counter()
         status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
+            await self.app(scope, receive, send_with_status)
         finally:
-            route = _route_template(request)
+            # The router has written the matched route into the (shared) scope by now.
+            route = _route_template(scope["app"], scope) if "app" in scope else "unmatched"
             if route != "/metrics":
-                REQUEST_LATENCY.labels(request.method, route, str(status)).observe(time.perf_counter() - start)
+                REQUEST_LATENCY.labels(scope["method"], route, str(status)).observe(
+                    time.perf_counter() - start)
 
 
 router = APIRouter(include_in_schema=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic_core import to_json
 
 from api.db.base import to_unix
 from api.db.models import Checkpoint, Job, JobEvent
@@ -237,27 +238,47 @@ class JobPublic(BaseModel):
 
     @classmethod
     def of(cls, job: Job) -> JobPublic:
-        hp = _public_hyperparameters(job.hyperparameters or {})
-        return cls(
-            id=job.id, created_at=to_unix(job.created_at) or 0, error=job.error,
-            fine_tuned_model=job.fine_tuned_model, finished_at=to_unix(job.finished_at),
-            hyperparameters=hp, model=job.model, organization_id=job.tenant_id,
-            result_files=list(job.result_files or []), seed=job.seed, status=job.status,
-            trained_tokens=job.trained_tokens, training_file=job.training_file,
-            validation_file=job.validation_file, estimated_finish=to_unix(job.estimated_finish),
-            integrations=job.integrations or None, metadata=job.metadata_,
-            method={"type": "supervised", "supervised": {"hyperparameters": hp}},
-            user_provided_suffix=job.suffix, adapter=job.adapter, trainer=job.trainer,
-            placement=job.placement or {}, priority=job.priority, max_seq_len=job.max_seq_len,
-            packing=job.packing, eval=job.eval or {}, pool=job.pool, gpus=job.gpus,
-            queue_reason=job.queue_reason, started_at=to_unix(job.started_at),
-            total_steps=job.total_steps, current_step=job.current_step,
-            resume_from=job.resume_from, restarts=job.restarts, estimate=job.estimate,
-            usage=job.usage,
-        )
+        return cls(**public_job_fields(job))
+
+
+def public_job_fields(job: Job) -> dict[str, Any]:
+    """The fields of ``JobPublic`` for ``job``, as plain JSON-ready values.
+
+    ``JobPublic.of`` validates them into the model; the list route serializes them
+    directly (``jobs_page_json``), which is several times cheaper for a page of jobs and
+    yields the same JSON (a test compares the two).
+    """
+    hp = _public_hyperparameters(job.hyperparameters or {})
+    return dict(
+        id=job.id, object="fine_tuning.job", created_at=to_unix(job.created_at) or 0,
+        error=job.error,
+        fine_tuned_model=job.fine_tuned_model, finished_at=to_unix(job.finished_at),
+        hyperparameters=hp, model=job.model, organization_id=job.tenant_id,
+        result_files=list(job.result_files or []), seed=job.seed, status=job.status,
+        trained_tokens=job.trained_tokens, training_file=job.training_file,
+        validation_file=job.validation_file, estimated_finish=to_unix(job.estimated_finish),
+        integrations=job.integrations or None, metadata=job.metadata_,
+        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+        user_provided_suffix=job.suffix, adapter=job.adapter, trainer=job.trainer,
+        placement=job.placement or {}, priority=job.priority, max_seq_len=job.max_seq_len,
+        packing=job.packing, eval=job.eval or {}, pool=job.pool, gpus=job.gpus,
+        queue_reason=job.queue_reason, started_at=to_unix(job.started_at),
+        total_steps=job.total_steps, current_step=job.current_step,
+        resume_from=job.resume_from, restarts=job.restarts, estimate=job.estimate,
+        usage=job.usage,
+    )
 
 
 JobsPublic = ListPublic[JobPublic]
+
+
+def jobs_page_json(jobs: list[Job], *, has_more: bool) -> bytes:
+    """A ``JobsPublic`` list envelope as JSON bytes, without building the models."""
+    data = [public_job_fields(job) for job in jobs]
+    return to_json({
+        "object": "list", "data": data, "has_more": has_more,
+        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+    })
 
 
 class JobEventPublic(BaseModel):

@@ -41,6 +41,10 @@ LISTS: list[tuple[str, str, Any]] = [
     ("GET", "/v1/fine_tuning/jobs", None),
     ("POST", "/v1/fine_tuning/jobs", "job"),
     ("GET", "/v1/models", None),
+    # fleet (tests/api/test_fleet.py): running job ids and usage are the caller's tenant's only
+    ("GET", "/v1/node_pools", None),
+    ("POST", "/v1/fine_tuning/estimate", {"model": "tunefleet-tiny-llama"}),
+    ("GET", "/v1/usage", None),
 ]
 ADMIN: list[tuple[str, str, Any]] = [
     ("GET", "/v1/admin/tenants", None),
@@ -53,7 +57,7 @@ JOB_TOKEN = [("POST", "/internal/v1/jobs/{job_id}/reports", {"seq": 0, "items": 
 
 # The foundation's routers (api/routes/*); webhooks, metrics and the dashboard test theirs.
 FOUNDATION_TAGS = {"files", "fine-tuning", "fine-tuning outputs", "models", "internal", "admin",
-                   "health"}
+                   "health", "fleet"}
 
 
 def test_route_table_covers_every_route(app) -> None:

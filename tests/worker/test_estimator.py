@@ -96,8 +96,8 @@ def test_more_gpus_means_less_memory_each_and_checkpointing_saves_activations():
 TABLE = [
     ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, False),
     ("8b lora on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024), rtx4090(), 1, False),
-    ("8b lora 8k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192), rtx4090(), 1, True),
-    ("8b lora 8k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"), rtx4090(), 8, False),
+    ("8b lora 4k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=4096), rtx4090(), 1, True),
+    ("8b lora 4k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=4096, cpu_offload="never"), rtx4090(), 2, False),
     ("70b qlora on 4090 (no offload; Answer.AI: 4x A5000 24GB)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512, cpu_offload="never"), rtx4090(), 4, False),
     ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
     ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, False),
@@ -117,6 +117,13 @@ def test_smallest_fitting_gpu_count(name, model, training, pool, gpus, offload):
         assert memory_per_gpu(model, training, smaller, accelerator=pool.accelerator).total > HEADROOM * pool.gpu_memory_bytes
     assert est.eta_s == pytest.approx(1_000_000 / est.tokens_per_s)
     assert est.cost == pytest.approx(est.eta_s / 3600 * gpus * pool.price_per_gpu_hour)
+
+
+def test_8k_context_8b_lora_does_not_fit_4090s_without_offload():
+    # the logits of a 128k vocabulary at 8k tokens alone take ~10 GB on every GPU
+    est = estimate_on_pool(KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"),
+                           rtx4090())
+    assert not est.fits and est.memory.logits > 9e9
 
 
 def test_405b_does_not_fit_4090s_and_says_why():

@@ -22,7 +22,9 @@ MEASURE = Path(__file__).with_name("measure_peak.py")
 MIB = 2**20
 
 
-@pytest.mark.parametrize("hidden, intermediate, seq, batch", [(256, 1024, 256, 4), (512, 1408, 512, 4)])
+# One shape here (a fresh torch+transformers+peft process costs ~10 s on 2 shared cores);
+# bench/scheduler_estimator_cpu.py measures more shapes.
+@pytest.mark.parametrize("hidden, intermediate, seq, batch", [(256, 1024, 256, 4)])
 def test_cpu_peak_within_15_percent(hidden, intermediate, seq, batch):
     cfg = dict(hidden=hidden, layers=4, heads=8, kv_heads=4, intermediate=intermediate, vocab=512, r=8,
                targets=["q_proj", "k_proj", "v_proj", "o_proj"], batch=batch, seq=seq, checkpointing=False)

@@ -8,8 +8,9 @@ same stable codes (``trainers.errors.UserError``):
   validates uploads, so this means the file changed or the spec's format is wrong), or
   nothing trainable is left after truncation;
 - ``model_not_found`` / ``corrupt_model``: the tokenizer cannot be loaded from the model dir;
-- ``unsupported_location``: an ``s3://`` location (the executor stages files locally
-  before starting a trainer; a trainer reads local paths only).
+- ``unsupported_location``: an ``s3://`` location reached a recipe (the entry point,
+  ``trainers.__main__``, stages s3:// inputs into a local cache and hands the recipe a
+  spec with local paths: ``trainers.common.storage``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def local_path(location: str, *, what: str, missing_code: str) -> Path:
     """A spec location as a local Path that exists (UserError otherwise)."""
     if "://" in location:
         raise UserError(
-            f"{what} {location!r} is a remote URI; the trainer reads local paths (the executor "
-            "stages remote files before starting it)",
+            f"{what} {location!r} is a remote URI; recipes read local paths (start the trainer "
+            "with `python -m trainers --spec`, which stages s3:// locations first)",
             code="unsupported_location",
         )
     path = Path(location)

@@ -305,7 +305,8 @@ def reporter_from_spec(report: Any, *, default_spool_dir: str | Path, local_path
     """
     return Reporter(
         url=report.url,
-        token=report.token,
+        # In Kubernetes the token comes from the job's Secret (env), never from the ConfigMap spec.
+        token=report.token or os.environ.get("TUNEFLEET_REPORT_TOKEN"),
         spool_dir=report.spool_dir or (default_spool_dir if report.url else None),
         flush_interval_s=report.flush_interval_s,
         local_path=local_path,

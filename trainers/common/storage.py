@@ -26,7 +26,8 @@ is deleted first and uploaded last, so ``step-N/`` counts as complete (the same 
 The output's ``manifest.json`` is uploaded last for the same reason.
 
 Errors: a missing object is a :class:`~trainers.errors.UserError` with the caller's code
-(``model_not_found``, ``dataset_not_found``, ``checkpoint_not_found``); refused
+(``model_not_found``, ``dataset_not_found``, ``checkpoint_not_found``; ``bucket_not_found``
+for an output/checkpoint bucket that does not exist); refused
 credentials are ``storage_access_denied`` (user error: retrying cannot help); an
 unreachable endpoint is ``storage_unreachable`` (internal error, so the executor retries).
 
@@ -171,6 +172,8 @@ class S3Storage:
             status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
             if missing_code is not None and (code in _NOT_FOUND or status == "404"):
                 raise UserError(f"{what} not found: {location} ({code or status})", code=missing_code) from exc
+            if code == "NoSuchBucket":
+                raise UserError(f"the bucket of {location} does not exist", code="bucket_not_found") from exc
             if code in _DENIED or status == "403":
                 raise StorageAccessDenied(
                     f"S3 refused access to {location} ({code}: {err.get('Message', '')}); check the trainer's "
@@ -364,6 +367,10 @@ def uses_s3(spec: Any) -> bool:
                                   spec.output_dir, spec.checkpoint.dir, spec.checkpoint.resume_from))
 
 
+def _nested(a: S3Location, b: S3Location) -> bool:
+    return a.bucket == b.bucket and (a.prefix.startswith(b.prefix) or b.prefix.startswith(a.prefix))
+
+
 def _data_file_name(loc: S3Location) -> str:
     return PurePosixPath(loc.key).name or "data.jsonl"
 
@@ -386,6 +393,11 @@ class S3Staging:
         self.model_uri = S3Location.parse(spec.model.path) if is_s3(spec.model.path) else None
         self.output_uri = S3Location.parse(spec.output_dir) if is_s3(spec.output_dir) else None
         self.checkpoint_uri = S3Location.parse(spec.checkpoint.dir) if is_s3(spec.checkpoint.dir) else None
+        if self.output_uri and self.checkpoint_uri and _nested(self.output_uri, self.checkpoint_uri):
+            # Each folder is synced as a whole (stale objects deleted): nesting would make
+            # one upload delete the other's objects.
+            raise UserError(f"output_dir {spec.output_dir} and checkpoint.dir {spec.checkpoint.dir} must not "
+                            "contain one another", code="invalid_spec")
         resume = spec.checkpoint.resume_from
         self.resume_uri = S3Location.parse(resume) if is_s3(resume) else None
         self.data_uris: dict[str, S3Location] = {}
@@ -510,7 +522,12 @@ class S3Staging:
         """
         if self.output_uri is None or Path(location).resolve() != self.output_dir.resolve():
             return location, files
-        from trainers.common.outputs import ADAPTER_DIR, TRAINING_CONFIG, finalize_outputs, write_training_config
+        from trainers.common.outputs import (
+            ADAPTER_DIR,
+            TRAINING_CONFIG,
+            finalize_outputs,
+            write_training_config,
+        )
 
         if (self.output_dir / TRAINING_CONFIG).exists():
             write_training_config(self.output_dir, self.spec)
@@ -540,14 +557,23 @@ class PublishingReporter:
     def __init__(self, inner: Any, staging: S3Staging) -> None:
         self._inner = inner
         self._staging = staging
+        self.failure: TrainerError | None = None
 
     def add(self, item: dict[str, Any]) -> None:
+        """Publish, then pass on. A failed upload raises (the recipe stops) and is also kept
+        in :attr:`failure`: items relayed by a launcher thread raise there, not in the
+        recipe, so the entry point checks it after the recipe returns."""
         kind = item.get("type")
-        if kind == "checkpoint" and isinstance(item.get("location"), str):
-            item = {**item, "location": self._staging.publish_checkpoint(item["location"])}
-        elif kind == "artifacts" and isinstance(item.get("location"), str):
-            location, files = self._staging.publish_outputs(item["location"], list(item.get("files", [])))
-            item = {**item, "location": location, "files": files}
+        try:
+            if kind == "checkpoint" and isinstance(item.get("location"), str):
+                item = {**item, "location": self._staging.publish_checkpoint(item["location"])}
+            elif kind == "artifacts" and isinstance(item.get("location"), str):
+                location, files = self._staging.publish_outputs(item["location"], list(item.get("files", [])))
+                item = {**item, "location": location, "files": files}
+        except TrainerError as exc:
+            if self.failure is None:
+                self.failure = exc
+            raise
         self._inner.add(item)
 
     def checkpoint(self, step: int, location: str, metrics: dict[str, Any]) -> None:

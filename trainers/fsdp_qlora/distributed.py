@@ -25,8 +25,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -185,8 +185,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
-        apply_activation_checkpointing as _apply,
         checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as _apply,
     )
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 

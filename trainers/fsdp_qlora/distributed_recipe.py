@@ -32,9 +32,10 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,11 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> Any:
 
 def launch_ranks(spec: Any, *, reporter: Any, stop: Any) -> None:
     """Spawn this node's ranks, relay rank 0's reports, and turn their exit into ours."""
-    from trainers.fsdp_qlora.distributed import accelerator_available, check_parallelism, launch_local
+    from trainers.fsdp_qlora.distributed import (
+        accelerator_available,
+        check_parallelism,
+        launch_local,
+    )
 
     par, hp = spec.parallelism, spec.hyperparameters
     # Refuse bad layouts here too, before N processes pay their imports.
@@ -85,7 +90,7 @@ def launch_ranks(spec: Any, *, reporter: Any, stop: Any) -> None:
         relay.stop()
         spec_path.unlink(missing_ok=True)
     if code == 0:
-        return None
+        return
     raise _rank_error(work, code)
 
 
@@ -189,10 +194,25 @@ def _agree_to_stop(requested: bool, ctx: Any) -> bool:
 
 def run_rank(spec: Any, *, reporter: Any, stop: Any) -> Any:
     """The training run of one rank (world_size 1 runs this directly)."""
-    from trainers.common.checkpointing import TrainerState, capture_host_rng, load_trainer_state, restore_host_rng
+    from trainers.common.checkpointing import (
+        TrainerState,
+        capture_host_rng,
+        load_trainer_state,
+        restore_host_rng,
+    )
     from trainers.common.data import DataCursor
-    from trainers.common.job_data import check_inputs_exist, load_job_data, load_tokenizer, total_optimizer_steps
-    from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
+    from trainers.common.job_data import (
+        check_inputs_exist,
+        load_job_data,
+        load_tokenizer,
+        total_optimizer_steps,
+    )
+    from trainers.common.outputs import (
+        ADAPTER_DIR,
+        MetricsLog,
+        finalize_outputs,
+        write_training_config,
+    )
     from trainers.common.peft_export import write_peft_adapter
     from trainers.common.schedules import learning_rate_at
     from trainers.fsdp_qlora.checkpoint import (

@@ -27,10 +27,11 @@ import json
 import math
 import resource
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -204,7 +205,7 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
         from safetensors import safe_open
 
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return {name: single for name in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
     raise UserError(
         f"no model.safetensors or model.safetensors.index.json in {root} "
         "(only safetensors checkpoints are supported)",
@@ -267,8 +268,7 @@ def canonical_name(name: str) -> str:
     wrapper tokens, so ``base_model.model.model.layers.0._checkpoint_wrapped_module.
     self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``.
     """
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
+    name = name.removeprefix(_PEFT_PREFIX)
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 

@@ -14,15 +14,21 @@ resumed run draws exactly what the uninterrupted run drew, with no RNG state to 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.fsdp_qlora.distributed import DistContext, all_reduce_sum, clip_grad_norm, set_gradient_sync
+from trainers.fsdp_qlora.distributed import (
+    DistContext,
+    all_reduce_sum,
+    clip_grad_norm,
+    set_gradient_sync,
+)
 
 IGNORE_INDEX = -100
 

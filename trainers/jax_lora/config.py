@@ -59,7 +59,7 @@ class LlamaConfig:
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
         """Build and validate from the contents of an HF Llama ``config.json``.
 
         Raises:
@@ -105,7 +105,7 @@ class LlamaConfig:
         return cfg
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "LlamaConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> LlamaConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise UserError(f"no config.json in the model directory {model_dir}", code="model_not_found")

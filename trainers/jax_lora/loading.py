@@ -91,7 +91,7 @@ class CheckpointReader:
             self._where = {key: files[fname] for key, fname in weight_map.items()}
         elif single.is_file():
             f = SafetensorsFile(single)
-            self._where = {key: f for key in f.keys()}
+            self._where = dict.fromkeys(f.keys(), f)
         else:
             raise UserError(
                 f"no model.safetensors or model.safetensors.index.json in {model_dir}", code="model_not_found"

@@ -38,7 +38,12 @@ from trainers.common.checkpointing import (
     save_checkpoint,
 )
 from trainers.common.data import IGNORE_INDEX, Batch, DataCursor, TrainingData
-from trainers.common.job_data import check_inputs_exist, load_job_data, load_tokenizer, total_optimizer_steps
+from trainers.common.job_data import (
+    check_inputs_exist,
+    load_job_data,
+    load_tokenizer,
+    total_optimizer_steps,
+)
 from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
@@ -169,7 +174,13 @@ def run(
     from trainers.jax_lora.config import LlamaConfig
     from trainers.jax_lora.export import export_adapter
     from trainers.jax_lora.loading import host_peak_rss_bytes, load_params
-    from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes, validate_targets
+    from trainers.jax_lora.lora import (
+        init_lora,
+        lora_axes,
+        lora_runtime,
+        lora_shapes,
+        validate_targets,
+    )
     from trainers.jax_lora.model import param_axes, param_shapes
     from trainers.jax_lora.sharding import (
         check_divisible_heads,
@@ -243,11 +254,12 @@ def run(
         opt_report = sharding_report(state["opt_state"], shardings["opt_state"], mesh)
 
         # -- resume ----------------------------------------------------------------------
-        step, cursor = 0, DataCursor()
+        step, cursor, tokens_seen = 0, DataCursor(), 0
         metrics_log = MetricsLog(out_dir, resume_step=resume_state.step if resume_state else None) if primary else None
         if resume_state is not None:
             state = ckpt.restore_state(resume_from, state, shardings)
             step, cursor = resume_state.step, resume_state.cursor
+            tokens_seen = int(resume_state.extra.get("tokens_seen", 0))
             restore_host_rng(resume_state.rng)
             if int(state["step"]) != step:
                 raise UserError(f"checkpoint {resume_from} is inconsistent (step mismatch)", code="incompatible_checkpoint")
@@ -293,7 +305,8 @@ def run(
 
             ts = TrainerState(
                 step=step, epoch=cursor.epoch, cursor=cursor, rng=capture_host_rng(),
-                metrics=last_metrics, extra={"trainer": "jax_lora", "seed": spec.seed},
+                metrics=last_metrics,
+                extra={"trainer": "jax_lora", "seed": spec.seed, "tokens_seen": tokens_seen},
             )
             path = save_checkpoint(ckpt_root, ts, write_tensors, keep_last=spec.checkpoint.keep_last)
             reporter.checkpoint(step, str(path), last_metrics)
@@ -316,7 +329,6 @@ def run(
 
         # -- the loop --------------------------------------------------------------------
         batches = _step_batches(data.train, cursor, dp, accum, pad_id)
-        tokens_seen = 0
         last: dict[str, Any] = {}
         while step < total_steps:
             host_batch, next_cursor = next(batches)

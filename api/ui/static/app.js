@@ -99,12 +99,13 @@
     },
     loss(v) { return v === null || v === undefined ? "—" : Number(v).toFixed(4); },
     sci(v) { return v === null || v === undefined ? "—" : Number(v).toExponential(2); },
-    bytes(v) {
+    bytes(v, digits = null) {
       if (v === null || v === undefined) return "—";
       const units = ["B", "KiB", "MiB", "GiB", "TiB"];
       let i = 0; let n = Number(v);
       while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
-      return `${n.toFixed(i === 0 ? 0 : n >= 100 ? 0 : 1)} ${units[i]}`;
+      const d = digits ?? (i === 0 ? 0 : n >= 100 ? 0 : 1);
+      return `${n.toFixed(i === 0 ? 0 : d)} ${units[i]}`;
     },
     duration(seconds) {
       if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "—";

@@ -46,11 +46,19 @@
       container.dataset.points = String(xs.length);
     }
 
+    // Points may arrive by the thousand (an SSE replay of a long run): redraw at most
+    // once per animation frame, never once per point.
+    let pending = false;
     function redraw() {
-      if (!xs.length) return;
-      if (!plot) { empty.remove(); build(); return; }
-      plot.setData([xs, ...ys]);
-      container.dataset.points = String(xs.length);
+      if (pending) return;
+      pending = true;
+      requestAnimationFrame(() => {
+        pending = false;
+        if (!xs.length) return;
+        if (!plot) { empty.remove(); build(); return; }
+        plot.setData([xs, ...ys]);
+        container.dataset.points = String(xs.length);
+      });
     }
 
     /** Insert or replace the point at x (keeps x sorted; a re-sent step replaces). */

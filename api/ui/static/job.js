@@ -28,7 +28,7 @@
       series: [{ label: "tokens/s", color: "#0ba5ec" }], yFmt: (v) => fmt.num(v),
     }),
     mem: tf.lineChart(document.getElementById("chart-mem"), {
-      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v),
+      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v), yTick: (v) => fmt.bytes(v, 1),
       empty: "No memory readings reported yet.",
     }),
   };
@@ -45,11 +45,21 @@
     charts.lr.setData(rows.filter((m) => has(m.learning_rate)).map((m) => [m.step, [m.learning_rate]]));
     charts.tps.setData(rows.filter((m) => has(m.tokens_per_s)).map((m) => [m.step, [m.tokens_per_s]]));
     charts.mem.setData(rows.filter((m) => has(m.memory_bytes)).map((m) => [m.step, [m.memory_bytes]]));
-    document.getElementById("points-loss").textContent = `${charts.loss.count()} points`;
     for (const m of rows) {
       if (!lastMetric || m.step >= lastMetric.step) lastMetric = { ...(lastMetric || {}), ...m };
     }
-    renderStats();
+    scheduleStats();
+  }
+
+  let statsPending = false;
+  function scheduleStats() {
+    if (statsPending) return;
+    statsPending = true;
+    requestAnimationFrame(() => {
+      statsPending = false;
+      document.getElementById("points-loss").textContent = `${charts.loss.count()} points`;
+      renderStats();
+    });
   }
   const addMetric = (m) => addMetrics([m]);
 
@@ -273,7 +283,14 @@
     };
     const parse = (e) => { try { return JSON.parse(e.data); } catch (_) { return null; } };
     source.addEventListener("metric", (e) => { const m = parse(e); if (m) addMetric(m); });
-    source.addEventListener("event", (e) => { const ev = parse(e); if (ev) addEvent(ev); });
+    source.addEventListener("event", (e) => {
+      const ev = parse(e);
+      if (!ev) return;
+      addEvent(ev);
+      // A registered checkpoint or uploaded outputs: show them now, not at the next poll.
+      if (ev.data?.checkpoint) loadCheckpoints().catch(() => {});
+      if (ev.data?.files) loadArtifacts().catch(() => {});
+    });
     source.addEventListener("status", (e) => { const s = parse(e); if (s) { addEvent(s); refresh(); } });
     source.addEventListener("job", (e) => { const j = parse(e); if (j && j.id === jobId) { job = j; renderHeader(); } });
     source.addEventListener("end", () => { closeStream(); refresh(); });

@@ -78,6 +78,11 @@
     lastPage = page;
     const jobs = page.data || [];
     const metrics = jobs.map((j) => j.latest_metric || null);
+    // Pools seen on jobs join the pool filter (GET /v1/node_pools adds the rest, if served).
+    for (const j of jobs) {
+      const select = form.elements.pool;
+      if (j.pool && ![...select.options].some((o) => o.value === j.pool)) select.append(el("option", { value: j.pool }, j.pool));
+    }
     document.getElementById("jobs-body").replaceChildren(...jobs.map((j, i) => row(j, metrics[i])));
     const empty = document.getElementById("jobs-empty");
     const filtered = [...filters().keys()].length > 0;

@@ -7,7 +7,7 @@
   "use strict";
   const { api, apiAll, el, fmt, pill, emptyState, every } = tf;
   const MAX_WINDOW_S = 24 * 3600;
-  const MIN_WINDOW_S = 15 * 60;
+  const MIN_WINDOW_S = 5 * 60;
   const ownJob = (j) => j.organization_id === tf.page().principal.tenant_id;
   const jobLink = (j) => (ownJob(j)
     ? el("a.mono.small", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id)

@@ -158,7 +158,7 @@ def test_stages_a_sharded_model_and_data_and_downloads_only_changed_objects(s3_e
     # A restarted pod with the same cache downloads nothing ...
     assert S3Staging(spec).stage_inputs() == {"model_bytes": 0, "data_bytes": 0, "checkpoint_bytes": 0}
     # ... and after one shard changed upstream (new ETag), only that shard.
-    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard = min(src.glob("model-*.safetensors"))
     changed = shard.read_bytes()[:-4] + b"\0\0\0\0"
     bucket["client"].put_object(Bucket=BUCKET, Key=f"models/tiny/{shard.name}", Body=changed)
     try:
@@ -186,9 +186,17 @@ def test_missing_objects_are_user_errors_with_stable_codes(s3_env, bucket, make_
     assert err.value.code == code and "s3://" in err.value.message
 
 
-def test_malformed_uri_is_invalid_spec(make_spec):
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"model": {"path": "s3:///no-bucket"}},
+        {"data": {"train_file": "s3://b/../etc/passwd"}},
+        {"output_dir": "s3://b/job", "checkpoint": {"dir": "s3://b/job/checkpoints"}},  # nested: syncs collide
+    ],
+)
+def test_malformed_or_colliding_locations_are_invalid_spec(make_spec, changes):
     with pytest.raises(UserError) as err:
-        S3Staging(make_spec(model={"path": "s3:///no-bucket"}))
+        S3Staging(make_spec(**changes))
     assert err.value.code == "invalid_spec"
 
 
@@ -370,3 +378,26 @@ def test_sigterm_then_resume_on_a_fresh_pod_continues_the_same_losses(
     assert sorted(resumed) == sorted(reference) == list(range(1, 11))
     for step in reference:
         assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
+
+
+def test_a_failed_checkpoint_upload_fails_the_item_and_is_kept_for_the_entry_point(s3_env, bucket, make_spec, tmp_path):
+    from trainers.common.checkpointing import TrainerState, save_checkpoint
+    from trainers.common.data import DataCursor
+
+    spec = _s3_spec(make_spec, "ftjob-nobucket", checkpoint={"dir": "s3://no-such-bucket/ckpt"})
+    staging = S3Staging(spec)
+    sent: list[dict] = []
+
+    class Inner:
+        def add(self, item: dict) -> None:
+            sent.append(item)
+
+    reporter = staging.wrap_reporter(Inner())
+    path = save_checkpoint(staging.local_spec.checkpoint.dir, TrainerState(step=2, epoch=0, cursor=DataCursor()),
+                           lambda d: (d / "w.bin").write_bytes(b"w"), keep_last=2)
+    with pytest.raises(UserError) as err:
+        reporter.checkpoint(2, str(path), {})
+    assert err.value.code == "bucket_not_found" and reporter.failure is err.value
+    assert sent == []  # never a checkpoint item that points at nothing
+    reporter.add({"type": "event", "level": "info", "message": "m", "data": {}})  # other items pass unchanged
+    assert sent == [{"type": "event", "level": "info", "message": "m", "data": {}}]

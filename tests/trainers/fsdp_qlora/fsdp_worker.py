@@ -115,9 +115,14 @@ def main(argv: list[str]) -> int:
         # optimizer, so "resumed" shares nothing with "lora" but the checkpoint on disk.
         ckpt = out / "ckpt"
         plan = [
-            ("lora", dict(quant="none", steps=4, save_at=2, ckpt_root=str(ckpt), resume=None)),
-            ("resumed", dict(quant="none", steps=4, save_at=None, resume=str(ckpt / "step-2"))),
-            ("nf4", dict(quant="nf4", steps=3, save_at=None, resume=None, lr=NF4_LR)),
+            # Activation checkpointing recomputes the same numbers, so the references
+            # (without it) still apply: reentrant for lora, non-reentrant for nf4.
+            ("lora", {"quant": "none", "steps": 4, "save_at": 2, "ckpt_root": str(ckpt), "resume": None,
+                      "ac": "reentrant"}),
+            ("resumed", {"quant": "none", "steps": 4, "save_at": None, "resume": str(ckpt / "step-2"),
+                         "ac": "reentrant"}),
+            ("nf4", {"quant": "nf4", "steps": 3, "save_at": None, "resume": None, "lr": NF4_LR,
+                     "ac": "non_reentrant"}),
         ]
         for name, changes in plan:
             results[name] = run_one(argparse.Namespace(**{**vars(args), **changes}), ctx, out / name)
@@ -134,7 +139,11 @@ def _save(args, model, optimizer, ctx, step, opts):
     from trainers.common.checkpointing import TrainerState
     from trainers.common.data import DataCursor
     from trainers.common.peft_export import write_peft_adapter
-    from trainers.fsdp_qlora.checkpoint import gather_adapter_state, peft_weights, save_checkpoint_distributed
+    from trainers.fsdp_qlora.checkpoint import (
+        gather_adapter_state,
+        peft_weights,
+        save_checkpoint_distributed,
+    )
 
     adapter = gather_adapter_state(model)
 

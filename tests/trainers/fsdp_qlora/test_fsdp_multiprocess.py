@@ -3,12 +3,13 @@
 One launch of ``fsdp_worker.py --suite`` (imports cost ~8-20 s per launch here) runs,
 each from a freshly built model and optimizer:
 
-- ``lora``: 2-process LoRA (fp32), 4 steps, sharded checkpoint at step 2. Must equal a
+- ``lora``: 2-process LoRA (fp32, reentrant activation checkpointing), 4 steps,
+  sharded checkpoint at step 2. Must equal a
   plain single-process transformers + peft loop on the same global batches: losses and
   final adapter within 1e-5. Each rank does 2 micro-steps per optimizer step, so
   gradient accumulation without sync is covered.
 - ``resumed``: a new model resumed from the step-2 DCP checkpoint = ``lora`` (1e-6).
-- ``nf4``: 2-process QLoRA NF4 = the same loop on Hugging Face's BitsAndBytesConfig
+- ``nf4``: 2-process QLoRA NF4 (non-reentrant checkpointing) = the same loop on Hugging Face's BitsAndBytesConfig
   model + peft (1e-5).
 """
 
@@ -49,8 +50,8 @@ def _reference(model_dir: Path, quant: str, steps: int, lr: float):
 
 def _assert_adapters_close(got: dict, want: dict, atol: float) -> None:
     assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k].float(), rtol=0, atol=atol, msg=k)
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w.float(), rtol=0, atol=atol, msg=k)
 
 
 def test_two_process_lora_equals_single_process_loop(tiny_model_dir, suite):

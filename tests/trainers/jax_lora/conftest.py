@@ -13,9 +13,9 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.trainers.jax_lora.hf_tiny import TinySpec, save_tiny_llama  # noqa: E402
+from tests.trainers.jax_lora.hf_tiny import TinySpec, save_tiny_llama
 
 
 @pytest.fixture(scope="session")

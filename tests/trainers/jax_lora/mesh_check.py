@@ -13,23 +13,30 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import json  # noqa: E402
-import sys  # noqa: E402
+import json
+import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from tests.trainers.jax_lora.batches import packed_batch, random_lora  # noqa: E402
-from trainers.jax_lora.config import LlamaConfig  # noqa: E402
-from trainers.jax_lora.loading import load_params  # noqa: E402
-from trainers.jax_lora.lora import lora_axes, lora_runtime, lora_shapes  # noqa: E402
-from trainers.jax_lora.model import param_axes  # noqa: E402
-from trainers.jax_lora.sharding import (  # noqa: E402
-    make_mesh, sharding_report, tree_shardings,
+from tests.trainers.jax_lora.batches import packed_batch, random_lora
+from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.loading import load_params
+from trainers.jax_lora.lora import lora_axes, lora_runtime, lora_shapes
+from trainers.jax_lora.model import param_axes
+from trainers.jax_lora.sharding import (
+    make_mesh,
+    sharding_report,
+    tree_shardings,
 )
-from trainers.jax_lora.step import (  # noqa: E402
-    StepConfig, batch_sharding, compile_steps, init_state, make_loss_and_grads, make_optimizer,
+from trainers.jax_lora.step import (
+    StepConfig,
+    batch_sharding,
+    compile_steps,
+    init_state,
+    make_loss_and_grads,
+    make_optimizer,
     state_shardings,
 )
 
@@ -92,7 +99,7 @@ def main() -> None:
     ref = run_on_mesh(model_dir, MESHES[0])
     for shape in MESHES[1:]:
         got = run_on_mesh(model_dir, shape)
-        diff = lambda a, b: float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))  # noqa: E731
+        diff = lambda a, b: float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
         row = {
             "loss_diff": abs(got["loss"] - ref["loss"]),
             "grad_diff": diff(got["grads"], ref["grads"]),

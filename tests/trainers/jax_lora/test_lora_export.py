@@ -19,7 +19,13 @@ from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
 from trainers.jax_lora.model import forward, param_axes
 from trainers.jax_lora.sharding import make_mesh, tree_shardings
-from trainers.jax_lora.step import StepConfig, compile_steps, init_state, make_optimizer, state_shardings
+from trainers.jax_lora.step import (
+    StepConfig,
+    compile_steps,
+    init_state,
+    make_optimizer,
+    state_shardings,
+)
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -85,3 +91,27 @@ def test_trained_adapter_loads_in_peft_with_same_logits(tiny_untied, tmp_path):
         ref = peft_model(torch.tensor(tokens)).logits.numpy()
     assert np.abs(ours - base).max() > 1e-3  # the adapter changes the logits
     assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_bf16_base_with_fp32_adapter_tracks_fp32(tiny_untied):
+    """The MI300X setting: bf16 base weights and compute, fp32 LoRA factors and grads."""
+    from tests.trainers.jax_lora.batches import random_lora
+    from trainers.jax_lora.step import make_loss_and_grads
+
+    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    targets = ("q_proj", "v_proj", "down_proj")
+    lora = jax.tree.map(jnp.asarray, random_lora(lora_shapes(cfg, targets, 4, jnp.float32), seed=9))
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(8, accum=1, rows=2, seq=32, vocab=cfg.vocab_size).items()}
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        params, _ = load_params(tiny_untied, cfg, mesh, jnp.dtype(dtype))
+        sc = StepConfig(cfg=cfg, runtime=lora_runtime(8.0, 4, 0.0), compute_dtype=dtype)
+        results[dtype] = jax.jit(make_loss_and_grads(sc, None))(lora, params, batch, None)
+    (l32, g32, _), (l16, g16, _) = results["float32"], results["bfloat16"]
+    assert l16.dtype == jnp.float32
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))
+    assert abs(float(l16) - float(l32)) <= 0.05  # bf16 rounding; fp32 parity is tested above
+    a = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g32)])
+    b = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g16)])
+    assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) > 0.99

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from tests.trainers.jax_lora.specs import make_spec
 from trainers.common.peft_export import read_peft_adapter
 from trainers.jax_lora.recipe import run
+
+# Three trainer runs (two processes + the in-process reference): the slowest test here.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
 HP = {"max_steps": 2, "batch_size": 4, "micro_batch_size": 1}

@@ -30,7 +30,7 @@ def _run_entry(spec, tmp_path: Path) -> subprocess.CompletedProcess:
     env.pop("XLA_FLAGS", None)  # one CPU device: mesh (1, 1, 1)
     return subprocess.run(
         [sys.executable, "-m", "trainers", "--spec", str(path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
 
 

@@ -42,13 +42,13 @@ def compilation_cache(tmp_path):
 
 
 def test_resume_continues_the_same_loss_curve(recipe_model, tiny_datasets, tmp_path, compilation_cache):
-    overrides = dict(
-        parallelism={"mesh": _mesh()},
-        adapter={"r": 4, "alpha": 8.0, "dropout": 0.1},
-        data={"packing": True, "shuffle": True, "max_seq_len": 96},
-        hyperparameters={"max_steps": 4, "batch_size": 8, "micro_batch_size": 1, "learning_rate": 1e-2,
-                         "warmup_steps": 1, "n_epochs": 1},
-    )
+    overrides = {
+        "parallelism": {"mesh": _mesh()},
+        "adapter": {"r": 4, "alpha": 8.0, "dropout": 0.1},
+        "data": {"packing": True, "shuffle": True, "max_seq_len": 96},
+        "hyperparameters": {"max_steps": 4, "batch_size": 8, "micro_batch_size": 1, "learning_rate": 1e-2,
+                            "warmup_steps": 1, "n_epochs": 1},
+    }
     full = make_spec(recipe_model, tiny_datasets, tmp_path / "full", **overrides)
     run(full)
 
@@ -67,6 +67,7 @@ def test_resume_continues_the_same_loss_curve(recipe_model, tiny_datasets, tmp_p
         assert abs(a[s]["train_loss"] - b[s]["train_loss"]) <= 1e-6, s
         assert a[s]["grad_norm"] == pytest.approx(b[s]["grad_norm"], abs=1e-6)
     assert abs(a[4]["valid_loss"] - b[4]["valid_loss"]) <= 1e-6
+    assert a[4]["tokens_seen"] == b[4]["tokens_seen"]
     assert len({round(a[s]["train_loss"], 6) for s in a}) == 4  # the curve moves
     _, wa = read_peft_adapter(tmp_path / "full" / "out" / "adapter")
     _, wb = read_peft_adapter(tmp_path / "part" / "out" / "adapter")
