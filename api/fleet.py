@@ -98,10 +98,16 @@ def capacity_snapshot(session: Session, pools: list[NodePool]) -> CapacitySnapsh
             if not need:
                 break
         if held:
-            snap.allocate(RunningJob(
-                job_id=job_id, tenant=tenant, pool=pool, priority=int(priority or 0),
-                started_at=_ts(started_at) or 0.0, nodes=tuple(held),
-            ))
+            snap.allocate(
+                RunningJob(
+                    job_id=job_id,
+                    tenant=tenant,
+                    pool=pool,
+                    priority=int(priority or 0),
+                    started_at=_ts(started_at) or 0.0,
+                    nodes=tuple(held),
+                )
+            )
     return snap
 
 
@@ -113,7 +119,9 @@ def _ts(value: dt.datetime | None) -> float | None:
     return value.timestamp()
 
 
-def _waiting_pool(job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None) -> str | None:
+def _waiting_pool(
+    job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None
+) -> str | None:
     """The pool a queued job waits for: the one it pinned, else its estimate's choice."""
     pinned = (job_placement or {}).get("pool")
     if pinned:
@@ -135,23 +143,42 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
     out: list[dict[str, Any]] = []
     for pool in pools:
         running = sorted(
-            (j for j in snap.running.values() if j.pool == pool.name), key=lambda j: (j.started_at, j.job_id)
+            (j for j in snap.running.values() if j.pool == pool.name),
+            key=lambda j: (j.started_at, j.job_id),
         )
         visible = [j.job_id for j in running if key.grants_admin or j.tenant == key.tenant_id]
         nodes = list(snap.nodes.get(pool.name, {}).values())
         total, free = snap.pool_total(pool.name), snap.pool_free(pool.name)
-        out.append({
-            "name": pool.name, "accelerator": pool.accelerator, "gpu_memory_bytes": pool.gpu_memory_bytes,
-            "gpu_memory_gib": round(pool.gpu_memory_gib, 2), "gpus_per_node": pool.gpus_per_node,
-            "nodes": len(nodes), "gpus_total": total, "gpus_used": total - free, "gpus_free": free,
-            "trainers": list(pool.trainers), "trainer_image": pool.trainer_image,
-            "price_per_gpu_hour": pool.price_per_gpu_hour, "peak_tflops": pool.peak_tflops,
-            "max_nodes_per_job": pool.max_nodes_per_job, "running_jobs": visible,
-            "queued_jobs": queued.get(pool.name, 0),
-            "node_list": [{"name": n.name, "gpus_total": n.gpus_total, "gpus_used": n.gpus_total - n.gpus_free,
-                           "gpus_free": n.gpus_free} for n in nodes],
-            "capacity_source": "config",
-        })
+        out.append(
+            {
+                "name": pool.name,
+                "accelerator": pool.accelerator,
+                "gpu_memory_bytes": pool.gpu_memory_bytes,
+                "gpu_memory_gib": round(pool.gpu_memory_gib, 2),
+                "gpus_per_node": pool.gpus_per_node,
+                "nodes": len(nodes),
+                "gpus_total": total,
+                "gpus_used": total - free,
+                "gpus_free": free,
+                "trainers": list(pool.trainers),
+                "trainer_image": pool.trainer_image,
+                "price_per_gpu_hour": pool.price_per_gpu_hour,
+                "peak_tflops": pool.peak_tflops,
+                "max_nodes_per_job": pool.max_nodes_per_job,
+                "running_jobs": visible,
+                "queued_jobs": queued.get(pool.name, 0),
+                "node_list": [
+                    {
+                        "name": n.name,
+                        "gpus_total": n.gpus_total,
+                        "gpus_used": n.gpus_total - n.gpus_free,
+                        "gpus_free": n.gpus_free,
+                    }
+                    for n in nodes
+                ],
+                "capacity_source": "config",
+            }
+        )
     return out
 
 
@@ -172,24 +199,32 @@ def model_shape(entry: BaseModelEntry) -> tuple[ModelShape, str]:
             raise EstimateError(f"cannot read {config}: {exc}", "model_config_unavailable") from exc
         return ModelShape.from_hf_config(data), "config.json"
     if entry.params_b:
-        name, shape = min(KNOWN_MODELS.items(), key=lambda kv: abs(kv[1].params / 1e9 - entry.params_b))
+        name, shape = min(
+            KNOWN_MODELS.items(), key=lambda kv: abs(kv[1].params / 1e9 - entry.params_b)
+        )
         return shape, f"nearest known model {name} (params_b {entry.params_b:g})"
     raise EstimateError(
-        f"cannot read the config of base model {entry.id!r} at {entry.path} and it declares no params_b",
+        f"cannot read the config of base model {entry.id!r} at {entry.path}, "
+        "and it declares no params_b",
         "model_config_unavailable",
     )
 
 
-def training_shape(adapter: dict[str, Any], hyperparameters: dict[str, Any], max_seq_len: int) -> TrainingShape:
+def training_shape(
+    adapter: dict[str, Any], hyperparameters: dict[str, Any], max_seq_len: int
+) -> TrainingShape:
     """The job settings that decide memory (same mapping as the scheduler's store)."""
     method = adapter.get("method", "lora")
     quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
     return TrainingShape(
-        method=method, quantization=quant if method == "qlora" else "none",
+        method=method,
+        quantization=quant if method == "qlora" else "none",
         double_quant=bool(adapter.get("double_quant", False)),
-        hqq_group_size=int(adapter.get("hqq_group_size", 64)), r=int(adapter.get("r", 8)),
+        hqq_group_size=int(adapter.get("hqq_group_size", 64)),
+        r=int(adapter.get("r", 8)),
         target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGETS),
-        seq_len=int(max_seq_len), micro_batch=_micro_batch(hyperparameters),
+        seq_len=int(max_seq_len),
+        micro_batch=_micro_batch(hyperparameters),
     )
 
 
@@ -220,9 +255,17 @@ class EstimateInput:
 
 
 def job_request(
-    *, job_id: str, tenant_id: str, entry: BaseModelEntry, adapter: dict[str, Any],
-    hyperparameters: dict[str, Any], max_seq_len: int, trainer: str, placement: dict[str, Any],
-    priority: int, total_tokens: int | None,
+    *,
+    job_id: str,
+    tenant_id: str,
+    entry: BaseModelEntry,
+    adapter: dict[str, Any],
+    hyperparameters: dict[str, Any],
+    max_seq_len: int,
+    trainer: str,
+    placement: dict[str, Any],
+    priority: int,
+    total_tokens: int | None,
 ) -> EstimateInput:
     shape, source = model_shape(entry)
     training = training_shape(adapter, hyperparameters, max_seq_len)
@@ -232,13 +275,21 @@ def job_request(
         # QLoRA job can only run on fsdp_qlora pools.
         family = "fsdp_qlora"
     req = JobRequest(
-        job_id=job_id, tenant=tenant_id, model=shape, training=training, priority=priority,
-        total_tokens=total_tokens, trainer=family,
-        pool=placement.get("pool"), gpus=placement.get("gpus"),
+        job_id=job_id,
+        tenant=tenant_id,
+        model=shape,
+        training=training,
+        priority=priority,
+        total_tokens=total_tokens,
+        trainer=family,
+        pool=placement.get("pool"),
+        gpus=placement.get("gpus"),
     )
     notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
     if total_tokens is None:
-        notes.append("no example count yet: ETA and cost need training_file, n_examples or total_tokens")
+        notes.append(
+            "no example count yet: ETA and cost need training_file, n_examples or total_tokens"
+        )
     return EstimateInput(req, entry.id, source, tuple(notes))
 
 
@@ -250,26 +301,53 @@ def _breakdown(est: PoolEstimate) -> dict[str, int] | None:
     if m is None:
         return None
     return {
-        "weights": m.weights + m.gathered_layer, "lora": m.lora_params, "grads": m.lora_grads,
-        "optimizer": m.optimizer, "activations": m.activations + m.logits, "overhead": m.slack + m.framework,
+        "weights": m.weights + m.gathered_layer,
+        "lora": m.lora_params,
+        "grads": m.lora_grads,
+        "optimizer": m.optimizer,
+        "activations": m.activations + m.logits,
+        "overhead": m.slack + m.framework,
     }
 
 
-def _pool_row(pool: NodePool, est: PoolEstimate | None, free: int, reasons: list[str]) -> dict[str, Any]:
+def _pool_row(
+    pool: NodePool, est: PoolEstimate | None, free: int, reasons: list[str]
+) -> dict[str, Any]:
     row = {
-        "pool": pool.name, "accelerator": pool.accelerator, "fits": False, "gpus": 0, "nodes": 0,
-        "cpu_offload": False, "trainer": None, "memory_per_gpu_bytes": None,
-        "capacity_bytes": pool.gpu_memory_bytes, "usable_bytes": int(pool.gpu_memory_bytes * HEADROOM),
-        "gpu_memory_bytes": pool.gpu_memory_bytes, "breakdown": None, "tokens_per_s": 0.0, "eta_s": None,
-        "cost": None, "gpus_free": free, "reasons": reasons,
+        "pool": pool.name,
+        "accelerator": pool.accelerator,
+        "fits": False,
+        "gpus": 0,
+        "nodes": 0,
+        "cpu_offload": False,
+        "trainer": None,
+        "memory_per_gpu_bytes": None,
+        "capacity_bytes": pool.gpu_memory_bytes,
+        "usable_bytes": int(pool.gpu_memory_bytes * HEADROOM),
+        "gpu_memory_bytes": pool.gpu_memory_bytes,
+        "breakdown": None,
+        "tokens_per_s": 0.0,
+        "eta_s": None,
+        "cost": None,
+        "gpus_free": free,
+        "reasons": reasons,
     }
     if est is not None:
-        row.update({
-            "fits": est.fits, "gpus": est.gpus, "nodes": est.nodes, "cpu_offload": est.offload,
-            "trainer": est.trainer, "memory_per_gpu_bytes": est.bytes_per_gpu, "breakdown": _breakdown(est),
-            "tokens_per_s": round(est.tokens_per_s, 1), "eta_s": _round(est.eta_s, 1),
-            "cost": _round(est.cost, 4), "reasons": list(est.reasons) + reasons,
-        })
+        row.update(
+            {
+                "fits": est.fits,
+                "gpus": est.gpus,
+                "nodes": est.nodes,
+                "cpu_offload": est.offload,
+                "trainer": est.trainer,
+                "memory_per_gpu_bytes": est.bytes_per_gpu,
+                "breakdown": _breakdown(est),
+                "tokens_per_s": round(est.tokens_per_s, 1),
+                "eta_s": _round(est.eta_s, 1),
+                "cost": _round(est.cost, 4),
+                "reasons": list(est.reasons) + reasons,
+            }
+        )
     return row
 
 
@@ -282,14 +360,24 @@ def _chosen(placement: Placement, mode: str, reasons: tuple[str, ...]) -> dict[s
     if placement.pool is None or est is None:
         return None
     return {
-        "pool": placement.pool, "gpus": placement.gpus, "mode": mode, "trainer": placement.trainer,
-        "fits": True, "cpu_offload": est.offload, "memory_per_gpu_bytes": est.bytes_per_gpu,
-        "tokens_per_s": round(est.tokens_per_s, 1), "eta_s": _round(est.eta_s, 1), "cost": _round(est.cost, 4),
-        "preempts": len(placement.victims), "reasons": list(reasons),
+        "pool": placement.pool,
+        "gpus": placement.gpus,
+        "mode": mode,
+        "trainer": placement.trainer,
+        "fits": True,
+        "cpu_offload": est.offload,
+        "memory_per_gpu_bytes": est.bytes_per_gpu,
+        "tokens_per_s": round(est.tokens_per_s, 1),
+        "eta_s": _round(est.eta_s, 1),
+        "cost": _round(est.cost, 4),
+        "preempts": len(placement.victims),
+        "reasons": list(reasons),
     }
 
 
-def estimate(pools: list[NodePool], snapshot: CapacitySnapshot, inp: EstimateInput) -> dict[str, Any]:
+def estimate(
+    pools: list[NodePool], snapshot: CapacitySnapshot, inp: EstimateInput
+) -> dict[str, Any]:
     """Every pool's estimate and a dry run of placement now (the ``fine_tuning.estimate`` object).
 
     ``chosen`` is where the scheduler would place the job now (``fit``, or
@@ -301,18 +389,34 @@ def estimate(pools: list[NodePool], snapshot: CapacitySnapshot, inp: EstimateInp
     rows: list[dict[str, Any]] = []
     for pool in pools:
         free = snapshot.pool_free(pool.name)
-        trainer = pool.preferred_trainer() if req.trainer == "auto" else (
-            req.trainer if req.trainer in pool.trainers else None)
+        trainer = (
+            pool.preferred_trainer()
+            if req.trainer == "auto"
+            else (req.trainer if req.trainer in pool.trainers else None)
+        )
         limit = pool.gpus_per_node * pool.max_nodes_per_job
         if trainer is None:
-            wants = ("QLoRA (4-bit) trains only on fsdp_qlora" if req.training.method == "qlora"
-                     else f"the job asks for {req.trainer}")
-            rows.append(_pool_row(pool, None, free, [f"{pool.name} runs {'/'.join(pool.trainers)}; {wants}"]))
+            wants = (
+                "QLoRA (4-bit) trains only on fsdp_qlora"
+                if req.training.method == "qlora"
+                else f"the job asks for {req.trainer}"
+            )
+            rows.append(
+                _pool_row(
+                    pool, None, free, [f"{pool.name} runs {'/'.join(pool.trainers)}; {wants}"]
+                )
+            )
             continue
         if req.gpus is not None and req.gpus > limit:
-            rows.append(_pool_row(pool, None, free, [f"{pool.name} allows at most {limit} GPUs per job"]))
+            rows.append(
+                _pool_row(pool, None, free, [f"{pool.name} allows at most {limit} GPUs per job"])
+            )
             continue
-        extra = [f"not considered: placement.pool pins the job to {req.pool}"] if req.pool not in (None, pool.name) else []
+        extra = (
+            [f"not considered: placement.pool pins the job to {req.pool}"]
+            if req.pool not in (None, pool.name)
+            else []
+        )
         rows.append(_pool_row(pool, estimate_for(req, pool, trainer), free, extra))
     now = place_job(req, snapshot, policy=PreemptionPolicy())
     chosen = None
@@ -325,35 +429,60 @@ def estimate(pools: list[NodePool], snapshot: CapacitySnapshot, inp: EstimateInp
     return {
         "object": "fine_tuning.estimate",
         "model": {"id": inp.model_id, "params": req.model.params, "shape_source": inp.shape_source},
-        "total_tokens": req.total_tokens, "mode": now.mode, "reasons": list(now.reasons),
-        "pools": rows, "chosen": chosen, "notes": list(inp.notes),
+        "total_tokens": req.total_tokens,
+        "mode": now.mode,
+        "reasons": list(now.reasons),
+        "pools": rows,
+        "chosen": chosen,
+        "notes": list(inp.notes),
     }
 
 
 def _estimate_error(exc: EstimateError) -> APIError:
-    param = {"model_not_found": "model", "model_config_unavailable": "model", "invalid_model_config": "model",
-             "invalid_adapter": "adapter"}.get(exc.code)
+    param = {
+        "model_not_found": "model",
+        "model_config_unavailable": "model",
+        "invalid_model_config": "model",
+        "invalid_adapter": "adapter",
+    }.get(exc.code)
     return APIError(400, exc.code, str(exc), param=param)
 
 
 def estimate_request(
-    session: Session, tenant: Tenant, body: EstimateRequest, *, base_models: dict[str, BaseModelEntry],
+    session: Session,
+    tenant: Tenant,
+    body: EstimateRequest,
+    *,
+    base_models: dict[str, BaseModelEntry],
     pools: list[NodePool],
 ) -> dict[str, Any]:
     """``POST /v1/fine_tuning/estimate``: validate the job-shaped body, then estimate."""
     entry = base_models.get(body.model)
     if entry is None:
         known = ", ".join(sorted(base_models)) or "none"
-        raise APIError(400, "invalid_model", f"Unknown base model '{body.model}'. Available: {known}.",
-                       param="model")
+        raise APIError(
+            400,
+            "invalid_model",
+            f"Unknown base model '{body.model}'. Available: {known}.",
+            param="model",
+        )
     check_trainer(body)
     max_seq_len = body.max_seq_len or min(entry.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len > entry.max_seq_len:
-        raise APIError(400, "invalid_request", f"max_seq_len {max_seq_len} exceeds the model's {entry.max_seq_len}.",
-                       param="max_seq_len")
+        raise APIError(
+            400,
+            "invalid_request",
+            f"max_seq_len {max_seq_len} exceeds the model's {entry.max_seq_len}.",
+            param="max_seq_len",
+        )
     if body.placement.pool is not None and body.placement.pool not in {p.name for p in pools}:
-        raise APIError(400, "invalid_request", f"Unknown node pool '{body.placement.pool}'. Available: "
-                       f"{', '.join(p.name for p in pools)}.", param="placement.pool")
+        raise APIError(
+            400,
+            "invalid_request",
+            f"Unknown node pool '{body.placement.pool}'. Available: "
+            f"{', '.join(p.name for p in pools)}.",
+            param="placement.pool",
+        )
     n_examples = body.n_examples
     if body.training_file is not None:
         n_examples = _file_examples(session, tenant, body.training_file, given=n_examples)
@@ -362,9 +491,15 @@ def estimate_request(
     total = body.total_tokens or planned_tokens(hp, max_seq_len)
     try:
         inp = job_request(
-            job_id="estimate", tenant_id=tenant.id, entry=entry, adapter=body.adapter.model_dump(),
-            hyperparameters=hp, max_seq_len=max_seq_len, trainer=body.trainer_name,
-            placement=body.placement.model_dump(exclude_none=True), priority=body.priority_value,
+            job_id="estimate",
+            tenant_id=tenant.id,
+            entry=entry,
+            adapter=body.adapter.model_dump(),
+            hyperparameters=hp,
+            max_seq_len=max_seq_len,
+            trainer=body.trainer_name,
+            placement=body.placement.model_dump(exclude_none=True),
+            priority=body.priority_value,
             total_tokens=total,
         )
         return estimate(pools, capacity_snapshot(session, pools), inp)
@@ -372,34 +507,53 @@ def estimate_request(
         raise _estimate_error(exc) from exc
 
 
-def _file_examples(session: Session, tenant: Tenant, file_id: str, *, given: int | None) -> int | None:
+def _file_examples(
+    session: Session, tenant: Tenant, file_id: str, *, given: int | None
+) -> int | None:
     try:
         file: File = get_file(session, tenant, file_id, param="training_file")
     except APIError:
-        raise APIError(400, "invalid_file", f"No file found with id '{file_id}'.", param="training_file") from None
+        raise APIError(
+            400, "invalid_file", f"No file found with id '{file_id}'.", param="training_file"
+        ) from None
     if file.purpose != "fine-tune":
-        raise APIError(400, "invalid_file", f"File '{file_id}' has purpose '{file.purpose}', not 'fine-tune'.",
-                       param="training_file")
+        raise APIError(
+            400,
+            "invalid_file",
+            f"File '{file_id}' has purpose '{file.purpose}', not 'fine-tune'.",
+            param="training_file",
+        )
     if file.status == "error":
-        raise APIError(400, "invalid_file", f"File '{file_id}' failed validation; fix it before estimating.",
-                       param="training_file")
+        raise APIError(
+            400,
+            "invalid_file",
+            f"File '{file_id}' failed validation; fix it before estimating.",
+            param="training_file",
+        )
     if given is not None:
         return given
     n = int((file.validation or {}).get("n_examples") or 0)
     return n or None  # still being validated: no count yet
 
 
-def estimate_job(session: Session, job: Job, *, base_models: dict[str, BaseModelEntry],
-                 pools: list[NodePool]) -> dict[str, Any]:
+def estimate_job(
+    session: Session, job: Job, *, base_models: dict[str, BaseModelEntry], pools: list[NodePool]
+) -> dict[str, Any]:
     """The estimate of a stored job (job creation saves it on ``job.estimate``)."""
     entry = base_models.get(job.model)
     if entry is None:
         raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
     hp = dict(job.hyperparameters or {})
     inp = job_request(
-        job_id=job.id, tenant_id=job.tenant_id, entry=entry, adapter=dict(job.adapter or {}),
-        hyperparameters=hp, max_seq_len=job.max_seq_len, trainer=job.trainer,
-        placement=dict(job.placement or {}), priority=int(job.priority or 0),
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        entry=entry,
+        adapter=dict(job.adapter or {}),
+        hyperparameters=hp,
+        max_seq_len=job.max_seq_len,
+        trainer=job.trainer,
+        placement=dict(job.placement or {}),
+        priority=int(job.priority or 0),
         total_tokens=planned_tokens(hp, job.max_seq_len),
     )
     return estimate(pools, capacity_snapshot(session, pools), inp)
@@ -418,16 +572,32 @@ def parse_time(value: str | None, param: str) -> float | None:
         try:
             parsed = dt.datetime.fromisoformat(value)
         except ValueError:
-            raise APIError(400, "invalid_request", f"{param} must be Unix seconds or an ISO 8601 time; "
-                           f"got '{value}'.", param=param) from None
+            raise APIError(
+                400,
+                "invalid_request",
+                f"{param} must be Unix seconds or an ISO 8601 time; got '{value}'.",
+                param=param,
+            ) from None
         return _ts(parsed)
     if not math.isfinite(seconds) or seconds < 0:
-        raise APIError(400, "invalid_request", f"{param} must be a finite time >= 0; got '{value}'.", param=param)
+        raise APIError(
+            400,
+            "invalid_request",
+            f"{param} must be a finite time >= 0; got '{value}'.",
+            param=param,
+        )
     return seconds
 
 
-def usage_report(session: Session, key: ApiKey, *, start: str | None, end: str | None,
-                 tenant: str | None, now: float | None = None) -> dict[str, Any]:
+def usage_report(
+    session: Session,
+    key: ApiKey,
+    *,
+    start: str | None,
+    end: str | None,
+    tenant: str | None,
+    now: float | None = None,
+) -> dict[str, Any]:
     """``GET /v1/usage``: GPU-seconds and cost per pool for the caller's tenant, or (admins)
     one tenant or every tenant with a per-tenant list."""
     s, e = parse_time(start, "start"), parse_time(end, "end")
@@ -436,8 +606,12 @@ def usage_report(session: Session, key: ApiKey, *, start: str | None, end: str |
     now = time.time() if now is None else now
     if not key.grants_admin:
         if tenant not in (None, key.tenant_id):
-            raise APIError(403, "permission_denied", "Only admin keys can read another tenant's usage.",
-                           param="tenant")
+            raise APIError(
+                403,
+                "permission_denied",
+                "Only admin keys can read another tenant's usage.",
+                param="tenant",
+            )
         return {**tenant_usage(session, key.tenant_id, s, e, now=now), "tenants": None}
     if tenant is not None:
         if session.get(Tenant, tenant) is None:
@@ -447,6 +621,8 @@ def usage_report(session: Session, key: ApiKey, *, start: str | None, end: str |
     ids = session.scalars(select(Job.tenant_id).where(Job.usage.is_not(None)).distinct()).all()
     per_tenant = [tenant_usage(session, t, s, e, now=now) for t in sorted(ids)]
     everyone["tenants"] = [
-        {k: u[k] for k in ("tenant_id", "jobs", "gpu_seconds", "cost", "by_pool")} for u in per_tenant if u["jobs"]
+        {k: u[k] for k in ("tenant_id", "jobs", "gpu_seconds", "cost", "by_pool")}
+        for u in per_tenant
+        if u["jobs"]
     ]
     return everyone

@@ -171,7 +171,7 @@ def create_job(
 def _estimate_or_error(estimate: Callable[[Job], dict[str, Any]], job: Job) -> dict[str, Any]:
     try:
         return estimate(job)
-    except Exception as exc:  # noqa: BLE001 - an estimate is advice; creation must not fail on it
+    except Exception as exc:  # an estimate is advice: creation must not fail on it
         log.warning("estimate for %s failed: %s", job.id, exc, exc_info=True)
         code = getattr(exc, "code", None) or "estimate_failed"
         return {"object": "fine_tuning.estimate", "error": {"code": code, "message": str(exc)}}

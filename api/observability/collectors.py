@@ -61,12 +61,16 @@ class DatabaseCollector(Collector):
     def _collect(self, session: Session) -> Iterator[GaugeMetricFamily]:
         now = utcnow()
         jobs = GaugeMetricFamily("tunefleet_jobs", "Jobs by status and node pool", labels=["status", "pool"])
-        rows = session.execute(select(Job.status, Job.pool, Job.placement, func.count()).group_by(
-            Job.status, Job.pool, Job.placement))
         by_status_pool: dict[tuple[str, str], int] = {}
-        for status, pool, placement, count in rows:
-            key = (status, _pool_of(pool, placement))
-            by_status_pool[key] = by_status_pool.get(key, 0) + count
+        # Placed jobs are counted by SQL; PostgreSQL cannot GROUP BY a json column, so the
+        # few jobs never placed (queued, or failed before placement) are read row by row.
+        placed = session.execute(select(Job.status, Job.pool, func.count())
+                                 .where(Job.pool.is_not(None)).group_by(Job.status, Job.pool))
+        for status, pool, count in placed:
+            by_status_pool[(status, pool)] = by_status_pool.get((status, pool), 0) + count
+        for status, placement in session.execute(select(Job.status, Job.placement).where(Job.pool.is_(None))):
+            key = (status, _pool_of(None, placement))
+            by_status_pool[key] = by_status_pool.get(key, 0) + 1
         for (status, pool), count in sorted(by_status_pool.items()):
             jobs.add_metric([status, pool], count)
         yield jobs

@@ -48,7 +48,7 @@ def create_job(
 
 
 @router.get("", response_model=JobsPublic)
-async def list_jobs(
+def list_jobs(
     request: Request, session: SessionDep, tenant: CurrentTenant,
     after: str | None = None, limit: int = 20, status: str | None = None,
 ) -> Response:

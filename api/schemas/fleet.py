@@ -14,9 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from api.schemas.common import ListPublic
 from api.schemas.jobs import JobCreate
 
+FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
 
 class EstimateRequest(JobCreate):
-    training_file: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None  # type: ignore[assignment]
+    """The job-creation body; ``training_file`` optional, plus ``n_examples``/``total_tokens``."""
+
+    training_file: FileId | None = None  # type: ignore[assignment]
     n_examples: Annotated[int, Field(strict=True, ge=1, le=100_000_000)] | None = None
     total_tokens: Annotated[int, Field(strict=True, ge=1, le=10**15)] | None = None
 
@@ -48,7 +52,9 @@ class NodePoolPublic(BaseModel):
     price_per_gpu_hour: float
     peak_tflops: float
     max_nodes_per_job: int
-    running_jobs: list[str] = Field(description="Ids of running jobs (the caller's tenant only; admins: all).")
+    running_jobs: list[str] = Field(
+        description="Ids of running jobs (the caller's tenant only; admins: all)."
+    )
     queued_jobs: int = Field(description="Queued jobs (all tenants) waiting for this pool.")
     node_list: list[NodeView]
     capacity_source: Literal["config"] = Field(
@@ -66,7 +72,9 @@ class MemoryBreakdownPublic(BaseModel):
     lora: int
     grads: int
     optimizer: int
-    activations: int = Field(description="Saved activations plus logits and their fp32 loss copies.")
+    activations: int = Field(
+        description="Saved activations plus logits and their fp32 loss copies."
+    )
     overhead: int = Field(description="Allocator slack, FSDP buffers, CUDA/ROCm context.")
 
 
@@ -145,4 +153,3 @@ class UsagePublic(TenantUsagePublic):
     tenants: list[TenantUsagePublic] | None = Field(
         default=None, description="Per tenant, when an admin asks for every tenant."
     )
-

@@ -52,9 +52,15 @@ POOLS = {p.name: p for p in parse_pools(POOLS_YAML)}
 
 # Llama-3.1-8B's config.json values (the 8B entry reads them from disk).
 LLAMA_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-    "vocab_size": 128256, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
 }
 
 
@@ -75,15 +81,21 @@ def settings(settings, tmp_path: Path):
         "  - {id: llama-405b, path: 's3://models/llama-3.1-405b', params_b: 405, max_seq_len: 8192}\n"
         "  - {id: mystery, path: 's3://models/mystery', max_seq_len: 2048}\n"
     )
-    return make_settings(settings.data_path, database_url=settings.resolved_database_url,
-                         node_pools_file=pools, base_models_file=models)
+    return make_settings(
+        settings.data_path,
+        database_url=settings.resolved_database_url,
+        node_pools_file=pools,
+        base_models_file=models,
+    )
 
 
 @pytest.fixture(autouse=True)
 def idle_fleet(db_session) -> None:
     """Capacity is fleet-wide, and on PostgreSQL the suite shares one database: end the
     running/queued jobs earlier tests left there so each test starts on an idle fleet."""
-    db_session.execute(update(Job).where(Job.status.in_(("running", "queued"))).values(status="cancelled"))
+    db_session.execute(
+        update(Job).where(Job.status.in_(("running", "queued"))).values(status="cancelled")
+    )
     db_session.commit()
 
 
@@ -98,14 +110,23 @@ def _row(result: dict[str, Any], pool: str) -> dict[str, Any]:
 
 
 def _create(client, headers, file_id: str, **body: Any) -> dict[str, Any]:
-    response = client.post("/v1/fine_tuning/jobs", headers=headers,
-                           json={"model": "llama-8b", "training_file": file_id,
-                                 "adapter": {"method": "qlora"}, **body})
+    response = client.post(
+        "/v1/fine_tuning/jobs",
+        headers=headers,
+        json={
+            "model": "llama-8b",
+            "training_file": file_id,
+            "adapter": {"method": "qlora"},
+            **body,
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def _run(db_session, job_id: str, pool: str, gpus: int, usage: dict[str, Any] | None = None) -> None:
+def _run(
+    db_session, job_id: str, pool: str, gpus: int, usage: dict[str, Any] | None = None
+) -> None:
     row = db_session.get_one(Job, job_id)
     transition(db_session, row, "running", actor="scheduler", pool=pool, gpus=gpus, usage=usage)
     db_session.commit()
@@ -116,20 +137,35 @@ def _run(db_session, job_id: str, pool: str, gpus: int, usage: dict[str, Any] | 
 
 def test_8b_qlora_goes_to_one_4090_with_the_estimators_numbers(client, tenant_key) -> None:
     a = tenant_key()
-    result = _estimate(client, a.headers, model="llama-8b", adapter={"method": "qlora"}, n_examples=1000)
+    result = _estimate(
+        client, a.headers, model="llama-8b", adapter={"method": "qlora"}, n_examples=1000
+    )
     assert result["object"] == "fine_tuning.estimate"
-    assert result["model"] == {"id": "llama-8b", "params": ModelShape.from_hf_config(LLAMA_8B_CONFIG).params,
-                               "shape_source": "config.json"}
+    assert result["model"] == {
+        "id": "llama-8b",
+        "params": ModelShape.from_hf_config(LLAMA_8B_CONFIG).params,
+        "shape_source": "config.json",
+    }
     assert result["mode"] == "fit"
     chosen = result["chosen"]
-    assert (chosen["pool"], chosen["gpus"], chosen["trainer"], chosen["mode"]) == ("rtx4090", 1, "fsdp_qlora", "fit")
+    assert (chosen["pool"], chosen["gpus"], chosen["trainer"], chosen["mode"]) == (
+        "rtx4090",
+        1,
+        "fsdp_qlora",
+        "fit",
+    )
 
     # Reference: the scheduler's estimator on the shapes the body implies. 1000 examples
     # resolve to batch 2 (0.2 %), micro batch 2, 3 epochs -> 1500 steps of 2 x 2048 tokens.
     training = TrainingShape(method="qlora", quantization="nf4", seq_len=2048, micro_batch=2)
     tokens = 1500 * 2 * 2048
-    ref = estimate_on_pool(ModelShape.from_hf_config(LLAMA_8B_CONFIG), training, POOLS["rtx4090"],
-                           trainer="fsdp_qlora", total_tokens=tokens)
+    ref = estimate_on_pool(
+        ModelShape.from_hf_config(LLAMA_8B_CONFIG),
+        training,
+        POOLS["rtx4090"],
+        trainer="fsdp_qlora",
+        total_tokens=tokens,
+    )
     row = _row(result, "rtx4090")
     assert result["total_tokens"] == tokens
     assert row["fits"] and row["gpus"] == 1 and not row["cpu_offload"]
@@ -146,25 +182,45 @@ def test_8b_qlora_goes_to_one_4090_with_the_estimators_numbers(client, tenant_ke
     assert "runs jax_lora" in _row(result, "mi300x")["reasons"][0]
 
 
-def test_70b_qlora_fits_two_4090s_and_405b_lora_takes_a_whole_mi300x_node(client, tenant_key) -> None:
+def test_70b_qlora_fits_two_4090s_and_405b_lora_takes_a_whole_mi300x_node(
+    client, tenant_key
+) -> None:
     a = tenant_key()
     # Answer.AI: 70B QLoRA trains on 2x 24 GB (FSDP + CPU offload of the sharded weights).
-    pinned = _estimate(client, a.headers, model="llama-70b", adapter={"method": "qlora"},
-                       placement={"pool": "rtx4090", "gpus": 2}, max_seq_len=2048)
+    pinned = _estimate(
+        client,
+        a.headers,
+        model="llama-70b",
+        adapter={"method": "qlora"},
+        placement={"pool": "rtx4090", "gpus": 2},
+        max_seq_len=2048,
+    )
     assert pinned["model"]["shape_source"].startswith("nearest known model llama-3.1-70b")
     assert pinned["chosen"]["pool"] == "rtx4090" and pinned["chosen"]["gpus"] == 2
     row = _row(pinned, "rtx4090")
     assert row["fits"] and row["cpu_offload"]
-    ref = estimate_on_pool(KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4"),
-                           POOLS["rtx4090"], gpus=2)
+    ref = estimate_on_pool(
+        KNOWN_MODELS["llama-3.1-70b"],
+        TrainingShape(method="qlora", quantization="nf4"),
+        POOLS["rtx4090"],
+        gpus=2,
+    )
     assert row["memory_per_gpu_bytes"] == ref.bytes_per_gpu <= 24 * GIB
     # Unpinned, the 70B QLoRA job still lands on the 4090 pool (the only QLoRA family).
-    free = _estimate(client, a.headers, model="llama-70b", adapter={"method": "qlora"}, max_seq_len=2048)
+    free = _estimate(
+        client, a.headers, model="llama-70b", adapter={"method": "qlora"}, max_seq_len=2048
+    )
     assert free["chosen"]["pool"] == "rtx4090" and free["chosen"]["gpus"] <= 2
 
     # Felafax: Llama-3.1-405B LoRA in bf16 on 8x MI300X.
-    big = _estimate(client, a.headers, model="llama-405b", adapter={"method": "lora"}, max_seq_len=2048)
-    assert (big["chosen"]["pool"], big["chosen"]["gpus"], big["chosen"]["trainer"]) == ("mi300x", 8, "jax_lora")
+    big = _estimate(
+        client, a.headers, model="llama-405b", adapter={"method": "lora"}, max_seq_len=2048
+    )
+    assert (big["chosen"]["pool"], big["chosen"]["gpus"], big["chosen"]["trainer"]) == (
+        "mi300x",
+        8,
+        "jax_lora",
+    )
     mi = _row(big, "mi300x")
     assert 0.81e12 <= mi["memory_per_gpu_bytes"] * 8 <= 1.3e12
     rtx = _row(big, "rtx4090")
@@ -173,15 +229,24 @@ def test_70b_qlora_fits_two_4090s_and_405b_lora_takes_a_whole_mi300x_node(client
 
 def test_no_fit_reasons_are_human_readable(client, tenant_key, processed_file, db_session) -> None:
     a, b = tenant_key(), tenant_key()
-    never = _estimate(client, a.headers, model="llama-405b", placement={"pool": "rtx4090"}, max_seq_len=2048)
+    never = _estimate(
+        client, a.headers, model="llama-405b", placement={"pool": "rtx4090"}, max_seq_len=2048
+    )
     assert never["mode"] == "no_fit" and never["chosen"] is None
-    assert any("needs" in r and "GiB per GPU" in r and "nvidia-rtx-4090" in r for r in never["reasons"]), never
+    assert any(
+        "needs" in r and "GiB per GPU" in r and "nvidia-rtx-4090" in r for r in never["reasons"]
+    ), never
 
     # The 4090 node is full (another tenant's job): a pinned 8B QLoRA job waits for it.
     other = _create(client, b.headers, processed_file(b.headers), placement={"pool": "rtx4090"})
     _run(db_session, other["id"], "rtx4090", 2)
-    busy = _estimate(client, a.headers, model="llama-8b", adapter={"method": "qlora"},
-                     placement={"pool": "rtx4090"})
+    busy = _estimate(
+        client,
+        a.headers,
+        model="llama-8b",
+        adapter={"method": "qlora"},
+        placement={"pool": "rtx4090"},
+    )
     assert busy["mode"] == "no_fit"
     assert busy["reasons"] == ["waiting: rtx4090: needs 1x nvidia-rtx-4090, 0 free"]
     assert busy["chosen"]["pool"] == "rtx4090" and busy["chosen"]["mode"] == "no_fit"
@@ -198,8 +263,16 @@ def test_bad_input_is_400_with_the_param(client, tenant_key, processed_file) -> 
         ({"model": "llama-8b", "max_seq_len": 9000}, "invalid_request", "max_seq_len"),
         ({"model": "llama-8b", "placement": {"pool": "h100"}}, "invalid_request", "placement.pool"),
         ({"model": "llama-8b", "placement": {"gpus": 0}}, "invalid_request", "placement.gpus"),
-        ({"model": "llama-8b", "trainer": "jax", "adapter": {"method": "qlora"}}, "invalid_request", "trainer"),
-        ({"model": "llama-8b", "training_file": processed_file(b.headers)}, "invalid_file", "training_file"),
+        (
+            {"model": "llama-8b", "trainer": "jax", "adapter": {"method": "qlora"}},
+            "invalid_request",
+            "trainer",
+        ),
+        (
+            {"model": "llama-8b", "training_file": processed_file(b.headers)},
+            "invalid_file",
+            "training_file",
+        ),
         ({"model": "llama-8b", "gpus": 2}, "invalid_request", "gpus"),
     ]
     for body, code, param in cases:
@@ -224,8 +297,11 @@ def test_job_creation_stores_the_estimate(client, tenant_key, processed_file) ->
     assert est["chosen"]["eta_s"] > 0 and est["chosen"]["cost"] >= 0
 
     # A model whose shape cannot be known: the job is still created, the reason is stored.
-    response = client.post("/v1/fine_tuning/jobs", headers=a.headers,
-                           json={"model": "mystery", "training_file": processed_file(a.headers)})
+    response = client.post(
+        "/v1/fine_tuning/jobs",
+        headers=a.headers,
+        json={"model": "mystery", "training_file": processed_file(a.headers)},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["estimate"]["error"]["code"] == "model_config_unavailable"
 
@@ -233,8 +309,9 @@ def test_job_creation_stores_the_estimate(client, tenant_key, processed_file) ->
 # ---- node pools ----------------------------------------------------------------------------
 
 
-def test_node_pools_show_capacity_and_only_own_running_jobs(client, tenant_key, admin_key, processed_file,
-                                                            db_session) -> None:
+def test_node_pools_show_capacity_and_only_own_running_jobs(
+    client, tenant_key, admin_key, processed_file, db_session
+) -> None:
     a, b = tenant_key(), tenant_key()
     job_a = _create(client, a.headers, processed_file(a.headers))
     job_b = _create(client, b.headers, processed_file(b.headers))
@@ -254,50 +331,72 @@ def test_node_pools_show_capacity_and_only_own_running_jobs(client, tenant_key, 
     rtx, mi = seen_a["rtx4090"], seen_a["mi300x"]
     assert (rtx["gpus_total"], rtx["gpus_used"], rtx["gpus_free"]) == (2, 1, 1)
     assert (mi["gpus_total"], mi["gpus_used"], mi["gpus_free"]) == (8, 4, 4)
-    assert rtx["node_list"] == [{"name": "rtx4090-0", "gpus_total": 2, "gpus_used": 1, "gpus_free": 1}]
+    assert rtx["node_list"] == [
+        {"name": "rtx4090-0", "gpus_total": 2, "gpus_used": 1, "gpus_free": 1}
+    ]
     assert rtx["trainers"] == ["fsdp_qlora"] and rtx["gpu_memory_bytes"] == 24 * GIB
     assert rtx["price_per_gpu_hour"] == 0.4 and rtx["queued_jobs"] == 1
     assert rtx["running_jobs"] == [job_a["id"]] and mi["running_jobs"] == []
     seen_b = pools(b.headers)
-    assert seen_b["rtx4090"]["running_jobs"] == [] and seen_b["mi300x"]["running_jobs"] == [job_b["id"]]
+    assert seen_b["rtx4090"]["running_jobs"] == [] and seen_b["mi300x"]["running_jobs"] == [
+        job_b["id"]
+    ]
     seen_admin = pools({"Authorization": f"Bearer {admin_key}"})
     assert seen_admin["rtx4090"]["running_jobs"] == [job_a["id"]]
     assert seen_admin["mi300x"]["running_jobs"] == [job_b["id"]]
 
 
-def test_prometheus_gets_the_pool_totals(client, tenant_key, processed_file, db_session, backend, request) -> None:
-    if backend == "postgres":
-        # api/observability/collectors.py groups by the JSON column jobs.placement, which
-        # PostgreSQL refuses ("could not identify an equality operator for type json"), so
-        # the DB gauges are missing there. strict: this fails loudly once that is fixed.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="collectors GROUP BY a json column"))
+def test_prometheus_gets_the_pool_totals(
+    client, tenant_key, processed_file, db_session, backend
+) -> None:
     a = tenant_key()
     _run(db_session, _create(client, a.headers, processed_file(a.headers))["id"], "mi300x", 4)
     metrics = client.get("/metrics").text
     assert 'tunefleet_gpus_total{pool="mi300x"} 8.0' in metrics
     assert 'tunefleet_gpus_free{pool="mi300x"} 4.0' in metrics
+    # The DB gauges are there on both databases (PostgreSQL cannot GROUP BY json).
+    assert 'tunefleet_jobs{pool="mi300x",status="running"} 1.0' in metrics
 
 
 # ---- usage -----------------------------------------------------------------------------------
 
 
-def test_usage_sums_a_jobs_segments_per_pool(client, tenant_key, admin_key, processed_file, db_session) -> None:
+def test_usage_sums_a_jobs_segments_per_pool(
+    client, tenant_key, admin_key, processed_file, db_session
+) -> None:
     a, b = tenant_key(), tenant_key()
     job = _create(client, a.headers, processed_file(a.headers))
-    usage = {"segments": [
-        {"pool": "rtx4090", "gpus": 2, "start": 1000.0, "end": 4600.0, "price_per_gpu_hour": 0.4},
-        {"pool": "mi300x", "gpus": 8, "start": 5000.0, "end": 5900.0, "price_per_gpu_hour": 3.0},
-    ]}
+    usage = {
+        "segments": [
+            {
+                "pool": "rtx4090",
+                "gpus": 2,
+                "start": 1000.0,
+                "end": 4600.0,
+                "price_per_gpu_hour": 0.4,
+            },
+            {
+                "pool": "mi300x",
+                "gpus": 8,
+                "start": 5000.0,
+                "end": 5900.0,
+                "price_per_gpu_hour": 3.0,
+            },
+        ]
+    }
     _run(db_session, job["id"], "mi300x", 8, usage=usage)
 
     whole = client.get("/v1/usage", params={"start": 0, "end": 10000}, headers=a.headers).json()
     assert whole["object"] == "usage" and whole["tenant_id"] == a.tenant_id and whole["jobs"] == 1
-    assert whole["by_pool"] == {"mi300x": {"gpu_seconds": 7200.0, "cost": 6.0},
-                                "rtx4090": {"gpu_seconds": 7200.0, "cost": 0.8}}
+    assert whole["by_pool"] == {
+        "mi300x": {"gpu_seconds": 7200.0, "cost": 6.0},
+        "rtx4090": {"gpu_seconds": 7200.0, "cost": 0.8},
+    }
     assert whole["gpu_seconds"] == 14400.0 and whole["cost"] == pytest.approx(6.8)
     # Clipped to the range: from 2800 s (ISO 8601 form) only half of the 4090 segment counts.
-    clipped = client.get("/v1/usage", params={"start": "1970-01-01T00:46:40+00:00", "end": 10000},
-                         headers=a.headers).json()
+    clipped = client.get(
+        "/v1/usage", params={"start": "1970-01-01T00:46:40+00:00", "end": 10000}, headers=a.headers
+    ).json()
     assert clipped["by_pool"]["rtx4090"] == {"gpu_seconds": 3600.0, "cost": 0.4}
 
     assert client.get("/v1/usage", headers=b.headers).json()["gpu_seconds"] == 0
@@ -305,11 +404,21 @@ def test_usage_sums_a_jobs_segments_per_pool(client, tenant_key, admin_key, proc
     everyone = client.get("/v1/usage", params={"start": 0, "end": 10000}, headers=admin).json()
     assert {t["tenant_id"]: t["gpu_seconds"] for t in everyone["tenants"]}[a.tenant_id] == 14400.0
     assert everyone["gpu_seconds"] >= 14400.0  # other tests' tenants may share the PostgreSQL DB
-    one = client.get("/v1/usage", params={"tenant": a.tenant_id, "start": 0, "end": 10000}, headers=admin).json()
+    one = client.get(
+        "/v1/usage", params={"tenant": a.tenant_id, "start": 0, "end": 10000}, headers=admin
+    ).json()
     assert one["gpu_seconds"] == 14400.0 and one["tenants"] is None
 
-    for params, status, param in [({"start": "yesterday"}, 400, "start"), ({"start": 10, "end": 5}, 400, "end"),
-                                  ({"end": "nan"}, 400, "end"), ({"tenant": b.tenant_id}, 403, "tenant")]:
+    for params, status, param in [
+        ({"start": "yesterday"}, 400, "start"),
+        ({"start": 10, "end": 5}, 400, "end"),
+        ({"end": "nan"}, 400, "end"),
+        ({"tenant": b.tenant_id}, 403, "tenant"),
+    ]:
         response = client.get("/v1/usage", params=params, headers=a.headers)
-        assert response.status_code == status and response.json()["error"]["param"] == param, response.text
-    assert client.get("/v1/usage", params={"tenant": "org-nobody"}, headers=admin).status_code == 404
+        assert response.status_code == status and response.json()["error"]["param"] == param, (
+            response.text
+        )
+    assert (
+        client.get("/v1/usage", params={"tenant": "org-nobody"}, headers=admin).status_code == 404
+    )

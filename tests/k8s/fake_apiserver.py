@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -560,6 +561,8 @@ class FakeCluster:
                 elif path == "metadata.namespace":
                     env[e["name"]] = ns
         argv = [rewrite(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+        if argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # every "image" runs this machine's interpreter
         log = open(root / "log", "wb")  # noqa: SIM115 - owned by the process' lifetime
         cwd = container.get("workingDir") or os.getcwd()
         self.procs[uid] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)

@@ -109,3 +109,15 @@ def test_cycle_on_the_database(settings, client, tenant_key, make_job):  # noqa:
         assert {r1.status, r2.status} == {"running"} and len(r1.usage["segments"]) == 2
         usage_a = tenant_usage(s, a.tenant_id, clock.t - 7200, clock.t + 1, now=clock.t)
     assert usage_a["by_pool"]["local"]["gpu_seconds"] == 3600.0 and usage_a["jobs"] == 1
+
+
+def test_run_forever_runs_cycles_and_stops(settings):
+    """The `tunefleet scheduler` entry point: builds executor/store/lock from settings."""
+    import threading
+
+    from worker.scheduler.loop import run_forever
+
+    stop = threading.Event()
+    s = settings.model_copy(update={"schedule_interval_s": 0.05})
+    run_forever(s, stop=stop, max_cycles=3)  # returns after 3 cycles, nothing queued
+    assert (settings.data_path / "scheduler.lock").exists()  # SQLite mode: the file lock

@@ -1,0 +1,70 @@
+"""End to end on the fake cluster: API -> queue -> scheduler places on a pool -> a
+Kubernetes Job -> the pod runs the real trainer -> reports back -> succeeded.
+
+The real processes of the service (API, worker, ``tunefleet scheduler`` with
+``TUNEFLEET_EXECUTOR=kubernetes``) talk to the fake API server through a kubeconfig,
+with the unmodified official client; the fake kubelet runs the pod's
+``python -m trainers --spec /etc/tunefleet/spec/spec.json`` as a local process.
+"""
+
+import json
+import time
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import service, tiny_model_dir  # noqa: F401 (fixtures)
+from tests.e2e.test_local_training import upload, wait_for
+from tests.k8s.fake_apiserver import FakeApiServer
+from tunefleet.demo import demo_examples
+
+pytestmark = pytest.mark.slow
+NS = "tunefleet-training"
+
+
+def test_job_trains_in_a_pod_of_the_fake_cluster(service, tmp_path):  # noqa: F811
+    with FakeApiServer(tmp_path / "k8s") as api:
+        c = api.cluster
+        c.create("namespaces", "", {"metadata": {"name": NS}})
+        c.add_node("cpu-0", labels={"tunefleet.io/pool": "cpu"}, gpus=0, resource_name=None)
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
+        (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": [{
+            "name": "cpu", "accelerator": "cpu", "gpu_memory_gib": 8, "gpus_per_node": 1,
+            "node_selector": {"tunefleet.io/pool": "cpu"}, "trainers": ["fsdp_qlora"],
+            "trainer_image": "tunefleet-trainer:test", "peak_tflops": 0.5, "nodes": 1}]}))
+        svc = service("embedded", TUNEFLEET_EXECUTOR="kubernetes", KUBECONFIG=str(tmp_path / "kubeconfig"),
+                      TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS)
+        with svc.http() as http:
+            file_id = upload(http, demo_examples()[:32])
+            job = http.post("/fine_tuning/jobs", json={
+                "model": "tunefleet-tiny-llama", "training_file": file_id, "seed": 3,
+                "hyperparameters": {"n_epochs": 1, "batch_size": 8}, "max_seq_len": 48,
+                "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}}).json()
+            try:
+                done = wait_for(lambda: (j := http.get(f"/fine_tuning/jobs/{job['id']}").json())["status"]
+                                in ("succeeded", "failed", "cancelled") and j, 240, "the job to finish")
+            except AssertionError:
+                pods = c.pods(job["id"])
+                print(svc.dump_logs(), *(c.read_log(p["metadata"]["uid"])[-3000:] for p in pods))
+                raise
+            if done["status"] != "succeeded":
+                pods = c.pods(job["id"])
+                print(svc.dump_logs(), *(c.read_log(p["metadata"]["uid"])[-3000:] for p in pods))
+            assert done["status"] == "succeeded", done.get("error")
+            assert done["pool"] == "cpu" and done["usage"]["gpu_seconds"] > 0
+            assert (done["trained_tokens"] or 0) > 0  # the trainer in the pod reported its metrics
+            metrics = http.get(f"/fine_tuning/jobs/{job['id']}/metrics").json()["data"]
+            assert metrics and metrics[-1]["train_loss"] is not None
+            names = {a["name"] for a in http.get(f"/fine_tuning/jobs/{job['id']}/artifacts").json()["data"]}
+            assert "adapter/adapter_model.safetensors" in names  # the PEFT adapter came back
+            events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{job['id']}/events?limit=100").json()["data"]]
+            assert any("Admitted on pool cpu" in m for m in events)
+        jobs = [o for _, r, _, _, o in c.history if r == "jobs"]
+        assert jobs and jobs[0]["spec"]["template"]["spec"]["nodeSelector"] == {"tunefleet.io/pool": "cpu"}
+        spec_cm = next(o for _, r, _, _, o in c.history if r == "configmaps")
+        assert json.loads(spec_cm["data"]["spec.json"])["report"]["token"] is None
+        assert ("create", "jobs") in c.requests
