@@ -120,14 +120,22 @@ def authenticate_cached(session: Session, authorization: str) -> ApiKey | None:
     Does no I/O (safe in the event loop): the cached snapshot is merged into ``session``
     without a query. None means "ask ``authenticate``", not "invalid".
     """
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or key_prefix(token) is None:
+    token = _bearer_token(authorization)
+    if token is None:
         return None
     cached = key_cache.get(session.get_bind().url, hash_secret(token))
     if cached is None:
         return None
     return session.merge(cached, load=False)
+
+
+def _bearer_token(authorization: str) -> str | None:
+    """The key of ``Bearer <key>`` if it is shaped like one of our keys, else None."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or key_prefix(token) is None:
+        return None
+    return token
 
 
 def authenticate(session: Session, authorization: str | None) -> ApiKey:
@@ -143,9 +151,8 @@ def authenticate(session: Session, authorization: str | None) -> ApiKey:
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or key_prefix(token) is None:
+    token = _bearer_token(authorization)
+    if token is None:
         raise _invalid_key()
     key_hash = hash_secret(token)
     database = session.get_bind().url

@@ -67,7 +67,7 @@ def main(repeats: int = 3) -> None:
         admitted = len(plan.admissions)
     t = statistics.median(times)
     used = sum(a.placement.gpus for a in plan.admissions)
-    print(f"queued 10000 jobs, 1000 nodes (200x 8 MI300X + 800x 2 RTX 4090 = 3200 GPUs)")
+    print("queued 10000 jobs, 1000 nodes (200x 8 MI300X + 800x 2 RTX 4090 = 3200 GPUs)")
     print(f"cycle time: median {t:.3f} s over {repeats} runs (min {min(times):.3f}, max {max(times):.3f})")
     print(f"admitted {admitted} jobs using {used} GPUs; waiting {len(plan.waiting)}; "
           f"reservations on {len(plan.reservations)} nodes")

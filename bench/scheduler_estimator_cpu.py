@@ -33,7 +33,7 @@ def main() -> None:
                                  TrainingShape(seq_len=seq, micro_batch=batch, r=8, compute_bytes=4,
                                                checkpointing=ckpt, cpu_offload="never"), 1, accelerator="cpu")
             shape = f"h{hidden} L4 ffn{inter} seq{seq} batch{batch}"
-            print(f"{shape:34s} {str(ckpt):>5s} {mem.total / MIB:>7.0f} MiB {peak / MIB:>7.0f} MiB "
+            print(f"{shape:34s} {ckpt!s:>5s} {mem.total / MIB:>7.0f} MiB {peak / MIB:>7.0f} MiB "
                   f"{mem.total / peak - 1:>+7.1%}")
 
 

@@ -35,7 +35,11 @@ from pathlib import Path
 from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.cycle import CycleConfig, plan_cycle
 from worker.scheduler.estimator import (
-    KNOWN_MODELS, HEADROOM, TrainingShape, candidate_gpu_counts, estimate_on_pool, memory_per_gpu,
+    KNOWN_MODELS,
+    TrainingShape,
+    candidate_gpu_counts,
+    estimate_on_pool,
+    memory_per_gpu,
 )
 from worker.scheduler.placement import estimate_for
 from worker.scheduler.pools import GIB, NodePool

@@ -249,24 +249,24 @@ def public_job_fields(job: Job) -> dict[str, Any]:
     yields the same JSON (a test compares the two).
     """
     hp = _public_hyperparameters(job.hyperparameters or {})
-    return dict(
-        id=job.id, object="fine_tuning.job", created_at=to_unix(job.created_at) or 0,
-        error=job.error,
-        fine_tuned_model=job.fine_tuned_model, finished_at=to_unix(job.finished_at),
-        hyperparameters=hp, model=job.model, organization_id=job.tenant_id,
-        result_files=list(job.result_files or []), seed=job.seed, status=job.status,
-        trained_tokens=job.trained_tokens, training_file=job.training_file,
-        validation_file=job.validation_file, estimated_finish=to_unix(job.estimated_finish),
-        integrations=job.integrations or None, metadata=job.metadata_,
-        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
-        user_provided_suffix=job.suffix, adapter=job.adapter, trainer=job.trainer,
-        placement=job.placement or {}, priority=job.priority, max_seq_len=job.max_seq_len,
-        packing=job.packing, eval=job.eval or {}, pool=job.pool, gpus=job.gpus,
-        queue_reason=job.queue_reason, started_at=to_unix(job.started_at),
-        total_steps=job.total_steps, current_step=job.current_step,
-        resume_from=job.resume_from, restarts=job.restarts, estimate=job.estimate,
-        usage=job.usage,
-    )
+    return {
+        "id": job.id, "object": "fine_tuning.job", "created_at": to_unix(job.created_at) or 0,
+        "error": job.error,
+        "fine_tuned_model": job.fine_tuned_model, "finished_at": to_unix(job.finished_at),
+        "hyperparameters": hp, "model": job.model, "organization_id": job.tenant_id,
+        "result_files": list(job.result_files or []), "seed": job.seed, "status": job.status,
+        "trained_tokens": job.trained_tokens, "training_file": job.training_file,
+        "validation_file": job.validation_file, "estimated_finish": to_unix(job.estimated_finish),
+        "integrations": job.integrations or None, "metadata": job.metadata_,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
+        "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
+        "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
+        "queue_reason": job.queue_reason, "started_at": to_unix(job.started_at),
+        "total_steps": job.total_steps, "current_step": job.current_step,
+        "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,
+        "usage": job.usage,
+    }
 
 
 JobsPublic = ListPublic[JobPublic]

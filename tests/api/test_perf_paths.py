@@ -173,3 +173,25 @@ def test_list_body_matches_the_documented_model(client, settings, tenant_key, ma
     assert body["data"][0]["object"] == "fine_tuning.job" and body["has_more"] is True
     rest = client.get(LIST, headers=user.headers, params={"after": body["last_id"]}).json()
     assert [j["id"] for j in rest["data"]] == [made[0]] and rest["has_more"] is False
+
+
+def test_json_column_parser_matches_the_standard_library():
+    """JSON columns are parsed by pydantic-core (``api.db.session._json_loads``); the
+    stdlib ``json`` module is the reference, including what pydantic-core refuses."""
+    import json
+    import random
+
+    from api.db.session import _json_loads
+
+    rng = random.Random(7)
+    docs = [
+        '{"n_epochs": 3, "learning_rate": 0.0001, "target_modules": ["q_proj", "v_proj"]}',
+        '{"nested": {"a": [1, 2.5, null, true, false, "x"]}, "empty": {}, "list": []}',
+        '"caf\\u00e9 \\ud83d\\ude00 \\u4e2d"', '"\\ud800 lone surrogate"', "null", "1e400",
+        '{"a": 1, "a": 2}', "-0.0", str(2**80),
+        *(json.dumps([rng.random() * 10 ** rng.randint(-300, 300), rng.randint(-2**63, 2**63)])
+          for _ in range(2000)),
+    ]
+    for doc in docs:
+        for data in (doc, doc.encode()):  # SQLite hands over str, psycopg bytes
+            assert _json_loads(data) == json.loads(data), doc

@@ -57,7 +57,7 @@ HISTORY = 10_000
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -667,7 +667,7 @@ class _Handler(BaseHTTPRequestHandler):
         return rest[0], None, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None, q
 
     # --- verbs -------------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         route = self._route()
         if route is None:
             return self._send(404, _status(404, "NotFound", "the server could not find the requested resource"))
@@ -763,7 +763,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         route = self._route()
         if route is None or route[2] is not None:
             return self._send(405, _status(405, "MethodNotAllowed", "POST not allowed here"))
@@ -777,7 +777,7 @@ class _Handler(BaseHTTPRequestHandler):
         code, obj = self.cluster.create(resource, ns or "", self._body())
         self._send(code, obj)
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         route = self._route()
         if route is None or route[2] is None:
             return self._send(405, _status(405, "MethodNotAllowed", "DELETE needs a name"))
@@ -792,7 +792,7 @@ class _Handler(BaseHTTPRequestHandler):
         code, obj = self.cluster.delete(resource, ns or "", name, propagation)
         self._send(code, obj)
 
-    def do_PATCH(self) -> None:  # noqa: N802
+    def do_PATCH(self) -> None:
         route = self._route()
         self.cluster.requests.append(("patch", route[0] if route else "?"))
         self._send(405, _status(405, "MethodNotAllowed", "PATCH is not implemented by the fake"))
@@ -814,7 +814,7 @@ class FakeApiServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> "FakeApiServer":
+    def start(self) -> FakeApiServer:
         self._threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
                          threading.Thread(target=self._controllers, daemon=True)]
         for t in self._threads:
@@ -834,10 +834,10 @@ class FakeApiServer:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> "FakeApiServer":
+    def __enter__(self) -> FakeApiServer:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def api_client(self) -> Any:

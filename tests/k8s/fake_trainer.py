@@ -20,7 +20,8 @@ if mode == "sleep":
     signal.signal(signal.SIGTERM, on_term)  # before the first line: "running" means ready to stop
 
 spec_path = sys.argv[sys.argv.index("--spec") + 1]
-spec = json.load(open(spec_path))
+with open(spec_path) as f:
+    spec = json.load(f)
 assert spec["report"]["token"] is None, "token leaked into the ConfigMap"
 env = {k: os.environ.get(k) for k in (
     "TUNEFLEET_REPORT_TOKEN", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",

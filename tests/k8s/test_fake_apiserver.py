@@ -1,7 +1,6 @@
 """The fake API server speaks the protocol the official client expects (its own tests)."""
 
 import sys
-import time
 
 import pytest
 from kubernetes import client, watch

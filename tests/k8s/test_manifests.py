@@ -2,8 +2,8 @@
 
 import pytest
 
-from worker.executors.manifests import ManifestOptions, owner_reference, render_all, resource_name
 from tests.worker.builders import mi300x, rtx4090
+from worker.executors.manifests import ManifestOptions, owner_reference, render_all, resource_name
 
 SPEC = {"job_id": "ftjob-AbC", "report": {"token": None}}
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import yaml
 
-from worker.executors.base import ObservedKind, StopReason
 from tests.k8s.test_kubernetes_executor import Row, executor, kinds, placement, spec, until
+from worker.executors.base import ObservedKind, StopReason
 
 CHART_RBAC = Path(__file__).resolve().parents[2] / "helm/tunefleet/templates/rbac.yaml"
 
 
 def chart_rules() -> set[tuple[str, str]]:
-    text = re.sub(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", "", CHART_RBAC.read_text(), flags=re.S)  # comments
-    text = re.sub(r"^\s*\{\{-?.*?-?\}\}\s*$", "", text, flags=re.M)
+    text = re.sub(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", "", CHART_RBAC.read_text(), flags=re.DOTALL)  # comments
+    text = re.sub(r"^\s*\{\{-?.*?-?\}\}\s*$", "", text, flags=re.MULTILINE)
     text = re.sub(r"\{\{.*?\}\}", "x", text)
     allowed = set()
     for doc in yaml.safe_load_all(text):

@@ -24,50 +24,50 @@ class JobBuilder:
             created_at=float(n), total_tokens=10_000_000,
         )
 
-    def _t(self, **kw) -> "JobBuilder":
+    def _t(self, **kw) -> JobBuilder:
         self._job = replace(self._job, training=replace(self._job.training, **kw))
         return self
 
-    def qlora(self, size: str, quantization: str = "nf4") -> "JobBuilder":
+    def qlora(self, size: str, quantization: str = "nf4") -> JobBuilder:
         self._job = replace(self._job, model=KNOWN_MODELS[SIZES[size]])
         return self._t(method="qlora", quantization=quantization)
 
-    def lora(self, size: str) -> "JobBuilder":
+    def lora(self, size: str) -> JobBuilder:
         self._job = replace(self._job, model=KNOWN_MODELS[SIZES[size]])
         return self._t(method="lora", quantization="none")
 
-    def seq(self, n: int) -> "JobBuilder":
+    def seq(self, n: int) -> JobBuilder:
         return self._t(seq_len=n)
 
-    def priority(self, p: str | int) -> "JobBuilder":
+    def priority(self, p: str | int) -> JobBuilder:
         self._job = replace(self._job, priority=priority_value(p))
         return self
 
-    def tenant(self, t: str) -> "JobBuilder":
+    def tenant(self, t: str) -> JobBuilder:
         self._job = replace(self._job, tenant=t)
         return self
 
-    def created(self, t: float) -> "JobBuilder":
+    def created(self, t: float) -> JobBuilder:
         self._job = replace(self._job, created_at=t)
         return self
 
-    def pool(self, p: str) -> "JobBuilder":
+    def pool(self, p: str) -> JobBuilder:
         self._job = replace(self._job, pool=p)
         return self
 
-    def gpus(self, n: int) -> "JobBuilder":
+    def gpus(self, n: int) -> JobBuilder:
         self._job = replace(self._job, gpus=n)
         return self
 
-    def trainer(self, t: str) -> "JobBuilder":
+    def trainer(self, t: str) -> JobBuilder:
         self._job = replace(self._job, trainer=t)
         return self
 
-    def tokens(self, n: int) -> "JobBuilder":
+    def tokens(self, n: int) -> JobBuilder:
         self._job = replace(self._job, total_tokens=n)
         return self
 
-    def id(self, job_id: str) -> "JobBuilder":
+    def id(self, job_id: str) -> JobBuilder:
         self._job = replace(self._job, job_id=job_id)
         return self
 

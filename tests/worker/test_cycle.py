@@ -3,13 +3,13 @@
 import itertools
 import threading
 
+from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
 from worker.executors.base import StopReason
 from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.cycle import CycleConfig, plan_cycle, run_cycle
 from worker.scheduler.lock import InProcessLock
 from worker.scheduler.memory_store import MemoryExecutor, MemoryStore
 from worker.scheduler.ordering import FairQueue, dominant_shares
-from tests.worker.builders import cluster, make_job, mi300x, running, rtx4090
 
 
 def small(tenant="org-a", **kw):

@@ -8,17 +8,17 @@ jobs; usage accounting sums GPU-seconds per tenant and pool.
 
 import json
 
-from api.db.models import Job, JobEvent
-from api.db.session import session_scope
 from sqlalchemy import func, select
 
+from api.db.models import Job, JobEvent
+from api.db.session import session_scope
+from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.cycle import run_cycle
 from worker.scheduler.pools import local_pool
 from worker.scheduler.store import DbStore
 from worker.scheduler.usage import tenant_usage
-from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 
 JOBS = "/v1/fine_tuning/jobs"
 

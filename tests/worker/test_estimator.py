@@ -8,11 +8,19 @@ against peft. Then the fitting rules (smallest GPU count, headroom, offload).
 import pytest
 import torch
 
-from worker.scheduler.estimator import (
-    HEADROOM, KNOWN_MODELS, EstimateError, ModelShape, TrainingShape, candidate_gpu_counts, estimate_on_pool,
-    lora_params, memory_per_gpu, quantized_bytes_per_param,
-)
 from tests.worker.builders import mi300x, rtx4090
+from worker.scheduler.estimator import (
+    HEADROOM,
+    KNOWN_MODELS,
+    EstimateError,
+    ModelShape,
+    TrainingShape,
+    candidate_gpu_counts,
+    estimate_on_pool,
+    lora_params,
+    memory_per_gpu,
+    quantized_bytes_per_param,
+)
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -33,8 +33,8 @@ def test_default_is_one_local_pool():
      "pools.0.name"),
     ("pools: [{name: a, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: pytorch, peak_tflops: 1}]",
      "pools.0.trainers"),
-    ("pools: [{name: a, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: jax_lora, peak_tflops: 1},"
-     " {name: a, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: jax_lora, peak_tflops: 1}]",
+    (("pools: [{name: a, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: jax_lora, peak_tflops: 1},"
+      " {name: a, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: jax_lora, peak_tflops: 1}]"),
      "duplicate pool names: a"),
     ("pools: {", "not valid YAML"),
 ])

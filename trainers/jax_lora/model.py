@@ -258,7 +258,10 @@ def forward(
     mask = None if segment_ids is None else attention_mask(segment_ids)
     cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(cfg.rope, cfg.head_dim), compute_dtype)
 
-    h = jnp.take(params["embed_tokens"], tokens, axis=0).astype(compute_dtype)
+    # Gather the embed (fsdp) dim of the table first: XLA partitions a row lookup from a
+    # vocab-sharded table (masked gather + all-reduce) but not from a 2-D sharded one.
+    table = constrain(params["embed_tokens"], ("vocab", None))
+    h = jnp.take(table, tokens, axis=0).astype(compute_dtype)
     h = constrain(h, ("batch", "seq", "embed"))
 
     lora = lora or {}

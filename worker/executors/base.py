@@ -76,7 +76,7 @@ class JobRef(Protocol):
 class Executor(Protocol):
     """Starts, stops and observes trainers; the scheduling cycle's only I/O to compute."""
 
-    def launch(self, job: JobRef, spec: "TrainerSpec", placement: "Placement") -> None:
+    def launch(self, job: JobRef, spec: TrainerSpec, placement: Placement) -> None:
         """Start the trainer for ``job`` on the placement's pool/nodes (all GPUs at once)."""
         ...
 

@@ -42,8 +42,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -52,7 +53,13 @@ from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
 from worker.executors.manifests import (
-    LABEL_JOB, LABEL_MANAGED, LABEL_POOL, LABEL_TENANT, TERMINATION_LOG, ManifestOptions, owner_reference,
+    LABEL_JOB,
+    LABEL_MANAGED,
+    LABEL_POOL,
+    LABEL_TENANT,
+    TERMINATION_LOG,
+    ManifestOptions,
+    owner_reference,
     render_all,
 )
 from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
@@ -180,7 +187,7 @@ class KubernetesExecutor:
         while not self._stop_watching.is_set():
             try:
                 inf.run_once(self.watch_timeout_s)
-            except Exception:  # noqa: BLE001 - keep watching through API hiccups
+            except Exception:
                 log.exception("watch failed; retrying")
                 self._stop_watching.wait(1.0)
 
@@ -295,7 +302,7 @@ class KubernetesExecutor:
             names = list(snap.nodes_with_free(pool, free))
             if names:
                 node = snap.nodes[pool][names[0]]
-                snap._set_free(pool, node.name, node.gpus_free - gpus)  # noqa: SLF001 - same package
+                snap._set_free(pool, node.name, node.gpus_free - gpus)
                 return
 
     def reconcile(self) -> list[ObservedChange]:

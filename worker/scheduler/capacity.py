@@ -63,7 +63,7 @@ class CapacitySnapshot:
     ``add_node``/``allocate``/``release`` so the indexes stay right.
     """
 
-    pools: dict[str, "NodePool"] = field(default_factory=dict)
+    pools: dict[str, NodePool] = field(default_factory=dict)
     nodes: dict[str, dict[str, NodeCapacity]] = field(default_factory=dict)
     running: dict[str, RunningJob] = field(default_factory=dict)
     # pool -> free GPU count -> ordered set (dict) of node names
@@ -76,7 +76,7 @@ class CapacitySnapshot:
 
     # --- construction ---------------------------------------------------------------
     @classmethod
-    def from_pools(cls, pools: "list[NodePool]") -> "CapacitySnapshot":
+    def from_pools(cls, pools: list[NodePool]) -> CapacitySnapshot:
         """All nodes of the configured pools, empty (local mode and simulations)."""
         snap = cls(pools={p.name: p for p in pools})
         for p in pools:
@@ -86,7 +86,7 @@ class CapacitySnapshot:
         return snap
 
     @classmethod
-    def from_pools_and_running(cls, pools: "list[NodePool]", running: "list[RunningJob]") -> "CapacitySnapshot":
+    def from_pools_and_running(cls, pools: list[NodePool], running: list[RunningJob]) -> CapacitySnapshot:
         """Configured pools minus what ``running`` jobs hold (the local executor's view)."""
         snap = cls.from_pools(pools)
         for job in running:
@@ -130,7 +130,7 @@ class CapacitySnapshot:
     def stopping_count(self, pool: str) -> int:
         return self._stopping.get(pool, 0)
 
-    def copy(self) -> "CapacitySnapshot":
+    def copy(self) -> CapacitySnapshot:
         return CapacitySnapshot(
             pools=self.pools,
             nodes={pool: dict(ns) for pool, ns in self.nodes.items()},

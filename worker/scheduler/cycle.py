@@ -24,7 +24,14 @@ from typing import Any, Protocol
 from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
 from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.ordering import FairQueue, dominant_shares
-from worker.scheduler.placement import Objective, Placement, PreemptionPolicy, candidate_pools, estimate_for, place_job
+from worker.scheduler.placement import (
+    Objective,
+    Placement,
+    PreemptionPolicy,
+    candidate_pools,
+    estimate_for,
+    place_job,
+)
 from worker.scheduler.request import JobRequest
 
 log = logging.getLogger(__name__)
@@ -254,7 +261,7 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
             row, spec = store.admit(adm.job, adm.placement)
             try:
                 executor.launch(row, spec, adm.placement)
-            except Exception as exc:  # noqa: BLE001 - any launch failure requeues the job
+            except Exception as exc:
                 log.exception("launch of %s failed", adm.job.job_id)
                 store.launch_failed(adm.job, exc)
         # preemption: SIGTERM -> checkpoint -> requeued by apply_observed with resume_from.

@@ -93,7 +93,7 @@ class ModelShape:
         return self.head_dim or self.hidden // self.heads
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         """Read a Hugging Face ``config.json`` dict (Llama/Mistral/Qwen2 key names)."""
         try:
             heads = int(config["num_attention_heads"])
@@ -111,7 +111,7 @@ class ModelShape:
             raise EstimateError(f"model config is missing {exc.args[0]!r}", "invalid_model_config") from exc
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | Path) -> "ModelShape":
+    def from_pretrained_dir(cls, path: str | Path) -> ModelShape:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise EstimateError(f"{cfg} not found", "model_not_found")
@@ -385,8 +385,8 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
             pool=pool.name, fits=False, gpus=top, nodes=math.ceil(top / pool.gpus_per_node),
             offload=False, memory=smallest, gpu_memory_bytes=pool.gpu_memory_bytes,
             tokens_per_s=0.0, eta_s=None, cost=None, trainer=trainer,
-            reasons=(f"needs {need / GIB:.1f} GiB per GPU even on {top}x {pool.accelerator}; "
-                     f"{pool.gpu_memory_gib:.0f} GiB available ({HEADROOM:.0%} usable)",),
+            reasons=((f"needs {need / GIB:.1f} GiB per GPU even on {top}x {pool.accelerator}; "
+                      f"{pool.gpu_memory_gib:.0f} GiB available ({HEADROOM:.0%} usable)"),),
         )
     n, off, mem = best
     tps = tokens_per_second(m, t, pool, n, trainer=trainer, offload=off)

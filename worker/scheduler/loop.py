@@ -88,7 +88,7 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
             if result.ran and result.plan and (result.plan.admissions or result.plan.preemptions):
                 log.info("cycle: %d admitted, %d preempted, %d waiting (%.3f s)", len(result.plan.admissions),
                          len(result.plan.preemptions), len(result.plan.waiting), result.seconds)
-        except Exception:  # noqa: BLE001 - one bad cycle must not stop scheduling
+        except Exception:
             log.exception("scheduling cycle failed")
         cycles += 1
         if max_cycles is not None and cycles >= max_cycles:

@@ -19,10 +19,10 @@ the earliest estimated finish. The trainer family follows the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob  # noqa: F401
+from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
 from worker.scheduler.estimator import PoolEstimate, estimate_on_pool
 from worker.scheduler.pools import NodePool
 from worker.scheduler.request import JobRequest

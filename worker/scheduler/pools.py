@@ -102,7 +102,7 @@ class NodePool(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _gpu_resource(self) -> "NodePool":
+    def _gpu_resource(self) -> NodePool:
         if self.accelerator != "cpu" and not self.resource_name:
             raise ValueError(f"pool {self.name}: a GPU pool needs resource_name (e.g. nvidia.com/gpu)")
         if not self.trainers:
@@ -133,7 +133,7 @@ class PoolsFile(BaseModel):
     pools: list[NodePool]
 
     @model_validator(mode="after")
-    def _unique(self) -> "PoolsFile":
+    def _unique(self) -> PoolsFile:
         names = [p.name for p in self.pools]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -75,7 +75,7 @@ def _ts(value: dt.datetime | float | None) -> float | None:
     if value is None or isinstance(value, (int, float)):
         return value
     if value.tzinfo is None:
-        value = value.replace(tzinfo=dt.timezone.utc)
+        value = value.replace(tzinfo=dt.UTC)
     return value.timestamp()
 
 
@@ -94,7 +94,7 @@ def tenant_usage(session: Session, tenant_id: str | None, start: dt.datetime | f
         q = q.where(Job.tenant_id == tenant_id)
     if s is not None:
         # jobs that finished before the range cannot overlap it
-        q = q.where(or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(s, dt.timezone.utc)))
+        q = q.where(or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(s, dt.UTC)))
     by_pool: dict[str, dict[str, float]] = defaultdict(lambda: {"gpu_seconds": 0.0, "cost": 0.0})
     jobs = 0
     for _, usage in session.execute(q):
@@ -121,7 +121,7 @@ def recent_gpu_seconds(session: Session, since: float, *, now: float) -> dict[tu
 
     out: dict[tuple[str, str], float] = defaultdict(float)
     q = select(Job.tenant_id, Job.usage).where(Job.usage.is_not(None)).where(
-        or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(since, dt.timezone.utc)))
+        or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(since, dt.UTC)))
     for tenant, usage in session.execute(q):
         for seg in (usage or {}).get("segments", []):
             gs = _clip(seg, since, None, now)
