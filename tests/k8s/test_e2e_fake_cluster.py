@@ -113,6 +113,6 @@ def test_preemption_checkpoints_requeues_and_resumes_on_the_fake_cluster(service
             steps = [m["step"] for m in http.get(f"/fine_tuning/jobs/{low['id']}/metrics?limit=1000").json()["data"]]
             assert steps == list(range(steps[0], steps[0] + len(steps)))  # continuous: one row per step
             assert steps[-1] == done["total_steps"]
-        launched = {o["metadata"]["name"] for _, r, _, _, o in c.history if r == "jobs"
-                    and o["metadata"]["labels"].get("tunefleet.io/job-id") == low["id"]}
-        assert len(launched) == 2  # attempt 1 (preempted) and attempt 2 (resumed)
+        launches = [o["metadata"]["uid"] for _, r, _, t, o in c.history if r == "jobs" and t == "ADDED"
+                    and o["metadata"]["labels"].get("tunefleet.io/job-id") == low["id"]]
+        assert len(launches) == 2  # the preempted run and the resumed one: two Kubernetes Jobs

@@ -115,3 +115,25 @@ def test_bf16_base_with_fp32_adapter_tracks_fp32(tiny_untied):
     a = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g32)])
     b = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g16)])
     assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) > 0.99
+
+
+def test_remat_policies_give_the_same_loss_and_grads(tiny_untied):
+    """per_layer / dots_saveable recompute activations in the backward pass: same numbers."""
+    from tests.trainers.jax_lora.batches import random_lora
+    from trainers.jax_lora.step import make_loss_and_grads
+
+    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    params, _ = load_params(tiny_untied, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32)
+    targets = ("q_proj", "o_proj", "up_proj")
+    lora = jax.tree.map(jnp.asarray, random_lora(lora_shapes(cfg, targets, 4, jnp.float32), seed=11))
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(12, accum=2, rows=2, seq=24, vocab=cfg.vocab_size).items()}
+    out = {}
+    for remat in ("none", "per_layer", "dots_saveable"):
+        sc = StepConfig(cfg=cfg, runtime=lora_runtime(8.0, 4, 0.0), remat=remat)
+        fn = jax.jit(make_loss_and_grads(sc, None))
+        assert ("remat" in str(fn.trace(lora, params, batch, None).jaxpr)) == (remat != "none")
+        out[remat] = fn(lora, params, batch, None)
+    for remat in ("per_layer", "dots_saveable"):
+        assert abs(float(out[remat][0]) - float(out["none"][0])) <= 1e-6
+        for a, b in zip(jax.tree.leaves(out[remat][1]), jax.tree.leaves(out["none"][1]), strict=True):
+            assert float(jnp.abs(a - b).max()) <= 1e-6
