@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     # Used by the Kubernetes executor (worker/executors/kubernetes.py).
     k8s_namespace: str = "tunefleet-training"
     kueue_queue: str | None = None
+    k8s_trainer_secret: str | None = Field(
+        default=None, description="Secret (training namespace) with the trainers' AWS_* credentials."
+    )
     # Seconds between two scheduling cycles of the scheduler loop.
     schedule_interval_s: float = Field(default=3.0, gt=0)
 

@@ -129,6 +129,7 @@ def build_spec(
     gpus: int,
     token: str,
     in_cluster: bool = False,
+    cpu_offload: bool = False,
 ) -> TrainerSpec:
     """The trainer spec for ``job`` placed on ``gpus`` GPUs of a pool.
 
@@ -141,6 +142,7 @@ def build_spec(
         gpus: GPUs (local: processes) the job gets.
         token: the job's fresh report token.
         in_cluster: the trainer runs in a Kubernetes pod (paths inside the pod).
+        cpu_offload: the placement counted on offloading parameters to host memory.
 
     Raises:
         SpecError: the model or a file no longer exists.
@@ -193,6 +195,7 @@ def build_spec(
         mesh=MeshSpec(data=1, fsdp=gpus, tensor=1) if trainer == "jax_lora" else MeshSpec(),
         activation_checkpointing="none" if pool_accelerator == "cpu" else "non_reentrant",
         remat="none" if pool_accelerator == "cpu" else "per_layer",
+        cpu_offload=cpu_offload and trainer == "fsdp_qlora" and pool_accelerator != "cpu",
     )
     return TrainerSpec(
         job_id=job.id,

@@ -161,7 +161,11 @@ def test_submit_watch_training_and_download_adapter(
     )
     assert page.inner_text("[data-resolved=n_epochs]") == "auto → 3"
     assert page.inner_text("[data-resolved=batch_size]") == "auto → 1"
-    page.wait_for_selector("[data-testid=estimate-choice], [data-testid=estimate-unavailable]")
+    # The estimate preview: a dry run of placement (POST /v1/fine_tuning/estimate) picks
+    # the embedded `local` pool, with a memory bar per pool.
+    choice = page.wait_for_selector("[data-testid=estimate-choice]", timeout=30_000)
+    assert "on pool" in choice.inner_text() and "local" in choice.inner_text(), choice.inner_text()
+    assert page.query_selector("#estimate .meter-row[data-pool=local]") is not None
     page.screenshot(path=screenshots / "04-new-job-estimate.png", full_page=True)
 
     # 3. Submit: the job page opens and its loss chart gains points while it trains.

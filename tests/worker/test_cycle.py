@@ -67,7 +67,7 @@ def _starvation_run(backfill: bool, cycles: int = 40) -> tuple[bool, int]:
     config = CycleConfig(backfill=backfill)
     started: dict[str, int] = {}
     for i in range(6):
-        store.submit(make_job().qlora("7b").trainer("jax_lora").tokens(None).id(f"s{i}").created(i).build())
+        store.submit(make_job().lora("7b").trainer("jax_lora").tokens(None).id(f"s{i}").created(i).build())
     run_cycle(store, ex, config=config)
     store.submit(make_job().lora("405b").id("big").created(100).build())
     for c in range(cycles):
@@ -75,7 +75,7 @@ def _starvation_run(backfill: bool, cycles: int = 40) -> tuple[bool, int]:
             started.setdefault(jid, c)
             if jid != "big" and c - started[jid] >= 3:
                 ex.finish(jid)
-        store.submit(make_job().qlora("7b").trainer("jax_lora").tokens(None).id(f"n{c}").created(200 + c).build())
+        store.submit(make_job().lora("7b").trainer("jax_lora").tokens(None).id(f"n{c}").created(200 + c).build())
         run_cycle(store, ex, config=config)
         if "big" in ex.running:
             return True, c
@@ -94,8 +94,8 @@ def test_easy_backfill_allows_jobs_that_end_before_the_reservation():
     blocker = running("blk", "mi300x", [("mi300x-0", 4)], expected_end=10_000.0)
     snap = cluster(pool, running=[blocker])
     big = make_job().lora("405b").id("big").created(1).build()
-    short = make_job().qlora("7b").trainer("jax_lora").id("short").tokens(10**6).created(2).build()
-    long = make_job().qlora("7b").trainer("jax_lora").id("long").tokens(10**11).created(3).build()
+    short = make_job().lora("7b").trainer("jax_lora").id("short").tokens(10**6).created(2).build()
+    long = make_job().lora("7b").trainer("jax_lora").id("long").tokens(10**11).created(3).build()
     plan = plan_cycle([big, short, long], snap, now=0.0)
     assert [a.job.job_id for a in plan.admissions] == ["short"]
     assert plan.reservations["mi300x-0"] == ("big", 10_000.0)

@@ -81,7 +81,7 @@ def test_cycle_on_the_database(settings, client, tenant_key, make_job):  # noqa:
     assert spec["job_id"] == j1 and spec["report"]["token"].startswith("tfjob_")
     got = client.get(f"{JOBS}/{j1}", headers=a.headers).json()
     assert (got["status"], got["pool"], got["gpus"]) == ("running", "local", 1)
-    assert got["usage"]["segments"][0]["start"] == clock.t and got["estimate"]["pool"] == "local"
+    assert got["usage"]["segments"][0]["start"] == clock.t and got["estimate"]["admitted"]["pool"] == "local"
     waiting = client.get(f"{JOBS}/{j3}", headers=a.headers).json()
     assert waiting["status"] == "queued"
     assert waiting["queue_reason"] == "waiting: local: needs 1x cpu, 0 free; position 1 in queue"

@@ -20,10 +20,12 @@ CASES = [
      ("fit", "rtx4090", 1), "1x nvidia-rtx-4090"),
     ("405b lora needs a whole mi300x node", make_job().lora("405b"), [mi300x(1), rtx4090(2)], [],
      ("fit", "mi300x", 8), "8x amd-mi300x"),
-    ("pinned pool is honoured", make_job().qlora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)], [],
+    ("pinned pool is honoured", make_job().lora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)], [],
      ("fit", "mi300x", 1), ""),
-    ("pinned trainer family restricts pools", make_job().qlora("7b").trainer("jax_lora"), [mi300x(1), rtx4090(2)], [],
+    ("pinned trainer family restricts pools", make_job().lora("7b").trainer("jax_lora"), [mi300x(1), rtx4090(2)], [],
      ("fit", "mi300x", 1), ""),
+    ("qlora never goes to a jax-only pool", make_job().qlora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)], [],
+     ("no_fit", None, 0), "job needs fsdp_qlora (a 4-bit base)"),
     ("unknown pool", make_job().qlora("7b").pool("tpu"), [rtx4090(2)], [], ("no_fit", None, 0), "pool 'tpu' does not exist"),
     ("405b never fits 4090s", make_job().lora("405b"), [rtx4090(4)], [], ("no_fit", None, 0),
      "per GPU even on 8x nvidia-rtx-4090"),
@@ -34,7 +36,7 @@ CASES = [
      ("no_fit", None, 0), "needs 4x nvidia-rtx-4090 (2 whole nodes), 1 whole nodes free"),
     ("multi-node gang fits on whole nodes", make_job().qlora("70b").gpus(4), [rtx4090(3)],
      [running("x", "rtx4090", [("rtx4090-0", 1)])], ("fit", "rtx4090", 4), ""),
-    ("jax-only job cannot use 4090s", make_job().qlora("7b").trainer("jax_lora"), [rtx4090(2)], [],
+    ("jax-only job cannot use 4090s", make_job().lora("7b").trainer("jax_lora"), [rtx4090(2)], [],
      ("no_fit", None, 0), "rtx4090: runs fsdp_qlora, job needs jax_lora"),
 ]
 

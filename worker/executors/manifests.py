@@ -53,6 +53,10 @@ class ManifestOptions:
     image_pull_policy: str = "IfNotPresent"
     termination_grace_period_s: int = 300
     """Time a trainer gets after SIGTERM to write its checkpoint."""
+    env_from_secret: str | None = None
+    """A Secret in the training namespace whose keys become the trainer's environment
+    (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the artifact bucket); resolved by the
+    kubelet, so the service account needs no access to it."""
 
 
 def resource_name(job_id: str, attempt: int = 1) -> str:
@@ -164,6 +168,7 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
         "imagePullPolicy": opts.image_pull_policy,
         "command": command or ["python", "-m", "trainers", "--spec", SPEC_FILE],
         "env": env,
+        **({"envFrom": [{"secretRef": {"name": opts.env_from_secret}}]} if opts.env_from_secret else {}),
         "resources": resources,
         "volumeMounts": [
             {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},

@@ -24,6 +24,8 @@ from worker.scheduler.store import DbStore
 
 log = logging.getLogger(__name__)
 
+WEBHOOK_SWEEP_INTERVAL_S = 60.0
+
 
 @dataclass
 class Components:
@@ -45,8 +47,12 @@ def make_executor(settings: Settings, pools: list[Any]) -> Executor:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        ex = KubernetesExecutor(client.ApiClient(), pools, options=ManifestOptions(
-            namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue))
+        # Trainer pods reach the artifact bucket themselves: the endpoint as a value, the
+        # credentials from a Secret of the training namespace (TUNEFLEET_K8S_TRAINER_SECRET).
+        extra_env = {"TUNEFLEET_S3_ENDPOINT_URL": settings.s3_endpoint_url} if settings.s3_endpoint_url else None
+        ex = KubernetesExecutor(client.ApiClient(), pools, extra_env=extra_env, options=ManifestOptions(
+            namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
+            env_from_secret=settings.k8s_trainer_secret))
         ex.start()
         return ex
     from api.queue import CeleryQueue
@@ -81,8 +87,16 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     components = build_components(settings)
     log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
     cycles = 0
+    from api.queue import CeleryQueue
+
+    queue = CeleryQueue(settings)
+    last_sweep = 0.0
     while not stop.is_set():
         started = time.monotonic()
+        if started - last_sweep >= WEBHOOK_SWEEP_INTERVAL_S:
+            # Re-send webhook deliveries left pending by a lost task (at-least-once delivery).
+            queue.send("tunefleet.sweep_webhooks")
+            last_sweep = started
         try:
             result = run_once(components)
             if result.ran and result.plan and (result.plan.admissions or result.plan.preemptions):

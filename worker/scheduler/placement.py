@@ -92,8 +92,18 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
 
 
 def _trainer_for(job: JobRequest, pool: NodePool) -> str | None:
+    """The trainer family the job runs on ``pool``, None if the pool cannot run it.
+
+    A 4-bit (QLoRA) base trains only in ``fsdp_qlora``: the JAX trainer has no quantized
+    layers, so "auto" never sends a QLoRA job to a ``jax_lora``-only pool.
+    """
+    quantized = job.training.quantization != "none"
     if job.trainer == "auto":
+        if quantized:
+            return "fsdp_qlora" if "fsdp_qlora" in pool.trainers else None
         return pool.preferred_trainer()
+    if quantized and job.trainer != "fsdp_qlora":
+        return None
     return job.trainer if job.trainer in pool.trainers else None
 
 
@@ -108,7 +118,8 @@ def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_
             continue
         trainer = _trainer_for(job, pool)
         if trainer is None:
-            reasons.append(f"{pool.name}: runs {'/'.join(pool.trainers)}, job needs {job.trainer}")
+            needs = "fsdp_qlora (a 4-bit base)" if job.training.quantization != "none" else job.trainer
+            reasons.append(f"{pool.name}: runs {'/'.join(pool.trainers)}, job needs {needs}")
             continue
         if job.gpus is not None and job.gpus > pool.gpus_per_node * pool.max_nodes_per_job:
             reasons.append(f"{pool.name}: at most {pool.gpus_per_node * pool.max_nodes_per_job} GPUs per job")

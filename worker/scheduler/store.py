@@ -56,7 +56,13 @@ def _shape_from_dir(path: str) -> ModelShape:
 def model_shape(path: str, params_b: float | None) -> ModelShape:
     """The base model's shape: its local config.json, else the known model nearest in size."""
     if not path.startswith("s3://") and (Path(path) / "config.json").is_file():
-        return _shape_from_dir(path)
+        try:
+            return _shape_from_dir(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # A broken config must make this one job wait with a reason, never stop the
+            # cycle for every other job.
+            raise EstimateError(f"cannot read the base model config at {path}: {exc}",
+                                "model_config_unavailable") from exc
     if params_b:
         return min(KNOWN_MODELS.values(), key=lambda m: abs(m.params / 1e9 - params_b))
     raise EstimateError(f"cannot read the base model config at {path}", "model_config_unavailable")
@@ -134,7 +140,8 @@ class DbStore:
             try:
                 spec = build_spec(session, job, self.settings, pool_accelerator=pool.accelerator,
                                   pool_families=(placement.trainer or pool.preferred_trainer(),),
-                                  gpus=placement.gpus, token=token, in_cluster=self.in_cluster)
+                                  gpus=placement.gpus, token=token, in_cluster=self.in_cluster,
+                                  cpu_offload=placement.offload)
             except SpecError as exc:
                 transition(session, job, "failed", actor="scheduler", message=str(exc),
                            error={"code": exc.code, "message": str(exc)})
@@ -147,7 +154,8 @@ class DbStore:
                         f"({placement.trainer}).",
                 data={"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
                 pool=pool.name, gpus=placement.gpus, queue_reason=None, job_token_hash=hash_secret(token),
-                estimate=est.to_dict() if est else job.estimate,
+                # Keep the estimate shown at creation; add the one this admission used.
+                estimate={**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate,
                 usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
                                    price_per_gpu_hour=pool.price_per_gpu_hour, trainer=placement.trainer),
             )
