@@ -32,7 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tunefleet.demo import DEMO_MODEL_ID, demo_examples, ensure_demo_model  # noqa: E402
+from tunefleet.demo import DEMO_MODEL_ID, demo_examples, ensure_demo_model
 
 
 def _free_port() -> int:
@@ -43,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
+def _wait(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -88,9 +88,9 @@ def main() -> None:
                 "max_seq_len": 64,
             }).json()
             job_id = job["id"]
-            running = _wait(lambda: _status_time(http, job_id, "running"), 120, "running")
-            first = _wait(lambda: _first_metric_time(http, job_id), 180, "first step")
-            _wait(lambda: http.get(f"/fine_tuning/jobs/{job_id}").json()["status"] in
+            running = _wait(lambda j=job_id: _status_time(http, j, "running"), 120, "running")
+            first = _wait(lambda j=job_id: _first_metric_time(http, j), 180, "first step")
+            _wait(lambda j=job_id: http.get(f"/fine_tuning/jobs/{j}").json()["status"] in
                   ("succeeded", "failed", "cancelled"), 300, "the end")
             results.append((running - t0, first - t0))
             print(f"run {run}: running after {running - t0:.2f} s, first step after {first - t0:.2f} s", flush=True)

@@ -64,7 +64,7 @@ def ensure_demo_model(models_dir: Path) -> Path:
     )
 
 
-def start_demo(settings, base_url: str, admin_key: str) -> str:  # noqa: ANN001 (api.settings.Settings)
+def start_demo(settings, base_url: str, admin_key: str) -> str:
     """Build the demo model, upload the dataset and create the demo job over HTTP.
 
     Returns the job id. Uses plain HTTP, exactly as a user would (README quickstart).

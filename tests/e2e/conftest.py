@@ -26,8 +26,8 @@ import pytest
 from tests.conftest import REPO, free_port
 
 CLI = [sys.executable, "-c", "from tunefleet.cli import app; app()"]
-ENSURE_ADMIN = [sys.executable, "-c", "from api.settings import get_settings; "
-                "from tunefleet.cli.operator import ensure_admin_key; ensure_admin_key(get_settings())"]
+ENSURE_ADMIN = [sys.executable, "-c", ("from api.settings import get_settings; "
+                "from tunefleet.cli.operator import ensure_admin_key; ensure_admin_key(get_settings())")]
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def create_job(http: httpx.Client, file_id: str, *, n_epochs: int = 1, batch_siz
     return resp.json()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):  # noqa: ANN001, ANN201
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -178,7 +178,7 @@ def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path,
     assert (peft_logits - base_logits).abs().max() > 1e-3, "the adapter changes nothing"
 
 
-def _trainer_pid(svc, job_id: str) -> int | None:  # noqa: ANN001
+def _trainer_pid(svc, job_id: str) -> int | None:
     path = svc.data_dir / "jobs" / job_id / "trainer.pid"
     try:
         return int(path.read_text())

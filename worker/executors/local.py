@@ -22,11 +22,12 @@ from sqlalchemy import select
 
 from api.db.models import Job
 from api.db.session import session_scope
+from api.fleet import capacity_snapshot
 from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
+from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.pools import NodePool
 from worker.spec_builder import write_spec
 
@@ -77,30 +78,8 @@ class LocalExecutor:
 
     def snapshot(self) -> CapacitySnapshot:
         """The configured local pools, minus the slots of jobs running on them."""
-        snap = CapacitySnapshot.from_pools(list(self.pools.values()))
         with session_scope(self.settings.resolved_database_url) as session:
-            rows = session.execute(
-                select(Job.id, Job.tenant_id, Job.pool, Job.gpus, Job.priority, Job.started_at)
-                .where(Job.status == "running", Job.pool.in_(list(self.pools)))
-            ).all()
-        for job_id, tenant, pool, gpus, priority, started_at in rows:
-            nodes = snap.nodes.get(pool, {})
-            need = max(1, gpus or 1)
-            held: list[tuple[str, int]] = []
-            for name, node in nodes.items():
-                take = min(node.gpus_free, need)
-                if take:
-                    held.append((name, take))
-                    need -= take
-                if not need:
-                    break
-            if held:
-                snap.allocate(RunningJob(
-                    job_id=job_id, tenant=tenant, pool=pool, priority=priority,
-                    started_at=started_at.timestamp() if started_at else time.time(),
-                    nodes=tuple(held),
-                ))
-        return snap
+            return capacity_snapshot(session, list(self.pools.values()))
 
     def reconcile(self) -> list[ObservedChange]:
         """Re-supervise running local jobs whose supervising task died with its worker.

@@ -100,14 +100,14 @@ def _event(db_url: str, job_id: str, level: str, message: str) -> None:
             add_event(session, job, message, level=level)
 
 
-def _latest_checkpoint_location(session, job: Job) -> str | None:  # noqa: ANN001
+def _latest_checkpoint_location(session, job: Job) -> str | None:
     ckpt = session.scalar(
         select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
     )
     return ckpt.location if ckpt else job.resume_from
 
 
-def _register_manifest(session, job: Job, output_dir: str) -> None:  # noqa: ANN001
+def _register_manifest(session, job: Job, output_dir: str) -> None:
     """Register the outputs from manifest.json (in case the trainer's last report was lost)."""
     manifest = Path(output_dir) / "manifest.json"
     if output_dir.startswith("s3://") or not manifest.exists():
@@ -117,7 +117,7 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:  # noqa: ANN
     _apply_artifacts(session, job, item)
 
 
-def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None) -> str:  # noqa: ANN001
+def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None) -> str:
     with session_scope(db_url) as session:
         job = lock_job(session, job_id)
         if job is None:
