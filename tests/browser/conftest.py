@@ -83,7 +83,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, ti
     raise RuntimeError(f"tunefleet serve did not answer in {timeout_s}s:\n{log_path.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: `make browser-deps` (apt-get install chromium)")
@@ -151,7 +151,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[object]:
     from playwright.sync_api import sync_playwright
 
@@ -161,7 +161,7 @@ def browser() -> Iterator[object]:
         chromium.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def screenshots() -> Path:
     shutil.rmtree(SCREENSHOTS, ignore_errors=True)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)

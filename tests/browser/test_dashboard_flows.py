@@ -103,6 +103,17 @@ def _loss_points(page) -> int:
     return int(page.get_attribute("#chart-loss", "data-points") or 0)
 
 
+def _wait_js(page, service, expression: str, *, timeout_ms: int, what: str) -> None:  # noqa: ANN001
+    """Wait for a page condition of a live job; on timeout, say what the service logged
+    (a 2-core CI machine runs three trainers beside Chromium here)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(expression, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        raise AssertionError(f"timed out waiting for {what}; service log:\n{service.log_tail(120)}") from None
+
+
 def test_login_rejects_a_wrong_key(service, browser, screenshots: Path) -> None:
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
@@ -176,9 +187,8 @@ def test_submit_watch_training_and_download_adapter(
                            timeout=90_000)
     first = _loss_points(page)
     page.evaluate("window.__sameDocument = true")  # gone if anything reloads the page
-    page.wait_for_function(
-        f"Number(document.querySelector('#chart-loss').dataset.points || 0) > {first}", timeout=60_000
-    )
+    _wait_js(page, service, f"Number(document.querySelector('#chart-loss').dataset.points || 0) > {first}",
+             timeout_ms=120_000, what="the loss chart to gain a point")
     assert page.get_attribute("#job-status", "data-status") in {"running", "succeeded"}
     page.screenshot(path=screenshots / "05-job-running.png", full_page=True)
     # The points came over SSE into the same document, not through a reload.
@@ -224,8 +234,8 @@ def test_cancel_a_running_job_from_its_page(
     page.wait_for_function(f"/^[0-9]+ \\/ 5000$/.test(document.querySelector('{label}')?.textContent)",
                            timeout=90_000)
     before = page.inner_text(label)
-    page.wait_for_function(f"document.querySelector('{label}').textContent !== '{before}'",
-                           timeout=30_000)
+    _wait_js(page, service, f"document.querySelector('{label}').textContent !== '{before}'",
+             timeout_ms=120_000, what="the jobs table to show progress")
     page.goto(f"{service.url}/ui/jobs/{job_id}")
     _wait_status(page, {"running"}, timeout_s=90)
     page.wait_for_function("Number(document.querySelector('#chart-loss').dataset.points || 0) >= 1",

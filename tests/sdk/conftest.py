@@ -124,3 +124,25 @@ def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "cfg" / "config.toml"
     monkeypatch.setenv("TUNEFLEET_CONFIG", str(path))
     return path
+
+
+def run_in_fresh_loop(coro):  # noqa: ANN001, ANN201
+    """``asyncio.run(coro)`` on a thread of its own: an event loop another test left running
+    in the main thread (Playwright's sync API keeps one) cannot get in the way."""
+    import asyncio
+    import threading
+
+    result: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="async-test")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result.get("value")

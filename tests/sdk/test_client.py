@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl
+from tests.sdk.conftest import (
+    BAD_JSONL,
+    DEMO_MODEL,
+    JobDriver,
+    Service,
+    chat_jsonl,
+    run_in_fresh_loop,
+)
 from tunefleet import (
     AsyncTunefleet,
     AuthenticationError,
@@ -179,7 +185,7 @@ def test_async_client(service: Service) -> None:
             stream = [m.event async for m in client.jobs.stream(jobs[0].id)]
             assert stream[-1] == "end" and "status" in stream
 
-    asyncio.run(scenario())
+    run_in_fresh_loop(scenario())
 
 
 def test_config_precedence(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ Sleeps are recorded instead of slept.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.sdk.conftest import run_in_fresh_loop
 from tunefleet import APIConnectionError, AsyncTunefleet, RateLimitError, ServerError, Tunefleet
 from tunefleet.sdk import transport
 from tunefleet.sdk.sse import SSEDecoder
@@ -127,7 +127,7 @@ def test_async_transport_retries_the_same_way(sleeps: list[float]) -> None:
             job = await client.jobs.create(model="m", training_file="f", idempotency_key="mine")
             assert job.id == "ftjob-1"
 
-    asyncio.run(scenario())
+    run_in_fresh_loop(scenario())
     assert [r.headers["Idempotency-Key"] for r in seen] == ["mine", "mine"]
 
 

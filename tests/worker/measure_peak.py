@@ -15,6 +15,17 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def peak_rss() -> int:
+    """This process image's RSS high-water mark (VmHWM). Not ``ru_maxrss``: Linux carries
+    that over ``execve`` from the forked parent, so a child of a big pytest process would
+    report the parent's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -46,7 +57,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(json.dumps({"baseline": baseline, "peak": peak, "delta": peak - baseline}))
 
 

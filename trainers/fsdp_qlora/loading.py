@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainers.common.memory import peak_rss_bytes as _peak_rss_bytes
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
     DistContext,
@@ -356,8 +356,8 @@ def build_model(
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """Peak resident set size of this process so far (see trainers.common.memory)."""
+    return _peak_rss_bytes()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

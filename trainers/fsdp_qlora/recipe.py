@@ -29,7 +29,6 @@ import base64
 import json
 import logging
 import random
-import resource
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -57,6 +56,7 @@ from trainers.common.job_data import (
     load_tokenizer,
     total_optimizer_steps,
 )
+from trainers.common.memory import peak_rss_bytes
 from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
 from trainers.common.peft_export import write_peft_adapter
 from trainers.common.reporter import Reporter
@@ -282,7 +282,7 @@ def evaluate(model: nn.Module, data: TrainingData, device: torch.device, max_bat
 def memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return peak_rss_bytes()
 
 
 def _take(batches: Iterator[Batch], n: int) -> list[Batch]:

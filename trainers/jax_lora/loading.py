@@ -20,7 +20,6 @@ HF stores ``nn.Linear`` weights as (out_features, in_features); our kernels are
 from __future__ import annotations
 
 import json
-import resource
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.jax_lora.config import LlamaConfig
 from trainers.jax_lora.model import PROJECTIONS, Params, param_axes, param_shapes, projection_shape
@@ -186,8 +186,8 @@ def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], 
 
 
 def host_peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process so far (see trainers.common.memory)."""
+    return peak_rss_bytes()
 
 
 def load_params(
