@@ -103,7 +103,7 @@ def _loss_points(page) -> int:
     return int(page.get_attribute("#chart-loss", "data-points") or 0)
 
 
-def _wait_js(page, service, expression: str, *, timeout_ms: int, what: str) -> None:  # noqa: ANN001
+def _wait_js(page, service, expression: str, *, timeout_ms: int, what: str) -> None:
     """Wait for a page condition of a live job; on timeout, say what the service logged
     (a 2-core CI machine runs three trainers beside Chromium here)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
