@@ -37,7 +37,10 @@ import errno
 import importlib
 import json
 import logging
+import os
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,6 +129,27 @@ def _termination_log_of(spec_path: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def watch_parent(stop: Any, interval_s: float = 1.0) -> threading.Thread:
+    """Stop (checkpoint and exit PREEMPTED) once the process that started us is gone.
+
+    The local executor sets ``TUNEFLEET_STOP_WITH_PARENT=1``: a trainer runs in its own
+    session, so the death of its Celery worker would otherwise leave it training alone.
+    The re-sent supervising task then resumes it from the checkpoint this writes.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.requested:
+            if os.getppid() != parent:
+                stop.request("parent process gone")
+                return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=watch, name="watch-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="path of the trainer spec JSON")
@@ -174,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         reporter.mirror = mirror_from_spec(spec, warn=lambda msg: reporter.event(msg, level="warning"))
     stop = StopFlag().install()
+    if os.environ.get("TUNEFLEET_STOP_WITH_PARENT") == "1":
+        watch_parent(stop)
     error: TrainerError | None = None
     try:
         run = load_recipe(spec.trainer)

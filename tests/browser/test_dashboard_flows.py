@@ -21,7 +21,9 @@ import pytest
 
 pytestmark = pytest.mark.browser
 
-TRAIN_STEPS = 150
+# Long enough that, on an idle machine too, the trainer reports over several 2 s flushes
+# while the page watches (150 steps of the tiny model fit in one flush there).
+TRAIN_STEPS = 1500
 
 
 WORDS = ["able", "acid", "aged", "area", "army", "baby", "back", "ball", "band", "bank", "base", "bath", "bear", "beat", "bell", "belt"]
@@ -82,7 +84,9 @@ def background_jobs(service) -> dict[str, str]:
     admin's, thousands of steps, to be cancelled) and ``broken`` (the other tenant's, on
     the broken model, fails in the trainer)."""
     jobs = {
-        "long": _create_job_over_api(service, service.admin_key, steps=5000),
+        # Long enough to still be running when the cancel test reaches it (5,000 steps
+        # of the tiny model take ~40 s on an idle machine).
+        "long": _create_job_over_api(service, service.admin_key, steps=200_000),
         "broken": _create_job_over_api(service, service.other_key, steps=5, model="broken-llama"),
     }
     return jobs
@@ -195,7 +199,7 @@ def test_submit_watch_training_and_download_adapter(
     assert page.evaluate("window.__sameDocument === true")
 
     # 4. It succeeds; the chart holds every step; the adapter downloads with its sha256.
-    assert _wait_status(page, {"succeeded", "failed"}, timeout_s=120) == "succeeded", service.log_tail()
+    assert _wait_status(page, {"succeeded", "failed"}, timeout_s=300) == "succeeded", service.log_tail()
     page.wait_for_function(
         f"Number(document.querySelector('#chart-loss').dataset.points || 0) >= {TRAIN_STEPS}"
     )
@@ -231,7 +235,7 @@ def test_cancel_a_running_job_from_its_page(
     page = page_for(service.admin_key)
     # The jobs table follows the training without a reload.
     label = f'tr[data-job-id="{job_id}"] .progress-label'
-    page.wait_for_function(f"/^[0-9]+ \\/ 5000$/.test(document.querySelector('{label}')?.textContent)",
+    page.wait_for_function(f"/^[0-9]+ \\/ 200000$/.test(document.querySelector('{label}')?.textContent)",
                            timeout=90_000)
     before = page.inner_text(label)
     _wait_js(page, service, f"document.querySelector('{label}').textContent !== '{before}'",

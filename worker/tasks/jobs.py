@@ -86,7 +86,7 @@ def run_local_job(job_id: str) -> str:
         on_restart=on_restart,
         max_restarts=MAX_RESTARTS,
         grace_s=STOP_GRACE_S,
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
     status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id))
     CeleryQueue(settings).send(SCHEDULE)  # a slot is free again
