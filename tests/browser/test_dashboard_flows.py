@@ -172,7 +172,7 @@ def test_submit_watch_training_and_download_adapter(
     # 48 examples: "auto" is 3 epochs of batch 1 (api/hyperparameters.py); max_steps caps it.
     page.wait_for_function(
         f"document.querySelector('[data-resolved=total_steps]').textContent"
-        f".startsWith('{TRAIN_STEPS} optimizer steps')"
+        f".startsWith('{TRAIN_STEPS:,} optimizer steps')"
     )
     assert page.inner_text("[data-resolved=n_epochs]") == "auto → 3"
     assert page.inner_text("[data-resolved=batch_size]") == "auto → 1"
