@@ -1,7 +1,7 @@
 """Estimator vs measured peak RSS of a real transformers+peft LoRA step on CPU (fp32).
 
-The same measurement as tests/worker/test_estimator_measured.py over more shapes, with
-and without activation checkpointing (the CPU trainer runs without it).
+Each shape runs in a fresh process (bench/measure_peak.py, peak = VmHWM), with and without
+activation checkpointing (the CPU trainer runs without it). Goal: within +-15 %.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/scheduler_estimator_cpu.py
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from worker.scheduler.estimator import ModelShape, TrainingShape, memory_per_gpu
 
-MEASURE = Path(__file__).resolve().parents[1] / "tests/worker/measure_peak.py"
+MEASURE = Path(__file__).resolve().parent / "measure_peak.py"
 MIB = 2**20
 
 

@@ -22,8 +22,8 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
   + framework overhead        CUDA/ROCm context, allocator slack, runtime
 
 Constants below are calibrated against published peaks (see tests/worker/
-test_estimator_anchors.py) and a measured peak of a real transformers+peft step on CPU
-(tests/worker/test_estimator_measured.py).
+test_estimator_anchors.py) and measured peaks of a real transformers+peft step on CPU
+(bench/scheduler_estimator_cpu.py: a memory target, so a benchmark, not a test).
 """
 
 from __future__ import annotations

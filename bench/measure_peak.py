@@ -1,6 +1,6 @@
 """Measure the peak memory of one real LoRA training step (transformers + peft, CPU, fp32).
 
-Run as a subprocess by tests/worker/test_estimator_measured.py; prints one JSON line:
+Run as a subprocess by bench/scheduler_estimator_cpu.py; prints one JSON line:
 ``{"baseline": RSS after imports, "peak": max RSS after the step, "delta": peak - baseline}``.
 The model is a random Llama built from the given shape; the step is forward + backward
 + AdamW on the LoRA parameters -- what the torch trainer does per micro batch.
