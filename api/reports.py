@@ -110,7 +110,7 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
         elif isinstance(item, CheckpointItem):
             _apply_checkpoint(session, job, item)
         elif isinstance(item, ArtifactsItem):
-            _apply_artifacts(session, job, item)
+            apply_artifacts(session, job, item)
         elif isinstance(item, ErrorItem):
             job.error = {"code": item.code, "message": item.message, "param": None}
             add_event(session, job, f"{item.code}: {item.message}", level="error", type="message",
@@ -167,7 +167,8 @@ def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
               data={"step": item.step, "checkpoint": checkpoint_model_id(job, item.step)})
 
 
-def _apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
+def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
+    """Record a job's output files (from a report, or from the manifest by the executor)."""
     for file in item.files:
         row = session.scalar(
             select(Artifact).where(Artifact.job_id == job.id, Artifact.name == file.name)

@@ -21,10 +21,11 @@ from typing import Any
 from sqlalchemy import select
 
 from api.base_models import load_base_models
-from api.db.models import Checkpoint, Job
+from api.db.models import Job
 from api.db.session import session_scope
 from api.errors import APIError
 from api.ids import hash_secret, new_job_token
+from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, lock_job, transition
 from api.settings import Settings
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
@@ -242,8 +243,8 @@ class DbStore:
 
 
 def _latest_checkpoint(session: Any, job_id: str) -> str | None:
-    row = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                          .order_by(Checkpoint.step.desc()).limit(1)).first()
+    job = session.get(Job, job_id)
+    row = latest_checkpoint(session, job) if job is not None else None
     return row.location if row else None
 
 

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from api.db.models import Checkpoint, Job
+from api.db.models import Job
 from api.db.session import session_scope
+from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
-from api.reports import _apply_artifacts
+from api.reports import apply_artifacts
 from api.schemas.reports import ArtifactsItem
 from api.settings import get_settings
 from trainers.exit_codes import ExitCode
@@ -101,9 +102,7 @@ def _event(db_url: str, job_id: str, level: str, message: str) -> None:
 
 
 def _latest_checkpoint_location(session, job: Job) -> str | None:
-    ckpt = session.scalar(
-        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
-    )
+    ckpt = latest_checkpoint(session, job)
     return ckpt.location if ckpt else job.resume_from
 
 
@@ -114,7 +113,7 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:
         return
     files = json.loads(manifest.read_text(encoding="utf-8")).get("files", [])
     item = ArtifactsItem.model_validate({"type": "artifacts", "location": output_dir, "files": files})
-    _apply_artifacts(session, job, item)
+    apply_artifacts(session, job, item)
 
 
 def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None) -> str:
