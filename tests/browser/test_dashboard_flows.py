@@ -205,11 +205,13 @@ def test_submit_watch_training_and_download_adapter(
     )
     steps = [r.inner_text().split("\t") for r in page.query_selector_all("#checkpoints-table tbody tr")]
     assert any(str(TRAIN_STEPS) in cells for cells in steps), steps
-    row = page.wait_for_selector('#artifacts-table tr[data-name="adapter/adapter_model.safetensors"]')
-    shown_sha = row.query_selector("[data-sha256]").get_attribute("data-sha256")
+    # Locators, not element handles: the live page may re-render the table in between.
+    row = page.locator('#artifacts-table tr[data-name="adapter/adapter_model.safetensors"]')
+    row.wait_for()
+    shown_sha = row.locator("[data-sha256]").get_attribute("data-sha256")
     page.screenshot(path=screenshots / "06-job-succeeded.png", full_page=True)
     with page.expect_download() as download_info:
-        row.query_selector("a").click()
+        row.locator("a").first.click()
     path = download_info.value.path()
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     with service.api() as api:
