@@ -10,7 +10,7 @@ registered transition hooks (webhooks, Prometheus) with the same session, so a h
 writes commit or roll back together with the transition. The caller commits.
 
 Concurrent writers (API, scheduler, executor, report endpoint) lock the job row first
-with ``lock_job`` (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite serializes writers).
+with ``lock_job`` (``SELECT … FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite).
 
 Statuses::
 
@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from api.db.base import utcnow
 from api.db.models import TERMINAL_STATUSES, Job, JobEvent
+from api.db.session import begin_write
 from api.errors import APIError
 from api.ids import new_id
 
@@ -214,5 +215,6 @@ def add_event(
 
 
 def lock_job(session: Session, job_id: str) -> Job | None:
-    """Load a job for an update that must not race (row lock on PostgreSQL)."""
+    """Load a job for an update that must not race (row lock on PostgreSQL, write lock on SQLite)."""
+    begin_write(session)
     return session.scalar(select(Job).where(Job.id == job_id).with_for_update())

@@ -90,6 +90,22 @@ def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(bind=get_engine(url), expire_on_commit=False)
 
 
+def begin_write(session: Session) -> None:
+    """Make a read-then-write atomic on SQLite, as ``SELECT … FOR UPDATE`` is on PostgreSQL.
+
+    pysqlite opens its (deferred) transaction only at the first INSERT/UPDATE/DELETE, so
+    two processes could both read a job as ``queued`` and both move it on. ``BEGIN
+    IMMEDIATE`` takes SQLite's write lock before the read (waiting up to busy_timeout); a
+    connection that has written already holds it. Keep such transactions short: on SQLite
+    the lock covers the whole database.
+    """
+    if session.get_bind().dialect.name != "sqlite":
+        return
+    dbapi_connection = session.connection().connection.dbapi_connection
+    if not dbapi_connection.in_transaction:
+        dbapi_connection.execute("BEGIN IMMEDIATE")
+
+
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session that commits on success and rolls back on error (for tasks and CLI)."""

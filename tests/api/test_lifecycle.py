@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from sqlalchemy import select
@@ -120,3 +121,37 @@ def test_status_is_not_a_change(db_session, tenant_key, make_job) -> None:
     job = _job(db_session, tenant_key, make_job)
     with pytest.raises(TypeError):
         lifecycle.transition(db_session, job, "running", actor="scheduler", status="succeeded")
+
+
+def test_lock_job_makes_read_then_write_atomic(settings, tenant_key, make_job) -> None:
+    """Two admissions of the same queued job: the second waits for the first and sees it running.
+
+    On SQLite this needs ``BEGIN IMMEDIATE`` (pysqlite would otherwise let both read
+    ``queued``); on PostgreSQL, ``FOR UPDATE``.
+    """
+    import threading
+
+    from api.db.session import session_scope
+
+    job_id = make_job(tenant_key().headers)["id"]
+    url = settings.resolved_database_url
+    first_locked, seen = threading.Event(), []
+
+    def admit(first: bool) -> None:
+        with session_scope(url) as session:
+            job = lifecycle.lock_job(session, job_id)
+            if first:
+                first_locked.set()
+                time.sleep(0.5)  # hold the lock while the other one tries
+            seen.append(job.status)
+            if job.status == "queued":
+                lifecycle.transition(session, job, "running", actor="scheduler")
+
+    a = threading.Thread(target=admit, args=(True,))
+    a.start()
+    assert first_locked.wait(10)
+    b = threading.Thread(target=admit, args=(False,))
+    b.start()
+    a.join(20)
+    b.join(20)
+    assert seen == ["queued", "running"]

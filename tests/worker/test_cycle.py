@@ -7,7 +7,8 @@ from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
 from worker.executors.base import StopReason
 from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.cycle import CycleConfig, plan_cycle, run_cycle
-from worker.scheduler.lock import InProcessLock
+from worker.scheduler.lock import FileLock, InProcessLock
+from worker.scheduler.loop import Components, run_once
 from worker.scheduler.memory_store import MemoryExecutor, MemoryStore
 from worker.scheduler.ordering import FairQueue, dominant_shares
 
@@ -136,9 +137,24 @@ def test_events_only_when_the_reason_changes():
     assert store.jobs["j2"].status == "running"
 
 
-def _two_concurrent_cycles(lock_factory):
+class RefusingStore(MemoryStore):
+    """Counts the admissions refused because the job was no longer queued."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused = 0
+
+    def admit(self, job, placement):
+        try:
+            return super().admit(job, placement)
+        except RuntimeError:
+            self.refused += 1
+            raise
+
+
+def _two_concurrent_cycles(lock_factory, run):
     """Both cycles take their snapshot before either admits (a barrier forces it)."""
-    store, ex = MemoryStore(), MemoryExecutor([rtx4090(2)])
+    store, ex = RefusingStore(), MemoryExecutor([rtx4090(2)])
     for i in range(4):
         store.submit(small(id=f"j{i}", created=i))
     barrier = threading.Barrier(2, timeout=0.5)
@@ -147,7 +163,7 @@ def _two_concurrent_cycles(lock_factory):
         try:
             barrier.wait()
         except threading.BrokenBarrierError:
-            pass  # the other cycle did not run (it lost the lock)
+            pass  # the other cycle did not run (it lost the lock, or waits for this one)
 
     ex.snapshot_hook = wait
     lock = lock_factory()
@@ -155,7 +171,7 @@ def _two_concurrent_cycles(lock_factory):
 
     def cycle():
         try:
-            run_cycle(store, ex, lock=lock)
+            run(store, ex, lock)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -164,17 +180,41 @@ def _two_concurrent_cycles(lock_factory):
         t.start()
     for t in threads:
         t.join()
-    return ex, errors
+    assert not errors
+    return store, ex
+
+
+def _cycle(store, ex, lock):
+    run_cycle(store, ex, lock=lock)
 
 
 def test_lock_prevents_double_placement():
-    ex, errors = _two_concurrent_cycles(InProcessLock)
-    assert not errors
+    store, ex = _two_concurrent_cycles(InProcessLock, _cycle)
     assert sorted(ex.launched) == ["j0", "j1", "j2", "j3"]
+    assert store.refused == 0
     # Control: without the lock both cycles plan the same jobs; the second admit is refused
     # (as the DB transition would refuse it) -- that is the double placement the lock avoids.
-    _, errors = _two_concurrent_cycles(lambda: None)
-    assert errors and "not queued" in str(errors[0])
+    store, ex = _two_concurrent_cycles(lambda: None, _cycle)
+    assert store.refused > 0
+    assert sorted(ex.launched) == ["j0", "j1", "j2", "j3"]  # a refusal does not stop the others
+
+
+def test_threads_of_one_process_take_turns(tmp_path):
+    """A process-wide lock (here a file lock) lets every thread of its holder in; run_once does not."""
+    components = {}
+
+    def once(store, ex, lock):
+        key = id(store)
+        if key not in components:
+            components[key] = Components(store, ex, lock, CycleConfig())
+        run_once(components[key])
+
+    store, ex = _two_concurrent_cycles(lambda: FileLock(tmp_path / "a.lock"), once)
+    assert sorted(ex.launched) == ["j0", "j1", "j2", "j3"]
+    assert store.refused == 0
+    # Control: the same file lock shared by two threads without run_once lets both plan.
+    store, _ = _two_concurrent_cycles(lambda: FileLock(tmp_path / "b.lock"), _cycle)
+    assert store.refused > 0
 
 
 def test_capacity_snapshot_indexes_stay_consistent():

@@ -14,11 +14,13 @@ job's log file, and watches it until it ends:
 It knows nothing of the database: the caller (the Celery task in worker/tasks/jobs.py)
 turns the returned `TrainerOutcome` into job transitions. The pid is written to the job
 directory so that a worker that was killed and got the task again can stop an orphaned
-trainer before starting a new one.
+trainer before starting a new one; `supervision_lock` makes sure only one supervisor
+watches a job at a time (a task delivered twice must not start a second trainer).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -26,7 +28,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +81,35 @@ def _read_termination(path: Path) -> dict[str, str] | None:
     if isinstance(data, dict) and "code" in data:
         return {"code": str(data["code"]), "message": str(data.get("message", ""))}
     return None
+
+
+@contextmanager
+def supervision_lock(job_dir: Path, wait_s: float = 10.0) -> Iterator[bool]:
+    """Hold the job's supervisor lock (``flock`` on ``supervisor.lock``) for the block.
+
+    Yields False when a live supervisor (another worker thread or process) still holds
+    it after `wait_s`: a task delivered twice leaves the running trainer alone, while a
+    job re-admitted right after its previous run ended waits the moment that run's
+    supervisor needs to finish. The kernel drops the lock when its holder dies, so a
+    worker killed mid-job never blocks the one that takes over. The descriptor is not
+    inherited by the trainer (PEP 446).
+    """
+    job_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(job_dir / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def kill_orphan(pid_file: Path, grace_s: float = 10.0) -> bool:

@@ -258,7 +258,11 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
         plan = plan_cycle(queued, snapshot, now=now, config=config, recent_gpu_seconds=usage)
         # (4) admit: transition + launch, all GPUs at once.
         for adm in plan.admissions:
-            row, spec = store.admit(adm.job, adm.placement)
+            try:
+                row, spec = store.admit(adm.job, adm.placement)
+            except Exception as exc:  # no longer queued, or its spec failed it: the others go on
+                log.warning("%s not admitted: %s", adm.job.job_id, exc)
+                continue
             try:
                 executor.launch(row, spec, adm.placement)
             except Exception as exc:

@@ -14,6 +14,8 @@ job twice. Implementations, chosen by ``make_lock`` from the settings:
 
 ``acquire()`` is re-entrant for the holder (it renews the lease); ``release()`` gives it
 up. All return quickly: a scheduler that does not get the lease just skips the cycle.
+The holder is the lock object, i.e. the process that made it: threads of one process
+share it and take turns on ``worker.scheduler.loop.Components.mutex`` instead.
 """
 
 from __future__ import annotations

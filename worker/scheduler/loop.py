@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from api.settings import Settings
@@ -33,6 +33,10 @@ class Components:
     executor: Executor
     lock: SchedulerLock
     config: CycleConfig
+    # The scheduler lock keeps other processes out, but its holder is the process: the
+    # worker's threads share one Components, so two ``tunefleet.schedule`` tasks would
+    # both "hold" it. Cycles of one process take turns on this mutex instead.
+    mutex: threading.Lock = field(default_factory=threading.Lock)
 
 
 def make_executor(settings: Settings, pools: list[Any]) -> Executor:
@@ -72,7 +76,9 @@ def build_components(settings: Settings) -> Components:
 
 
 def run_once(components: Components) -> CycleResult:
-    return run_cycle(components.store, components.executor, lock=components.lock, config=components.config)
+    """One cycle; waits for a cycle running in another thread of this process to end first."""
+    with components.mutex:
+        return run_cycle(components.store, components.executor, lock=components.lock, config=components.config)
 
 
 def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_cycles: int | None = None) -> None:

@@ -1,8 +1,8 @@
 """Celery task ``tunefleet.run_local_job``: run and supervise one trainer on this machine.
 
 Idempotent by job id and safe to deliver twice (``acks_late``): it does nothing unless
-the job is ``running`` on a local pool, and it first stops a trainer orphaned by a
-worker that died. The outcome of the trainer becomes one transition:
+the job is ``running`` on a local pool and no live supervisor holds the job's lock, and
+it first stops a trainer orphaned by a worker that died. The outcome of the trainer becomes one transition:
 
 =========================  =====================================================
 trainer outcome            job
@@ -38,7 +38,7 @@ from trainers.spec import TrainerSpec
 from worker.celery_app import app
 from worker.executors.base import StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
-from worker.executors.local_process import kill_orphan, supervise_trainer
+from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ def run_local_job(job_id: str) -> str:
     path = spec_path(settings, job_id)
     if _job_status(db_url, job_id) != "running" or not path.exists():
         return "skipped"
+    with supervision_lock(job_dir) as mine:
+        if not mine:
+            log.info("%s is supervised by another worker already", job_id)
+            return "skipped"
+        return _supervise(settings, db_url, job_id, job_dir, path)
+
+
+def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) -> str:
     if kill_orphan(job_dir / "trainer.pid"):
         _event(db_url, job_id, "warn", "found the trainer of a worker that died; restarting it")
     spec = TrainerSpec.load(path)

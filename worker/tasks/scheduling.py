@@ -8,6 +8,7 @@ does not wait for the loop's next tick; the scheduler lock makes it safe to run 
 from __future__ import annotations
 
 import logging
+import threading
 
 from api.settings import get_settings
 from worker.celery_app import app
@@ -15,14 +16,16 @@ from worker.scheduler.loop import Components, build_components, run_once
 
 log = logging.getLogger(__name__)
 _components: Components | None = None
+_components_lock = threading.Lock()
 
 
 @app.task(name="tunefleet.schedule", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def schedule() -> dict[str, int]:
     """One cycle; returns counts (0s when another scheduler held the lock)."""
     global _components
-    if _components is None:
-        _components = build_components(get_settings())
+    with _components_lock:  # the worker runs tasks on several threads: build them once
+        if _components is None:
+            _components = build_components(get_settings())
     result = run_once(_components)
     if not result.ran or result.plan is None:
         return {"ran": 0, "admitted": 0, "preempted": 0, "waiting": 0}
