@@ -6,10 +6,15 @@ safetensors checkpoint. Each configuration then runs in a FRESH process (so peak
 mix): it records its RSS after imports, loads the model through the trainer's own
 low-memory loader (``trainers.fsdp_qlora.loading.build_model``), trains 3 LoRA steps
 with the trainer's step, and reports ``peak RSS - RSS after imports`` (Linux
-``ru_maxrss``). That delta is the memory the run itself needed: weights, LoRA +
-AdamW state, activations, and loading transients.
+``VmHWM``, reset after the baseline and again after loading, so the load's and the
+steps' peaks are also reported apart). That delta is the memory the run itself needed:
+weights, LoRA + AdamW state, activations, and loading transients.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/fsdp_qlora_memory.py [--hidden 1024 --layers 8]
+    # weights dominating (~420 M parameters; bf16 steps are slow on an AVX2-only CPU,
+    # so fewer, shorter steps keep it to a few minutes):
+    OMP_NUM_THREADS=2 .venv/bin/python bench/fsdp_qlora_memory.py --layers 32 --seq 32 --steps 2
+    # also: --configs lora_bf16,qlora_nf4_dq (NF4 + double quantization), qlora_hqq4
 
 Prints a JSON line per configuration and the ratios; append them to bench/RESULTS.md.
 """
@@ -28,6 +33,8 @@ from pathlib import Path
 CONFIGS = {
     "lora_bf16": {"quantization": "none"},
     "qlora_nf4": {"quantization": "nf4"},
+    # QLoRA paper's setting: the fp32 absmax statistics themselves quantized to 8 bit.
+    "qlora_nf4_dq": {"quantization": "nf4", "double_quant": True},
     "qlora_hqq4": {"quantization": "hqq4"},
 }
 # Large allocations get their own mmap and go back to the OS when freed, so RSS tracks
@@ -83,6 +90,7 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     load_s = time.perf_counter() - t0
     after_load = _rss_bytes()
     load_peak = _hwm_bytes()
+    _reset_hwm()  # from here: the training steps' own peak
     opt = build_optimizer(model, learning_rate=1e-4, weight_decay=0.0)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, size=(1, seq), dtype=np.int64)
@@ -91,12 +99,14 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     for s in range(steps):
         stats = train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
     step_s = (time.perf_counter() - t0) / steps
-    peak = _hwm_bytes()  # since the baseline: loading and training
+    train_peak = _hwm_bytes()
+    peak = max(load_peak, train_peak)  # since the baseline: loading and training
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({
         "config": name, "baseline_rss_mib": baseline / 2**20, "peak_minus_baseline_mib": (peak - baseline) / 2**20,
         "after_load_minus_baseline_mib": (after_load - baseline) / 2**20,
-        "load_peak_minus_baseline_mib": (load_peak - baseline) / 2**20, "param_mib": local / 2**20,
+        "load_peak_minus_baseline_mib": (load_peak - baseline) / 2**20,
+        "train_peak_minus_baseline_mib": (train_peak - baseline) / 2**20, "param_mib": local / 2**20,
         "load_s": round(load_s, 2), "step_s": round(step_s, 3), "loss": stats.loss,
         "quantized_layers": report.quantized_layers,
     }), flush=True)

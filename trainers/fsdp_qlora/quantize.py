@@ -43,6 +43,11 @@ LLAMA_LINEARS: tuple[str, ...] = (
 )
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' default; what BitsAndBytesConfig uses on CPU and CUDA
+# Weights quantized per slice while loading (see quantize_nf4_in_chunks): ~16 MiB of bnb
+# temporaries instead of ~16 bytes per weight of the whole matrix (an 8B model's MLP
+# matrix: 880 MiB). Smaller slices cost time: on this 2-core CPU 256k-weight slices made
+# loading 3-5x slower than one shot, 1M-weight slices 1.3-1.6x.
+NF4_CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,6 @@ def quantize_linear(linear: nn.Linear, cfg: QuantConfig) -> nn.Module:
 def _quantize_linear_nf4(linear: nn.Linear, cfg: QuantConfig) -> nn.Module:
     import bitsandbytes as bnb
 
-    device = linear.weight.device
     with torch.device("meta"):
         # Build the module shell on meta: its own dense init is thrown away anyway.
         layer = bnb.nn.Linear4bit(
@@ -100,21 +104,74 @@ def _quantize_linear_nf4(linear: nn.Linear, cfg: QuantConfig) -> nn.Module:
             quant_type="nf4",
             quant_storage=cfg.storage_dtype,
         )
-    weight = bnb.nn.Params4bit(
-        linear.weight.data,
+    # Works on meta too (bnb's ops have fake kernels): the skeleton of non-zero ranks.
+    packed, state = quantize_nf4_in_chunks(linear.weight.data, cfg)
+    # The module copy of the state is what bnb restores from after FSDP swaps the
+    # parameter object.
+    layer.quant_state = state
+    layer.weight = bnb.nn.Params4bit(
+        packed,
         requires_grad=False,
+        quant_state=state,
         blocksize=NF4_BLOCKSIZE,
         compress_statistics=cfg.double_quant,
         quant_type="nf4",
         quant_storage=cfg.storage_dtype,
         module=layer,
+        bnb_quantized=True,
     )
-    # _quantize packs the weight and sets both weight.quant_state and layer.quant_state;
-    # the module copy is what bnb restores from after FSDP swaps the parameter object.
-    layer.weight = weight._quantize(device)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.data.to(cfg.compute_dtype), requires_grad=False)
     return layer
+
+
+def quantize_nf4_in_chunks(
+    weight: torch.Tensor, cfg: QuantConfig, chunk_elements: int = NF4_CHUNK_ELEMENTS
+) -> tuple[torch.Tensor, object]:
+    """NF4-quantize ``weight`` a slice at a time; returns (packed storage, ``QuantState``).
+
+    Bitwise the same as ``bnb.functional.quantize_4bit`` on the whole matrix (NF4 blocks
+    are consecutive runs of ``NF4_BLOCKSIZE`` weights and two codes share a byte, so
+    slices that are whole blocks quantize independently), but bnb's CPU quantizer makes
+    ~16 bytes of fp32/int32 temporaries per weight: whole-matrix, that transient was the
+    peak of loading (40 MiB for one 1024 x 2816 matrix, 30x its packed size). Slices keep
+    it at about ``16 * chunk_elements`` bytes. Double quantization (of the absmax statistics)
+    runs once on the full absmax vector, as bnb does it.
+    """
+    import bitsandbytes.functional as bnbf
+
+    if chunk_elements % NF4_BLOCKSIZE:
+        raise ValueError(f"chunk_elements must be a multiple of {NF4_BLOCKSIZE}")
+    flat = weight.contiguous().reshape(-1)
+    n = flat.numel()
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=weight.device)
+    absmax = torch.empty(-(n // -NF4_BLOCKSIZE), dtype=torch.float32, device=weight.device)
+    for start in range(0, n, chunk_elements):
+        piece, piece_state = bnbf.quantize_4bit(
+            flat[start : start + chunk_elements], blocksize=NF4_BLOCKSIZE,
+            compress_statistics=False, quant_type="nf4", quant_storage=torch.uint8,
+        )
+        packed[start // 2 : start // 2 + piece.shape[0]] = piece
+        block = start // NF4_BLOCKSIZE
+        absmax[block : block + piece_state.absmax.numel()] = piece_state.absmax
+        del piece, piece_state
+    state_kwargs = {"shape": weight.shape, "dtype": weight.dtype, "blocksize": NF4_BLOCKSIZE,
+                    "code": bnbf.get_4bit_type("nf4", device=weight.device), "quant_type": "nf4"}
+    if cfg.double_quant:
+        # bnb's default 8-bit map, passed explicitly: bnb caches its default on the device
+        # of the first call, and a meta skeleton would leave a meta map in that cache. Built
+        # on the CPU: under a caller's torch.device("meta") context it cannot be built.
+        with torch.device("cpu"):
+            dynamic_map = bnbf.create_dynamic_map()
+        offset = absmax.mean()
+        nested_absmax, nested_state = bnbf.quantize_blockwise(
+            absmax - offset, code=dynamic_map.to(weight.device), blocksize=256
+        )
+        state = bnbf.QuantState(absmax=nested_absmax, offset=offset, state2=nested_state, **state_kwargs)
+    else:
+        state = bnbf.QuantState(absmax=absmax, **state_kwargs)
+    # The float view FSDP shards (QuantConfig admits float storage dtypes only).
+    return packed.view(-1).view(cfg.storage_dtype).unsqueeze(1), state
 
 
 def _quantize_linear_hqq(linear: nn.Linear, cfg: QuantConfig) -> nn.Module:

@@ -19,15 +19,18 @@ TARGETS = ("q_proj", "v_proj", "down_proj")
 
 
 def hf_model(model_dir: Path, quant: str = "none"):
-    """The base model as Hugging Face (+ bitsandbytes / hqq) load it, in train mode."""
+    """The base model as Hugging Face (+ bitsandbytes / hqq) load it, in train mode.
+
+    ``quant``: none, nf4, nf4_dq (NF4 with double quantization) or hqq4.
+    """
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
-    if quant == "nf4":
+    if quant in ("nf4", "nf4_dq"):
         model = LlamaForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, device_map="cpu",
             quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                bnb_4bit_quant_storage=torch.float32,
+                bnb_4bit_quant_storage=torch.float32, bnb_4bit_use_double_quant=quant == "nf4_dq",
             ),
         )
     else:

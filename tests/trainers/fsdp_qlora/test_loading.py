@@ -31,10 +31,12 @@ def sharded_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("sharded"), seed=3, max_shard_size="40KB")
 
 
-@pytest.mark.parametrize("quant", ["none", "nf4", "hqq4"])
+@pytest.mark.parametrize("quant", ["none", "nf4", "nf4_dq", "hqq4"])
 def test_streamed_load_equals_hugging_face_load(sharded_model_dir, quant):
     assert len(list(sharded_model_dir.glob("*.safetensors"))) > 1
-    model, report = build_model(ModelOptions(model_dir=sharded_model_dir, quantization=quant), CPU)
+    opts = ModelOptions(model_dir=sharded_model_dir, quantization=quant.removesuffix("_dq"),
+                        double_quant=quant.endswith("_dq"))
+    model, report = build_model(opts, CPU)
     ref = hf_model(sharded_model_dir, quant)
     ids = torch.randint(0, 262, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -113,3 +113,29 @@ def test_quantize_decoder_linears_replaces_all_projections_only():
 def test_integer_storage_is_refused():
     with pytest.raises(ValueError, match="float dtype"):
         QuantConfig("nf4", storage_dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (96, 256)), (torch.bfloat16, (96, 256)),
+                                         (torch.bfloat16, (7, 100))])
+def test_chunked_nf4_is_bitwise_bnbs_whole_matrix_quantization(double_quant, dtype, shape):
+    """Quantizing slice by slice (to bound the loader's transient memory) must give exactly
+    the bytes and statistics of bitsandbytes' own one-shot quantization, remainder block
+    included (7 x 100 = 10 blocks of 64 + 60)."""
+    import bitsandbytes.functional as bnbf
+
+    from trainers.fsdp_qlora.quantize import quantize_nf4_in_chunks
+
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want_packed, want = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant,
+                                           quant_type="nf4", quant_storage=dtype)
+    got_packed, got = quantize_nf4_in_chunks(weight, QuantConfig("nf4", compute_dtype=dtype, storage_dtype=dtype,
+                                                                 double_quant=double_quant), chunk_elements=192)
+    assert got_packed.dtype == want_packed.dtype and torch.equal(got_packed.view(torch.uint8),
+                                                                 want_packed.view(torch.uint8))
+    assert torch.equal(got.absmax, want.absmax) and got.shape == want.shape and got.dtype == want.dtype
+    if double_quant:
+        assert torch.equal(got.offset, want.offset)
+        assert torch.equal(got.state2.absmax, want.state2.absmax) and torch.equal(got.state2.code, want.state2.code)
+    torch.testing.assert_close(bnbf.dequantize_4bit(got_packed, got), bnbf.dequantize_4bit(want_packed, want),
+                               rtol=0, atol=0)
