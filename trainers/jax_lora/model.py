@@ -17,9 +17,9 @@ never mentions a mesh axis.
 
 Numerics follow ``transformers.LlamaForCausalLM``: RMSNorm in float32 then cast back
 before the weight multiply, rotate-half RoPE (incl. Llama 3.1 ``llama3`` frequency
-scaling), softmax in float32, SwiGLU MLP, tied or untied LM head. Packed sequences use
-``segment_ids`` (0 = padding) and per-segment ``positions``: a token attends only to
-earlier tokens of its own segment.
+scaling), softmax in float32 (``attention``), SwiGLU MLP, tied or untied LM head.
+Packed sequences use ``segment_ids`` (0 = padding) and per-segment ``positions``: a
+token attends only to earlier tokens of its own segment.
 """
 
 from __future__ import annotations
@@ -174,6 +174,58 @@ def project(
     return y + (runtime.scaling * delta).astype(y.dtype)
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, head_dim: int) -> jax.Array:
+    """Causal GQA attention, (batch, seq, heads, head_dim) in and out; softmax in float32.
+
+    ``mask`` is ``attention_mask``'s (batch, 1, seq, seq) or None for plain causal rows.
+    Accelerators use ``jax.nn.dot_product_attention`` (fused kernels where the backend has
+    them). On CPU we use ``cpu_attention``: profiling the train step there showed the
+    generic path spending a large share of the step on transposes of the (batch, heads,
+    seq, seq) scores, on a mask broadcast per query group, and on page faults of the
+    temp buffer XLA:CPU maps afresh on every call, a third of which held the saved fp32
+    probabilities of every layer (bench/RESULTS.md, "jax_lora CPU step profile").
+    """
+    scale = 1.0 / math.sqrt(head_dim)
+    if jax.default_backend() != "cpu":
+        # GQA without materializing repeated K/V: jax.nn.dot_product_attention groups the
+        # query heads over the kv heads itself. Softmax runs in float32 inside it.
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
+    if mask is None:
+        seq = q.shape[1]
+        mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None]
+    # Recompute scores and probabilities in the backward pass instead of saving them:
+    # one extra (seq x seq) matmul per layer is cheaper here than writing, keeping and
+    # re-reading fp32 probabilities of every layer.
+    return jax.checkpoint(cpu_attention, static_argnums=(4,))(q, k, v, mask, scale)
+
+
+def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """GQA attention laid out so XLA:CPU needs no transpose of the (seq x seq) scores.
+
+    Query heads are split as (kv_heads, group) and kept in the order the matmul produces,
+    (batch, kv_heads, q_seq, group, k_seq), so the mask, the softmax over the last axis
+    and the second matmul read the scores where they are. Same math as
+    ``jax.nn.dot_product_attention``: masked scores are the float32 minimum, not -inf,
+    and every row has at least one visible key (``attention_mask``).
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = (q * jnp.asarray(scale, q.dtype)).reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bqkgd,btkd->bkqgt", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, :, :, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkqgt,btkd->bqkgd", probs, v)
+    return out.reshape(batch, seq, heads, head_dim)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``. The layer checkpoints it: the backward pass recomputes this
+    cheap elementwise product from the two saved matmul outputs instead of keeping its
+    intermediates, two fewer (batch, seq, mlp) activations per layer in memory (on CPU,
+    fewer fresh pages to fault in per step)."""
+    return jax.nn.silu(gate) * up
+
+
 def _decoder_layer(
     h: jax.Array,
     layer: Params,
@@ -196,18 +248,13 @@ def _decoder_layer(
     k = constrain(proj("k_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(proj("v_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # GQA without materializing repeated K/V: jax.nn.dot_product_attention groups the
-    # query heads over the kv heads itself. Softmax runs in float32 inside it.
-    attn = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=mask is None, scale=1.0 / math.sqrt(cfg.head_dim)
-    )
-    attn = constrain(attn, ("batch", "seq", "heads", "head_dim"))
+    attn = constrain(attention(q, k, v, mask, cfg.head_dim), ("batch", "seq", "heads", "head_dim"))
     h = h + constrain(proj("o_proj", attn), ("batch", "seq", "embed"))
 
     x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps)
     gate = constrain(proj("gate_proj", x), ("batch", "seq", "mlp"))
     up = constrain(proj("up_proj", x), ("batch", "seq", "mlp"))
-    mlp = proj("down_proj", jax.nn.silu(gate) * up)
+    mlp = proj("down_proj", jax.checkpoint(swiglu)(gate, up))
     return h + constrain(mlp, ("batch", "seq", "embed"))
 
 
