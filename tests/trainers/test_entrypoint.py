@@ -140,7 +140,7 @@ def test_sigterm_checkpoints_and_exits_preempted(make_spec, tmp_path):
     (ckpt,) = Path(spec.checkpoint.dir).glob("step-*")
     step = int(ckpt.name.split("-")[1])
     assert step >= 2 and (ckpt / "adapter" / "adapter_model.safetensors").exists()
-    assert (ckpt / "optimizer.pt").exists()
+    assert (ckpt / "dcp" / ".metadata").exists()  # the optimizer and adapter state (DCP)
     assert _termination(spec)["code"] == "preempted"
     reports = _reports(spec)
     assert any(r["type"] == "checkpoint" and r["step"] == step for r in reports)

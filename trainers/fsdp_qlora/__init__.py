@@ -1,3 +1,3 @@
-"""PyTorch trainer: transformers + peft LoRA (``recipe.py``), extended by FSDP2 and 4-bit
-(bitsandbytes NF4 / HQQ) quantized bases for consumer GPUs. Imports nothing at package
-level so ``python -m trainers`` stays cheap until this recipe is chosen."""
+"""PyTorch trainer: LoRA on transformers' Llama (``recipe.py``), for 1 or N processes
+(FSDP2) and for full-precision or 4-bit (bitsandbytes NF4 / HQQ) bases. Imports nothing
+at package level so ``python -m trainers`` stays cheap until this recipe is chosen."""

@@ -202,9 +202,7 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
         return files
     single = root / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
     raise UserError(
         f"no model.safetensors or model.safetensors.index.json in {root} "
@@ -213,16 +211,24 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     )
 
 
+def open_safetensors(path: Path, **kwargs: Any) -> Any:
+    """``safetensors.safe_open`` of ``path``; a file it cannot parse is a ``corrupt_model``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", **kwargs)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"cannot read {path}: {exc}", code="corrupt_model") from exc
+
+
 def checkpoint_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     """Tensor shapes from the safetensors headers (no tensor data is read)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in names:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
@@ -429,12 +435,9 @@ class _TensorReader:
     """Reads one tensor at a time from (possibly several) safetensors files."""
 
     def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
-        from safetensors import safe_open
-
         self._files = files
         self._open = {}
         self._stack = stack
-        self._safe_open = safe_open
 
     def get(self, name: str) -> torch.Tensor:
         path = self._files.get(name)
@@ -444,9 +447,14 @@ class _TensorReader:
         if handle is None:
             # pread, not mmap: an mmapped shard stays resident (and counted in RSS) while
             # open; pread copies exactly one tensor, so host memory is what we hold.
-            handle = self._stack.enter_context(self._safe_open(str(path), framework="pt", backend="pread"))
+            handle = self._stack.enter_context(open_safetensors(path, backend="pread"))
             self._open[path] = handle
-        return handle.get_tensor(name)
+        from safetensors import SafetensorError
+
+        try:
+            return handle.get_tensor(name)
+        except SafetensorError as exc:  # e.g. a truncated shard: the header promised more bytes
+            raise UserError(f"cannot read tensor {name!r} from {path}: {exc}", code="corrupt_model") from exc
 
 
 def _fill(param: torch.Tensor, full: torch.Tensor | None, ctx: DistContext) -> None:

@@ -1,74 +1,63 @@
-"""LoRA fine-tuning recipe (PyTorch, transformers + peft): single process, fp32/bf16.
+"""The PyTorch (Q)LoRA recipe: one loop for 1 or N processes, quantized base or not.
 
-Reads top to bottom like the run it performs:
+Reads like the run it performs, on every rank:
 
-    setup -> model -> LoRA -> data -> optimizer -> (resume) -> train loop -> export
+    env -> checks -> data -> model (meta, quantize, LoRA, shard, stream weights) ->
+    optimizer -> (resume) -> train loop -> export
+
+QLoRA is this LoRA recipe with a quantized base; one process is this recipe with a
+world of one (no process group, no FSDP wrapping). What is shared with the JAX trainer
+lives in ``trainers.common`` (data pipeline, schedule, reporter, checkpoint layout,
+PEFT exporter); what is specific is the model build (``loading.build_model``), the step
+(``train_step.train_step``: global-token loss, ``no_sync`` accumulation, DTensor
+clipping) and the checkpoint (DCP shards, ``checkpoint.py``).
 
 The train loop does, per optimizer step: read ``batch_size / micro_batch_size``
-micro-batches at the data cursor, back-propagate each with
-``sum(token losses) / label tokens of the whole step`` (so the update does not depend on
-how the step is split into micro-batches), clip, AdamW-update the LoRA parameters with
-the shared schedule's learning rate, report metrics, evaluate and checkpoint on their
-cadence, and stop cleanly on SIGTERM (checkpoint, report, ``Preempted``).
+micro-batches at the data cursor (each rank keeps its share), back-propagate each with
+``sum(token losses) / label tokens of the whole step`` (so the update depends neither on
+how the step is split into micro-batches nor on the world size), clip, AdamW-update the
+LoRA parameters with the shared schedule's learning rate, report metrics, evaluate and
+checkpoint on their cadence, and stop cleanly on SIGTERM (checkpoint, report,
+``Preempted``). A resumed run reproduces the uninterrupted one: the checkpoint holds the
+adapter, the AdamW state, the data cursor and the RNG states.
 
-Determinism: with a fixed seed a resumed run reproduces the uninterrupted one bit for
-bit on CPU: the data order comes from the saved cursor, and the checkpoint holds the
-adapter, AdamW state, and the torch/python/numpy RNG states (LoRA dropout draws from
-torch's generator).
+Processes. ``run`` is what ``python -m trainers`` calls. When the spec asks for
+``world_size > 1`` and this process is not already a rank (no ``RANK`` in the
+environment), it becomes a launcher: it spawns the ranks on this machine
+(``distributed.launch_local``; on Kubernetes one pod per node does the same for its
+GPUs using ``NNODES``/``NODE_RANK``), forwards SIGTERM to them, and relays rank 0's
+report items into its own reporter, so the job keeps ONE reporter and one ``seq``
+series. A failing rank's ``{code, message}`` becomes the launcher's error.
 
-Extension points for the multi-process FSDP / 4-bit path (same loop, same LoRA path
-with a quantized base): :func:`load_base_model`, :func:`apply_lora`,
-:func:`adapter_state_dict` (the gather before export) and :func:`save_recipe_checkpoint`
-are the functions that change; ``parallelism.world_size > 1`` and quantized adapters are
-refused here with ``invalid_parallelism`` / ``unsupported_quantization`` until then.
+Only rank 0 reports, evaluates into metrics, and writes files; every rank runs every
+forward (FSDP all-gathers are collectives). SIGTERM is agreed on by all ranks at each
+step boundary (an all-reduce), so they checkpoint the same step.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import logging
+import os
 import random
+import sys
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from trainers.common.checkpointing import (
-    TrainerState,
-    capture_host_rng,
-    latest_checkpoint,
-    load_trainer_state,
-    restore_host_rng,
-    save_checkpoint,
-)
-from trainers.common.data import IGNORE_INDEX, Batch, DataCursor, TrainingData, block_causal_mask
-from trainers.common.job_data import (
-    check_inputs_exist,
-    load_job_data,
-    load_tokenizer,
-    total_optimizer_steps,
-)
-from trainers.common.memory import peak_rss_bytes
-from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
-from trainers.common.peft_export import write_peft_adapter
-from trainers.common.reporter import Reporter
-from trainers.common.schedules import learning_rate_at
-from trainers.common.signals import StopFlag
-from trainers.errors import Preempted, UserError
-from trainers.spec import TrainerSpec
+from trainers.errors import OutOfMemory, Preempted, TrainerError, UserError
+from trainers.exit_codes import ExitCode
 
-log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPTIMIZER_FILE = "optimizer.pt"
+RANK_REPORTS = ".rank0-reports.jsonl"
+RANK_SPEC = ".launch-spec.json"
+TERMINATION_FILE = ".rank{rank}-termination.json"
 
 
 @dataclass
@@ -81,134 +70,154 @@ class RunResult:
     output_dir: Path | None = None
 
 
-# ---- model -------------------------------------------------------------------------------
+# ---- launcher (the process `python -m trainers` started) ---------------------------------
 
 
-def load_base_model(spec: TrainerSpec, device: torch.device) -> nn.Module:
-    """The Hugging Face causal LM in ``precision.base_dtype``, frozen.
-
-    Raises:
-        UserError: ``unsupported_architecture`` (not a Llama), ``corrupt_model``
-            (unreadable config or weights, or tensors missing/unexpected/mis-shaped).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_dir = Path(spec.model.path)
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"cannot read {model_dir}/config.json: {exc}", code="corrupt_model") from exc
-    if config.model_type != spec.model.architecture:
-        raise UserError(
-            f"model_type {config.model_type!r} is not supported (expected {spec.model.architecture!r})",
-            code="unsupported_architecture",
-        )
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[spec.precision.base_dtype], output_loading_info=True
-        )
-    except Exception as exc:  # safetensors/transformers raise many types for a broken file
-        raise UserError(f"cannot load the weights in {model_dir}: {exc}", code="corrupt_model") from exc
-    # transformers only warns about missing weights (and initializes them randomly):
-    # training on that would silently produce garbage, so refuse.
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if problems:
-        raise UserError(f"the checkpoint in {model_dir} does not match its config: {problems}", code="corrupt_model")
-    model.requires_grad_(False)
-    return model.to(device)
+def run(spec: Any, *, reporter: Any, stop: Any) -> Any:
+    """Entry used by ``trainers.__main__`` for ``trainer: fsdp_qlora``."""
+    if spec.parallelism.world_size > 1 and "RANK" not in os.environ:
+        return launch_ranks(spec, reporter=reporter, stop=stop)
+    return run_rank(spec, reporter=reporter, stop=stop)
 
 
-def apply_lora(model: nn.Module, spec: TrainerSpec) -> nn.Module:
-    """Wrap the base in peft LoRA (trainable adapters only) and put it in train mode.
-
-    The LoRA init draws from torch's global generator, seeded by the recipe, so the
-    initial adapter is a function of ``spec.seed``.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    a = spec.adapter
-    config = LoraConfig(
-        r=a.r,
-        lora_alpha=a.alpha,
-        lora_dropout=a.dropout,
-        target_modules=list(a.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-        use_dora=a.use_dora,
-    )
-    peft_model = get_peft_model(model, config)
-    if spec.precision.adapter_dtype != "float32":
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(DTYPES[spec.precision.adapter_dtype])
-    # model.train(): dropout on, and (for 4-bit bases) the CPU layout pitfall in FACTS.md.
-    peft_model.train()
-    return peft_model
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter with PEFT's saved key names (``...q_proj.lora_A.weight``), on CPU, fp32."""
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(model).items()}
-
-
-def export_adapter(model: nn.Module, spec: TrainerSpec, out_dir: Path) -> Path:
-    """Write the adapter through the shared exporter (which validates PEFT key names)."""
-    a = spec.adapter
-    return write_peft_adapter(
-        out_dir,
-        {k: v.numpy() for k, v in adapter_state_dict(model).items()},
-        r=a.r,
-        alpha=a.alpha,
-        dropout=a.dropout,
-        target_modules=a.target_modules,
-        base_model_name_or_path=spec.model.path,
+def launch_ranks(spec: Any, *, reporter: Any, stop: Any) -> None:
+    """Spawn this node's ranks, relay rank 0's reports, and turn their exit into ours."""
+    from trainers.fsdp_qlora.distributed import (
+        accelerator_available,
+        check_parallelism,
+        launch_local,
     )
 
-
-# ---- checkpoints -------------------------------------------------------------------------
-
-
-def _encode_rng(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def _decode_rng(encoded: str) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.uint8).copy())
-
-
-def _torch_rng_states() -> dict[str, Any]:
-    """torch's CPU generator and, on GPU, every CUDA generator (dropout draws there)."""
-    states: dict[str, Any] = {"torch": _encode_rng(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        states["cuda"] = [_encode_rng(s) for s in torch.cuda.get_rng_state_all()]
-    return states
-
-
-def _set_torch_rng_states(states: dict[str, Any]) -> None:
-    if "torch" in states:
-        torch.set_rng_state(_decode_rng(states["torch"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_decode_rng(s) for s in states["cuda"]])
-
-
-def save_recipe_checkpoint(
-    spec: TrainerSpec, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
-) -> Path:
-    """``step-N/``: PEFT adapter + AdamW state + trainer_state.json (cursor, RNG, metrics)."""
-    state.rng = {**capture_host_rng(), "framework": _torch_rng_states()}
-
-    def write_tensors(tmp: Path) -> None:
-        export_adapter(model, spec, tmp / ADAPTER_DIR)
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-
-    return save_checkpoint(spec.checkpoint.dir, state, write_tensors, keep_last=spec.checkpoint.keep_last)
+    par, hp = spec.parallelism, spec.hyperparameters
+    # Refuse bad layouts here too, before N processes pay their imports.
+    check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
+                      cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
+    work = Path(spec.checkpoint.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / RANK_SPEC
+    spec.dump(spec_path)
+    reports = work / RANK_REPORTS
+    reports.unlink(missing_ok=True)
+    for old in work.glob(".rank*-termination.json"):
+        old.unlink()
+    nnodes = int(os.environ.get("NNODES", str(par.nodes)))
+    argv = [sys.executable, "-m", "trainers.fsdp_qlora.recipe", "--spec", str(spec_path),
+            "--work-dir", str(work)]
+    relay = _ReportRelay(reports, reporter)
+    relay.start()
+    try:
+        code = launch_local(argv, par.world_size, nnodes=nnodes)
+    finally:
+        relay.stop()
+        spec_path.unlink(missing_ok=True)
+    if code == 0:
+        return
+    raise _rank_error(work, code)
 
 
-def resolve_resume(spec: TrainerSpec) -> Path | None:
+def _rank_error(work: Path, code: int) -> TrainerError:
+    """The error of the first rank that wrote one (rank 0 first), else a generic one."""
+    for path in sorted(work.glob(".rank*-termination.json")):
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        cls = {int(ExitCode.USER_ERROR): UserError, int(ExitCode.OUT_OF_MEMORY): OutOfMemory,
+               int(ExitCode.PREEMPTED): Preempted}.get(code, TrainerError)
+        return cls(info.get("message", "a rank failed"), code=info.get("code"))
+    if code == int(ExitCode.PREEMPTED):
+        return Preempted("ranks stopped on SIGTERM")
+    return TrainerError(f"a rank exited with code {code}", code="internal_error")
+
+
+class _ReportRelay:
+    """Tails rank 0's local report file and re-adds each item to the launcher's reporter."""
+
+    def __init__(self, path: Path, reporter: Any, interval_s: float = 0.25) -> None:
+        self.path, self.reporter, self.interval_s = path, reporter, interval_s
+        self._offset = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="report-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._drain()
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):  # a partial line: read it next time
+                    break
+                self._offset += len(line.encode("utf-8"))
+                item = json.loads(line)
+                item.pop("seq", None)  # the launcher's reporter numbers its own batches
+                self.reporter.add(item)
+
+
+# ---- one rank --------------------------------------------------------------------------
+
+
+@contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[None]:
+    """Dropout off, no grad, but quantized layers left in train mode: an eval-mode bnb
+    Linear4bit repacks its weight in place on avx512_bf16 CPUs (FACTS.md), which under
+    FSDP would corrupt the all-gathered copy's layout bookkeeping."""
+    from trainers.fsdp_qlora.quantize import is_quantized_linear
+
+    changed = [m for m in model.modules() if m.training and not is_quantized_linear(m)]
+    for m in changed:
+        m.training = False
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m in changed:
+            m.training = True
+
+
+def evaluate(model: nn.Module, data: Any, ctx: Any, max_batches: int | None) -> dict[str, float]:
+    """Mean token loss and accuracy on validation (every rank runs the same batches)."""
+    from trainers.fsdp_qlora.train_step import IGNORE_INDEX, model_inputs
+
+    loss_sum, correct, count = 0.0, 0, 0
+    batches = data.micro_batches()
+    with evaluation_mode(model):
+        for _ in range(min(data.micro_batches_per_epoch(0), max_batches or 1 << 30)):
+            batch = next(batches)
+            logits = model(**model_inputs(batch, ctx.device)).logits[:, :-1].float()
+            labels = torch.as_tensor(batch.labels[:, 1:], device=ctx.device)
+            mask = labels != IGNORE_INDEX
+            loss_sum += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum"))
+            correct += int(((logits.argmax(-1) == labels) & mask).sum())
+            count += int(mask.sum())
+    return {"valid_loss": loss_sum / max(count, 1), "token_accuracy": correct / max(count, 1)}
+
+
+def _agree_to_stop(requested: bool, ctx: Any) -> bool:
+    from trainers.fsdp_qlora.distributed import all_reduce_sum
+
+    return all_reduce_sum([1.0 if requested else 0.0], ctx)[0] > 0
+
+
+def resolve_resume(spec: Any) -> Path | None:
     """The checkpoint to resume from: None, the newest in ``checkpoint.dir`` ('latest'),
     or an explicit directory (UserError ``checkpoint_not_found`` if it is not one)."""
+    from trainers.common.checkpointing import latest_checkpoint
+
     wanted = spec.checkpoint.resume_from
     if wanted is None:
         return None
@@ -220,203 +229,223 @@ def resolve_resume(spec: TrainerSpec) -> Path | None:
     return path
 
 
-def load_recipe_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore adapter, AdamW state and RNG states; returns the trainer state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise UserError(f"checkpoint {path} does not match this adapter: {unexpected[:3]}", code="corrupt_checkpoint")
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
-    state = load_trainer_state(path)
-    restore_host_rng(state.rng)
-    _set_torch_rng_states(state.rng.get("framework", {}))
-    return state
-
-
-# ---- one step ----------------------------------------------------------------------------
-
-
-def model_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
-    """Tensors for the HF model. Packed rows get the 4-D block-diagonal causal mask (True =
-    may attend) so packed examples never see each other; unpacked rows the padding mask."""
-    inputs = {
-        "input_ids": torch.from_numpy(batch.input_ids).to(device),
-        "position_ids": torch.from_numpy(batch.position_ids).to(device),
-    }
-    if int(batch.segment_ids.max(initial=0)) > 1:
-        inputs["attention_mask"] = torch.from_numpy(block_causal_mask(batch.segment_ids)).to(device)
-    else:
-        inputs["attention_mask"] = torch.from_numpy(batch.attention_mask).to(device)
-    return inputs
-
-
-def token_losses(model: nn.Module, batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum of next-token cross-entropy over label tokens, correct predictions, label count)."""
-    logits = model(**model_inputs(batch, device)).logits[:, :-1, :].float()
-    labels = torch.from_numpy(batch.labels[:, 1:]).to(device)
-    loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    mask = labels != IGNORE_INDEX
-    correct = ((logits.argmax(-1) == labels) & mask).sum()
-    return loss_sum, correct, mask.sum()
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TrainingData, device: torch.device, max_batches: int | None) -> dict[str, float]:
-    """Mean token loss and next-token accuracy over the validation batches (eval mode)."""
-    model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
-    batches = data.micro_batches()
-    for _ in range(min(data.micro_batches_per_epoch(0), max_batches or 1 << 30)):
-        ls, c, n = token_losses(model, next(batches), device)
-        loss_sum, correct, count = loss_sum + float(ls), correct + int(c), count + int(n)
-    model.train()
-    return {"valid_loss": loss_sum / max(count, 1), "token_accuracy": correct / max(count, 1)}
-
-
 def memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated, else the process's peak RSS (``VmHWM``)."""
+    from trainers.common.memory import peak_rss_bytes
+
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
 
 
-def _take(batches: Iterator[Batch], n: int) -> list[Batch]:
-    return [next(batches) for _ in range(n)]
-
-
-# ---- the recipe --------------------------------------------------------------------------
-
-
-def run(spec: TrainerSpec, *, reporter: Reporter, stop: StopFlag) -> RunResult:
-    """Train the LoRA adapter described by ``spec``; see the module docstring."""
-    # -- setup: refuse what this path cannot do, fail fast on missing inputs --------------
-    if spec.parallelism.world_size != 1 or spec.adapter.quantization != "none":
-        # N processes (FSDP2) and/or a 4-bit base: the same loop with the low-memory
-        # loader, sharded step and DCP checkpoints (trainers.fsdp_qlora.distributed_recipe).
-        from trainers.fsdp_qlora.distributed_recipe import run as run_distributed
-
-        return run_distributed(spec, reporter=reporter, stop=stop)
-    check_inputs_exist(spec)
-    hp = spec.hyperparameters
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    random.seed(spec.seed)
-    np.random.seed(spec.seed)
-    torch.manual_seed(spec.seed)
-    output_dir = Path(spec.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    reporter.event("trainer started", data={"trainer": "fsdp_qlora", "device": str(device)})
-
-    # -- model + LoRA --------------------------------------------------------------------
-    tokenizer = load_tokenizer(spec.model.path)
-    model = apply_lora(load_base_model(spec, device), spec)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in trainable)
-
-    # -- data ----------------------------------------------------------------------------
-    data = load_job_data(spec, tokenizer)
-    total_steps = total_optimizer_steps(spec, data.train)
-    micro_per_step = hp.batch_size // hp.micro_batch_size
-    reporter.event("data ready", data={**data.stats(), "total_steps": total_steps, "trainable_params": n_trainable})
-    if data.train.dataset.n_truncated:
-        reporter.event(f"{data.train.dataset.n_truncated} example(s) truncated to max_seq_len={spec.data.max_seq_len}",
-                       level="warning")
-
-    # -- optimizer (LoRA params only; the frozen base carries no state) -------------------
-    optimizer = torch.optim.AdamW(trainable, lr=hp.learning_rate, weight_decay=hp.weight_decay)
-
-    # -- resume --------------------------------------------------------------------------
-    step, cursor, tokens_seen = 0, DataCursor(), 0
-    last_metrics: dict[str, float | None] = {"train_loss": None, "valid_loss": None, "token_accuracy": None}
-    resume_path = resolve_resume(spec)
-    if resume_path is not None:
-        state = load_recipe_checkpoint(resume_path, model, optimizer)
-        step, cursor = state.step, state.cursor
-        tokens_seen = int(state.extra.get("tokens_seen", 0))
-        last_metrics.update(state.metrics)
-        reporter.event(f"resumed from {resume_path.name}", data={"step": step, "cursor": cursor.to_dict()})
-    metrics_log = MetricsLog(output_dir, resume_step=step if resume_path is not None else None)
-    batches = data.train.micro_batches(cursor)
-    losses: dict[int, float] = {}
-    autocast = (
-        torch.autocast(device.type, dtype=DTYPES[spec.precision.compute_dtype])
-        if spec.precision.compute_dtype != spec.precision.base_dtype
-        else nullcontext()
+def run_rank(spec: Any, *, reporter: Any, stop: Any) -> Any:
+    """The training run of one rank (world_size 1 runs this directly)."""
+    from trainers.common.checkpointing import (
+        TrainerState,
+        capture_host_rng,
+        load_trainer_state,
+        restore_host_rng,
     )
+    from trainers.common.data import DataCursor
+    from trainers.common.job_data import (
+        check_inputs_exist,
+        load_job_data,
+        load_tokenizer,
+        total_optimizer_steps,
+    )
+    from trainers.common.outputs import (
+        ADAPTER_DIR,
+        MetricsLog,
+        finalize_outputs,
+        write_training_config,
+    )
+    from trainers.common.peft_export import write_peft_adapter
+    from trainers.common.schedules import learning_rate_at
+    from trainers.fsdp_qlora.checkpoint import (
+        gather_adapter_state,
+        load_sharded,
+        peft_weights,
+        save_checkpoint_distributed,
+    )
+    from trainers.fsdp_qlora.distributed import (
+        accelerator_available,
+        barrier,
+        check_parallelism,
+        destroy_distributed,
+        init_distributed,
+    )
+    from trainers.fsdp_qlora.loading import build_model, options_from_spec
+    from trainers.fsdp_qlora.train_step import build_optimizer, rank_share, train_step
 
-    def checkpoint_now() -> Path:
-        state = TrainerState(step=step, epoch=cursor.epoch, cursor=cursor, metrics=dict(last_metrics),
-                             extra={"tokens_seen": tokens_seen})
-        path = save_recipe_checkpoint(spec, model, optimizer, state)
-        reporter.checkpoint(step, str(path), dict(last_metrics))
-        return path
+    # -- setup: layout checks before anything heavy ---------------------------------------
+    hp, par, a = spec.hyperparameters, spec.parallelism, spec.adapter
+    check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
+                      cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
+    ctx = init_distributed()
+    try:
+        if ctx.world_size != par.world_size:
+            raise UserError(f"the spec asks for world_size {par.world_size} but the environment has "
+                            f"{ctx.world_size} processes", code="invalid_parallelism")
+        check_inputs_exist(spec)
+        random.seed(spec.seed)
+        np.random.seed(spec.seed)
+        torch.manual_seed(spec.seed)
+        output_dir = Path(spec.output_dir)
+        if ctx.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            reporter.event("trainer started", data={"trainer": "fsdp_qlora", "world_size": ctx.world_size,
+                                                    "device": str(ctx.device), "quantization": a.quantization})
 
-    # -- train loop ----------------------------------------------------------------------
-    while step < total_steps:
-        if stop.requested:
-            if step == 0:
-                raise Preempted(f"{stop.signal_name} before the first step; nothing to checkpoint")
-            path = checkpoint_now()
-            raise Preempted(f"{stop.signal_name} at step {step}; checkpoint {path}")
-        started = time.perf_counter()
-        micro = _take(batches, micro_per_step)
-        n_labels = sum(b.n_label_tokens for b in micro)
-        lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=total_steps,
-                              warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss = 0.0
-        for batch in micro:
+        # -- data (every rank reads the same global order; each keeps its share) ----------
+        tokenizer = load_tokenizer(spec.model.path)
+        data = load_job_data(spec, tokenizer)
+        total_steps = total_optimizer_steps(spec, data.train)
+        micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
+
+        # -- model: meta skeleton -> quantize -> LoRA -> shard -> stream weights ----------
+        model, load_report = build_model(options_from_spec(spec), ctx)
+        if ctx.is_main:
+            reporter.event("model loaded", data={**load_report.as_event_data(), "total_steps": total_steps,
+                                                 **data.stats()})
+            if data.train.dataset.n_truncated:
+                reporter.event(f"{data.train.dataset.n_truncated} example(s) truncated to "
+                               f"max_seq_len={spec.data.max_seq_len}", level="warning")
+        optimizer = build_optimizer(model, learning_rate=hp.learning_rate, weight_decay=hp.weight_decay)
+
+        # -- resume -----------------------------------------------------------------------
+        step, cursor, tokens_seen = 0, DataCursor(), 0
+        last: dict[str, float | None] = {"train_loss": None, "valid_loss": None, "token_accuracy": None}
+        resume_path = resolve_resume(spec)
+        if resume_path is not None:
+            load_sharded(resume_path, model, optimizer, ctx)
+            state = load_trainer_state(resume_path)
+            restore_host_rng(state.rng)
+            step, cursor = state.step, state.cursor
+            tokens_seen = int(state.extra.get("tokens_seen", 0))
+            last.update(state.metrics)
+            if ctx.is_main:
+                reporter.event(f"resumed from {resume_path.name}", data={"step": step, "cursor": cursor.to_dict()})
+        metrics_log = MetricsLog(output_dir, resume_step=step if resume_path is not None else None) if ctx.is_main else None
+        batches = data.train.micro_batches(cursor)
+        # Without FSDP there is no mixed-precision policy: autocast does the casting.
+        autocast = (
+            torch.autocast(ctx.device.type, dtype=getattr(torch, spec.precision.compute_dtype))
+            if not ctx.distributed and spec.precision.compute_dtype != spec.precision.base_dtype
+            else nullcontext()
+        )
+
+        def checkpoint_now() -> Path:
+            adapter = gather_adapter_state(model)  # collective: every rank
+
+            def write_adapter(d: Path) -> None:
+                write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
+                                   target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
+
+            state = TrainerState(step=step, epoch=cursor.epoch, cursor=cursor, rng=capture_host_rng(),
+                                 metrics=dict(last), extra={"tokens_seen": tokens_seen,
+                                                            "world_size": ctx.world_size})
+            path = save_checkpoint_distributed(spec.checkpoint.dir, state, model, optimizer, ctx,
+                                               keep_last=spec.checkpoint.keep_last, write_adapter=write_adapter)
+            if ctx.is_main:
+                reporter.checkpoint(step, str(path), dict(last))
+            return path
+
+        # -- train loop ---------------------------------------------------------------------
+        losses: dict[int, float] = {}
+        while step < total_steps:
+            if _agree_to_stop(stop.requested, ctx):
+                if step == 0:
+                    raise Preempted("SIGTERM before the first step; nothing to checkpoint")
+                path = checkpoint_now()
+                raise Preempted(f"SIGTERM at step {step}; checkpoint {path}")
+            started = time.perf_counter()
+            micro = [next(batches) for _ in range(micro_per_step)]
+            lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=total_steps,
+                                  warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
             with autocast:
-                loss_sum, _, _ = token_losses(model, batch, device)
-            if not torch.isfinite(loss_sum):
-                raise UserError(
-                    f"the loss is {float(loss_sum.detach())} at step {step + 1}; lower the learning rate or check the "
-                    "model and data", code="nan_loss")
-            (loss_sum / n_labels).backward()
-            step_loss += float(loss_sum.detach())
-        if hp.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, hp.max_grad_norm))
-        else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None]))
-        if not np.isfinite(grad_norm):
-            raise UserError(f"the gradient norm is {grad_norm} at step {step + 1}", code="nan_loss")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        cursor = micro[-1].cursor_after
-        step_tokens = sum(b.n_tokens for b in micro)
-        tokens_seen += step_tokens
-        elapsed = time.perf_counter() - started
-        train_loss = step_loss / n_labels
-        losses[step] = train_loss
-        last_metrics["train_loss"] = train_loss
-        row: dict[str, Any] = {
-            "step": step, "total_steps": total_steps, "epoch": cursor.epoch if cursor.position else cursor.epoch - 1,
-            "train_loss": train_loss, "learning_rate": lr, "grad_norm": grad_norm,
-            "tokens_per_s": step_tokens / elapsed if elapsed > 0 else None, "tokens_seen": tokens_seen,
-            "memory_bytes": memory_bytes(device), "valid_loss": None, "token_accuracy": None,
-        }
-        if data.validation is not None and spec.eval.every_n_steps and (
-            step % spec.eval.every_n_steps == 0 or step == total_steps
-        ):
-            row.update(evaluate(model, data.validation, device, spec.eval.max_batches))
-            last_metrics.update(valid_loss=row["valid_loss"], token_accuracy=row["token_accuracy"])
-        metrics_log.append({**row, "time": time.time()})
-        reporter.metric(**row)
-        if step % spec.checkpoint.every_n_steps == 0 and step < total_steps:
-            checkpoint_now()
+                stats = train_step(model, optimizer, rank_share(micro, ctx), ctx, step=step, seed=spec.seed,
+                                   learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+            if not (np.isfinite(stats.loss) and np.isfinite(stats.grad_norm)):
+                raise UserError(f"the loss is {stats.loss} (grad norm {stats.grad_norm}) at step {step + 1}; "
+                                "lower the learning rate or check the model and data", code="nan_loss")
+            step += 1
+            cursor = micro[-1].cursor_after
+            tokens_seen += stats.tokens
+            elapsed = time.perf_counter() - started
+            losses[step] = stats.loss
+            last["train_loss"] = stats.loss
+            row: dict[str, Any] = {
+                "step": step, "total_steps": total_steps,
+                "epoch": cursor.epoch if cursor.position else cursor.epoch - 1,
+                "train_loss": stats.loss, "learning_rate": lr, "grad_norm": stats.grad_norm,
+                "tokens_per_s": stats.tokens / elapsed if elapsed > 0 else None, "tokens_seen": tokens_seen,
+                "memory_bytes": memory_bytes(ctx.device), "valid_loss": None, "token_accuracy": None,
+            }
+            if data.validation is not None and spec.eval.every_n_steps and (
+                step % spec.eval.every_n_steps == 0 or step == total_steps
+            ):
+                row.update(evaluate(model, data.validation, ctx, spec.eval.max_batches))
+                last.update(valid_loss=row["valid_loss"], token_accuracy=row["token_accuracy"])
+            if ctx.is_main:
+                metrics_log.append({**row, "time": time.time()})
+                reporter.metric(**row)
+            if step % spec.checkpoint.every_n_steps == 0 and step < total_steps:
+                checkpoint_now()
 
-    # -- export --------------------------------------------------------------------------
-    checkpoint_now()  # the final state, so a lost export can be redone without training
-    export_adapter(model, spec, output_dir / ADAPTER_DIR)
-    write_training_config(output_dir, spec)
-    (output_dir / "data_stats.json").write_text(json.dumps(data.stats(), indent=2), encoding="utf-8")
-    files = finalize_outputs(output_dir)
-    reporter.artifacts(str(output_dir), files)
-    reporter.event("training finished", data={"step": step, "train_loss": last_metrics["train_loss"]})
-    return RunResult(model=model, final_step=step, losses=losses, output_dir=output_dir)
+        # -- export -------------------------------------------------------------------------
+        checkpoint_now()
+        adapter = gather_adapter_state(model)
+        if ctx.is_main:
+            write_peft_adapter(output_dir / ADAPTER_DIR, peft_weights(adapter), r=a.r, alpha=a.alpha,
+                               dropout=a.dropout, target_modules=a.target_modules,
+                               base_model_name_or_path=spec.model.path)
+            write_training_config(output_dir, spec)
+            (output_dir / "data_stats.json").write_text(json.dumps(data.stats(), indent=2), encoding="utf-8")
+            files = finalize_outputs(output_dir)
+            reporter.artifacts(str(output_dir), files)
+            reporter.event("training finished", data={"step": step, "train_loss": last["train_loss"]})
+        barrier(ctx)
+        return RunResult(model=model, final_step=step, losses=losses, output_dir=output_dir)
+    finally:
+        destroy_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank started by :func:`launch_ranks`: ``--spec`` and the launcher's work dir."""
+    import argparse
+
+    from trainers.__main__ import classify
+    from trainers.common.reporter import Reporter
+    from trainers.common.signals import StopFlag
+    from trainers.spec import TrainerSpec
+
+    parser = argparse.ArgumentParser(prog="python -m trainers.fsdp_qlora.recipe")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--work-dir", required=True)
+    args = parser.parse_args(argv)
+    spec = TrainerSpec.load(args.spec)
+    rank = int(os.environ.get("RANK", "0"))
+    work = Path(args.work_dir)
+    # Rank 0 writes items locally; the launcher relays them into the job's one reporter.
+    reporter = Reporter(url=None, local_path=work / RANK_REPORTS if rank == 0 else os.devnull,
+                        flush_interval_s=0.2)
+    stop = StopFlag().install()
+    code = 0
+    try:
+        run_rank(spec, reporter=reporter, stop=stop)
+    except BaseException as exc:  # every outcome becomes an exit code  # noqa: BLE001
+        error = classify(Preempted("interrupted") if isinstance(exc, KeyboardInterrupt) else exc)
+        if error.exit_code == ExitCode.INTERNAL_ERROR:
+            import traceback
+
+            traceback.print_exception(exc)
+        (work / TERMINATION_FILE.format(rank=rank)).write_text(json.dumps(error.to_dict()), encoding="utf-8")
+        code = int(error.exit_code)
+    finally:
+        stop.uninstall()
+        reporter.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

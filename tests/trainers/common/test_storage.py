@@ -315,7 +315,7 @@ def test_all_s3_run_uploads_adapter_with_manifest_checksums_and_checkpoints(unin
     assert {k.split("/")[3] for k in remote} == {"step-8", "step-10"}
     for step in (8, 10):
         prefix = f"jobs/{job}/checkpoints/step-{step}/"
-        assert {prefix + "trainer_state.json", prefix + "optimizer.pt",
+        assert {prefix + "trainer_state.json", prefix + "dcp/.metadata",
                 prefix + "adapter/adapter_model.safetensors"} <= set(remote)
         assert _remote_json(client, prefix + "trainer_state.json")["step"] == step
 

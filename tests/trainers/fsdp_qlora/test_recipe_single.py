@@ -1,4 +1,4 @@
-"""The single-process LoRA recipe, in process: exported adapter vs peft, resume vs
+"""The (Q)LoRA recipe in one process, in process: exported adapter vs peft, resume vs
 uninterrupted, micro-batching and packing."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_packed_rows_give_each_example_its_unpacked_logits(tiny_model_dir, tiny_
 
     from trainers.common.data import TrainingData, tokenize_dataset
     from trainers.common.formats import read_examples
-    from trainers.fsdp_qlora.recipe import model_inputs
+    from trainers.fsdp_qlora.train_step import model_inputs
 
     ds = tokenize_dataset(tiny_tokenizer, list(read_examples(tiny_datasets["chat_train"]))[:6], 64)
     data = TrainingData(ds, max_seq_len=128, micro_batch_size=2, seed=0, packing=True, pad_id=258)
