@@ -21,22 +21,28 @@ pytestmark = pytest.mark.slow
 NS = "tunefleet-training"
 
 
+def _start_on_one_node_cluster(start_service, api, tmp_path):
+    """One CPU node in pool ``cpu`` of the fake cluster; the service's executor is Kubernetes."""
+    c = api.cluster
+    c.create("namespaces", "", {"metadata": {"name": NS}})
+    c.add_node("cpu-0", labels={"tunefleet.io/pool": "cpu"}, gpus=0, resource_name=None)
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
+    (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": [{
+        "name": "cpu", "accelerator": "cpu", "gpu_memory_gib": 8, "gpus_per_node": 1,
+        "node_selector": {"tunefleet.io/pool": "cpu"}, "trainers": ["fsdp_qlora"],
+        "trainer_image": "tunefleet-trainer:test", "peak_tflops": 0.5, "nodes": 1}]}))
+    svc = start_service("embedded", TUNEFLEET_EXECUTOR="kubernetes", KUBECONFIG=str(tmp_path / "kubeconfig"),
+                  TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS)
+    return c, svc
+
+
 def test_job_trains_in_a_pod_of_the_fake_cluster(service, tmp_path):  # noqa: F811
     with FakeApiServer(tmp_path / "k8s") as api:
-        c = api.cluster
-        c.create("namespaces", "", {"metadata": {"name": NS}})
-        c.add_node("cpu-0", labels={"tunefleet.io/pool": "cpu"}, gpus=0, resource_name=None)
-        (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
-        (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": [{
-            "name": "cpu", "accelerator": "cpu", "gpu_memory_gib": 8, "gpus_per_node": 1,
-            "node_selector": {"tunefleet.io/pool": "cpu"}, "trainers": ["fsdp_qlora"],
-            "trainer_image": "tunefleet-trainer:test", "peak_tflops": 0.5, "nodes": 1}]}))
-        svc = service("embedded", TUNEFLEET_EXECUTOR="kubernetes", KUBECONFIG=str(tmp_path / "kubeconfig"),
-                      TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS)
+        c, svc = _start_on_one_node_cluster(service, api, tmp_path)
         with svc.http() as http:
             file_id = upload(http, demo_examples()[:32])
             job = http.post("/fine_tuning/jobs", json={
@@ -74,20 +80,7 @@ def test_preemption_checkpoints_requeues_and_resumes_on_the_fake_cluster(service
     pod gets SIGTERM, checkpoints, is requeued with resume_from, and later resumes in a new
     Kubernetes Job, continuing its step count (no step trained twice, none skipped)."""
     with FakeApiServer(tmp_path / "k8s") as api:
-        c = api.cluster
-        c.create("namespaces", "", {"metadata": {"name": NS}})
-        c.add_node("cpu-0", labels={"tunefleet.io/pool": "cpu"}, gpus=0, resource_name=None)
-        (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
-        (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": [{
-            "name": "cpu", "accelerator": "cpu", "gpu_memory_gib": 8, "gpus_per_node": 1,
-            "node_selector": {"tunefleet.io/pool": "cpu"}, "trainers": ["fsdp_qlora"],
-            "trainer_image": "tunefleet-trainer:test", "peak_tflops": 0.5, "nodes": 1}]}))
-        svc = service("embedded", TUNEFLEET_EXECUTOR="kubernetes", KUBECONFIG=str(tmp_path / "kubeconfig"),
-                      TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS)
+        c, svc = _start_on_one_node_cluster(service, api, tmp_path)
         body = {"model": "tunefleet-tiny-llama", "seed": 3, "max_seq_len": 48,
                 "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}}
         with svc.http() as http:

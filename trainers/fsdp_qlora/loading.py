@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.common.memory import peak_rss_bytes as _peak_rss_bytes
+from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
     DistContext,
@@ -359,11 +359,6 @@ def build_model(
     if log is not None:
         log("model loaded", **report.as_event_data())
     return model, report
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (see trainers.common.memory)."""
-    return _peak_rss_bytes()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -185,11 +185,6 @@ def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], 
     return np.stack(parts)
 
 
-def host_peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (see trainers.common.memory)."""
-    return peak_rss_bytes()
-
-
 def load_params(
     model_dir: str | Path, cfg: LlamaConfig, mesh: Mesh, dtype: Any = jnp.bfloat16
 ) -> tuple[Params, dict[str, int]]:
@@ -213,7 +208,7 @@ def load_params(
 
     params = jax.tree.map(load_one, _sources(cfg), shapes, shardings, is_leaf=lambda x: isinstance(x, _Source))
     total = sum(int(np.prod(s.shape)) * np_dtype.itemsize for s in jax.tree.leaves(shapes))
-    return params, {"host_peak_rss_bytes": host_peak_rss_bytes(), "param_bytes": total}
+    return params, {"host_peak_rss_bytes": peak_rss_bytes(), "param_bytes": total}
 
 
 def iter_hf_names(cfg: LlamaConfig) -> Iterator[str]:

@@ -170,10 +170,11 @@ def run(
     import jax
     import jax.numpy as jnp
 
+    from trainers.common.memory import peak_rss_bytes
     from trainers.jax_lora import checkpoint as ckpt
     from trainers.jax_lora.config import LlamaConfig
     from trainers.jax_lora.export import export_adapter
-    from trainers.jax_lora.loading import host_peak_rss_bytes, load_params
+    from trainers.jax_lora.loading import load_params
     from trainers.jax_lora.lora import (
         init_lora,
         lora_axes,
@@ -348,7 +349,7 @@ def run(
                 "step": step, "total_steps": total_steps, "epoch": cursor.epoch, "train_loss": loss,
                 "learning_rate": lr, "grad_norm": float(out["grad_norm"]),
                 "tokens_per_s": n_tokens / elapsed, "tokens_seen": tokens_seen,
-                "memory_bytes": _device_memory_bytes(jax) or host_peak_rss_bytes(),
+                "memory_bytes": _device_memory_bytes(jax) or peak_rss_bytes(),
                 "valid_loss": None, "token_accuracy": None,
             }
             every = spec.eval.every_n_steps

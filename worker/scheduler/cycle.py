@@ -208,7 +208,10 @@ class SchedulerStore(Protocol):
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]: ...
 
     def admit(self, job: JobRequest, placement: Placement) -> tuple[JobRef, Any]:
-        """queued -> running (via the one transition function); returns (job row, trainer spec)."""
+        """queued -> running (via the one transition function); returns (job row, trainer spec).
+
+        Raises RuntimeError when the job cannot be admitted (no longer queued, or its spec
+        failed it); the cycle goes on with the other admissions."""
         ...
 
     def launch_failed(self, job: JobRequest, error: Exception) -> None: ...
@@ -260,7 +263,7 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
         for adm in plan.admissions:
             try:
                 row, spec = store.admit(adm.job, adm.placement)
-            except Exception as exc:  # no longer queued, or its spec failed it: the others go on
+            except RuntimeError as exc:  # refused (no longer queued, or its spec failed it): the others go on
                 log.warning("%s not admitted: %s", adm.job.job_id, exc)
                 continue
             try:
