@@ -41,7 +41,8 @@ services:
 	@bash scripts/ensure-services.sh
 
 test: install browser-deps services
-	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc
 
 test-fast: install
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m "not slow and not browser" $(PYTEST_ARGS)
