@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run serve test test-fast lint services browser-deps bench clean
+.PHONY: install run serve test test-fast lint services browser-deps bench-deps bench clean
 
 $(STAMP): pyproject.toml requirements/torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,7 +50,11 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check api worker trainers tunefleet tests bench
 
-bench: install
+# wrk for the API benchmark (bench/api_bench.py).
+bench-deps:
+	@command -v wrk >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
+
+bench: install bench-deps services
 	$(PY) bench/run_all.py
 
 clean:

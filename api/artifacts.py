@@ -230,7 +230,7 @@ def artifact_store(settings: Settings) -> ArtifactStore:
 
 
 def file_store(settings: Settings) -> ArtifactStore:
-    """The store for uploaded files (keys ``files/<id>.jsonl``).
+    """The store for uploaded files (keys ``files/<id>.jsonl``; jobs' results files ``files/<id>.csv``).
 
     Embedded default: the data dir itself, so files land in ``<data>/files/``. With
     ``TUNEFLEET_ARTIFACT_URL`` set (a bucket or a shared volume), files go there too, so

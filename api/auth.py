@@ -129,6 +129,19 @@ def authenticate_cached(session: Session, authorization: str) -> ApiKey | None:
     return session.merge(cached, load=False)
 
 
+def cached_tenant_id(database: URL, authorization: str) -> str | None:
+    """The tenant id of a Bearer key that ``key_cache`` holds (live, within its TTL), else None.
+
+    For fast paths that need only the tenant (``api.job_pages``); no I/O, no session.
+    None means "authenticate the usual way", not "invalid".
+    """
+    token = _bearer_token(authorization)
+    if token is None:
+        return None
+    cached = key_cache.get(database, hash_secret(token))
+    return None if cached is None else cached.tenant_id
+
+
 def _bearer_token(authorization: str) -> str | None:
     """The key of ``Bearer <key>`` if it is shaped like one of our keys, else None."""
     scheme, _, token = authorization.partition(" ")

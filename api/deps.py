@@ -4,7 +4,8 @@ The cheap dependencies are ``async def`` on purpose: FastAPI runs every plain ``
 dependency in the threadpool, one thread hop each, and on a hot route such as
 ``GET /v1/fine_tuning/jobs`` those hops cost more than the work. Only what blocks (the
 database) goes to the threadpool: the session is created in the event loop (no
-connection is taken until first use) and closed in a worker thread; authentication is
+connection is taken until first use) and closed in a worker thread (inline when it holds
+no connection, e.g. the list route closed it in its own thread); authentication is
 answered from the key cache when it can and only goes to the threadpool when it needs
 the database.
 """
@@ -32,8 +33,11 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     try:
         yield session
     finally:
-        # Closing returns the connection to the pool (a rollback round trip): off the loop.
-        await run_in_threadpool(session.close)
+        if session.in_transaction():
+            # Closing returns the connection to the pool (a rollback round trip): off the loop.
+            await run_in_threadpool(session.close)
+        else:
+            session.close()  # no connection held (or the route closed it): no I/O, no hop
 
 
 async def get_app_settings(request: Request) -> Settings:

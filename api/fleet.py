@@ -1,17 +1,19 @@
 """The API's view of the fleet: node pools, their capacity now, placement estimates, usage.
 
-This is the ONE API module that imports worker code, and only the scheduler's pure
-decision modules (``worker.scheduler`` pools, capacity, estimator, placement, request,
-usage: no Celery, no executors, no cluster I/O). The estimate a user sees before
+This module imports the scheduler's pure decision modules (``worker.scheduler`` pools,
+capacity, estimator, placement, request, usage: no Celery, no executors, no cluster I/O;
+the only other API import of worker code is ``api.logs``' pod-log reader in Kubernetes
+mode, see docs/internals.md). The estimate a user sees before
 submitting, the estimate stored on a new job and the scheduler's own placement are then
 computed by the same functions and cannot drift apart.
 
 Capacity: the scheduler's local executor builds its snapshot as the configured nodes
 minus the GPUs of ``running`` jobs, packed first-fit (``LocalExecutor.snapshot``); this
-module builds the same view from the database. In Kubernetes mode the scheduler counts
-real Nodes, but the API does not talk to the cluster and the scheduler publishes no
-snapshot, so node counts come from the pools file (``capacity_source: "config"``): GPUs
-*used* are still exact (running jobs), GPUs *total* are what the file declares.
+module builds the same view from the database (``capacity_source: "config"``: GPUs
+*used* are exact, GPUs *total* are what the pools file declares). In Kubernetes mode the
+scheduler counts real Nodes (allocatable GPUs minus pods' requests) and publishes them
+each cycle (``pool_capacity``); the API, which does not talk to the cluster, shows that
+observation while it is fresh (``capacity_source: "cluster"``, with ``observed_at``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.base_models import BaseModelEntry
-from api.db.models import ApiKey, File, Job, Tenant
+from api.db.models import ApiKey, File, Job, PoolCapacity, Tenant
 from api.errors import APIError, not_found
 from api.files import get_file
 from api.hyperparameters import micro_batch_for, resolve_hyperparameters
@@ -119,6 +121,18 @@ def _ts(value: dt.datetime | None) -> float | None:
     return value.timestamp()
 
 
+# A published cluster observation older than this is not shown (the scheduler is down or
+# stuck); the pools file's view is shown instead.
+OBSERVED_CAPACITY_MAX_AGE = dt.timedelta(minutes=2)
+
+
+def _observed_capacity(session: Session, pools: list[NodePool]) -> dict[str, PoolCapacity]:
+    """The scheduler's fresh cluster observations of ``pools``, by pool name."""
+    rows = session.scalars(select(PoolCapacity).where(PoolCapacity.pool.in_([p.name for p in pools])))
+    now = dt.datetime.now(dt.UTC)
+    return {r.pool: r for r in rows if now - r.observed_at <= OBSERVED_CAPACITY_MAX_AGE}
+
+
 def _waiting_pool(
     job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None
 ) -> str | None:
@@ -140,6 +154,7 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
         pool = _waiting_pool(placement, estimate)
         if pool:
             queued[pool] = queued.get(pool, 0) + 1
+    observed = _observed_capacity(session, pools)
     out: list[dict[str, Any]] = []
     for pool in pools:
         running = sorted(
@@ -147,8 +162,19 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
             key=lambda j: (j.started_at, j.job_id),
         )
         visible = [j.job_id for j in running if key.grants_admin or j.tenant == key.tenant_id]
-        nodes = list(snap.nodes.get(pool.name, {}).values())
-        total, free = snap.pool_total(pool.name), snap.pool_free(pool.name)
+        if pool.name in observed:
+            row = observed[pool.name]
+            node_list = [{"name": n["name"], "gpus_total": n["gpus_total"],
+                          "gpus_used": n["gpus_total"] - n["gpus_free"], "gpus_free": n["gpus_free"]}
+                         for n in row.nodes]
+            source = {"capacity_source": "cluster", "observed_at": int(row.observed_at.timestamp())}
+        else:
+            node_list = [{"name": n.name, "gpus_total": n.gpus_total,
+                          "gpus_used": n.gpus_total - n.gpus_free, "gpus_free": n.gpus_free}
+                         for n in snap.nodes.get(pool.name, {}).values()]
+            source = {"capacity_source": "config", "observed_at": None}
+        total = sum(n["gpus_total"] for n in node_list)
+        free = sum(n["gpus_free"] for n in node_list)
         out.append(
             {
                 "name": pool.name,
@@ -156,7 +182,7 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
                 "gpu_memory_bytes": pool.gpu_memory_bytes,
                 "gpu_memory_gib": round(pool.gpu_memory_gib, 2),
                 "gpus_per_node": pool.gpus_per_node,
-                "nodes": len(nodes),
+                "nodes": len(node_list),
                 "gpus_total": total,
                 "gpus_used": total - free,
                 "gpus_free": free,
@@ -167,16 +193,8 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
                 "max_nodes_per_job": pool.max_nodes_per_job,
                 "running_jobs": visible,
                 "queued_jobs": queued.get(pool.name, 0),
-                "node_list": [
-                    {
-                        "name": n.name,
-                        "gpus_total": n.gpus_total,
-                        "gpus_used": n.gpus_total - n.gpus_free,
-                        "gpus_free": n.gpus_free,
-                    }
-                    for n in nodes
-                ],
-                "capacity_source": "config",
+                "node_list": node_list,
+                **source,
             }
         )
     return out

@@ -20,15 +20,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.base_models import BaseModelEntry
-from api.db.models import Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
+from api.db.job_versions import job_list_version
+from api.db.models import ApiKey, Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
 from api.errors import APIError, not_found
 from api.files import get_file
 from api.hyperparameters import resolve_hyperparameters
 from api.ids import hash_secret, new_id, new_job_token
+from api.job_pages import JobPageCache, PageKey
 from api.lifecycle import add_event, lock_job, transition
 from api.pagination import check_limit, page_newest_first
 from api.queue import SCHEDULE, TaskQueue
-from api.schemas.jobs import JobCreate
+from api.schemas.jobs import JobCreate, jobs_page_json
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MAX_FIRST_ERRORS = 5
@@ -222,9 +224,20 @@ def tenant_jobs(tenant: Tenant):
     return select(Job).where(Job.tenant_id == tenant.id)
 
 
-def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
-    job = session.scalar(tenant_jobs(tenant).where(Job.id == job_id))
-    if job is None:
+def may_open(key: ApiKey, job: Job) -> bool:
+    """Whether ``key`` may read and act on ``job``.
+
+    A tenant's key opens its own organization's jobs only; any other job answers 404,
+    exactly like a missing one. An admin key opens every organization's jobs (it can
+    already mint keys for any organization, so this grants nothing new); what it does
+    there is recorded with actor ``admin``. Lists stay per organization either way.
+    """
+    return key.grants_admin or job.tenant_id == key.tenant_id
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or not may_open(key, job):
         raise not_found("fine-tuning job", job_id)
     return job
 
@@ -241,22 +254,45 @@ def list_jobs(
     return page_newest_first(session, query, Job, after=after, limit=limit)
 
 
+def list_jobs_json(
+    session: Session, tenant: Tenant, *, after: str | None, limit: int,
+    metadata: dict[str, str], status: str | None, pages: JobPageCache, query: bytes,
+) -> bytes:
+    """``list_jobs`` encoded as a ``JobsPublic`` page, reused from ``pages`` while the
+    tenant's jobs are unchanged (see ``api.job_pages``); errors are never cached.
+
+    ``query`` is the raw query string the other arguments were parsed from (the key).
+    """
+    key = PageKey(tenant.id, query)
+    version = job_list_version(session, tenant.id)  # before the rows, never after
+    body = pages.get(key, version)
+    if body is None:
+        rows, has_more = list_jobs(session, tenant, after=after, limit=limit,
+                                   metadata=metadata, status=status)
+        body = jobs_page_json(rows, has_more=has_more)
+        pages.put(key, version, body)
+    return body
+
+
 def latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
     return session.scalar(
         select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
     )
 
 
-def cancel_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
-    job = lock_job_of(session, tenant, job_id)
-    transition(session, job, "cancelled", actor=actor, message="Job cancelled by the user.")
+def cancel_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
+    transition(session, job, "cancelled", actor=actor,
+               message=f"Job cancelled by {'an administrator' if actor == 'admin' else 'the user'}.")
     session.commit()
     queue.send(SCHEDULE)
     return job
 
 
-def pause_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
-    job = lock_job_of(session, tenant, job_id)
+def pause_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
     transition(session, job, "paused", actor=actor,
                message="Job paused; it keeps its last checkpoint and resumes from it.")
     session.commit()
@@ -264,8 +300,9 @@ def pause_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queu
     return job
 
 
-def resume_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, queue: TaskQueue) -> Job:
-    job = lock_job_of(session, tenant, job_id)
+def resume_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
     checkpoint = latest_checkpoint(session, job)
     transition(
         session, job, "queued", actor=actor,
@@ -277,11 +314,15 @@ def resume_job(session: Session, tenant: Tenant, job_id: str, *, actor: str, que
     return job
 
 
-def lock_job_of(session: Session, tenant: Tenant, job_id: str) -> Job:
+def lock_job_of(session: Session, key: ApiKey, job_id: str) -> Job:
     job = lock_job(session, job_id)
-    if job is None or job.tenant_id != tenant.id:
+    if job is None or not may_open(key, job):
         raise not_found("fine-tuning job", job_id)
     return job
+
+
+def actor_of(key: ApiKey) -> str:
+    return "admin" if key.grants_admin else "user"
 
 
 def list_events(

@@ -181,6 +181,8 @@ def transition(
         job.estimated_finish = None
     if to in ("queued", "paused"):
         job.estimated_finish = None
+    if to != "queued":
+        job.queue_position = None  # a place in the queue means something only while queued
     event = add_event(
         session, job,
         message or f"Job {to.replace('_', ' ')}: {rule.why}.",

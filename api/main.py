@@ -17,6 +17,8 @@ from api.artifacts import artifact_store, file_store
 from api.base_models import load_base_models
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
+from api.job_pages import CachedJobListMiddleware, JobPageCache
+from api.logs import kubernetes_log, register_log_reader
 from api.queue import CeleryQueue, TaskQueue
 from api.routes import admin, files, health, jobs, models, outputs, reports
 from api.routes import fleet as fleet_routes
@@ -47,14 +49,19 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.store = artifact_store(settings)
     app.state.file_store = file_store(settings)
     app.state.base_models = load_base_models(settings)
+    app.state.job_pages = JobPageCache()  # encoded job list pages (api/job_pages.py)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     fleet.install(app, settings)  # node pools + the Prometheus capacity provider
+    if settings.executor == "kubernetes":
+        register_log_reader(kubernetes_log)  # trainer logs from the pods (api/logs.py)
     for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
     webhooks.install(app)
+    # Inside the latency middleware (added after it), so cached answers are measured too.
+    app.add_middleware(CachedJobListMiddleware, route=jobs.list_route())
     observability.install(app)
     mount_ui(app)
     return app

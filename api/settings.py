@@ -65,6 +65,21 @@ class Settings(BaseSettings):
     )
     # Seconds between two scheduling cycles of the scheduler loop.
     schedule_interval_s: float = Field(default=3.0, gt=0)
+    # Scheduling policy (worker/scheduler/loop.py ``cycle_config``).
+    preemption_enabled: bool = Field(
+        default=True, description="Whether a waiting job may preempt lower-priority running jobs."
+    )
+    preemption_min_priority_gap: int = Field(
+        default=1, ge=1, description="How much lower a victim's priority must be than the preemptor's."
+    )
+    placement_objective: Literal["cost", "time"] = Field(
+        default="cost", description="Among pools that fit: the cheapest run, or the earliest finish."
+    )
+    # Local executor (worker/tasks/jobs.py): restarts of a crashed trainer (from its latest
+    # checkpoint) before the job fails, and the seconds a stopped trainer gets to checkpoint
+    # after SIGTERM before SIGKILL.
+    max_restarts: int = Field(default=2, ge=0)
+    stop_grace_s: float = Field(default=30.0, gt=0)
 
     @field_validator("public_url")
     @classmethod

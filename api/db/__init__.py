@@ -3,3 +3,8 @@
 The schema is made ONLY by the Alembic migrations in ``api/db/migrations`` (``tunefleet db
 upgrade`` or ``api.db.migrate.upgrade(url)``); nothing calls ``create_all``.
 """
+
+# Registers the Session listeners that bump a tenant's job-change counter with every write
+# to its jobs: imported here so that every process that can write a job (it imports
+# ``api.db.models``, hence this package) counts its writes.
+from api.db import job_versions  # noqa: F401

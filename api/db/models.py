@@ -119,6 +119,9 @@ class Job(Base):
     pool: Mapped[str | None] = mapped_column(String(128))
     gpus: Mapped[int | None] = mapped_column(Integer)
     queue_reason: Mapped[str | None] = mapped_column(Text)
+    queue_position: Mapped[int | None] = mapped_column(
+        Integer, doc="Place among the waiting jobs in the scheduler's last cycle (1 = next)."
+    )
     error: Mapped[dict[str, Any] | None]
     fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
     result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -138,6 +141,21 @@ class Job(Base):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+class JobListVersion(Base):
+    """A tenant's job-change counter, bumped in every transaction that writes its jobs.
+
+    Written only by ``api.db.job_versions``; read to validate cached job lists
+    (``api.job_pages``). No row yet: the tenant's jobs were not written since it exists.
+    """
+
+    __tablename__ = "job_list_versions"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    version: Mapped[int] = mapped_column(BigInteger)
 
 
 class JobEvent(Base):
@@ -234,3 +252,17 @@ class ReportBatch(Base):
     seq: Mapped[int] = mapped_column(BigInteger)
     n_items: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class PoolCapacity(Base):
+    """A pool's nodes as the scheduler last observed them in the cluster (Kubernetes mode).
+
+    The API does not talk to the cluster; the scheduler writes one row per pool each
+    cycle it observes real Nodes, and ``GET /v1/node_pools`` shows it while it is fresh.
+    """
+
+    __tablename__ = "pool_capacity"
+
+    pool: Mapped[str] = mapped_column(String(128), primary_key=True)
+    nodes: Mapped[list[Any]] = mapped_column(JSON, doc="[{name, gpus_total, gpus_free}]")
+    observed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

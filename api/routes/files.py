@@ -58,10 +58,12 @@ def file_content(
 ) -> StreamingResponse:
     row = queries.get_file(session, tenant, file_id)
     store = request.app.state.file_store
+    # Uploads are JSONL; a job's results file (purpose fine-tune-results) is a CSV.
+    media_type, suffix = ("text/csv", "csv") if row.location.endswith(".csv") else ("application/jsonl", "jsonl")
     return StreamingResponse(
-        store.iter_bytes(row.location), media_type="application/jsonl",
+        store.iter_bytes(row.location), media_type=media_type,
         headers={"Content-Length": str(row.bytes),
-                 "Content-Disposition": f'attachment; filename="{row.id}.jsonl"'},
+                 "Content-Disposition": f'attachment; filename="{row.id}.{suffix}"'},
     )
 
 

@@ -6,6 +6,7 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response
+from fastapi.routing import APIRoute
 
 from api import fleet
 from api import jobs as queries
@@ -19,16 +20,11 @@ from api.schemas.jobs import (
     JobEventsPublic,
     JobPublic,
     JobsPublic,
-    jobs_page_json,
 )
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
-
-
-def _actor(key: CurrentKey) -> str:
-    return "admin" if key.grants_admin else "user"
 
 
 @router.post("", response_model=JobPublic)
@@ -61,40 +57,48 @@ def list_jobs(
         elif name.startswith("metadata"):
             raise APIError(400, "invalid_request", "Filter metadata as metadata[key]=value.",
                            param=name)
-    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit,
-                                       metadata=metadata, status=status)
-    # Serialized here, straight from the rows: FastAPI would validate the page against
-    # response_model and encode it again through jsonable_encoder + json.dumps, which
-    # costs more than the query (response_model still documents the shape).
-    return Response(jobs_page_json(rows, has_more=has_more), media_type="application/json")
+    # Serialized by list_jobs_json, straight from the rows (or reused while the tenant's
+    # jobs are unchanged): FastAPI would validate the page against response_model and
+    # encode it again through jsonable_encoder + json.dumps, which costs more than the
+    # query (response_model still documents the shape).
+    body = queries.list_jobs_json(session, tenant, after=after, limit=limit, metadata=metadata,
+                                  status=status, pages=request.app.state.job_pages,
+                                  query=request.scope["query_string"])
+    session.close()  # give the connection back from this thread: get_session needs no hop then
+    return Response(body, media_type="application/json")
+
+
+def list_route() -> APIRoute:
+    """The ``GET`` list route (``api.job_pages.CachedJobListMiddleware`` answers for it)."""
+    return next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is list_jobs)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def retrieve_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
-    return JobPublic.of(queries.get_job(session, tenant, job_id))
+def retrieve_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobPublic:
+    return JobPublic.of(queries.get_job(session, key, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.cancel_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+    return JobPublic.of(queries.cancel_job(session, key, job_id, queue=queue))
 
 
 @router.post("/{job_id}/pause", response_model=JobPublic)
 def pause_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.pause_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+    return JobPublic.of(queries.pause_job(session, key, job_id, queue=queue))
 
 
 @router.post("/{job_id}/resume", response_model=JobPublic)
 def resume_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.resume_job(session, key.tenant, job_id, actor=_actor(key), queue=queue))
+    return JobPublic.of(queries.resume_job(session, key, job_id, queue=queue))
 
 
 @router.get("/{job_id}/events", response_model=JobEventsPublic)
 def list_events(
-    job_id: str, session: SessionDep, tenant: CurrentTenant, after: str | None = None,
+    job_id: str, session: SessionDep, key: CurrentKey, after: str | None = None,
     limit: int = 20,
 ) -> JobEventsPublic:
-    job = queries.get_job(session, tenant, job_id)
+    job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_events(session, job, after=after, limit=limit)
     data = [JobEventPublic.of(e) for e in rows]
     return JobEventsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
@@ -103,10 +107,10 @@ def list_events(
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
 def list_checkpoints(
-    job_id: str, session: SessionDep, tenant: CurrentTenant, after: str | None = None,
+    job_id: str, session: SessionDep, key: CurrentKey, after: str | None = None,
     limit: int = 10,
 ) -> CheckpointsPublic:
-    job = queries.get_job(session, tenant, job_id)
+    job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_checkpoints(session, job, after=after, limit=limit)
     data = [CheckpointPublic.of(c, job) for c in rows]
     return CheckpointsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from api.artifacts import safe_key, store_for
 from api.db.models import Artifact, Job, JobEvent, JobMetric
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.deps import CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError
 from api.jobs import get_job
 from api.logs import read_job_log
@@ -43,11 +43,11 @@ def metric_dict(row: JobMetric) -> dict[str, Any]:
 
 @router.get("/{job_id}/metrics")
 def list_metrics(
-    job_id: str, session: SessionDep, tenant: CurrentTenant,
+    job_id: str, session: SessionDep, key: CurrentKey,
     after: Annotated[int | None, Query(ge=-1, description="Last step already seen.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> dict[str, Any]:
-    job = get_job(session, tenant, job_id)
+    job = get_job(session, key, job_id)
     query = select(JobMetric).where(JobMetric.job_id == job.id)
     if after is not None:
         query = query.where(JobMetric.step > after)
@@ -59,10 +59,10 @@ def list_metrics(
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse)
 def job_logs(
-    job_id: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
+    job_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep,
     tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
 ) -> PlainTextResponse:
-    job = get_job(session, tenant, job_id)
+    job = get_job(session, key, job_id)
     return PlainTextResponse(read_job_log(job, settings, tail))
 
 
@@ -72,8 +72,8 @@ def _artifact_dict(row: Artifact) -> dict[str, Any]:
 
 
 @router.get("/{job_id}/artifacts")
-def list_artifacts(job_id: str, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
-    job = get_job(session, tenant, job_id)
+def list_artifacts(job_id: str, session: SessionDep, key: CurrentKey) -> dict[str, Any]:
+    job = get_job(session, key, job_id)
     rows = session.scalars(select(Artifact).where(Artifact.job_id == job.id).order_by(Artifact.name))
     data = [_artifact_dict(r) for r in rows]
     return {"object": "list", "data": data, "has_more": False}
@@ -81,27 +81,27 @@ def list_artifacts(job_id: str, session: SessionDep, tenant: CurrentTenant) -> d
 
 @router.get("/{job_id}/artifacts/{name:path}")
 def download_artifact(
-    job_id: str, name: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+    job_id: str, name: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
 ) -> Response:
     """Stream one output file, or redirect (307) to a presigned URL when it lives in S3."""
-    job = get_job(session, tenant, job_id)
-    key = safe_key(name)
-    row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == key))
+    job = get_job(session, key, job_id)
+    object_key = safe_key(name)
+    row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == object_key))
     if row is None:
-        raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{key}'.",
+        raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{object_key}'.",
                        param="name")
     store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
-    url = store.presigned_url(key, expires_s=900)
+    url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
         return RedirectResponse(url, status_code=307)
-    if not store.exists(key):
+    if not store.exists(object_key):
         raise APIError(404, "artifact_not_found",
-                       f"Artifact '{key}' of job '{job.id}' is registered but missing on disk.",
+                       f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
                        param="name")
     return StreamingResponse(
-        store.iter_bytes(key), media_type="application/octet-stream",
-        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": row.sha256,
-                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
+        store.iter_bytes(object_key), media_type="application/octet-stream",
+        headers={"Content-Length": str(store.size(object_key)), "X-Checksum-Sha256": row.sha256,
+                 "Content-Disposition": f'attachment; filename="{object_key.rsplit("/", 1)[-1]}"'},
     )
 
 
@@ -157,14 +157,14 @@ def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
 
 @router.get("/{job_id}/stream")
 async def stream_job(
-    job_id: str, request: Request, session: SessionDep, tenant: CurrentTenant,
+    job_id: str, request: Request, session: SessionDep, key: CurrentKey,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
     """Events (status changes included) and metrics as they arrive; ends when the job does.
 
     Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume.
     """
-    job = await run_in_threadpool(get_job, session, tenant, job_id)
+    job = await run_in_threadpool(get_job, session, key, job_id)
     factory = request.app.state.session_factory
 
     async def messages() -> AsyncIterator[str]:

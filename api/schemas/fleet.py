@@ -57,8 +57,12 @@ class NodePoolPublic(BaseModel):
     )
     queued_jobs: int = Field(description="Queued jobs (all tenants) waiting for this pool.")
     node_list: list[NodeView]
-    capacity_source: Literal["config"] = Field(
-        description="Where node counts come from: the pools file (see docs/internals.md)."
+    capacity_source: Literal["config", "cluster"] = Field(
+        description="Where node counts come from: the pools file, or the cluster's Nodes as "
+        "the scheduler last observed them (Kubernetes mode; see docs/internals.md)."
+    )
+    observed_at: int | None = Field(
+        None, description="When the scheduler observed the cluster (unix seconds); null for config."
     )
 
 

@@ -228,6 +228,9 @@ class JobPublic(BaseModel):
     pool: str | None
     gpus: int | None
     queue_reason: str | None
+    queue_position: int | None = Field(
+        None, description="Place among the waiting jobs in the scheduler's last cycle (1 = next)."
+    )
     started_at: int | None
     total_steps: int | None
     current_step: int | None
@@ -262,7 +265,8 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
         "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
         "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
-        "queue_reason": job.queue_reason, "started_at": to_unix(job.started_at),
+        "queue_reason": job.queue_reason, "queue_position": job.queue_position,
+        "started_at": to_unix(job.started_at),
         "total_steps": job.total_steps, "current_step": job.current_step,
         "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,
         "usage": job.usage,

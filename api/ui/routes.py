@@ -20,10 +20,9 @@ from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from sqlalchemy.orm import Session
 
 from api.auth import authenticate
-from api.db.models import ApiKey, Job
+from api.db.models import ApiKey, Job, Tenant
 from api.deps import SessionDep
 from api.errors import APIError
 from api.ui import session as ui_session
@@ -221,7 +220,8 @@ def pools_page(request: Request, auth: PageSession) -> HTMLResponse:
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -> HTMLResponse:
     principal, _ = auth
-    if not _job_visible(db, principal, job_id):
+    job = db.get(Job, job_id)
+    if job is None or not _job_visible(principal, job):
         return render(
             request,
             "not_found.html",
@@ -232,20 +232,19 @@ def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -
             heading="Job not found",
             message=f"There is no fine-tuning job '{job_id}' in your organization.",
         )
+    # An admin looking at another organization's job is told whose it is.
+    owner = db.get(Tenant, job.tenant_id).name if job.tenant_id != principal.tenant_id else None
     return render(
-        request, "job.html", auth, title=job_id, nav="jobs", page={"job_id": job_id}, job_id=job_id
+        request, "job.html", auth, title=job_id, nav="jobs", page={"job_id": job_id}, job_id=job_id,
+        owner=owner,
     )
 
 
-def _job_visible(db: Session, principal: Principal, job_id: str) -> bool:
-    """The job API's isolation rule: a key sees its own organization's jobs only.
-
-    Admins get every tenant's jobs in the jobs table (``/ui/api/jobs``), but the job
-    routes the page reads (events, metrics, logs, artifacts, stream) are tenant-scoped,
-    so the page opens for the owning organization's keys only.
-    """
-    job = db.get(Job, job_id)
-    return job is not None and job.tenant_id == principal.tenant_id
+def _job_visible(principal: Principal, job: Job) -> bool:
+    """The job API's rule (``api.jobs.may_open``): a tenant's key sees its own
+    organization's jobs only, an admin every organization's; the routes the page reads
+    (events, metrics, logs, artifacts, stream) apply the same rule."""
+    return principal.is_admin or job.tenant_id == principal.tenant_id
 
 
 def login_redirect(_request: Request, exc: LoginRequired) -> RedirectResponse:

@@ -84,3 +84,17 @@ def make_job(client, processed_file) -> Callable[..., dict[str, Any]]:
         return response.json()
 
     return do
+
+
+def start_running(db_session, job_id: str) -> tuple[Any, str]:
+    """Admit a created job as the scheduler would (-> ``running``) and issue its trainer's
+    report token; returns (job row, token)."""
+    from api.db.models import Job
+    from api.jobs import issue_job_token
+    from api.lifecycle import transition
+
+    row = db_session.get_one(Job, job_id)
+    token = issue_job_token(db_session, row)
+    transition(db_session, row, "running", actor="scheduler")
+    db_session.commit()
+    return row, token

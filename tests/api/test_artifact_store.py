@@ -97,18 +97,13 @@ def test_s3_store_roundtrip(s3_endpoint: str, tmp_path: Path) -> None:
 
 def test_s3_artifact_download_redirects(client, tenant_key, make_job, db_session, s3_endpoint,
                                         app) -> None:
-    from api.db.models import Job
-    from api.jobs import issue_job_token
-    from api.lifecycle import transition
+    from tests.api.conftest import start_running
 
     app.state.settings = app.state.settings.model_copy(
         update={"s3_endpoint_url": s3_endpoint, "artifact_url": "s3://tf-artifacts"})
     tenant = tenant_key()
     job = make_job(tenant.headers)
-    row = db_session.get_one(Job, job["id"])
-    token = issue_job_token(db_session, row)
-    transition(db_session, row, "running", actor="scheduler")
-    db_session.commit()
+    _row, token = start_running(db_session, job["id"])
     location = f"s3://tf-artifacts/{job['id']}/output"
     data = b"adapter-bytes"
     store_for(location, s3_endpoint_url=s3_endpoint).put_bytes("adapter/adapter_model.safetensors",

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import csv
 import io
+from types import SimpleNamespace
 
 import openai
 import pytest
 from openai import OpenAI
 
-from api.db.models import Job
-from api.jobs import issue_job_token
-from api.lifecycle import transition
-from tests.api.conftest import chat_lines
+from api.artifacts import file_store
+from tests.api.conftest import chat_lines, start_running
+from worker.executors.local_process import TrainerOutcome
+from worker.tasks.jobs import _finish
 
 
 @pytest.fixture
@@ -44,10 +46,7 @@ def test_openai_sdk_end_to_end(sdk, client, db_session) -> None:
     assert [j.id for j in oai.fine_tuning.jobs.list(limit=1)] == [second.id, job.id]  # auto-paging
     assert oai.fine_tuning.jobs.retrieve(job.id).id == job.id
 
-    row = db_session.get_one(Job, job.id)
-    token = issue_job_token(db_session, row)
-    transition(db_session, row, "running", actor="scheduler")
-    db_session.commit()
+    _row, token = start_running(db_session, job.id)
     client.post(f"/internal/v1/jobs/{job.id}/reports",
                 headers={"Authorization": f"Bearer {token}"},
                 json={"seq": 0, "items": [{"type": "checkpoint", "step": 5, "location": "/ck/5",
@@ -75,3 +74,25 @@ def test_openai_sdk_end_to_end(sdk, client, db_session) -> None:
     with pytest.raises(openai.AuthenticationError):
         OpenAI(api_key="tf_nope", base_url="http://testserver/v1", http_client=client,
                max_retries=0).fine_tuning.jobs.list()
+
+
+def test_openai_sdk_reads_the_results_file_of_a_succeeded_job(sdk, client, db_session, settings, tmp_path) -> None:
+    oai, _ = sdk
+    uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(chat_lines(8))), purpose="fine-tune")
+    job = oai.fine_tuning.jobs.create(model="tunefleet-tiny-llama", training_file=uploaded.id)
+    _row, token = start_running(db_session, job.id)
+    metrics = [{"type": "metric", "step": s, "train_loss": 3.0 / s, "token_accuracy": s / 4} for s in (1, 2)]
+    client.post(f"/internal/v1/jobs/{job.id}/reports", headers={"Authorization": f"Bearer {token}"},
+                json={"seq": 1, "items": metrics})
+    # The local executor's task records the trainer's success.
+    assert _finish(settings.resolved_database_url, job.id, SimpleNamespace(output_dir=str(tmp_path)),
+                   TrainerOutcome(0), None, files=file_store(settings)) == "succeeded"
+
+    done = oai.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and len(done.result_files) == 1
+    results = oai.files.retrieve(done.result_files[0])
+    assert results.purpose == "fine-tune-results" and results.status == "processed"
+    assert [f.id for f in oai.files.list(purpose="fine-tune-results")] == [results.id]
+    rows = list(csv.DictReader(io.StringIO(oai.files.content(results.id).text)))
+    assert [(r["step"], r["train_loss"], r["train_accuracy"], r["valid_loss"]) for r in rows] == [
+        ("1", "3.0", "0.25", ""), ("2", "1.5", "0.5", "")]

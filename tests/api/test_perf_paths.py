@@ -18,6 +18,7 @@ from api.auth import KeyCache
 from api.db.models import ApiKey, Job
 from api.db.session import get_engine, session_scope
 from api.ids import hash_secret
+from api.job_pages import JobPageCache
 from api.schemas.jobs import JobPublic, JobsPublic
 
 LIST = "/v1/fine_tuning/jobs"
@@ -95,12 +96,16 @@ def test_cached_key_needs_no_query_and_lists_only_its_tenant(
     for who in (alice, bob):  # both keys cached
         assert client.get(LIST, headers=who.headers).status_code == 200
 
+    client.app.state.job_pages = JobPageCache()  # the route builds the page, not the page cache
     statements = _statements(settings)
     alice_page = client.get(LIST, headers=alice.headers).json()
     assert [j["id"] for j in alice_page["data"]] == [alice_job]
-    # The page query only: the key and its tenant came from the cache.
+    # The list's own statements only (its change counter, then the page): the key and
+    # its tenant came from the key cache.
     selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
-    assert len(selects) == 1 and "jobs" in selects[0] and "api_keys" not in selects[0], statements
+    assert [("job_list_versions" in s, "FROM jobs" in s) for s in selects] == [
+        (True, False), (False, True)], statements
+    assert all("api_keys" not in s and "tenants" not in s for s in statements), statements
 
     bob_page = client.get(LIST, headers=bob.headers).json()
     assert [j["id"] for j in bob_page["data"]] == [bob_job]

@@ -10,6 +10,7 @@ import pytest
 from api.db.models import Job
 from api.jobs import issue_job_token
 from api.lifecycle import transition
+from tests.api.conftest import start_running
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -19,10 +20,7 @@ def running(client, tenant_key, make_job, db_session, settings):
     """A running job of a fresh tenant, its token and a helper that posts report batches."""
     tenant = tenant_key()
     job = make_job(tenant.headers)
-    row = db_session.get_one(Job, job["id"])
-    token = issue_job_token(db_session, row)
-    transition(db_session, row, "running", actor="scheduler")
-    db_session.commit()
+    row, token = start_running(db_session, job["id"])
 
     def post(seq: int, *items: dict, auth: str | None = None):
         return client.post(f"/internal/v1/jobs/{job['id']}/reports",
@@ -190,3 +188,46 @@ def test_artifacts_outside_the_service_storage_are_refused(client, running, tmp_
         assert response.json()["error"]["code"] == "invalid_artifact_location"
     listing = client.get(f"{JOBS}/{running['job']['id']}/artifacts", headers=running["headers"])
     assert listing.json()["data"] == []
+
+
+def test_a_wrong_or_foreign_token_changes_nothing(client, running, make_job, db_session, settings) -> None:
+    """A rejected batch of every kind of item leaves both jobs exactly as they were."""
+    post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
+    other, foreign_token = start_running(db_session, make_job(headers)["id"])
+    out = settings.data_path / "artifacts" / job_id
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    items = (
+        metric(1, 2.5),
+        {"type": "event", "level": "info", "message": "forged event"},
+        {"type": "checkpoint", "step": 1, "location": str(out), "metrics": {"train_loss": 2.5}},
+        {"type": "artifacts", "location": str(out), "files": [
+            {"name": "adapter/adapter_model.safetensors", "bytes": 7,
+             "sha256": hashlib.sha256(b"weights").hexdigest()}]},
+        {"type": "error", "code": "nan_loss", "message": "forged error"},
+    )
+
+    def state(job: str) -> dict:
+        return {
+            "job": {k: v for k, v in client.get(f"{JOBS}/{job}", headers=headers).json().items()
+                    if k != "updated_at"},
+            "metrics": client.get(f"{JOBS}/{job}/metrics", headers=headers).json()["data"],
+            "events": client.get(f"{JOBS}/{job}/events?limit=100", headers=headers).json()["data"],
+            "checkpoints": client.get(f"{JOBS}/{job}/checkpoints", headers=headers).json()["data"],
+            "artifacts": client.get(f"{JOBS}/{job}/artifacts", headers=headers).json()["data"],
+        }
+
+    before = {job_id: state(job_id), other.id: state(other.id)}
+    assert before[job_id]["metrics"] == [] and before[job_id]["checkpoints"] == []
+    for token, status in (("tfjob_wrong", 401), (foreign_token, 404)):
+        response = post(0, *items, auth=token)
+        assert response.status_code == status, response.text
+    assert {job_id: state(job_id), other.id: state(other.id)} == before
+
+    # The rejected seq was not recorded either: the real trainer's batch 0 is applied in full.
+    assert post(0, *items).json() == {"acked_seq": 0, "duplicate": False}
+    after = state(job_id)
+    assert [m["step"] for m in after["metrics"]] == [1]
+    assert len(after["checkpoints"]) == 1 and len(after["artifacts"]) == 1
+    assert after["job"]["error"]["code"] == "nan_loss"
+    assert "forged event" in [e["message"] for e in after["events"]]

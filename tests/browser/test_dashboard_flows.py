@@ -61,17 +61,22 @@ def _upload(page, name: str, data: bytes) -> None:
     page.set_input_files("#upload-input", {"name": name, "mimeType": "application/jsonl", "buffer": data})
 
 
+def _processed_file(api) -> str:
+    """Upload GOOD_FILE and wait for its validation; returns the file id."""
+    file = api.post("/v1/files", data={"purpose": "fine-tune"},
+                    files={"file": ("train.jsonl", GOOD_FILE, "application/jsonl")}).json()
+    deadline = time.monotonic() + 60
+    while file["status"] == "uploaded" and time.monotonic() < deadline:
+        time.sleep(0.3)
+        file = api.get(f"/v1/files/{file['id']}").json()
+    assert file["status"] == "processed", file
+    return file["id"]
+
+
 def _create_job_over_api(service, key: str, *, steps: int, model: str = "tunefleet-tiny-llama") -> str:
     with service.api(key) as api:
-        file = api.post("/v1/files", data={"purpose": "fine-tune"},
-                        files={"file": ("train.jsonl", GOOD_FILE, "application/jsonl")}).json()
-        deadline = time.monotonic() + 60
-        while file["status"] == "uploaded" and time.monotonic() < deadline:
-            time.sleep(0.3)
-            file = api.get(f"/v1/files/{file['id']}").json()
-        assert file["status"] == "processed", file
         job = api.post("/v1/fine_tuning/jobs", json={
-            "model": model, "training_file": file["id"],
+            "model": model, "training_file": _processed_file(api),
             "hyperparameters": {"max_steps": steps},
         })
         assert job.status_code == 200, job.text
@@ -228,6 +233,14 @@ def test_submit_watch_training_and_download_adapter(
     page.wait_for_selector("#chart-util")
     page.wait_for_timeout(800)
     page.screenshot(path=screenshots / "08-queue-and-pools.png", full_page=True)
+    # Each pool card has its per-node view, as the API reports it (embedded: the pools file).
+    with service.api() as api:
+        pools = api.get("/v1/node_pools").json()["data"]
+    for pool in pools:
+        card = page.locator(f'[data-pool="{pool["name"]}"]')
+        assert card.get_attribute("data-capacity-source") == pool["capacity_source"] == "config"
+        assert card.locator("[data-node]").count() == len(pool["node_list"]) >= 1
+        assert f'/ {pool["gpus_total"]}' in card.inner_text()
 
 
 def test_cancel_a_running_job_from_its_page(
@@ -322,3 +335,51 @@ def test_failed_job_shows_its_error_code(
     page.goto(f"{service.url}/ui/?status=failed")
     row = page.wait_for_selector(f'tr[data-job-id="{job_id}"]')
     assert row.get_attribute("data-status") == "failed"
+
+
+def test_an_admin_opens_another_organizations_job(
+    service, page_for, screenshots: Path, background_jobs: dict[str, str]
+) -> None:
+    job_id = background_jobs["broken"]  # other-org's job
+    page = page_for(service.admin_key)
+    page.goto(f"{service.url}/ui/?tenant=")
+    page.click(f'tr[data-job-id="{job_id}"] a')
+    page.wait_for_url(f"**/ui/jobs/{job_id}")
+    assert page.inner_text("[data-testid=job-owner]") == "other-org"
+    # The page's data comes through the same job routes, which open for admins too.
+    assert _wait_status(page, {"failed", "succeeded"}, timeout_s=120) == "failed"
+    assert "corrupt_model" in page.wait_for_selector("[data-testid=job-error]").inner_text()
+    page.screenshot(path=screenshots / "14-admin-sees-another-organizations-job.png", full_page=True)
+    # Its own organization's job shows no owner tag.
+    page.goto(f"{service.url}/ui/jobs/{background_jobs['long']}")
+    assert page.query_selector("[data-testid=job-owner]") is None
+
+
+def test_a_waiting_job_shows_the_schedulers_reason_and_position(service, page_for, screenshots: Path) -> None:
+    """A job that asks for more GPUs than the local pool has waits; its page and the queue
+    show the scheduler's own reason and position (not numbers made up in the browser)."""
+    with service.api(service.other_key) as api:
+        job = api.post("/v1/fine_tuning/jobs", json={
+            "model": "tunefleet-tiny-llama", "training_file": _processed_file(api), "priority": "low",
+            "placement": {"gpus": 64}, "hyperparameters": {"max_steps": 5},
+        })
+        assert job.status_code == 200, job.text
+        job_id = job.json()["id"]
+        try:
+            deadline = time.monotonic() + 60
+            while (seen := api.get(f"/v1/fine_tuning/jobs/{job_id}").json())["queue_position"] is None:
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.5)
+            assert seen["status"] == "queued", seen
+            assert seen["queue_reason"].endswith(f"position {seen['queue_position']} in queue"), seen
+            page = page_for(service.other_key)
+            page.goto(f"{service.url}/ui/jobs/{job_id}")
+            notice = page.wait_for_selector("[data-testid=queue-reason]")
+            assert seen["queue_reason"] in notice.inner_text()
+            page.screenshot(path=screenshots / "15-job-waiting-with-reason.png", full_page=True)
+            page.goto(f"{service.url}/ui/pools")
+            row = page.wait_for_selector(f'#queue-table tr[data-job-id="{job_id}"]')
+            assert row.inner_text().split("\t")[0].strip() == str(seen["queue_position"])
+            assert seen["queue_reason"] in row.inner_text()
+        finally:
+            api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")

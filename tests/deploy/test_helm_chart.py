@@ -213,15 +213,20 @@ def test_pods_run_as_non_root_with_read_only_root_filesystem(name):
             assert "memory" in container["resources"]["limits"], obj_name
 
 
-def test_api_probes_and_the_api_gets_no_kubernetes_token():
+def test_api_probes_and_the_api_token_reads_pod_logs_only():
     docs = rendered_docs("default")
     api = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]
     (container,) = api["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert api["automountServiceAccountToken"] is False
+    # The API's own ServiceAccount, whose token may only read trainer pod logs
+    # (tests/deploy/test_rbac_matches_executor.py derives those rules from the code).
+    assert api["automountServiceAccountToken"] is True
     assert api["serviceAccountName"] == f"{FULL}-api"
+    api_bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                    and any(s["name"] == f"{FULL}-api" for s in d["subjects"])]
+    assert [(b["kind"], b["roleRef"]["name"]) for b in api_bindings] == [("RoleBinding", f"{FULL}-api-logs")]
     # Only the worker and the scheduler use the ServiceAccount bound to the executor Role.
     for name in ("worker", "scheduler"):
         spec = one(docs, "Deployment", f"{FULL}-{name}")["spec"]["template"]["spec"]

@@ -120,6 +120,26 @@ def test_rbac_equals_the_calls_the_service_makes():
     assert not unused, f"RBAC rules that no code uses (not least privilege): {sorted(unused)}"
 
 
+def test_the_api_role_equals_what_serving_pod_logs_needs():
+    """The API reads pod logs with ``worker.executors.kubernetes.read_pod_log`` (through
+    ``api.logs.kubernetes_log``) and makes no other Kubernetes call."""
+    import inspect
+    import textwrap
+
+    from worker.executors.kubernetes import read_pod_log
+
+    needed = permissions_in_source(textwrap.dedent(inspect.getsource(read_pod_log)))
+    assert needed == {Permission("", "pods", "list", True), Permission("", "pods/log", "get", True)}
+    api_code = permissions_in_tree(REPO_ROOT / "api")
+    assert not api_code, f"the API makes Kubernetes calls of its own: {api_code}"
+    for values in ("default", "kueue", "two-pools-taints"):
+        docs = rendered_docs(values)
+        role = one(docs, "Role", f"{FULL}-api-logs")
+        # the training namespace, where the executor's Role is
+        assert role["metadata"]["namespace"] == one(docs, "Role", f"{FULL}-executor")["metadata"]["namespace"]
+        assert _granted(role["rules"], True) == needed, values
+
+
 def test_rbac_does_not_depend_on_values():
     granted = granted_by_chart()
     for values in ("kueue", "external-s3", "two-pools-taints"):

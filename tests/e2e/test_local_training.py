@@ -7,11 +7,15 @@ the demo's tiny random Llama; the data is the demo's capital-city task.
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import signal
+import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,25 @@ def assert_contiguous(rows: list[dict], total: int) -> None:
     assert steps == list(range(1, total + 1)), f"metric steps not 1..{total} exactly once: {steps}"
 
 
+def assert_results_file_matches(http: httpx.Client, job: dict, rows: list[dict]) -> None:
+    """The job's ``result_files`` CSV (OpenAI's columns) holds exactly the metrics API's rows."""
+    assert len(job["result_files"]) == 1, job["result_files"]
+    file_id = job["result_files"][0]
+    assert http.get(f"/files/{file_id}").json()["purpose"] == "fine-tune-results"
+    listed = http.get("/files", params={"purpose": "fine-tune-results", "limit": 100}).json()["data"]
+    assert file_id in [f["id"] for f in listed]
+    resp = http.get(f"/files/{file_id}/content")
+    assert resp.status_code == 200, resp.text
+
+    def cell(value: str) -> float | None:
+        return None if value == "" else float(value)
+
+    stored = [(int(r["step"]), cell(r["train_loss"]), cell(r["train_accuracy"]), cell(r["valid_loss"]),
+               cell(r["valid_mean_token_accuracy"])) for r in csv.DictReader(io.StringIO(resp.text))]
+    assert stored == [(r["step"], r["train_loss"], r["token_accuracy"], r["valid_loss"],
+                       r["valid_token_accuracy"]) for r in rows]
+
+
 def download_adapter(http: httpx.Client, job_id: str, dest: Path) -> None:
     listing = http.get(f"/fine_tuning/jobs/{job_id}/artifacts").json()["data"]
     names = {a["name"]: a for a in listing}
@@ -145,6 +168,7 @@ def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path,
         losses = train_losses(rows)
         assert all(isinstance(x, float) for x in losses)
         assert min(losses[-3:]) < losses[0], f"loss did not fall: {losses}"
+        assert_results_file_matches(http, job, rows)
 
         ckpts = http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
         assert ckpts, "no checkpoint registered"
@@ -236,6 +260,19 @@ def test_api_outage_loses_and_duplicates_no_metric(service) -> None:
         assert done["status"] == "succeeded", svc.dump_logs()
         rows = all_metrics(http, job["id"])
     assert_contiguous(rows, done["total_steps"])
+    # Metrics are upserted by step, so the rows above cannot show a batch applied twice.
+    # The batches and events can: every seq 1..N was applied exactly once, and each
+    # event the trainer sends once (per checkpoint) is stored once.
+    with closing(sqlite3.connect(svc.data_dir / "tunefleet.db")) as db:
+        seqs = [s for (s,) in db.execute(
+            "SELECT seq FROM report_batches WHERE job_id = ? ORDER BY seq", (job["id"],))]
+        messages = [m for (m,) in db.execute(
+            "SELECT message FROM job_events WHERE job_id = ? ORDER BY seq", (job["id"],))]
+    assert len(seqs) > 1 and seqs == list(range(1, len(seqs) + 1)), f"report batch seqs: {seqs}"
+    checkpoints = [m for m in messages if m.startswith("Checkpoint created at step ")]
+    assert checkpoints and len(checkpoints) == len(set(checkpoints)), checkpoints
+    for once in ("trainer started", "model loaded", "training finished"):
+        assert messages.count(once) == 1, (once, messages)
 
 
 def test_cancel_a_running_job_keeps_its_checkpoint_and_ends_the_process(service) -> None:

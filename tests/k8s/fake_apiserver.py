@@ -9,7 +9,8 @@ runs the *unmodified* official ``kubernetes`` client against it:
   event per line; synthetic ADDED events when no resourceVersion is given; replay from
   a resourceVersion; ``ERROR`` with a 410 ``Status`` when the version has been compacted
   away; BOOKMARK events when asked), create (409 AlreadyExists), delete (404 NotFound;
-  ``propagationPolicy`` Foreground/Background/Orphan);
+  ``propagationPolicy`` Foreground/Background/Orphan), patch (strategic-merge or merge
+  patch of maps, e.g. an annotation; JSON patch is refused with 415);
 - every served request is recorded as (verb, resource) in ``requests`` (the RBAC test
   compares them with the Helm chart's Role).
 
@@ -101,6 +102,16 @@ def _match_fields(obj: dict[str, Any], selector: str | None) -> bool:
     return True
 
 
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
 class FakeCluster:
     """The object store, watch history and controllers; ``FakeApiServer`` serves it."""
 
@@ -189,6 +200,18 @@ class FakeCluster:
             if key in self.objects:
                 self.objects[key] = obj
                 self._bump(resource, ns, "MODIFIED", obj)
+
+    def patch(self, resource: str, ns: str, name: str, patch: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A merge patch (RFC 7386): maps merge recursively, ``null`` removes a key."""
+        with self.lock:
+            obj = self.objects.get((resource, ns, name))
+            if obj is None:
+                return 404, _status(404, "NotFound", f'{resource} "{name}" not found')
+            if any(k in patch for k in ("status",)) or set(patch.get("metadata") or {}) & {"name", "uid"}:
+                return 422, _status(422, "Invalid", "the fake patches metadata and spec only")
+            _merge(obj, patch)
+            self._bump(resource, ns, "MODIFIED", obj)
+            return 200, copy.deepcopy(obj)
 
     def remove(self, resource: str, ns: str, name: str) -> None:
         with self.lock:
@@ -793,11 +816,25 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, obj)
 
     def do_PATCH(self) -> None:
+        """Strategic-merge and JSON merge patches (maps merge recursively, null deletes);
+        for the metadata the executor patches, both mean the same. JSON patch is refused."""
         route = self._route()
-        self.cluster.requests.append(("patch", route[0] if route else "?"))
-        self._send(405, _status(405, "MethodNotAllowed", "PATCH is not implemented by the fake"))
+        if route is None or route[2] is None:
+            return self._send(405, _status(405, "MethodNotAllowed", "PATCH needs a name"))
+        resource, ns, name, sub, _ = route
+        ctype = self.headers.get("Content-Type", "").split(";")[0]
+        body = self._body()
+        if ctype not in ("application/strategic-merge-patch+json", "application/merge-patch+json") \
+                or not isinstance(body, dict) or sub is not None:
+            return self._send(415, _status(415, "UnsupportedMediaType", f"the fake does not apply {ctype} here"))
+        self.cluster.requests.append(("patch", resource))
+        code, obj = self.cluster.patch(resource, ns or "", name, body)
+        self._send(code, obj)
 
-    do_PUT = do_PATCH
+    def do_PUT(self) -> None:
+        route = self._route()
+        self.cluster.requests.append(("update", route[0] if route else "?"))
+        self._send(405, _status(405, "MethodNotAllowed", "PUT is not implemented by the fake"))
 
 
 class FakeApiServer:

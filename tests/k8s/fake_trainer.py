@@ -3,7 +3,8 @@
 It reads the spec the executor mounted (must exist, must not hold the token), checks the
 token arrived through the Secret, prints its distributed environment as JSON, then:
 ``succeed`` (exit 0), ``user_error`` (termination message + exit 10), ``sleep`` (wait
-for SIGTERM, "checkpoint", exit 12), ``crash`` (exit 1).
+for SIGTERM, "checkpoint" -- taking ``FAKE_TRAINER_STOP_DELAY_S`` seconds -- exit 12),
+``crash`` (exit 1).
 """
 
 import json
@@ -15,6 +16,7 @@ import time
 mode = os.environ.get("FAKE_TRAINER_MODE", "succeed")
 if mode == "sleep":
     def on_term(*_):
+        time.sleep(float(os.environ.get("FAKE_TRAINER_STOP_DELAY_S", "0")))
         print("SIGTERM: checkpoint written", flush=True)
         sys.exit(12)
     signal.signal(signal.SIGTERM, on_term)  # before the first line: "running" means ready to stop

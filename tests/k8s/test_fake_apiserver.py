@@ -134,3 +134,26 @@ def test_foreground_delete_sends_sigterm_and_collects_pods(fake_api):
 def test_requests_are_recorded(fake_api):
     _core(fake_api).list_node()
     assert ("list", "nodes") in fake_api.cluster.requests
+
+
+def test_patch_merges_metadata_and_is_watched(fake_api):
+    batch = _batch(fake_api)
+    job = {"metadata": {"name": "j", "annotations": {"keep": "1", "drop": "2"}},
+           "spec": {"template": {"spec": {"restartPolicy": "Never",
+                                          "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]}}}}
+    created = batch.create_namespaced_job(NS, client.V1Job.from_dict(job), _headers=JSON)
+    # A dict body goes out as a strategic-merge patch: maps merge, null deletes a key.
+    patched = batch.patch_namespaced_job("j", NS, {"metadata": {"annotations": {"new": "3", "drop": None}}})
+    assert patched.metadata.annotations == {"keep": "1", "new": "3"}
+    assert int(patched.metadata.resource_version) > int(created.metadata.resource_version)
+    assert batch.read_namespaced_job("j", NS).metadata.annotations == {"keep": "1", "new": "3"}
+    events = list(watch.Watch().stream(batch.list_namespaced_job, NS, resource_version=created.metadata.resource_version,
+                                       timeout_seconds=1))
+    assert any(e["type"] == "MODIFIED" and e["object"].metadata.annotations.get("new") == "3" for e in events)
+    with pytest.raises(ApiException) as e:  # a list body is a JSON patch: not implemented by the fake
+        batch.patch_namespaced_job("j", NS, [{"op": "add", "path": "/metadata/labels/x", "value": "y"}])
+    assert e.value.status == 415
+    with pytest.raises(ApiException) as e:
+        batch.patch_namespaced_job("nope", NS, {"metadata": {"annotations": {"a": "b"}}})
+    assert e.value.status == 404
+    assert ("patch", "jobs") in fake_api.cluster.requests

@@ -1,10 +1,18 @@
 """SDK/CLI suite fixtures: the real API app served by uvicorn on a free port.
 
-``service`` starts ``api.main.create_app`` (SQLite migrated by Alembic, file validation
-run inline by the suite's queue) and gives a tenant key. Jobs are moved the way the
-real system moves them: ``JobDriver`` plays the scheduler (``api.lifecycle.transition``
-to ``running`` with a job token) and the trainer (report batches POSTed to the internal
-report endpoint with that token), then the executor (``succeeded``).
+``service`` starts ``api.main.create_app`` on SQLite AND on PostgreSQL (``backend`` and
+``settings`` are the API suite's: a migrated SQLite copy, or the session's PostgreSQL
+database migrated by Alembic), with file validation run inline by the suite's queue, and
+gives a tenant key. A module that does not need both backends parametrizes ``backend``
+itself. ``empty_pg_url`` is an empty PostgreSQL database of the test's own, for the
+operator commands that migrate it and for a test that runs a Celery worker (whose
+scheduler must see that test's jobs only). PostgreSQL or Redis missing: skipped locally,
+a failure under ``CI=true`` (tests/conftest.py).
+
+Jobs are moved the way the real system moves them: ``JobDriver`` plays the scheduler
+(``api.lifecycle.transition`` to ``running`` with a job token) and the trainer (report
+batches POSTed to the internal report endpoint with that token), then the executor
+(``succeeded``).
 """
 
 from __future__ import annotations
@@ -12,13 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.api.conftest import backend, settings  # noqa: F401 (fixtures: sqlite and postgres)
+from tests.conftest import PG_ADMIN_DSN
 
 DEMO_MODEL = "tunefleet-tiny-llama"
 
@@ -110,10 +121,31 @@ class JobDriver:
 
 
 @pytest.fixture
-def service(app: Any, live_server: Callable[[Any], str], tenant_key: Any, settings: Any) -> Service:
+def service(app: Any, live_server: Callable[[Any], str], tenant_key: Any,
+            settings: Any) -> Service:  # noqa: F811 (the imported fixture)
     base_url = live_server(app)
     tk = tenant_key()
     return Service(base_url=base_url, key=tk.key, tenant_id=tk.tenant_id, settings=settings)
+
+
+@pytest.fixture
+def empty_pg_url(pg_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database next to the session's one (dropped afterwards)."""
+    import psycopg
+
+    from api.db.session import dispose_engine
+
+    name = f"{pg_url.rsplit('/', 1)[1]}_own"
+    url = f"{pg_url.rsplit('/', 1)[0]}/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield url
+    finally:
+        dispose_engine(url)
+        with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture

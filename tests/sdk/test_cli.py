@@ -221,3 +221,35 @@ def test_create_with_watch_follows_the_job(cli: Any, service: Service, tmp_path:
     assert lines[0]["event"] == "job" and lines[-1]["event"] == "job"
     assert lines[-1]["data"]["status"] == "succeeded"
     assert any(m["event"] == "metric" and m["data"]["train_loss"] == 0.5 for m in lines)
+
+
+def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service) -> None:
+    """Standalone `jobs watch --json`: one JSON message per line, exit 3 when the job fails."""
+    import threading
+
+    from tunefleet import Tunefleet
+
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
+    driver = JobDriver(service, job.id)
+    driver.start()
+    driver.report(driver.metric(1, 4, 2.25))
+
+    def fail_later() -> None:
+        driver.report(driver.metric(2, 4, 1.75),
+                      {"type": "event", "level": "error", "message": "loss is NaN at step 3", "data": {}})
+        driver.finish("failed")
+
+    helper = threading.Timer(0.5, fail_later)  # the watcher is attached by then
+    helper.start()
+    result = cli("jobs", "watch", job.id, "--json", "--poll-interval", "0.1", code=3)
+    helper.join()
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0]["event"] == "job" and lines[0]["data"]["id"] == job.id
+    assert [m["data"]["train_loss"] for m in lines if m["event"] == "metric"] == [2.25, 1.75]
+    assert any(m["event"] == "event" and m["data"]["message"] == "loss is NaN at step 3" for m in lines)
+    assert lines[-1]["event"] == "job" and lines[-1]["data"]["status"] == "failed"
+    # A job that has ended already: the final state at once, same exit code.
+    again = [json.loads(line) for line in cli("jobs", "watch", job.id, "--json", code=3).stdout.splitlines()]
+    assert again[-1]["data"]["status"] == "failed"

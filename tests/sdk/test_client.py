@@ -165,6 +165,7 @@ def test_running_job_outputs_stream_and_download(service: Service, tmp_path: Pat
 
         models = [m.id for m in client.models.list()]
         assert DEMO_MODEL in models and final.fine_tuned_model in models
+        assert client.models.retrieve(final.fine_tuned_model).id == final.fine_tuned_model
 
 
 def test_async_client(service: Service) -> None:

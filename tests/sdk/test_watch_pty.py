@@ -19,8 +19,13 @@ import termios
 import threading
 import time
 
+import pytest
+
 from tests.sdk.conftest import DEMO_MODEL, JobDriver, Service, chat_jsonl
 from tunefleet import Tunefleet
+
+# Rendering does not depend on the database: one backend is enough here.
+pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 

@@ -85,6 +85,8 @@ def test_cycle_on_the_database(settings, client, tenant_key, make_job):  # noqa:
     waiting = client.get(f"{JOBS}/{j3}", headers=a.headers).json()
     assert waiting["status"] == "queued"
     assert waiting["queue_reason"] == "waiting: local: needs 1x cpu, 0 free; position 1 in queue"
+    assert waiting["queue_position"] == 1
+    assert got["queue_position"] is None  # admitted: no place in the queue
 
     def reason_events(job_id):
         with session_scope(settings.resolved_database_url) as s:
@@ -109,6 +111,59 @@ def test_cycle_on_the_database(settings, client, tenant_key, make_job):  # noqa:
         assert {r1.status, r2.status} == {"running"} and len(r1.usage["segments"]) == 2
         usage_a = tenant_usage(s, a.tenant_id, clock.t - 7200, clock.t + 1, now=clock.t)
     assert usage_a["by_pool"]["local"]["gpu_seconds"] == 3600.0 and usage_a["jobs"] == 1
+    # j3 still waits, and its place in the queue is the scheduler's: behind the requeued j1.
+    assert client.get(f"{JOBS}/{j3}", headers=a.headers).json()["queue_position"] == 1
+    assert client.post(f"{JOBS}/{j3}/cancel", headers=a.headers).json()["queue_position"] is None
+
+
+class ObservingExecutor(RecordingExecutor):
+    """A cluster executor: its snapshot is what it observed, not the pools file."""
+
+    def __init__(self, pools, nodes):
+        super().__init__(pools)
+        self.nodes = nodes  # [(pool, node, gpus_total, gpus_free)]
+
+    def snapshot(self):
+        from worker.scheduler.capacity import NodeCapacity
+
+        snap = CapacitySnapshot(pools={p.name: p for p in self.pools}, observed=True)
+        for pool, node, total, free in self.nodes:
+            snap.add_node(NodeCapacity(node, pool, total, free))
+        return snap
+
+
+def test_node_pools_show_what_the_scheduler_observed_in_the_cluster(settings, client, tenant_key):
+    """Kubernetes mode: GET /v1/node_pools shows the scheduler's fresh observation of the
+    Nodes (names, allocatable, free), and the pools file's view once it is stale."""
+    import datetime as dt
+
+    from api.db.models import PoolCapacity
+
+    a = tenant_key()
+    pools = [local_pool(slots=2)]
+    store = DbStore(settings, pools)
+
+    def view():
+        data = client.get("/v1/node_pools", headers=a.headers).json()["data"]
+        return {p["name"]: p for p in data}["local"]
+
+    configured = view()
+    assert configured["capacity_source"] == "config" and configured["observed_at"] is None
+    run_cycle(store, RecordingExecutor(pools))  # the local executor publishes nothing
+    assert view()["capacity_source"] == "config"
+
+    ex = ObservingExecutor(pools, [("local", "gpu-node-a", 8, 3), ("local", "gpu-node-b", 8, 8)])
+    run_cycle(store, ex)
+    seen = view()
+    assert seen["capacity_source"] == "cluster" and seen["observed_at"] is not None
+    assert (seen["nodes"], seen["gpus_total"], seen["gpus_used"], seen["gpus_free"]) == (2, 16, 5, 11)
+    assert seen["node_list"] == [
+        {"name": "gpu-node-a", "gpus_total": 8, "gpus_used": 5, "gpus_free": 3},
+        {"name": "gpu-node-b", "gpus_total": 8, "gpus_used": 0, "gpus_free": 8},
+    ]
+    with session_scope(settings.resolved_database_url) as s:
+        s.get(PoolCapacity, "local").observed_at -= dt.timedelta(minutes=5)
+    assert view() == configured
 
 
 def test_run_forever_runs_cycles_and_stops(settings):

@@ -15,6 +15,7 @@ from worker.scheduler.estimator import (
     EstimateError,
     ModelShape,
     TrainingShape,
+    activation_bytes_per_layer,
     candidate_gpu_counts,
     estimate_on_pool,
     lora_params,
@@ -78,6 +79,44 @@ def test_lora_param_count_matches_peft():
     trainable, _ = model.get_nb_trainable_parameters()
     shape = ModelShape.from_hf_config(cfg.to_dict())
     assert lora_params(shape, TrainingShape(r=4, target_modules=ALL)) == trainable
+
+
+@pytest.mark.parametrize("kv_heads, targets", [(2, ("q_proj", "k_proj", "v_proj", "o_proj")), (4, ALL)])
+def test_fp32_saved_activations_match_transformers_and_peft(kv_heads, targets):
+    """Bytes one decoder layer saves for backward in fp32, against autograd's own count:
+    every distinct storage saved while layer 1 runs, less parameters and RoPE's cos/sin
+    (allocated once per forward and shared by all layers)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    batch, seq = 2, 48
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      intermediate_size=160, vocab_size=256, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=list(targets)))
+    model.train()
+    layer = model.base_model.model.model.layers[1]
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    inside = []
+
+    def note_inputs(_module, args, kwargs):
+        excluded.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
+        inside.append(True)
+
+    def pack(t):
+        if inside and t.untyped_storage().data_ptr() not in excluded:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer.register_forward_pre_hook(note_inputs, with_kwargs=True)
+    layer.register_forward_hook(lambda *_: inside.clear())
+    ids = torch.randint(0, 256, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    shape = ModelShape.from_hf_config(cfg.to_dict())
+    training = TrainingShape(r=4, target_modules=targets, seq_len=seq, micro_batch=batch, compute_bytes=4)
+    assert activation_bytes_per_layer(shape, training) == sum(saved.values())
 
 
 def test_bad_inputs_have_codes():

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.text import Text
 
 from tunefleet.cli import app
 from tunefleet.cli.render import (
+    JsonOpt,
     console,
-    err_console,
     fmt_bytes,
     fmt_time,
     key_values,
     print_json,
+    report_error,
     status_text,
     table,
 )
@@ -50,7 +50,6 @@ app.add_typer(files_app, name="files")
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(webhooks_app, name="webhooks")
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of tables.")]
 BaseUrlOpt = Annotated[
     str | None, typer.Option("--base-url", help="Service URL (default: env, config, http://127.0.0.1:8000).")
 ]
@@ -70,26 +69,17 @@ def _errors(json_out: bool) -> Iterator[None]:
     try:
         yield
     except WaitTimeoutError as exc:
-        _report_error({"message": exc.message, "code": "wait_timeout"}, json_out)
+        report_error({"message": exc.message, "code": "wait_timeout"}, json_out)
         raise typer.Exit(EXIT_TIMEOUT) from None
     except APIStatusError as exc:
-        _report_error(
+        report_error(
             {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code, "status": exc.status},
             json_out,
         )
         raise typer.Exit(EXIT_API_ERROR) from None
     except TunefleetError as exc:
-        _report_error({"message": str(exc), "code": type(exc).__name__}, json_out)
+        report_error({"message": str(exc), "code": type(exc).__name__}, json_out)
         raise typer.Exit(EXIT_API_ERROR) from None
-
-
-def _report_error(error: dict[str, Any], json_out: bool) -> None:
-    if json_out:
-        err_console.file.write(json.dumps({"error": error}) + "\n")
-        return
-    where = f" (param: {error['param']})" if error.get("param") else ""
-    code = f" [{error['code']}]" if error.get("code") else ""
-    err_console.print(f"[red]error{escape(code)}:[/red] {escape(str(error['message']) + where)}", highlight=False)
 
 
 def _list_out(page: Any, fetch_all: bool) -> tuple[list[Any], bool]:

@@ -6,6 +6,8 @@ permissions), then runs the API (uvicorn, in this process), a Celery worker and 
 scheduler loop (subprocesses) together, and stops them all on Ctrl-C or SIGTERM.
 The production roles run the same code one per process/pod: ``tunefleet db upgrade``,
 ``uvicorn --factory api.main:create_app``, ``tunefleet worker``, ``tunefleet scheduler``.
+The data commands (``db``, ``admin``) take ``--json`` like the client commands: one JSON
+document on stdout (the object the ``/v1/admin`` routes answer), errors as JSON on stderr.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tunefleet.cli import app
+from tunefleet.cli.render import JsonOpt, print_json, report_error
+
+if TYPE_CHECKING:
+    from api.db.models import ApiKey, Tenant
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
@@ -31,44 +37,69 @@ app.add_typer(admin_app, name="admin")
 ADMIN_TENANT = "admin"
 
 
-def _settings():
+def _settings(json_out: bool = False):
     from api.settings import get_settings
 
     try:
         return get_settings()
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        typer.echo(f"invalid configuration: {exc}", err=True)
+        report_error({"message": f"invalid configuration: {exc}", "code": "invalid_configuration"}, json_out)
         raise typer.Exit(2) from exc
 
 
+def _tenant_json(tenant: Tenant) -> dict[str, Any]:
+    """A tenant as ``GET /v1/admin/tenants`` shows it."""
+    from api.db.base import to_unix
+
+    return {"id": tenant.id, "object": "organization", "name": tenant.name, "is_admin": tenant.is_admin,
+            "created_at": to_unix(tenant.created_at)}
+
+
+def _key_json(key: ApiKey, raw: str) -> dict[str, Any]:
+    """A new key as ``POST /v1/admin/tenants/{id}/api_keys`` answers it (the raw key once)."""
+    from api.db.base import to_unix
+
+    return {"id": key.id, "object": "api_key", "prefix": key.prefix, "name": key.name,
+            "tenant_id": key.tenant_id, "is_admin": key.is_admin, "created_at": to_unix(key.created_at),
+            "revoked_at": to_unix(key.revoked_at), "key": raw}
+
+
 @db_app.command("upgrade")
-def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+    json_out: JsonOpt = False,
+) -> None:
     """Apply the database migrations (creates the schema on an empty database)."""
     from api.db.migrate import current_revision, upgrade
 
-    settings = _settings()
-    url = settings.resolved_database_url
+    url = _settings(json_out).resolved_database_url
     upgrade(url, revision)
-    typer.echo(f"database at revision {current_revision(url)}")
+    now = current_revision(url)
+    if json_out:
+        print_json({"object": "database", "revision": now})
+    else:
+        typer.echo(f"database at revision {now}")
 
 
 @admin_app.command("create-tenant")
 def create_tenant(
-    name: str, admin: Annotated[bool, typer.Option("--admin", help="Tenant keys are admins.")] = False
+    name: str,
+    admin: Annotated[bool, typer.Option("--admin", help="Tenant keys are admins.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Create a tenant (organization) and print its id."""
     from api.auth import create_tenant as create
     from api.db.session import session_scope
     from api.errors import APIError
 
-    settings = _settings()
+    settings = _settings(json_out)
     try:
         with session_scope(settings.resolved_database_url) as session:
-            tenant = create(session, name, is_admin=admin)
-            typer.echo(tenant.id)
+            tenant = _tenant_json(create(session, name, is_admin=admin))
     except APIError as exc:
-        typer.echo(exc.message, err=True)
+        report_error({"message": exc.message, "code": exc.code, "param": exc.param}, json_out)
         raise typer.Exit(1) from exc
+    print_json(tenant) if json_out else typer.echo(tenant["id"])
 
 
 @admin_app.command("create-key")
@@ -76,6 +107,7 @@ def create_key(
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant id (org-…) or name.")],
     admin: Annotated[bool, typer.Option("--admin", help="An admin key.")] = False,
     name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """Create an API key for a tenant and print it (it is shown only this once)."""
     from sqlalchemy import or_, select
@@ -84,27 +116,31 @@ def create_key(
     from api.db.models import Tenant
     from api.db.session import session_scope
 
-    settings = _settings()
+    settings = _settings(json_out)
     with session_scope(settings.resolved_database_url) as session:
         row = session.scalar(select(Tenant).where(or_(Tenant.id == tenant, Tenant.name == tenant)))
         if row is None:
-            typer.echo(f"no tenant '{tenant}'", err=True)
+            report_error({"message": f"no tenant '{tenant}'", "code": "not_found", "param": "tenant"}, json_out)
             raise typer.Exit(1)
-        _, raw = create_api_key(session, row, is_admin=admin, name=name)
-        typer.echo(raw)
+        key = _key_json(*create_api_key(session, row, is_admin=admin, name=name))
+    print_json(key) if json_out else typer.echo(key["key"])
 
 
 @admin_app.command("list-tenants")
-def list_tenants() -> None:
+def list_tenants(json_out: JsonOpt = False) -> None:
     """List tenants (id, name, admin)."""
     from sqlalchemy import select
 
     from api.db.models import Tenant
     from api.db.session import session_scope
 
-    with session_scope(_settings().resolved_database_url) as session:
-        for tenant in session.scalars(select(Tenant).order_by(Tenant.created_at)):
-            typer.echo(f"{tenant.id}\t{tenant.name}\t{'admin' if tenant.is_admin else ''}")
+    with session_scope(_settings(json_out).resolved_database_url) as session:
+        tenants = [_tenant_json(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]
+    if json_out:
+        print_json({"object": "list", "data": tenants, "has_more": False})
+        return
+    for t in tenants:
+        typer.echo(f"{t['id']}\t{t['name']}\t{'admin' if t['is_admin'] else ''}")
 
 
 def ensure_admin_key(settings) -> str | None:

@@ -1,8 +1,10 @@
 """How CLI results look: rich tables for people, JSON for scripts.
 
-Every client command takes ``--json``; with it the command prints exactly one JSON
-document on stdout (the API object, or ``{"data": [...], "has_more": ...}`` for lists)
-and errors go to stderr as ``{"error": {...}}``, so scripts can pipe into ``jq``.
+Every client command, and the operator's ``db``/``admin`` commands, takes ``--json``
+(``JsonOpt``); with it the command prints exactly one JSON document on stdout (the API
+object, or ``{"data": [...], "has_more": ...}`` for lists; ``jobs watch`` prints one
+message per line) and errors go to stderr as ``{"error": {...}}`` (``report_error``), so
+scripts can pipe into ``jq``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
@@ -21,6 +24,8 @@ from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of tables.")]
 
 
 def to_jsonable(value: Any) -> Any:
@@ -37,6 +42,16 @@ def print_json(value: Any) -> None:
     """One JSON document on stdout (plain write: rich would wrap long lines)."""
     sys.stdout.write(json.dumps(to_jsonable(value), indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def report_error(error: dict[str, Any], json_out: bool) -> None:
+    """An error on stderr: ``{"error": {...}}`` for scripts, one red line for people."""
+    if json_out:
+        err_console.file.write(json.dumps({"error": error}) + "\n")
+        return
+    where = f" (param: {error['param']})" if error.get("param") else ""
+    code = f" [{error['code']}]" if error.get("code") else ""
+    err_console.print(f"[red]error{escape(code)}:[/red] {escape(str(error['message']) + where)}", highlight=False)
 
 
 def print_json_line(value: Any) -> None:

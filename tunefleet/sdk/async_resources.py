@@ -229,15 +229,14 @@ class AsyncNodePools(_AsyncResource):
 
 
 class AsyncModels(_AsyncResource):
+    """Base models and fine-tuned adapters, read only: a fine-tuned model is the adapter
+    of its job, so the service has no ``DELETE /v1/models/{id}``."""
+
     async def list(self) -> AsyncPage[Model]:
         return await self._page("/v1/models", {}, Model.model_validate)
 
     async def retrieve(self, model_id: str) -> Model:
         return Model.model_validate(await self._json(RequestOptions("GET", f"/v1/models/{rq.seg(model_id)}")))
-
-    async def delete(self, model_id: str) -> DeletedObject:
-        options = RequestOptions("DELETE", f"/v1/models/{rq.seg(model_id)}")
-        return DeletedObject.model_validate(await self._json(options))
 
 
 class AsyncWebhooks(_AsyncResource):

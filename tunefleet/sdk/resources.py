@@ -271,14 +271,14 @@ class NodePools(_Resource):
 
 
 class Models(_Resource):
+    """Base models and fine-tuned adapters, read only: a fine-tuned model is the adapter
+    of its job, so the service has no ``DELETE /v1/models/{id}``."""
+
     def list(self) -> SyncPage[Model]:
         return self._page("/v1/models", {}, Model.model_validate)
 
     def retrieve(self, model_id: str) -> Model:
         return Model.model_validate(self._json(RequestOptions("GET", f"/v1/models/{rq.seg(model_id)}")))
-
-    def delete(self, model_id: str) -> DeletedObject:
-        return DeletedObject.model_validate(self._json(RequestOptions("DELETE", f"/v1/models/{rq.seg(model_id)}")))
 
 
 class Webhooks(_Resource):

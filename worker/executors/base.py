@@ -91,3 +91,16 @@ class Executor(Protocol):
     def reconcile(self) -> list[ObservedChange]:
         """What changed since the last call (exits, scheduling problems, retries)."""
         ...
+
+
+@dataclass(frozen=True)
+class RunningRow:
+    """A job the database has ``running`` (``DbStore.running_jobs``): what an executor
+    that outlives its launches (Kubernetes) matches its cluster objects against."""
+
+    id: str
+    tenant_id: str
+    priority: int
+    pool: str | None
+    gpus: int | None
+    started_at: float | None

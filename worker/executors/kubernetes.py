@@ -26,12 +26,26 @@ exit 12                            STOPPED (after ``stop``) -- else REQUEUE (the
 other exit codes / signals         REQUEUE ``trainer_crashed``  (the store caps restarts)
 =================================  ==========================================================
 
-``stop`` deletes the Job with foreground propagation: Kubernetes sends SIGTERM to the
-pods, the trainer checkpoints and exits PREEMPTED within the grace period.
+``stop`` first records *why* on the Job (annotation ``tunefleet.io/stop-reason``), then
+deletes it with foreground propagation: Kubernetes sends SIGTERM to the pods, the trainer
+checkpoints and exits PREEMPTED within the grace period. The annotation lets a process
+that did not issue the stop (a restarted scheduler) tell a preemption, cancel or pause
+from a SIGTERM the cluster sent (a node drain).
 
-API verbs used (the Helm chart's Role grants exactly these): namespaced jobs create/get/
-list/watch/delete; pods get/list/watch; pods/log get; services, configmaps, secrets
-create/get/delete; cluster-scoped nodes get/list/watch. Free GPUs are node allocatable
+Matching against the database (``running_jobs``, given by the scheduler): what this
+process tracks is only what it launched, so every ``reconcile`` also (a) *adopts* each
+job the database has ``running`` that it does not track -- after a scheduler restart or a
+410 relist -- from the newest of the job's labelled Jobs (pool, tenant, priority, attempt
+from its labels, the stop reason from its annotation, the launch time from its creation);
+a running job without any Job is tracked from its admission time and reported
+``job_lost``; and (b) stops live Jobs whose job is no longer ``running`` there (cancelled
+or paused through the API, which does not talk to the cluster) once they have been for
+``orphan_grace_s`` (a trainer that reported its own end gets to exit by itself). Nothing
+is adopted or stopped before both informers have listed once.
+
+API verbs used (the Helm chart's Role grants exactly these): namespaced jobs create/
+list/watch/patch/delete; pods list/watch; pods/log get; services, configmaps, secrets
+create; cluster-scoped nodes list. Free GPUs are node allocatable
 minus the GPU requests of *our* pods (we may not list other namespaces' pods): give
 the pools dedicated nodes (taints) so nothing else takes their GPUs.
 """
@@ -42,7 +56,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +65,7 @@ from kubernetes.client.exceptions import ApiException
 
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
-from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
+from worker.executors.base import JobRef, ObservedChange, ObservedKind, RunningRow, StopReason
 from worker.executors.manifests import (
     LABEL_JOB,
     LABEL_MANAGED,
@@ -70,7 +84,11 @@ log = logging.getLogger(__name__)
 JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
 LABEL_PRIORITY = "tunefleet.io/priority"
 LABEL_ATTEMPT = "tunefleet.io/attempt"
+ANNOTATION_STOP_REASON = "tunefleet.io/stop-reason"
 MANAGED = f"{LABEL_MANAGED}=tunefleet"
+# Pod-level reasons for a run lost through no fault of the trainer -> requeue.
+POD_LOST = {"Evicted": "was evicted", "NodeLost": "lost its node", "Preempting": "was preempted by the cluster",
+            "Terminated": "was terminated"}
 IMAGE_ERRORS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 
 
@@ -91,6 +109,12 @@ class Informer:
         self.relists = 0
         self.lock = threading.Lock()
         self.on_change = on_change
+
+    @property
+    def synced(self) -> bool:
+        """Whether the cache has been listed at least once (before that it is empty, not
+        "nothing exists")."""
+        return self.relists > 0
 
     def relist(self) -> None:
         result = self.list_fn(self.namespace, label_selector=self.label_selector)
@@ -131,6 +155,20 @@ class Informer:
             return list(self.items.values())
 
 
+def read_pod_log(core: client.CoreV1Api, namespace: str, job_id: str, tail_lines: int | None = 200) -> str | None:
+    """The trainer log of a job's newest launch, rank 0 (None: the job has no pods).
+
+    The API serves ``GET /v1/fine_tuning/jobs/{id}/logs`` with this too (``api.logs``):
+    it needs ``list`` on pods and ``get`` on pods/log in the training namespace.
+    """
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
+    if not pods:
+        return None
+    pods.sort(key=lambda p: (-_attempt(p), _index(p), p.metadata.creation_timestamp or ""))
+    return core.read_namespaced_pod_log(pods[0].metadata.name, namespace, container="trainer",
+                                        tail_lines=tail_lines)
+
+
 @dataclass
 class _Tracked:
     """What the executor knows about one launched job."""
@@ -144,6 +182,8 @@ class _Tracked:
     stop_reason: StopReason | None = None
     reported: set[str] = field(default_factory=set)
     done: bool = False
+    attempt: int | None = None
+    """The launch (``tunefleet.io/attempt``) observed; None: whichever exists."""
 
 
 class KubernetesExecutor:
@@ -152,7 +192,9 @@ class KubernetesExecutor:
     def __init__(self, api_client: client.ApiClient, pools: list[NodePool], *,
                  options: ManifestOptions = ManifestOptions(), max_pending_s: float = 900.0,
                  clock: Callable[[], float] = time.time, watch_timeout_s: int = 5,
-                 command: list[str] | None = None, extra_env: dict[str, str] | None = None) -> None:
+                 command: list[str] | None = None, extra_env: dict[str, str] | None = None,
+                 running_jobs: Callable[[], Iterable[RunningRow]] | None = None,
+                 orphan_grace_s: float = 30.0) -> None:
         self.batch = client.BatchV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.pools = {p.name: p for p in pools}
@@ -163,6 +205,13 @@ class KubernetesExecutor:
         self.watch_timeout_s = watch_timeout_s
         self.command = command  # None: the image's `python -m trainers --spec ...`
         self.extra_env = extra_env
+        # The database's running jobs, to adopt and to stop orphans by (None: only what
+        # this process launched is observed, as in tests of the executor alone).
+        self.running_jobs = running_jobs
+        # A trainer that reported its own end has a moment to exit before its Job counts
+        # as an orphan (its log stays readable until the Job's TTL).
+        self.orphan_grace_s = orphan_grace_s
+        self._orphan_since: dict[str, float] = {}
         self.jobs = Informer(self.batch.list_namespaced_job, self.ns, MANAGED)
         self.pods = Informer(self.core.list_namespaced_pod, self.ns, MANAGED)
         self.tracked: dict[str, _Tracked] = {}
@@ -220,6 +269,7 @@ class KubernetesExecutor:
             doc["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
             doc["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
         m.job["spec"]["template"]["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
+        m.job["spec"]["template"]["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
         created = self.batch.create_namespaced_job(self.ns, client.V1Job.from_dict(m.job), _headers=JSON)
         owner = owner_reference({"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}})
         for doc, create, model in (
@@ -236,7 +286,8 @@ class KubernetesExecutor:
                 if exc.status != 409:
                     raise
         with self._lock:
-            self.tracked[job.id] = _Tracked(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock())
+            self.tracked[job.id] = _Tracked(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock(),
+                                            attempt=attempt)
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
         with self._lock:
@@ -244,10 +295,12 @@ class KubernetesExecutor:
             if tracked is not None:
                 tracked.stop_reason = reason
         for j in self._jobs_of(job.id):
+            if not j.metadata.deletion_timestamp:
+                self._annotate_stop(j.metadata.name, reason)
             self._delete_job(j.metadata.name)
 
     def snapshot(self) -> CapacitySnapshot:
-        snap = CapacitySnapshot(pools=dict(self.pools))
+        snap = CapacitySnapshot(pools=dict(self.pools), observed=True)
         used: dict[str, int] = {}
         holders: dict[str, dict[str, Any]] = {}
         pods = self.core.list_namespaced_pod(self.ns, label_selector=MANAGED).items
@@ -308,17 +361,26 @@ class KubernetesExecutor:
     def reconcile(self) -> list[ObservedChange]:
         if not self._threads:
             self.sync()
+        if not (self.jobs.synced and self.pods.synced):
+            return []  # empty caches would read as "every Job is gone"
+        if self.running_jobs is not None:
+            self._match_database()
         changes: list[ObservedChange] = []
         pods_by_job: dict[str, list[Any]] = {}
         for pod in self.pods.snapshot():
             pods_by_job.setdefault((pod.metadata.labels or {}).get(LABEL_JOB, ""), []).append(pod)
-        jobs_by_id = {(j.metadata.labels or {}).get(LABEL_JOB, ""): j for j in self.jobs.snapshot()}
+        jobs_by_id: dict[str, list[Any]] = {}
+        for j in self.jobs.snapshot():
+            jobs_by_id.setdefault((j.metadata.labels or {}).get(LABEL_JOB, ""), []).append(j)
         with self._lock:
             tracked = list(self.tracked.values())
         for t in tracked:
             if t.done:
                 continue
-            change = self._observe(t, jobs_by_id.get(t.job_id), pods_by_job.get(t.job_id, []))
+            job = _of_attempt(jobs_by_id.get(t.job_id, []), t.attempt)
+            if t.stop_reason is None and job is not None:
+                t.stop_reason = _stop_reason_of(job)  # stopped by another process
+            change = self._observe(t, job, _all_of_attempt(pods_by_job.get(t.job_id, []), t.attempt))
             for ch in change:
                 key = f"{ch.kind.value}:{ch.message}"
                 if key in t.reported:
@@ -338,14 +400,57 @@ class KubernetesExecutor:
                     self.tracked.pop(t.job_id, None)
         return changes
 
+    def _match_database(self) -> None:
+        """Adopt the database's running jobs this process does not track; stop live Jobs
+        whose job is no longer running (see the module docstring)."""
+        running = {row.id: row for row in self.running_jobs()}  # type: ignore[misc]
+        newest: dict[str, Any] = {}
+        live: dict[str, list[Any]] = {}
+        for j in self.jobs.snapshot():
+            jid = (j.metadata.labels or {}).get(LABEL_JOB, "")
+            if jid not in newest or _attempt(j) > _attempt(newest[jid]):
+                newest[jid] = j
+            if not j.metadata.deletion_timestamp and not _job_finished(j):
+                live.setdefault(jid, []).append(j)
+        with self._lock:
+            for jid, row in running.items():
+                if jid in self.tracked:
+                    continue
+                self.tracked[jid] = self._adopted(row, newest.get(jid))
+                log.info("adopted running job %s (Kubernetes Job %s)", jid,
+                         newest[jid].metadata.name if jid in newest else "missing")
+            # (cancelled or paused through the API; skipped when a stop is under way)
+            candidates = [jid for jid in live if jid and jid not in running
+                          and (jid not in self.tracked or self.tracked[jid].stop_reason is None)]
+        now = self.clock()
+        self._orphan_since = {jid: self._orphan_since.get(jid, now) for jid in candidates}
+        orphans = [jid for jid, since in self._orphan_since.items() if now - since >= self.orphan_grace_s]
+        for jid in orphans:
+            self._orphan_since.pop(jid)
+            log.info("job %s is no longer running in the database: stopping its Kubernetes Job", jid)
+            with self._lock:
+                if jid not in self.tracked:
+                    self.tracked[jid] = self._adopted(None, newest[jid], job_id=jid)
+            self.stop(_Ref(jid), StopReason.CANCEL)
+
+    def _adopted(self, row: RunningRow | None, job: Any, job_id: str = "") -> _Tracked:
+        """What to track for a job launched by another process (or before a restart)."""
+        if job is None:  # running, but its Job is gone: ``_observe`` reports it lost
+            assert row is not None
+            return _Tracked(row.id, row.pool or "", row.tenant_id, int(row.priority or 0),
+                            (("", int(row.gpus or 0)),),
+                            self.clock() if row.started_at is None else float(row.started_at))
+        labels = job.metadata.labels or {}
+        created = job.metadata.creation_timestamp
+        return _Tracked(
+            row.id if row is not None else job_id, labels.get(LABEL_POOL, ""), labels.get(LABEL_TENANT, ""),
+            int(labels.get(LABEL_PRIORITY, "0")), (("", int(row.gpus or 0) if row is not None else 0),),
+            created.timestamp() if created is not None else self.clock(),
+            stop_reason=_stop_reason_of(job), attempt=_attempt(job) if LABEL_ATTEMPT in labels else None)
+
     def logs(self, job_id: str, tail_lines: int | None = 200) -> str:
-        """The trainer log of the job's first pod (rank 0)."""
-        pods = self.core.list_namespaced_pod(self.ns, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
-        if not pods:
-            return ""
-        pods.sort(key=lambda p: (_index(p), p.metadata.creation_timestamp or ""))
-        return self.core.read_namespaced_pod_log(pods[0].metadata.name, self.ns, container="trainer",
-                                                 tail_lines=tail_lines)
+        """The trainer log of the job's newest launch, rank 0."""
+        return read_pod_log(self.core, self.ns, job_id, tail_lines) or ""
 
     # --- reconciliation rules ----------------------------------------------------------
     def _observe(self, t: _Tracked, job: Any, pods: list[Any]) -> list[ObservedChange]:
@@ -361,10 +466,10 @@ class KubernetesExecutor:
                 return [ObservedChange(jid, ObservedKind.FAILED, error_code="image_pull_failed", message=(
                     f"the trainer image {image} could not be pulled ({waiting.reason}): {waiting.message or ''}".strip()
                     + "; check the pool's trainer_image and the registry credentials"))]
-            if st and st.reason in ("Evicted", "NodeLost", "Preempting") or (st and st.reason == "Terminated"):
+            if st and st.reason in POD_LOST:
                 return [ObservedChange(jid, ObservedKind.REQUEUE, error_code=_snake(st.reason),
-                                       message=f"pod {pod.metadata.name} {st.reason.lower()}: {st.message or ''}".strip()
-                                       + "; requeued from its last checkpoint")]
+                                       message=f"pod {pod.metadata.name} {POD_LOST[st.reason]}: {st.message or ''}"
+                                       .strip() + "; requeued from its last checkpoint")]
             term = cs.state.terminated if cs and cs.state else None
             if term is not None:
                 terminated.append((pod, term))
@@ -421,6 +526,15 @@ class KubernetesExecutor:
                               message=error.get("message") or f"{where} exited with code {code} ({term.reason})")
 
     # --- helpers -----------------------------------------------------------------------
+    def _annotate_stop(self, name: str, reason: StopReason) -> None:
+        """Record the stop reason on the Job (a merge of one annotation) before deleting it."""
+        try:
+            self.batch.patch_namespaced_job(name, self.ns, {"metadata": {"annotations": {
+                ANNOTATION_STOP_REASON: reason.value}}})
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def _jobs_of(self, job_id: str) -> list[Any]:
         return self.batch.list_namespaced_job(self.ns, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
 
@@ -430,6 +544,39 @@ class KubernetesExecutor:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+@dataclass(frozen=True)
+class _Ref:
+    id: str
+
+
+def _attempt(obj: Any) -> int:
+    try:
+        return int((obj.metadata.labels or {}).get(LABEL_ATTEMPT, "0"))
+    except ValueError:
+        return 0
+
+
+def _of_attempt(jobs: list[Any], attempt: int | None) -> Any:
+    """The Job of one launch (None: the newest), or None."""
+    matching = _all_of_attempt(jobs, attempt)
+    return max(matching, key=_attempt) if matching else None
+
+
+def _all_of_attempt(objs: list[Any], attempt: int | None) -> list[Any]:
+    """Objects of one launch; those without the label (older launches) always match."""
+    if attempt is None:
+        return objs
+    return [o for o in objs if LABEL_ATTEMPT not in (o.metadata.labels or {}) or _attempt(o) == attempt]
+
+
+def _stop_reason_of(job: Any) -> StopReason | None:
+    value = (job.metadata.annotations or {}).get(ANNOTATION_STOP_REASON)
+    try:
+        return StopReason(value) if value else None
+    except ValueError:
+        return None
 
 
 def _job_condition(job: Any) -> str | None:

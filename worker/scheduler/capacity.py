@@ -66,6 +66,9 @@ class CapacitySnapshot:
     pools: dict[str, NodePool] = field(default_factory=dict)
     nodes: dict[str, dict[str, NodeCapacity]] = field(default_factory=dict)
     running: dict[str, RunningJob] = field(default_factory=dict)
+    # True when the nodes were observed in the cluster (Kubernetes Nodes minus pods'
+    # requests), False when they come from the pools file (local executor, simulations).
+    observed: bool = False
     # pool -> free GPU count -> ordered set (dict) of node names
     _by_free: dict[str, dict[int, dict[str, None]]] = field(default_factory=dict, repr=False)
     _tenant_gpus: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int), repr=False)
@@ -135,6 +138,7 @@ class CapacitySnapshot:
             pools=self.pools,
             nodes={pool: dict(ns) for pool, ns in self.nodes.items()},
             running=dict(self.running),
+            observed=self.observed,
             _by_free={p: {k: dict(v) for k, v in b.items()} for p, b in self._by_free.items()},
             _tenant_gpus=defaultdict(int, self._tenant_gpus),
             _free=defaultdict(int, self._free),

@@ -220,8 +220,14 @@ class SchedulerStore(Protocol):
         """Record that a victim is being preempted (event); returns its row to stop."""
         ...
 
-    def set_waiting(self, job: JobRequest, reason: str) -> None:
-        """Write queue_reason and an event, only when the reason changed."""
+    def set_waiting(self, job: JobRequest, reason: str, position: int) -> None:
+        """Write queue_reason (with an event, only when it changed) and the job's position
+        among the waiting jobs of this cycle (1 = next)."""
+        ...
+
+    def publish_capacity(self, snapshot: CapacitySnapshot) -> None:
+        """Record the pools' nodes as observed in the cluster (for the API's pool view);
+        called only with a snapshot that came from the cluster, not from the config."""
         ...
 
     def apply_observed(self, changes: list[ObservedChange]) -> None: ...
@@ -256,6 +262,8 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
         now = clock()
         queued = store.queued()
         snapshot = executor.snapshot()
+        if snapshot.observed:
+            store.publish_capacity(snapshot)
         usage = store.recent_gpu_seconds(now - config.fair_share_window_s)
         # (3) place every head (pure).
         plan = plan_cycle(queued, snapshot, now=now, config=config, recent_gpu_seconds=usage)
@@ -278,7 +286,7 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
                 executor.stop(victim, StopReason.PREEMPT)
         # (5) requeue the rest with their reasons.
         for w in plan.waiting:
-            store.set_waiting(w.job, w.reason)
+            store.set_waiting(w.job, w.reason, w.position)
         return CycleResult(ran=True, plan=plan, observed=len(changes), seconds=time.perf_counter() - t0)
     finally:
         if lock is not None:

@@ -22,15 +22,16 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
   + framework overhead        CUDA/ROCm context, allocator slack, runtime
 
 Constants below are calibrated against published peaks (see tests/worker/
-test_estimator_anchors.py) and measured peaks of a real transformers+peft step on CPU
-(bench/scheduler_estimator_cpu.py: a memory target, so a benchmark, not a test).
+test_estimator_anchors.py) and, for the CPU-only terms (fp32 activations, the host heap's
+retention, the CPU framework footprint), against measured peaks of our torch trainer on
+CPU (bench/scheduler_estimator_cpu.py: a memory target, so a benchmark, not a test).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,11 +56,21 @@ MFU = {"fsdp_qlora": 0.50, "jax_lora": 0.40}
 # assume a 10 % loss.
 OFFLOAD_SLOWDOWN = 0.9
 # Fixed runtime cost per process, by accelerator kind: CUDA/ROCm context + NCCL/RCCL
-# buffers on GPUs; interpreter + torch/transformers/peft import footprint on CPU
-# (FACTS.md: ~470 MB per FSDP rank on CPU).
-FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.42 * GIB)}
+# buffers on GPUs; on CPU the torch trainer's resident set before its first model tensor
+# (interpreter, torch, transformers, peft, bitsandbytes, tokenizer and data): 485 MiB
+# measured (bench/scheduler_estimator_cpu.py; FACTS.md: ~470 MB per FSDP rank).
+FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.47 * GIB)}
 # Allocator slack on top of live tensors (caching allocator rounding, temporaries).
 ALLOCATOR_SLACK = 0.08
+# On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
+# tensor has raised the dynamic mmap threshold, later tensors below it (up to 32 MiB) come
+# from the heap, and the freed memory stays resident. Measured (default malloc vs
+# MALLOC_MMAP_THRESHOLD_=65536, which returns every freed tensor): the peak RSS holds
+# about four layers' worth of transient tensors beyond the live ones -- a layer's
+# activations and, for a quantized base, its weights dequantized to the compute dtype
+# (bitsandbytes does that for every matmul, the loader while quantizing). Replaces the
+# GPU caching-allocator slack on CPU.
+CPU_HEAP_RETAINED_LAYERS = 4
 # FSDP's all-gather / reduce-scatter staging buffers when the job is sharded.
 FSDP_BUFFERS = int(0.5 * GIB)
 
@@ -200,7 +211,7 @@ class MemoryBreakdown:
     activations: int
     logits: int
     slack: int
-    """Allocator slack and (sharded jobs) FSDP communication buffers."""
+    """Allocator slack (on CPU: what the host heap retains) and (sharded jobs) FSDP buffers."""
     framework: int
 
     @property
@@ -247,13 +258,39 @@ def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
     after RoPE, the attention output and its logsumexp, and o_proj's (contiguous) input;
     the MLP saves gate, up, act(gate) and the product fed to down_proj. LoRA adds its
     rank-r intermediate per target module. SDPA/flash keep no s x s matrix.
+
+    In fp32 compute (the CPU trainers) every dtype cast is a no-op and fewer tensors are
+    saved: see :func:`_fp32_activation_bytes_per_token`.
     """
+    if t.compute_bytes == _FP32:
+        return _fp32_activation_bytes_per_token(m, t) * t.seq_len * t.micro_batch
     h, f, b = m.hidden, m.intermediate, t.compute_bytes
     q = m.heads * m.hd
     per_token = b * (3 * h + q + 2 * q + q + q) + _FP32 * m.heads  # norm + attention block
     per_token += b * (3 * h + 4 * f)  # norm + MLP block
     per_token += b * t.r * len(t.target_modules)  # LoRA A outputs
     return per_token * t.seq_len * t.micro_batch
+
+
+def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
+    """Bytes per token one decoder layer saves for backward in fp32 compute.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks`` on transformers' Llama (SDPA)
+    with peft LoRA (tests/worker/test_estimator.py checks it): each RMSNorm keeps its input
+    (the layer's input, then the residual after attention) and its rsqrt; a norm's output
+    is kept only when a LoRA module reads it (frozen base linears keep no input); SDPA
+    keeps q, k, v after RoPE at their own widths (the GQA path, no ``repeat_kv`` copy),
+    its output (also o_proj's input) and a logsumexp per head; the MLP keeps gate, up and
+    act(gate), and the product only when down_proj has LoRA; LoRA keeps its rank-r
+    intermediates. Casts are no-ops in fp32, so there are no upcast copies.
+    """
+    targets = set(t.target_modules)
+    q, kv, h, f = m.heads * m.hd, m.kv_heads * m.hd, m.hidden, m.intermediate
+    elements = 2 * h + 2 + 2 * q + 2 * kv + m.heads + 3 * f + t.r * len(targets)
+    elements += h if targets & {"q_proj", "k_proj", "v_proj"} else 0
+    elements += h if targets & {"gate_proj", "up_proj"} else 0
+    elements += f if "down_proj" in targets else 0
+    return _FP32 * elements
 
 
 def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator: str,
@@ -286,10 +323,15 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     live = weights + gathered + lora_p + grads + optim + acts + logits
     buffers = FSDP_BUFFERS if n_gpus > 1 else 0
     kind = "cpu" if accelerator == "cpu" else "gpu"
+    if kind == "cpu":
+        dequantized = m.linear_params_per_layer * t.compute_bytes if t.quantization != "none" else 0
+        slack = CPU_HEAP_RETAINED_LAYERS * (per_layer + dequantized)
+    else:
+        slack = int(ALLOCATOR_SLACK * live)
     return MemoryBreakdown(
         weights=weights, gathered_layer=gathered, lora_params=lora_p, lora_grads=grads,
         optimizer=optim, activations=acts, logits=logits,
-        slack=int(ALLOCATOR_SLACK * live) + buffers, framework=FRAMEWORK_OVERHEAD[kind],
+        slack=slack + buffers, framework=FRAMEWORK_OVERHEAD[kind],
     )
 
 
@@ -360,6 +402,9 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
                      total_tokens: int | None = None, gpus: int | None = None) -> PoolEstimate:
     """Smallest GPU count of ``pool`` that holds the job (or check a pinned ``gpus``)."""
     trainer = trainer or pool.preferred_trainer()
+    if pool.is_cpu:
+        # What a CPU pool really runs (worker.spec_builder): fp32, no activation checkpointing.
+        t = replace(t, compute_bytes=_FP32, checkpointing=False)
     budget = int(pool.gpu_memory_bytes * HEADROOM)
     counts = [gpus] if gpus is not None else candidate_gpu_counts(pool)
     offload_options = {"never": [False], "auto": [False, True], "always": [True]}[t.cpu_offload]
@@ -386,13 +431,13 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
             offload=False, memory=smallest, gpu_memory_bytes=pool.gpu_memory_bytes,
             tokens_per_s=0.0, eta_s=None, cost=None, trainer=trainer,
             reasons=((f"needs {need / GIB:.1f} GiB per GPU even on {top}x {pool.accelerator}; "
-                      f"{pool.gpu_memory_gib:.0f} GiB available ({HEADROOM:.0%} usable)"),),
+                      f"{pool.gpu_memory_gib:.3g} GiB available ({HEADROOM:.0%} usable)"),),
         )
     n, off, mem = best
     tps = tokens_per_second(m, t, pool, n, trainer=trainer, offload=off)
     eta = total_tokens / tps if total_tokens else None
     cost = eta / 3600 * n * pool.price_per_gpu_hour if eta is not None else None
-    reasons = [f"{n}x {pool.accelerator}: {mem.total / GIB:.1f} of {pool.gpu_memory_gib:.0f} GiB per GPU"]
+    reasons = [f"{n}x {pool.accelerator}: {mem.total / GIB:.1f} of {pool.gpu_memory_gib:.3g} GiB per GPU"]
     if off:
         reasons.append("CPU offload of sharded weights needed to fit")
     return PoolEstimate(

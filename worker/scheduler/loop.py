@@ -2,8 +2,10 @@
 
 ``tunefleet scheduler`` (and ``tunefleet serve``) call ``run_forever(settings)``; the
 Celery task ``tunefleet.schedule`` runs a single cycle with the same components
-(``build_components``). Both take the scheduler lock first (``worker.scheduler.lock``),
-so any number of replicas and tasks never place a job twice.
+(``build_components``) with the local executor. Both take the scheduler lock first
+(``worker.scheduler.lock``), so any number of replicas and tasks never place a job twice.
+In Kubernetes mode only this loop runs cycles: its executor is the one process that
+launches, stops and reconciles trainer Jobs (``worker/tasks/scheduling.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,7 @@ from api.settings import Settings
 from worker.executors.base import Executor
 from worker.scheduler.cycle import CycleConfig, CycleResult, run_cycle
 from worker.scheduler.lock import SchedulerLock, make_lock
+from worker.scheduler.placement import PreemptionPolicy
 from worker.scheduler.pools import load_pools
 from worker.scheduler.store import DbStore
 
@@ -39,8 +43,13 @@ class Components:
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
 
-def make_executor(settings: Settings, pools: list[Any]) -> Executor:
-    """The executor the settings ask for (``TUNEFLEET_EXECUTOR``)."""
+def make_executor(settings: Settings, pools: list[Any], *,
+                  running_jobs: Callable[[], Iterable[Any]] | None = None) -> Executor:
+    """The executor the settings ask for (``TUNEFLEET_EXECUTOR``).
+
+    ``running_jobs`` (the store's) lets the Kubernetes executor adopt the running jobs
+    of a previous scheduler process and stop Jobs of jobs cancelled or paused meanwhile.
+    """
     if settings.executor == "kubernetes":
         from kubernetes import client, config
 
@@ -54,9 +63,10 @@ def make_executor(settings: Settings, pools: list[Any]) -> Executor:
         # Trainer pods reach the artifact bucket themselves: the endpoint as a value, the
         # credentials from a Secret of the training namespace (TUNEFLEET_K8S_TRAINER_SECRET).
         extra_env = {"TUNEFLEET_S3_ENDPOINT_URL": settings.s3_endpoint_url} if settings.s3_endpoint_url else None
-        ex = KubernetesExecutor(client.ApiClient(), pools, extra_env=extra_env, options=ManifestOptions(
-            namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
-            env_from_secret=settings.k8s_trainer_secret))
+        options = ManifestOptions(namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
+                                  env_from_secret=settings.k8s_trainer_secret)
+        ex = KubernetesExecutor(client.ApiClient(), pools, extra_env=extra_env, options=options,
+                                running_jobs=running_jobs)
         ex.start()
         return ex
     from api.queue import CeleryQueue
@@ -65,14 +75,23 @@ def make_executor(settings: Settings, pools: list[Any]) -> Executor:
     return LocalExecutor(settings, pools, CeleryQueue(settings))
 
 
+def cycle_config(settings: Settings) -> CycleConfig:
+    """The cycle's policy knobs from the settings (``TUNEFLEET_PREEMPTION_*``,
+    ``TUNEFLEET_PLACEMENT_OBJECTIVE``)."""
+    return CycleConfig(
+        preemption=PreemptionPolicy(enabled=settings.preemption_enabled,
+                                    min_priority_gap=settings.preemption_min_priority_gap),
+        objective=settings.placement_objective)
+
+
 def build_components(settings: Settings) -> Components:
     from api.db.session import get_engine
 
     pools = load_pools(settings.node_pools_file)
-    executor = make_executor(settings, pools)
     store = DbStore(settings, pools, in_cluster=settings.executor == "kubernetes")
+    executor = make_executor(settings, pools, running_jobs=store.running_jobs)
     engine = get_engine(settings.resolved_database_url)
-    return Components(store, executor, make_lock(settings, engine), CycleConfig())
+    return Components(store, executor, make_lock(settings, engine), cycle_config(settings))
 
 
 def run_once(components: Components) -> CycleResult:

@@ -27,6 +27,7 @@ class MemoryJob:
     id: str
     status: str = "queued"
     queue_reason: str | None = None
+    queue_position: int | None = None
     events: list[str] = field(default_factory=list)
     placement: Placement | None = None
     resume_from: str | None = None
@@ -60,6 +61,7 @@ class MemoryStore:
             if row.status != "queued":  # the transition function would refuse this (409)
                 raise RuntimeError(f"{job.job_id} is {row.status}, not queued")
             row.status, row.placement, row.queue_reason = "running", placement, None
+            row.queue_position = None
             row.events.append(f"admitted on {placement.pool} ({placement.gpus} GPUs)")
             return row, {"job_id": job.job_id, "resume_from": row.resume_from}
 
@@ -77,9 +79,10 @@ class MemoryStore:
             row.events.append(f"preempted for {for_job}")
             return row
 
-    def set_waiting(self, job: JobRequest, reason: str) -> None:
+    def set_waiting(self, job: JobRequest, reason: str, position: int) -> None:
         with self._lock:
             row = self.jobs[job.job_id]
+            row.queue_position = position
             if row.queue_reason != reason:
                 row.queue_reason = reason
                 row.events.append(reason)

@@ -91,7 +91,7 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
     return est
 
 
-def _trainer_for(job: JobRequest, pool: NodePool) -> str | None:
+def trainer_for(job: JobRequest, pool: NodePool) -> str | None:
     """The trainer family the job runs on ``pool``, None if the pool cannot run it.
 
     A 4-bit (QLoRA) base trains only in ``fsdp_qlora``: the JAX trainer has no quantized
@@ -116,7 +116,7 @@ def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_
     for pool in snapshot.pools.values():
         if job.pool is not None and pool.name != job.pool:
             continue
-        trainer = _trainer_for(job, pool)
+        trainer = trainer_for(job, pool)
         if trainer is None:
             needs = "fsdp_qlora (a 4-bit base)" if job.training.quantization != "none" else job.trainer
             reasons.append(f"{pool.name}: runs {'/'.join(pool.trainers)}, job needs {needs}")

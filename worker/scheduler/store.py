@@ -10,6 +10,7 @@ overwrite each other. Besides statuses it writes ``queue_reason`` (shown on
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import time
@@ -20,15 +21,18 @@ from typing import Any
 
 from sqlalchemy import select
 
+from api.artifacts import file_store
 from api.base_models import load_base_models
-from api.db.models import Job
+from api.db.models import Job, PoolCapacity
 from api.db.session import session_scope
 from api.errors import APIError
+from api.files import create_result_file
 from api.ids import hash_secret, new_job_token
 from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, lock_job, transition
 from api.settings import Settings
-from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.executors.base import ObservedChange, ObservedKind, RunningRow, StopReason
+from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.estimator import KNOWN_MODELS, EstimateError, ModelShape, TrainingShape
 from worker.scheduler.placement import Placement
 from worker.scheduler.pools import NodePool
@@ -81,6 +85,7 @@ class DbStore:
         self.clock = clock
         self.max_restarts = max_restarts
         self._reasons: dict[str, str | None] = {}
+        self._positions: dict[str, int | None] = {}
 
     # --- reading -----------------------------------------------------------------------
     def queued(self) -> list[JobRequest]:
@@ -89,6 +94,7 @@ class DbStore:
         with session_scope(self.url) as session:
             rows = session.scalars(select(Job).where(Job.status == "queued")).all()
             self._reasons = {j.id: j.queue_reason for j in rows}
+            self._positions = {j.id: j.queue_position for j in rows}
             for job in rows:
                 try:
                     out.append(self._request(job, models))
@@ -123,6 +129,14 @@ class DbStore:
             priority=int(job.priority or 0), created_at=created, total_tokens=tokens, trainer=trainer,
             pool=placement.get("pool"), gpus=placement.get("gpus"),
         )
+
+    def running_jobs(self) -> list[RunningRow]:
+        """Every job ``running`` now: what the executor must be observing."""
+        with session_scope(self.url) as session:
+            rows = session.execute(select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
+                                   .where(Job.status == "running")).all()
+        return [RunningRow(jid, tenant, int(priority or 0), pool, gpus, _timestamp(started))
+                for jid, tenant, priority, pool, gpus, started in rows]
 
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
         with session_scope(self.url) as session:
@@ -180,18 +194,32 @@ class DbStore:
                                     "requeued to resume from the checkpoint.", level="warn")
             return JobHandle(job.id, job.tenant_id, int(job.priority or 0))
 
-    def set_waiting(self, req: JobRequest, reason: str) -> None:
-        if self._reasons.get(req.job_id) == reason:
+    def set_waiting(self, req: JobRequest, reason: str, position: int) -> None:
+        if self._reasons.get(req.job_id) == reason and self._positions.get(req.job_id) == position:
             return  # unchanged: no write, no event
         with session_scope(self.url) as session:
             job = session.get(Job, req.job_id)
             if job is not None and job.status == "queued":
                 self._set_reason(session, job, reason)
+                job.queue_position = position
+                self._positions[job.id] = position
+
+    def publish_capacity(self, snapshot: CapacitySnapshot) -> None:
+        now = dt.datetime.now(dt.UTC)
+        with session_scope(self.url) as session:
+            for pool, nodes in snapshot.nodes.items():
+                row = session.get(PoolCapacity, pool) or PoolCapacity(pool=pool)
+                row.nodes = [{"name": n.name, "gpus_total": n.gpus_total, "gpus_free": n.gpus_free}
+                             for n in nodes.values()]
+                row.observed_at = now
+                session.add(row)
 
     def _set_reason(self, session: Any, job: Job, reason: str) -> None:
         if job.queue_reason != reason:
             job.queue_reason = reason
-            add_event(session, job, reason.capitalize(), type="message", data={"queue_reason": reason})
+            # Sentence case, keeping the rest as written ("GPUs", pool names).
+            add_event(session, job, reason[:1].upper() + reason[1:], type="message",
+                      data={"queue_reason": reason})
             self._reasons[job.id] = reason
 
     def apply_observed(self, changes: list[ObservedChange]) -> None:
@@ -217,7 +245,9 @@ class DbStore:
             return
         usage = close_segment(job.usage, now=now)
         if ch.kind == ObservedKind.SUCCEEDED:
-            transition(session, job, "succeeded", actor="executor", message="The trainer finished.", usage=usage)
+            results = create_result_file(session, job, store=file_store(self.settings))
+            transition(session, job, "succeeded", actor="executor", message="The trainer finished.", usage=usage,
+                       result_files=[results.id])
         elif ch.kind == ObservedKind.FAILED:
             transition(session, job, "failed", actor="executor", message=ch.message, level="error",
                        error={"code": ch.error_code or "trainer_failed", "message": ch.message}, usage=usage)
@@ -240,6 +270,12 @@ class DbStore:
                 transition(session, job, "queued", actor="executor", level="warn", usage=usage,
                            resume_from=resume, restarts=(job.restarts or 0) + 1,
                            message=f"{ch.message} (restart {(job.restarts or 0) + 1} of {self.max_restarts})")
+
+
+def _timestamp(value: dt.datetime | None) -> float | None:
+    if value is None:
+        return None
+    return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()  # SQLite drops the zone
 
 
 def _latest_checkpoint(session: Any, job_id: str) -> str | None:

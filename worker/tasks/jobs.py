@@ -7,7 +7,8 @@ it first stops a trainer orphaned by a worker that died. The outcome of the trai
 =========================  =====================================================
 trainer outcome            job
 =========================  =====================================================
-SUCCESS                    succeeded (artifacts registered from the manifest)
+SUCCESS                    succeeded (artifacts registered from the manifest, the
+                           metrics stored as its ``result_files`` CSV)
 USER_ERROR / OUT_OF_MEMORY failed with the trainer's error code and message
 crashed too often          failed with ``trainer_crashed``
 stopped (cancel)           cancelled (already, by the API)
@@ -25,8 +26,10 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from api.artifacts import ArtifactStore, file_store
 from api.db.models import Job
 from api.db.session import session_scope
+from api.files import create_result_file
 from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
@@ -41,9 +44,6 @@ from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, s
 from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
 
 log = logging.getLogger(__name__)
-
-MAX_RESTARTS = int(os.environ.get("TUNEFLEET_MAX_RESTARTS", "2"))
-STOP_GRACE_S = float(os.environ.get("TUNEFLEET_STOP_GRACE_S", "30"))
 
 
 def _job_status(db_url: str, job_id: str) -> str | None:
@@ -93,11 +93,12 @@ def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) ->
         heartbeat_path=job_dir / HEARTBEAT_FILE,
         on_event=on_event,
         on_restart=on_restart,
-        max_restarts=MAX_RESTARTS,
-        grace_s=STOP_GRACE_S,
+        max_restarts=settings.max_restarts,
+        grace_s=settings.stop_grace_s,
         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
-    status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id))
+    status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id),
+                     files=file_store(settings))
     CeleryQueue(settings).send(SCHEDULE)  # a slot is free again
     return status
 
@@ -124,7 +125,8 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:
     apply_artifacts(session, job, item)
 
 
-def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None) -> str:
+def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None,
+            *, files: ArtifactStore) -> str:
     with session_scope(db_url) as session:
         job = lock_job(session, job_id)
         if job is None:
@@ -147,7 +149,8 @@ def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: S
             return job.status
         if outcome.succeeded:
             _register_manifest(session, job, spec.output_dir)
-            transition(session, job, "succeeded", actor="executor",
+            results = create_result_file(session, job, store=files)
+            transition(session, job, "succeeded", actor="executor", result_files=[results.id],
                        message="Job succeeded: the adapter is ready.")
             return job.status
         error = outcome.error or {"code": "trainer_failed",

@@ -104,7 +104,8 @@
       const reasons = [];
       if (job.queue_reason) reasons.push(job.queue_reason);
       const placementReasons = job.estimate?.chosen?.reasons || job.estimate?.reasons || [];
-      for (const r of placementReasons) if (!reasons.includes(r)) reasons.push(r);
+      // The estimate's reasons, unless the scheduler's reason already says them.
+      for (const r of placementReasons) if (!reasons.some((q) => q.includes(r))) reasons.push(r);
       if (reasons.length) box.append(el("ul.reasons", reasons.map((r) => el("li", r))));
       else box.append(el("div", job.status === "queued" ? "The scheduler has not placed this job yet." : "The training file is being checked."));
       notices.append(box);

@@ -47,13 +47,11 @@
     const total = job.total_steps || metric?.total_steps || job.hyperparameters?.total_steps || null;
     const step = Math.max(job.current_step || 0, metric?.step || 0);
     const eta = job.estimated_finish && LIVE.has(job.status) ? fmt.duration(job.estimated_finish - Date.now() / 1000) : "—";
-    // The job API is tenant-scoped even for admins: another organization's job is listed
-    // here (admin view) but opens only with a key of that organization.
-    const own = job.organization_id === tf.page().principal.tenant_id;
-    const href = own ? `/ui/jobs/${encodeURIComponent(job.id)}` : null;
-    const title = own ? null : "another organization's job: open it with a key of that organization";
-    const tr = el(own ? "tr.link" : "tr", { "data-job-id": job.id, "data-status": job.status, title },
-      el("td", own ? el("a.cell-main.mono", { href }, job.id) : el("span.cell-main.mono", job.id),
+    // Every listed job opens: a tenant lists its own, an admin every organization's (and
+    // the job routes open for admins too, see api.jobs.may_open).
+    const href = `/ui/jobs/${encodeURIComponent(job.id)}`;
+    const tr = el("tr.link", { "data-job-id": job.id, "data-status": job.status },
+      el("td", el("a.cell-main.mono", { href }, job.id),
         job.suffix ? el("div.cell-sub", job.suffix) : null),
       el("td", pill(job.status)),
       el("td", el("div", job.model), job.adapter?.method ? el("div.cell-sub", job.adapter.method.toUpperCase()) : null),
@@ -66,7 +64,7 @@
       el("td.num", metric?.tokens_per_s ? fmt.num(metric.tokens_per_s) : "—"),
       el("td.num", eta),
       el("td.num.nowrap", { title: fmt.time(job.created_at) }, fmt.age(job.created_at)));
-    if (own) tr.addEventListener("click", (e) => { if (!e.target.closest("a")) location.href = href; });
+    tr.addEventListener("click", (e) => { if (!e.target.closest("a")) location.href = href; });
     return tr;
   }
 

@@ -8,40 +8,35 @@
   const { api, apiAll, el, fmt, pill, emptyState, every } = tf;
   const MAX_WINDOW_S = 24 * 3600;
   const MIN_WINDOW_S = 5 * 60;
-  const ownJob = (j) => j.organization_id === tf.page().principal.tenant_id;
-  const jobLink = (j) => (ownJob(j)
-    ? el("a.mono.small", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id)
-    : el("span.mono.small", { title: "another organization's job" }, j.id));
+  // Every job listed here is one the viewer may open (its own; an admin: all).
+  const jobLink = (j) => el("a.mono.small", { href: `/ui/jobs/${encodeURIComponent(j.id)}` }, j.id);
   let util = null;
 
-  function poolCard(p, running) {
-    const total = p.gpus_total ?? p.capacity?.gpus ?? (p.gpus_per_node && p.nodes !== undefined ? p.gpus_per_node * (Array.isArray(p.nodes) ? p.nodes.length : p.nodes) : null);
-    const used = p.gpus_used ?? p.usage?.gpus ?? running.reduce((n, j) => n + (j.gpus || 0), 0);
-    const free = p.gpus_free ?? (total !== null ? Math.max(0, total - used) : null);
-    const pct = total ? Math.min(100, (100 * used) / total) : 0;
-    const nodes = Array.isArray(p.nodes) ? p.nodes : null;
-    const card = el("div.card", { "data-pool": p.name },
+  function poolCard(p) {
+    const pct = p.gpus_total ? Math.min(100, (100 * p.gpus_used) / p.gpus_total) : 0;
+    const source = p.capacity_source === "cluster"
+      ? `nodes observed in the cluster ${fmt.age(p.observed_at)}`
+      : "nodes from the pools file";
+    const card = el("div.card", { "data-pool": p.name, "data-capacity-source": p.capacity_source },
       el("div.card-head", el("h2", p.name), el("span.tag", p.accelerator || "—"),
         el("span.right", p.gpu_memory_bytes ? `${fmt.bytes(p.gpu_memory_bytes)} per GPU` : "")),
       el("div.meter-row", { style: "grid-template-columns: 90px 1fr 120px" },
         el("div.name", "GPUs"),
         el("div.meter", el("div.fill", { style: `width:${pct}%` })),
-        el("div.fig", total !== null ? `${used} used · ${free} free / ${total}` : `${used} used`)),
+        el("div.fig", `${p.gpus_used} used · ${p.gpus_free} free / ${p.gpus_total}`)),
       el("div.small.muted", [
-        (p.trainers || (p.trainer ? [p.trainer] : [])).length ? `trainer ${(p.trainers || [p.trainer]).join(", ")}` : null,
-        p.price_per_gpu_hour !== undefined ? `${fmt.money(p.price_per_gpu_hour)}/GPU-hour` : null,
-        p.gpus_per_node ? `${p.gpus_per_node} GPUs/node` : null,
+        p.trainers.length ? `trainer ${p.trainers.join(", ")}` : null,
+        `${fmt.money(p.price_per_gpu_hour)}/GPU-hour`,
+        `${p.gpus_per_node} GPUs/node`,
+        p.queued_jobs ? `${p.queued_jobs} queued` : null,
+        source,
       ].filter(Boolean).join(" · ")));
-    if (nodes && nodes.length) {
+    if (p.node_list.length) {
       card.append(el("div", { style: "margin-top:12px" }, el("h3", "Nodes"),
-        ...nodes.map((n) => {
-          const cap = n.gpus ?? n.gpus_total ?? n.allocatable ?? p.gpus_per_node ?? 0;
-          const busy = n.gpus_used ?? n.used ?? 0;
-          return el("div.meter-row", { style: "grid-template-columns: 140px 1fr 80px; padding:4px 0" },
-            el("div.mono.small", n.name || "node"),
-            el("div.gpu-dots", Array.from({ length: cap }, (_, i) => el(`span.gpu-dot${i < busy ? ".used" : ""}`))),
-            el("div.fig", `${busy}/${cap}`));
-        })));
+        ...p.node_list.map((n) => el("div.meter-row", { style: "grid-template-columns: 140px 1fr 80px; padding:4px 0", "data-node": n.name },
+          el("div.mono.small", n.name),
+          el("div.gpu-dots", Array.from({ length: n.gpus_total }, (_, i) => el(`span.gpu-dot${i < n.gpus_used ? ".used" : ""}`))),
+          el("div.fig", `${n.gpus_used}/${n.gpus_total}`)))));
     }
     return card;
   }
@@ -66,13 +61,14 @@
   }
 
   function queueTable(jobs) {
-    // Order as the scheduler does first: priority, then age (fair share is the
-    // scheduler's business; it reports the resulting reason on each job).
+    // In the scheduler's order: its last cycle numbered every waiting job (priority, fair
+    // share, age); jobs it has not seen yet (just created, or still validating) follow.
     const queued = jobs.filter((j) => j.status === "queued" || j.status === "validating_files")
-      .sort((a, b) => (b.priority || 0) - (a.priority || 0) || a.created_at - b.created_at);
+      .sort((a, b) => (a.queue_position ?? Infinity) - (b.queue_position ?? Infinity)
+        || (b.priority || 0) - (a.priority || 0) || a.created_at - b.created_at);
     const body = document.querySelector("#queue-table tbody");
-    body.replaceChildren(...queued.map((j, i) => el("tr", { "data-job-id": j.id },
-      el("td.num", String(i + 1)),
+    body.replaceChildren(...queued.map((j) => el("tr", { "data-job-id": j.id },
+      el("td.num", j.queue_position ? String(j.queue_position) : el("span.muted", "—")),
       el("td", jobLink(j), el("div", pill(j.status))),
       el("td", j.model),
       el("td.num", j.priority ?? "—"),
@@ -131,7 +127,7 @@
     } else if (!pools.length) {
       box.replaceChildren(el("div.card", { style: "grid-column: 1 / -1" }, emptyState("▦", "No node pools configured", "Declare pools in TUNEFLEET_NODE_POOLS_FILE.")));
     } else {
-      box.replaceChildren(...pools.map((p) => poolCard(p, running.filter((j) => j.pool === p.name))));
+      box.replaceChildren(...pools.map(poolCard));
     }
     runningList(running);
     queueTable(jobs);
