@@ -7,7 +7,15 @@ loader) and train on the same token batch. Rounds alternate torch / JAX so that 
 shared, noisy machine hits both alike; the ratio is of medians of per-step tokens/s.
 JAX compile time (first call) is reported separately and excluded from its tokens/s.
 
-    OMP_NUM_THREADS=2 python bench/jax_lora_cpu.py --steps 10 --rounds 3
+The JAX side is the trainer's step as the local executor ships it: the spec builder's
+host-device split (one XLA host device per core a local trainer may use, ``data`` mesh)
+applied by the trainer's own ``use_host_devices``. Both sides run in one process with
+the environment the executor gives the JAX trainer (``--malloc trainer``: glibc's malloc
+tunable; the bench re-executes itself with it, since glibc reads it at start-up), and
+torch uses ``OMP_NUM_THREADS`` threads, the cores the JAX side splits into.
+``--malloc default`` runs both without the tunable (to measure what it is worth).
+
+    OMP_NUM_THREADS=2 python bench/jax_lora_cpu.py --steps 8 --rounds 5
 """
 
 from __future__ import annotations
@@ -62,7 +70,11 @@ def torch_loop(path: Path, tokens, threads: int):
     return step
 
 
-def jax_loop(path: Path, tokens):
+def jax_loop(path: Path, tokens, parallelism):
+    """The trainer's jitted step on ``parallelism`` (a spec's ParallelismSpec)."""
+    from trainers.jax_lora.host_devices import use_host_devices
+
+    use_host_devices(parallelism.host_devices)  # as the trainer does, before anything touches a device
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -74,6 +86,7 @@ def jax_loop(path: Path, tokens):
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
     from trainers.jax_lora.step import (
         StepConfig,
+        batch_sharding,
         compile_steps,
         init_state,
         make_optimizer,
@@ -81,7 +94,8 @@ def jax_loop(path: Path, tokens):
     )
 
     cfg = LlamaConfig.from_pretrained(path)
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    m = parallelism.mesh
+    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[: m.size])
     params, _ = load_params(path, cfg, mesh, jnp.float32)
     l_abs = lora_shapes(cfg, TARGETS, RANK, jnp.float32)
     l_shard = tree_shardings(l_abs, lora_axes(TARGETS), mesh)
@@ -97,13 +111,23 @@ def jax_loop(path: Path, tokens):
         "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), ids.shape).copy(),
         "segment_ids": np.ones_like(ids),
     }
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    batch = {k: jax.device_put(v, batch_sharding(mesh, v.shape)) for k, v in batch.items()}
 
     def step() -> float:
         state["s"], out = train_step(state["s"], params, batch)
         return float(out["loss"])
 
     return step
+
+
+def _exec_with_malloc_env(mode: str) -> None:
+    """Re-run this script with the malloc environment of ``mode`` unless it has it already."""
+    from worker.executors.local_process import trainer_env
+
+    want = trainer_env("jax_lora", {}) if mode == "trainer" else {"GLIBC_TUNABLES": ""}
+    if all(os.environ.get(k, "") == v for k, v in want.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
 
 
 def timed(step, n: int) -> list[float]:
@@ -119,8 +143,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--malloc", choices=("trainer", "default"), default="trainer",
+                    help="trainer: the JAX trainer's malloc tunable for both sides; default: none")
+    ap.add_argument("--host-devices", type=int, default=None,
+                    help="XLA host devices (default: what the spec builder gives a local job)")
     args = ap.parse_args()
+    _exec_with_malloc_env(args.malloc)
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    from trainers.spec import ParallelismSpec
+    from worker.spec_builder import cpu_host_devices, cpu_host_mesh, local_trainer_cores
+
+    # What build_spec writes for a 1-slot jax job with this batch on the local pool.
+    host_devices = args.host_devices or cpu_host_devices(local_trainer_cores(1), BATCH)
+    parallelism = ParallelismSpec(mesh=cpu_host_mesh(host_devices), host_devices=host_devices)
     import numpy as np
 
     tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ))
@@ -128,7 +163,7 @@ def main() -> None:
         path = Path(tmp)
         build_model(path)
         t_step = torch_loop(path, tokens, threads)
-        j_step = jax_loop(path, tokens)
+        j_step = jax_loop(path, tokens, parallelism)
         t0 = time.perf_counter()
         j_step()
         compile_s = time.perf_counter() - t0
@@ -143,7 +178,8 @@ def main() -> None:
         "torch_peft_tokens_per_s": round(t_med, 1), "jax_tokens_per_s": round(j_med, 1),
         "ratio_jax_over_torch": round(j_med / t_med, 3), "jax_compile_s": round(compile_s, 2),
         "rounds_torch": [round(x) for x in torch_rates], "rounds_jax": [round(x) for x in jax_rates],
-        "load_average": os.getloadavg()[0],
+        "jax_host_devices": host_devices, "torch_threads": threads,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "load_average": os.getloadavg()[0],
     }))
 
 

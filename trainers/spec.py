@@ -117,6 +117,21 @@ class ParallelismSpec(_Strict):
     activation_checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
     remat: Literal["none", "per_layer", "dots_saveable"] = "none"
     cpu_offload: bool = False
+    host_devices: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="jax_lora on a CPU-only host: run on the CPU platform split into this many "
+        "XLA host devices (one per core the trainer may use), the mesh spanning them. None = the "
+        "platform's own devices (GPUs; or one CPU device). The worker sets it for local CPU pools.",
+    )
+
+    @model_validator(mode="after")
+    def _host_devices_fill_the_mesh(self) -> ParallelismSpec:
+        if self.host_devices is not None and self.host_devices * self.nodes != self.mesh.size:
+            raise ValueError(
+                f"parallelism.mesh ({self.mesh.size} devices) must equal host_devices "
+                f"({self.host_devices}) x nodes ({self.nodes})"
+            )
+        return self
 
 
 class PrecisionSpec(_Strict):

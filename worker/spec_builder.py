@@ -5,12 +5,16 @@ map. Every value a trainer uses is resolved here (no "auto" crosses into a spec)
 trainer family follows the pool, precision follows the accelerator (fp32 on CPU pools,
 bf16 base + fp32 adapter on GPUs), the parallel layout follows the GPU count, and the
 locations follow the artifact store (a local directory in the embedded default, S3 in
-production).
+production). A JAX job on a local CPU pool runs as one XLA host device per core it may
+use, with a ``data`` mesh over them (``parallelism.host_devices``), so that XLA's
+single-threaded loop fusions run on every core (bench/RESULTS.md, issue 4).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +69,40 @@ def precision_for(accelerator: str) -> PrecisionSpec:
     if accelerator == "cpu":
         return PrecisionSpec(base_dtype="float32", compute_dtype="float32", adapter_dtype="float32")
     return PrecisionSpec(base_dtype="bfloat16", compute_dtype="bfloat16", adapter_dtype="float32")
+
+
+# The threads a local trainer gets when the worker's environment names none
+# (worker/tasks/jobs.py passes the worker's OMP_NUM_THREADS, default 2, to its trainers).
+LOCAL_TRAINER_THREADS = 2
+
+
+def local_trainer_cores(slots: int, environ: Mapping[str, str] = os.environ,
+                        available: int | None = None) -> int:
+    """Cores a trainer on the local pool may use: its threads per slot, at most the host's.
+
+    Args:
+        slots: local-pool "GPUs" (concurrent trainer slots) the job holds.
+        environ: the worker's environment (``OMP_NUM_THREADS``: threads per trainer).
+        available: cores this process may run on (default: its CPU affinity).
+    """
+    threads = int(environ.get("OMP_NUM_THREADS") or LOCAL_TRAINER_THREADS)
+    if available is None:
+        available = len(os.sched_getaffinity(0))
+    return max(1, min(threads * slots, available))
+
+
+def cpu_host_devices(cores: int, batch_size: int) -> int:
+    """XLA host devices for a JAX job on CPU: one per core, as many as divide the batch.
+
+    Each device of the ``data`` mesh takes whole rows of every optimizer step, so the
+    count must divide ``batch_size``; the largest such count up to ``cores`` wins.
+    """
+    return max(d for d in range(1, max(cores, 1) + 1) if batch_size % d == 0)
+
+
+def cpu_host_mesh(host_devices: int) -> MeshSpec:
+    """The mesh over a CPU host's XLA devices: data parallel (each core its own rows)."""
+    return MeshSpec(data=host_devices, fsdp=1, tensor=1)
 
 
 def _integrations(raw: list[dict[str, Any]] | None) -> tuple[IntegrationSpec, ...]:
@@ -176,7 +214,13 @@ def build_spec(
         checkpoint_dir = str(job_dir / "checkpoints") if local_store else store.location(f"{job.id}/checkpoints")
         spool_dir, termination = str(job_dir / "spool"), str(job_dir / "termination.json")
 
-    data_parallel = gpus if trainer == "fsdp_qlora" else 1
+    host_devices = None
+    if trainer == "jax_lora" and pool_accelerator == "cpu" and not in_cluster:
+        host_devices = cpu_host_devices(local_trainer_cores(gpus), int(job.hyperparameters["batch_size"]))
+    if trainer == "fsdp_qlora":
+        data_parallel = gpus
+    else:
+        data_parallel = host_devices or 1
     adapter = dict(job.adapter or {})
     quantization = adapter.get("quantization") or ("nf4" if adapter.get("method") == "qlora" else "none")
     adapter_spec = AdapterSpec(
@@ -192,7 +236,10 @@ def build_spec(
     )
     parallelism = ParallelismSpec(
         world_size=gpus if trainer == "fsdp_qlora" else 1,
-        mesh=MeshSpec(data=1, fsdp=gpus, tensor=1) if trainer == "jax_lora" else MeshSpec(),
+        mesh=(MeshSpec() if trainer != "jax_lora"
+              else cpu_host_mesh(host_devices) if host_devices is not None
+              else MeshSpec(data=1, fsdp=gpus, tensor=1)),
+        host_devices=host_devices,
         activation_checkpointing="none" if pool_accelerator == "cpu" else "non_reentrant",
         remat="none" if pool_accelerator == "cpu" else "per_layer",
         cpu_offload=cpu_offload and trainer == "fsdp_qlora" and pool_accelerator != "cpu",

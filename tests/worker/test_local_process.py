@@ -1,11 +1,21 @@
-"""The local executor's supervisor lock: one supervisor per job, released when it dies."""
+"""The local executor: the supervisor lock (one supervisor per job, released when it dies)
+and the environment each trainer family starts with."""
 
+import json
 import subprocess
 import sys
 import threading
 import time
 
-from worker.executors.local_process import supervision_lock
+import pytest
+
+from trainers.exit_codes import ExitCode
+from worker.executors.local_process import (
+    JAX_MALLOC_TUNABLE,
+    supervise_trainer,
+    supervision_lock,
+    trainer_env,
+)
 
 PROBE = """
 import sys
@@ -66,3 +76,34 @@ def test_the_lock_dies_with_its_process(tmp_path):
         holder.kill()
         holder.wait()
     assert _probe(tmp_path) == 0
+
+
+@pytest.mark.parametrize(
+    ("trainer", "current", "expected"),
+    [
+        ("jax_lora", None, {"GLIBC_TUNABLES": JAX_MALLOC_TUNABLE}),
+        ("jax_lora", "glibc.malloc.arena_max=2", {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{JAX_MALLOC_TUNABLE}"}),
+        ("jax_lora", "glibc.malloc.hugetlb=0", {}),  # an operator's choice stands
+        ("fsdp_qlora", None, {}),  # the torch trainer's RSS checks see an unchanged malloc
+    ],
+)
+def test_trainer_env_gives_only_the_jax_trainer_huge_pages_for_malloc(trainer, current, expected):
+    environ = {} if current is None else {"GLIBC_TUNABLES": current}
+    assert trainer_env(trainer, environ) == expected
+
+
+@pytest.mark.parametrize(("trainer", "tunables"), [("jax_lora", JAX_MALLOC_TUNABLE), ("fsdp_qlora", "")])
+def test_supervised_trainer_starts_with_its_familys_environment(tmp_path, monkeypatch, trainer, tunables):
+    # A stand-in interpreter records the environment the supervisor starts it with.
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "GLIBC_TUNABLES=[$GLIBC_TUNABLES]"\n')
+    fake_python.chmod(0o755)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps({"trainer": trainer}))
+    log_path = tmp_path / "trainer.log"
+    outcome = supervise_trainer(spec_path, log_path=log_path, termination_path=tmp_path / "termination.json",
+                                pid_path=tmp_path / "trainer.pid", should_stop=lambda: False,
+                                python=str(fake_python), poll_s=0.05)
+    assert outcome.returncode == ExitCode.SUCCESS
+    assert log_path.read_text().strip() == f"GLIBC_TUNABLES=[{tunables}]"

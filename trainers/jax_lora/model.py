@@ -174,7 +174,15 @@ def project(
     return y + (runtime.scaling * delta).astype(y.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, head_dim: int) -> jax.Array:
+# Query rows per block of ``cpu_attention``: 2 blocks at seq 256 compute 3/4 of the
+# full (seq x seq) scores (bench/RESULTS.md, issue 4).
+CPU_QUERY_BLOCK = 128
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, head_dim: int,
+    query_block: int = CPU_QUERY_BLOCK,
+) -> jax.Array:
     """Causal GQA attention, (batch, seq, heads, head_dim) in and out; softmax in float32.
 
     ``mask`` is ``attention_mask``'s (batch, 1, seq, seq) or None for plain causal rows.
@@ -184,6 +192,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     seq, seq) scores, on a mask broadcast per query group, and on page faults of the
     temp buffer XLA:CPU maps afresh on every call, a third of which held the saved fp32
     probabilities of every layer (bench/RESULTS.md, "jax_lora CPU step profile").
+    ``query_block``: ``cpu_attention``'s query rows per block.
     """
     scale = 1.0 / math.sqrt(head_dim)
     if jax.default_backend() != "cpu":
@@ -196,11 +205,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     # Recompute scores and probabilities in the backward pass instead of saving them:
     # one extra (seq x seq) matmul per layer is cheaper here than writing, keeping and
     # re-reading fp32 probabilities of every layer.
-    return jax.checkpoint(cpu_attention, static_argnums=(4,))(q, k, v, mask, scale)
+    return jax.checkpoint(cpu_attention, static_argnums=(4, 5))(q, k, v, mask, scale, query_block)
 
 
-def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """GQA attention laid out so XLA:CPU needs no transpose of the (seq x seq) scores.
+def cpu_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, query_block: int
+) -> jax.Array:
+    """Causal GQA attention that skips the key blocks no query of a block can see.
+
+    Queries go in blocks of ``query_block`` rows; the block ending at row ``e``
+    scores keys ``[0, e)`` only. Every key at or after ``e`` is masked for all its rows
+    (``attention_mask`` is causal), so its softmax weight would be exactly zero: leaving
+    it out changes no value, and saves the scores, softmax and backward of the upper
+    triangle of blocks.
+    """
+    seq = q.shape[1]
+    outs = [
+        _cpu_attention_block(q[:, start:end], k[:, :end], v[:, :end], mask[:, :, start:end, :end], scale)
+        for start, end in ((s, min(s + query_block, seq)) for s in range(0, seq, query_block))
+    ]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """GQA attention laid out so XLA:CPU needs no transpose of the (q_seq x k_seq) scores.
 
     Query heads are split as (kv_heads, group) and kept in the order the matmul produces,
     (batch, kv_heads, q_seq, group, k_seq), so the mask, the softmax over the last axis

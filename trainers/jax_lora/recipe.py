@@ -13,6 +13,10 @@ so the global batch is exactly ``batch_size`` rows whatever the mesh. Shapes are
 (rows padded to ``max_seq_len``; a short last micro-batch of an epoch gets all-padding
 rows) so the step compiles once.
 
+CPU-only hosts. ``parallelism.host_devices`` (set by the worker for local CPU pools) splits
+the host into that many XLA devices before JAX starts (``host_devices.py``); the mesh
+then spans them like any other devices.
+
 Multi-host. Every process reads and tokenizes the (small) JSONL files and builds the same
 global token-id batch on the host; ``jax.make_array_from_callback`` then hands each
 process's devices only their rows. Only process 0 reports, writes checkpoints and
@@ -164,7 +168,9 @@ def run(
     # -- setup: everything that can be refused without compiling anything -------------
     _check_spec(spec)
     from trainers.jax_lora.distributed import initialize_from_env
+    from trainers.jax_lora.host_devices import use_host_devices
 
+    use_host_devices(spec.parallelism.host_devices)  # before anything touches a device
     initialize_from_env()
 
     import jax

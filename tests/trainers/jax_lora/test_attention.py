@@ -2,7 +2,8 @@
 
 The model parity tests compare logits with transformers; this one pins the attention
 function itself, values AND gradients (its probabilities are recomputed in the backward
-pass), on a packed batch with padding and on plain causal rows, with GQA.
+pass), on a packed batch with padding and on plain causal rows, with GQA, with the
+queries in one block, in blocks that divide the sequence and in blocks that do not.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _reference(q, k, v, mask):
     )
 
 
+@pytest.mark.parametrize("query_block", [64, 8, 7])  # SEQ 24: 1 block, 3 blocks, 7+7+7+3
 @pytest.mark.parametrize("packed", [True, False])
-def test_cpu_attention_matches_jax_reference(packed):
+def test_cpu_attention_matches_jax_reference(packed, query_block):
     assert jax.default_backend() == "cpu"  # the path under test is the CPU one
     q, k, v = _qkv()
     mask = _packed_mask() if packed else None
@@ -50,12 +52,12 @@ def test_cpu_attention_matches_jax_reference(packed):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
 
-    ours_out = attention(q, k, v, mask, HEAD_DIM)
+    ours_out = attention(q, k, v, mask, HEAD_DIM, query_block)
     ref_out = _reference(q, k, v, mask)
     assert np.abs(np.asarray(ref_out)).max() > 0.1
     assert np.abs(np.asarray(ours_out - ref_out)).max() <= TOL
 
-    ours_grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, mask, HEAD_DIM)), argnums=(0, 1, 2))(q, k, v)
+    ours_grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, mask, HEAD_DIM, query_block)), argnums=(0, 1, 2))(q, k, v)
     ref_grads = jax.grad(loss(lambda q, k, v: _reference(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
     for ours, ref in zip(ours_grads, ref_grads, strict=True):
         assert np.abs(np.asarray(ref)).max() > 0.1

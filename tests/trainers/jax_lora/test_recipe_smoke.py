@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from pydantic import ValidationError
 
 from tests.trainers.jax_lora.specs import make_spec
 from trainers.common.job_data import load_job_data, load_tokenizer
@@ -23,11 +25,13 @@ from trainers.exit_codes import ExitCode
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _run_entry(spec, tmp_path: Path) -> subprocess.CompletedProcess:
+def _run_entry(spec, tmp_path: Path, xla_flags: str | None = None) -> subprocess.CompletedProcess:
     path = tmp_path / "spec.json"
     spec.dump(path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)  # one CPU device: mesh (1, 1, 1)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
     return subprocess.run(
         [sys.executable, "-m", "trainers", "--spec", str(path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
@@ -90,3 +94,28 @@ def test_bad_parallelism_fails_fast_with_user_error(recipe_model, tiny_datasets,
     error = json.loads(Path(spec.termination_log).read_text())
     assert error["code"] == "invalid_parallelism"
     assert not (Path(spec.output_dir) / "adapter").exists()
+
+
+def test_host_devices_split_the_cpu_into_the_specs_mesh(recipe_model, tiny_datasets, tmp_path):
+    # What the spec builder writes for a local CPU pool: 2 host devices, data=2. The trainer
+    # configures them itself (even over an XLA_FLAGS asking for 8) and trains the same
+    # numbers: step 1's loss is still transformers' loss on the first batch.
+    spec = make_spec(recipe_model, tiny_datasets, tmp_path,
+                     hyperparameters={"max_steps": 2, "batch_size": 4, "micro_batch_size": 2},
+                     parallelism={"mesh": {"data": 2, "fsdp": 1, "tensor": 1}, "host_devices": 2})
+    proc = _run_entry(spec, tmp_path, xla_flags="--xla_force_host_platform_device_count=8")
+    assert proc.returncode == ExitCode.SUCCESS, proc.stderr[-3000:]
+
+    reports = [json.loads(line) for line in (Path(spec.checkpoint.dir) / "reports.jsonl").read_text().splitlines()]
+    loaded = next(r for r in reports if r["type"] == "event" and r["message"].startswith("jax_lora: model loaded"))
+    assert loaded["data"]["devices"] == 2
+    assert loaded["data"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    rows = [json.loads(line) for line in (Path(spec.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert abs(rows[0]["train_loss"] - _reference_first_loss(spec)) <= 1e-4
+
+
+def test_host_devices_must_fill_the_mesh(recipe_model, tiny_datasets, tmp_path):
+    with pytest.raises(ValidationError, match="host_devices"):
+        make_spec(recipe_model, tiny_datasets, tmp_path,
+                  parallelism={"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "host_devices": 2})

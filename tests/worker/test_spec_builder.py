@@ -1,0 +1,91 @@
+"""worker/spec_builder.py: the parallel layout a job's spec gets, per pool and trainer.
+
+Jobs are created through the real API (SQLite migrated by Alembic, file validation run
+inline), then turned into specs the way the scheduler's admission does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api.db.models import Job
+from worker.spec_builder import build_spec, cpu_host_devices, local_trainer_cores
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+def _chat_lines(n: int = 12) -> bytes:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def _job_row(client, tenant_key, db_session, *, trainer: str, batch_size: int) -> Job:
+    headers = tenant_key().headers
+    upload = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
+                         files={"file": ("train.jsonl", _chat_lines(), "application/jsonl")})
+    assert upload.status_code == 200, upload.text
+    created = client.post(JOBS, headers=headers, json={
+        "model": "tunefleet-tiny-llama", "training_file": upload.json()["id"], "trainer": trainer,
+        "hyperparameters": {"batch_size": batch_size, "n_epochs": 1}})
+    assert created.status_code == 200, created.text
+    return db_session.get(Job, created.json()["id"])
+
+
+@pytest.mark.parametrize(
+    ("threads", "slots", "available", "cores"),
+    [("2", 1, 2, 2), ("1", 1, 2, 1), ("2", 2, 8, 4), ("4", 1, 2, 2), ("", 1, 16, 2)],
+)
+def test_local_trainer_cores_are_its_threads_per_slot_capped_by_the_host(threads, slots, available, cores):
+    assert local_trainer_cores(slots, {"OMP_NUM_THREADS": threads}, available=available) == cores
+
+
+@pytest.mark.parametrize(
+    ("cores", "batch_size", "devices"),
+    [(2, 4, 2), (2, 1, 1), (2, 3, 1), (4, 6, 3), (4, 8, 4), (1, 8, 1)],
+)
+def test_cpu_host_devices_are_one_per_core_dividing_the_batch(cores, batch_size, devices):
+    assert cpu_host_devices(cores, batch_size) == devices
+
+
+def test_local_pool_jax_job_gets_one_host_device_per_core(client, tenant_key, db_session, settings, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    job = _job_row(client, tenant_key, db_session, trainer="jax", batch_size=4)
+    spec = build_spec(db_session, job, settings, pool_accelerator="cpu",
+                      pool_families=("fsdp_qlora", "jax_lora"), gpus=1, token="t")
+    assert spec.trainer == "jax_lora"
+    par = spec.parallelism
+    assert (par.mesh.data, par.mesh.fsdp, par.mesh.tensor, par.host_devices) == (2, 1, 1, 2)
+    # The global batch splits over the 2 data-parallel devices without a remainder.
+    hp = spec.hyperparameters
+    assert hp.batch_size % (hp.micro_batch_size * par.mesh.data) == 0
+
+
+def test_odd_batch_keeps_one_host_device(client, tenant_key, db_session, settings, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    job = _job_row(client, tenant_key, db_session, trainer="jax", batch_size=3)
+    spec = build_spec(db_session, job, settings, pool_accelerator="cpu",
+                      pool_families=("fsdp_qlora", "jax_lora"), gpus=1, token="t")
+    assert (spec.parallelism.mesh.data, spec.parallelism.host_devices) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "families", "trainer", "in_cluster"),
+    [
+        ("amd-mi300x", ("jax_lora",), "jax", False),  # GPU pool: the mesh follows the GPUs
+        ("cpu", ("jax_lora",), "jax", True),  # a CPU pool in Kubernetes: pod cores unknown here
+        ("cpu", ("fsdp_qlora", "jax_lora"), "fsdp_qlora", False),  # torch trainer: processes
+    ],
+)
+def test_other_pools_and_trainers_get_no_host_devices(client, tenant_key, db_session, settings,
+                                                      accelerator, families, trainer, in_cluster):
+    job = _job_row(client, tenant_key, db_session, trainer=trainer, batch_size=8)
+    spec = build_spec(db_session, job, settings, pool_accelerator=accelerator, pool_families=families,
+                      gpus=2, token="t", in_cluster=in_cluster)
+    assert spec.parallelism.host_devices is None
+    if spec.trainer == "jax_lora":
+        assert (spec.parallelism.mesh.data, spec.parallelism.mesh.fsdp) == (1, 2)
