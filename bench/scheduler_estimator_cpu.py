@@ -123,11 +123,11 @@ def run_trainer(trainer: str, shape: Shape, quantization: str, checkpointing: bo
     return int(metrics[-1]["memory_bytes"])
 
 
-def predicted(shape: Shape, quantization: str, checkpointing: bool) -> int:
+def predicted(trainer: str, shape: Shape, quantization: str, checkpointing: bool) -> int:
     training = TrainingShape(method="qlora" if quantization != "none" else "lora", quantization=quantization,
                              r=R, target_modules=TARGETS, seq_len=shape.seq, micro_batch=shape.batch,
                              checkpointing=checkpointing, cpu_offload="never", compute_bytes=4)
-    return memory_per_gpu(shape.model, training, 1, accelerator="cpu").total
+    return memory_per_gpu(shape.model, training, 1, accelerator="cpu", trainer=trainer).total
 
 
 def main() -> None:
@@ -148,7 +148,7 @@ def main() -> None:
         for shape in shapes:
             for trainer, quant, ckpt in runs:
                 peak = run_trainer(trainer, shape, quant, ckpt, Path(tmp), env)
-                pred = predicted(shape, quant, ckpt)
+                pred = predicted(trainer, shape, quant, ckpt)
                 print(f"{trainer:11s} {shape.label:32s} {quant:5s} {ckpt!s:>5s} {pred / MIB:>6.0f} MiB "
                       f"{peak / MIB:>6.0f} MiB {pred / peak - 1:>+7.1%}", flush=True)
 

@@ -60,6 +60,10 @@ OFFLOAD_SLOWDOWN = 0.9
 # (interpreter, torch, transformers, peft, bitsandbytes, tokenizer and data): 485 MiB
 # measured (bench/scheduler_estimator_cpu.py; FACTS.md: ~470 MB per FSDP rank).
 FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.47 * GIB)}
+# The JAX trainer on CPU holds more than the torch one besides its tensors (jaxlib's XLA
+# compiler and CPU client, the compiled step): measured 173-323 MiB above the torch-based
+# estimate on 8 configurations, 4 shapes (bench/scheduler_estimator_cpu.py --trainers jax_lora).
+JAX_CPU_RUNTIME_EXTRA = 290 * 2**20
 # Allocator slack on top of live tensors (caching allocator rounding, temporaries).
 ALLOCATOR_SLACK = 0.08
 # On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
@@ -294,8 +298,9 @@ def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
 
 
 def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator: str,
-                   offload: bool = False) -> MemoryBreakdown:
-    """Bytes per GPU for ``n_gpus`` sharding the job (``offload``: weights on the host)."""
+                   offload: bool = False, trainer: str | None = None) -> MemoryBreakdown:
+    """Bytes per GPU for ``n_gpus`` sharding the job (``offload``: weights on the host;
+    ``trainer``: the family that runs it, which matters on CPU only)."""
     if n_gpus < 1:
         raise EstimateError("n_gpus must be >= 1")
     qb = quantized_bytes_per_param(t)
@@ -331,7 +336,8 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     return MemoryBreakdown(
         weights=weights, gathered_layer=gathered, lora_params=lora_p, lora_grads=grads,
         optimizer=optim, activations=acts, logits=logits,
-        slack=slack + buffers, framework=FRAMEWORK_OVERHEAD[kind],
+        slack=slack + buffers,
+        framework=FRAMEWORK_OVERHEAD[kind] + (JAX_CPU_RUNTIME_EXTRA if kind == "cpu" and trainer == "jax_lora" else 0),
     )
 
 
@@ -415,7 +421,7 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
     smallest: MemoryBreakdown | None = None
     for n in counts:
         for off in offload_options:
-            mem = memory_per_gpu(m, t, n, accelerator=pool.accelerator, offload=off)
+            mem = memory_per_gpu(m, t, n, accelerator=pool.accelerator, offload=off, trainer=trainer)
             if smallest is None or mem.total < smallest.total:
                 smallest = mem
             if mem.total <= budget:
