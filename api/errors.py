@@ -34,6 +34,12 @@ invalid_state_transition       409   e.g. cancelling a succeeded job
 invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
 invalid_artifact_location      400   report endpoint: outputs outside the service's storage
+invalid_session                401   dashboard JSON routes without a signed-in session
+invalid_metrics_token          401   ``/metrics`` with a wrong scrape token
+csrf_failed                    403   a cookie-authenticated unsafe request without the
+                                     session's CSRF token (or cross-origin)
+tenant_exists                  409   creating a tenant whose name is taken
+logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """
