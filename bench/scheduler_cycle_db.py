@@ -1,0 +1,178 @@
+"""Benchmark: one scheduling cycle WITH the database, next to the pure planning step.
+
+``bench/scheduler_cycle.py`` times ``plan_cycle`` alone. A real cycle also reads the queue
+from the database and admits every placed job in its own transaction (lock the row,
+build the trainer spec, the ``queued -> running`` transition with its event, commit),
+and writes the waiting jobs' reasons and positions. This runs ``run_cycle`` with the
+service's ``DbStore`` on a fresh, Alembic-migrated PostgreSQL database holding N queued
+jobs of 50 tenants (the same model mix as ``scheduler_cycle.py``), against an empty
+cluster of the same two pools (an executor that only records launches), and reports, in
+one run: the whole cycle, the planning step inside it, admissions/s end to end.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/scheduler_cycle_db.py [--jobs 10000]
+
+Needs PostgreSQL on 127.0.0.1 (trust auth, user postgres).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from scheduler_cycle import pools  # noqa: E402 (the same 1,000 nodes)
+
+MODELS = {  # registry id -> (params in billions, method, share of the mix)
+    "llama-2-7b": (7, "qlora", 40),
+    "llama-3.1-8b": (8, "qlora", 30),
+    "llama-3.1-8b-lora": (8, "lora", 10),
+    "llama-3.1-70b": (70, "qlora", 10),
+    "llama-3.1-70b-lora": (70, "lora", 8),
+    "llama-3.1-405b": (405, "lora", 2),
+}
+
+
+class RecordingExecutor:
+    """An empty cluster of the benchmark's pools; launches are only counted."""
+
+    def __init__(self, node_pools):
+        from worker.scheduler.capacity import CapacitySnapshot
+
+        self.empty = CapacitySnapshot.from_pools(node_pools)
+        self.launched = 0
+
+    def snapshot(self):
+        return self.empty.copy()
+
+    def reconcile(self):
+        return []
+
+    def launch(self, job, spec, placement):
+        self.launched += 1
+
+    def stop(self, job, reason):
+        pass
+
+
+def seed(settings, n_jobs: int, seed_value: int = 0) -> None:
+    from api.auth import create_tenant
+    from api.base_models import load_base_models
+    from api.db.models import File, Tenant
+    from api.db.session import session_scope
+    from api.ids import new_id
+    from api.jobs import create_job
+    from api.queue import RecordingQueue
+    from api.schemas.jobs import JobCreate
+    from api.validation import apply_validation
+
+    rng = random.Random(seed_value)
+    models = load_base_models(settings)
+    url = settings.resolved_database_url
+    files: dict[str, str] = {}
+    with session_scope(url) as session:
+        for t in range(50):
+            tenant = create_tenant(session, f"org-{t}")
+            file = File(id=new_id("file"), tenant_id=tenant.id, filename="train.jsonl", bytes=1,
+                        purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
+            session.add(file)
+            session.flush()
+            apply_validation(session, file, {"ok": True, "format": "chat", "n_examples": 500,
+                                             "n_tokens_estimate": 50_000, "n_errors": 0, "errors": []})
+            files[tenant.id] = file.id
+    ids, weights = list(MODELS), [m[2] for m in MODELS.values()]
+    with session_scope(url) as session:
+        tenants = list(session.query(Tenant).filter(Tenant.id.in_(files)))
+        for i in range(n_jobs):
+            tenant = rng.choice(tenants)
+            model = rng.choices(ids, weights)[0]
+            body = JobCreate.model_validate({
+                "model": model, "training_file": files[tenant.id],
+                "adapter": {"method": MODELS[model][1]},
+                "priority": rng.choice([25, 50, 50, 50, 75]),
+                "hyperparameters": {"max_steps": rng.randrange(100, 5000)},
+            })
+            create_job(session, tenant, body, raw_body={"i": i}, base_models=models, queue=RecordingQueue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=10_000)
+    args = parser.parse_args()
+
+    from api.db.migrate import upgrade
+    from api.settings import Settings
+    from worker.scheduler import cycle as cycle_module
+    from worker.scheduler.cycle import run_cycle
+    from worker.scheduler.store import DbStore
+
+    name = f"tunefleet_cycle_bench_{os.getpid()}"
+    admin = psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres", autocommit=True)
+    admin.execute(f"CREATE DATABASE {name}")
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    work = Path(tempfile.mkdtemp(prefix="tf-cycle-bench-"))
+    try:
+        models_file = work / "models.yaml"
+        models_file.write_text(yaml.safe_dump({"models": [
+            {"id": mid, "path": f"/models/{mid}", "params_b": float(params)} for mid, (params, _, _) in MODELS.items()
+        ]}))
+        settings = Settings(_env_file=None, database_url=url, data_dir=work / "data",
+                            base_models_file=models_file)
+        upgrade(url)
+        t0 = time.perf_counter()
+        seed(settings, args.jobs)
+        print(f"seeded {args.jobs} queued jobs in {time.perf_counter() - t0:.1f} s")
+
+        node_pools = pools()
+        executor = RecordingExecutor(node_pools)
+        store = DbStore(settings, node_pools)
+        planning: list[float] = []
+        plan = cycle_module.plan_cycle
+
+        def timed_plan(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return plan(*a, **kw)
+            finally:
+                planning.append(time.perf_counter() - t)
+
+        cycle_module.plan_cycle = timed_plan
+        try:
+            t0 = time.perf_counter()
+            result = run_cycle(store, executor)
+            whole = time.perf_counter() - t0
+        finally:
+            cycle_module.plan_cycle = plan
+        admitted = executor.launched
+        with psycopg.connect(f"host=127.0.0.1 user=postgres dbname={name}") as conn:
+            running = conn.execute("SELECT count(*) FROM jobs WHERE status = 'running'").fetchone()[0]
+            waiting = conn.execute(
+                "SELECT count(*) FROM jobs WHERE status = 'queued' AND queue_position IS NOT NULL").fetchone()[0]
+        assert running == admitted, (running, admitted)
+        print(f"one cycle, {args.jobs} queued jobs, 1000 nodes (3200 GPUs), PostgreSQL, load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"whole cycle {whole:.2f} s: planning {planning[0]:.2f} s, the rest (queue read, "
+              f"{admitted} admissions, {waiting} waiting reasons/positions) {whole - planning[0]:.2f} s")
+        print(f"admissions/s end to end: {admitted / whole:,.0f}; planning alone: {admitted / planning[0]:,.0f}; "
+              f"database admissions alone: {admitted / max(1e-9, whole - planning[0]):,.0f} (upper bound)")
+        print(f"cycle result: ran={result.ran}, admitted by plan={len(result.plan.admissions)}")
+    finally:
+        from api.db.session import dispose_engine
+
+        dispose_engine(url)
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+if __name__ == "__main__":
+    main()
