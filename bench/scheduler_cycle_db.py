@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from scheduler_cycle import pools  # noqa: E402 (the same 1,000 nodes)
+from scheduler_cycle import pools
 
 MODELS = {  # registry id -> (params in billions, method, share of the mix)
     "llama-2-7b": (7, "qlora", 40),
