@@ -224,20 +224,25 @@ def tenant_jobs(tenant: Tenant):
     return select(Job).where(Job.tenant_id == tenant.id)
 
 
-def may_open(key: ApiKey, job: Job) -> bool:
-    """Whether ``key`` may read and act on ``job``.
+def may_open(job: Job, *, tenant_id: str, is_admin: bool) -> bool:
+    """Whether a caller of organization ``tenant_id`` may read and act on ``job``.
 
     A tenant's key opens its own organization's jobs only; any other job answers 404,
-    exactly like a missing one. An admin key opens every organization's jobs (it can
-    already mint keys for any organization, so this grants nothing new); what it does
-    there is recorded with actor ``admin``. Lists stay per organization either way.
+    exactly like a missing one. An admin (``ApiKey.grants_admin``) opens every
+    organization's jobs (it can already mint keys for any organization, so this grants
+    nothing new); what it does there is recorded with actor ``admin``. Lists stay per
+    organization either way. The API's job routes and the dashboard's job page both ask here.
     """
-    return key.grants_admin or job.tenant_id == key.tenant_id
+    return is_admin or job.tenant_id == tenant_id
+
+
+def _opens(key: ApiKey, job: Job | None) -> bool:
+    return job is not None and may_open(job, tenant_id=key.tenant_id, is_admin=key.grants_admin)
 
 
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     job = session.get(Job, job_id)
-    if job is None or not may_open(key, job):
+    if not _opens(key, job):
         raise not_found("fine-tuning job", job_id)
     return job
 
@@ -316,7 +321,7 @@ def resume_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) 
 
 def lock_job_of(session: Session, key: ApiKey, job_id: str) -> Job:
     job = lock_job(session, job_id)
-    if job is None or not may_open(key, job):
+    if not _opens(key, job):
         raise not_found("fine-tuning job", job_id)
     return job
 

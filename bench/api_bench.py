@@ -97,30 +97,38 @@ def wrk(url: str, *, duration: int, connections: int, headers: dict[str, str],
             "wrk_cpu_pct": 100 * wrk_cpu / duration}
 
 
+def processed_file(session: Any, tenant: Any) -> Any:
+    """A training file of ``tenant`` marked validated (500 chat examples), with no content:
+    the benchmarks create jobs from it, nothing trains."""
+    from api.db.models import File
+    from api.ids import new_id
+    from api.validation import apply_validation
+
+    file = File(id=new_id("file"), tenant_id=tenant.id, filename="bench.jsonl", bytes=1,
+                purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
+    session.add(file)
+    session.flush()
+    apply_validation(session, file, {"ok": True, "format": "chat", "n_examples": 500,
+                                     "n_tokens_estimate": 50_000, "n_errors": 0, "errors": []})
+    return file
+
+
 def seed(url: str, n_jobs: int) -> tuple[str, str]:
     """A tenant with a key, one processed file and ``n_jobs`` queued jobs; returns (key, file)."""
     from api.auth import create_api_key, create_tenant
     from api.base_models import load_base_models
-    from api.db.models import File
     from api.db.session import session_scope
-    from api.ids import new_id
     from api.jobs import create_job
     from api.queue import RecordingQueue
     from api.schemas.jobs import JobCreate
     from api.settings import Settings
-    from api.validation import apply_validation
 
     settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
     models = load_base_models(settings)
     with session_scope(url) as session:
         tenant = create_tenant(session, "bench")
         _, key = create_api_key(session, tenant)
-        file = File(id=new_id("file"), tenant_id=tenant.id, filename="bench.jsonl", bytes=1,
-                    purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
-        session.add(file)
-        session.flush()
-        apply_validation(session, file, {"ok": True, "format": "chat", "n_examples": 500,
-                                         "n_tokens_estimate": 50_000, "n_errors": 0, "errors": []})
+        file = processed_file(session, tenant)
     body = JobCreate(model="tunefleet-tiny-llama", training_file=file.id)
     with session_scope(url) as session:
         from api.db.models import Tenant

@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from scheduler_cycle import pools
+from api_bench import processed_file
+from scheduler_cycle import pools  # the same 1,000 nodes
 
 MODELS = {  # registry id -> (params in billions, method, share of the mix)
     "llama-2-7b": (7, "qlora", 40),
@@ -68,13 +69,11 @@ class RecordingExecutor:
 def seed(settings, n_jobs: int, seed_value: int = 0) -> None:
     from api.auth import create_tenant
     from api.base_models import load_base_models
-    from api.db.models import File, Tenant
+    from api.db.models import Tenant
     from api.db.session import session_scope
-    from api.ids import new_id
     from api.jobs import create_job
     from api.queue import RecordingQueue
     from api.schemas.jobs import JobCreate
-    from api.validation import apply_validation
 
     rng = random.Random(seed_value)
     models = load_base_models(settings)
@@ -83,13 +82,7 @@ def seed(settings, n_jobs: int, seed_value: int = 0) -> None:
     with session_scope(url) as session:
         for t in range(50):
             tenant = create_tenant(session, f"org-{t}")
-            file = File(id=new_id("file"), tenant_id=tenant.id, filename="train.jsonl", bytes=1,
-                        purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
-            session.add(file)
-            session.flush()
-            apply_validation(session, file, {"ok": True, "format": "chat", "n_examples": 500,
-                                             "n_tokens_estimate": 50_000, "n_errors": 0, "errors": []})
-            files[tenant.id] = file.id
+            files[tenant.id] = processed_file(session, tenant).id
     ids, weights = list(MODELS), [m[2] for m in MODELS.values()]
     with session_scope(url) as session:
         tenants = list(session.query(Tenant).filter(Tenant.id.in_(files)))

@@ -71,9 +71,15 @@ def precision_for(accelerator: str) -> PrecisionSpec:
     return PrecisionSpec(base_dtype="bfloat16", compute_dtype="bfloat16", adapter_dtype="float32")
 
 
-# The threads a local trainer gets when the worker's environment names none
-# (worker/tasks/jobs.py passes the worker's OMP_NUM_THREADS, default 2, to its trainers).
+# The threads a local trainer gets when the worker's environment names none.
 LOCAL_TRAINER_THREADS = 2
+
+
+def local_trainer_threads(environ: Mapping[str, str] = os.environ) -> int:
+    """Threads per local trainer: the worker's ``OMP_NUM_THREADS``, else 2. The local
+    executor gives its trainers this (worker/tasks/jobs.py); the spec builder sizes JAX's
+    host devices by it."""
+    return int(environ.get("OMP_NUM_THREADS") or LOCAL_TRAINER_THREADS)
 
 
 def local_trainer_cores(slots: int, environ: Mapping[str, str] = os.environ,
@@ -85,7 +91,7 @@ def local_trainer_cores(slots: int, environ: Mapping[str, str] = os.environ,
         environ: the worker's environment (``OMP_NUM_THREADS``: threads per trainer).
         available: cores this process may run on (default: its CPU affinity).
     """
-    threads = int(environ.get("OMP_NUM_THREADS") or LOCAL_TRAINER_THREADS)
+    threads = local_trainer_threads(environ)
     if available is None:
         available = len(os.sched_getaffinity(0))
     return max(1, min(threads * slots, available))

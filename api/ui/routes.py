@@ -25,6 +25,7 @@ from api.auth import authenticate
 from api.db.models import ApiKey, Job, Tenant
 from api.deps import SessionDep
 from api.errors import APIError
+from api.jobs import may_open
 from api.ui import session as ui_session
 from api.ui.data import router as data_router
 
@@ -221,7 +222,7 @@ def pools_page(request: Request, auth: PageSession) -> HTMLResponse:
 def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -> HTMLResponse:
     principal, _ = auth
     job = db.get(Job, job_id)
-    if job is None or not _job_visible(principal, job):
+    if job is None or not may_open(job, tenant_id=principal.tenant_id, is_admin=principal.is_admin):
         return render(
             request,
             "not_found.html",
@@ -238,13 +239,6 @@ def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -
         request, "job.html", auth, title=job_id, nav="jobs", page={"job_id": job_id}, job_id=job_id,
         owner=owner,
     )
-
-
-def _job_visible(principal: Principal, job: Job) -> bool:
-    """The job API's rule (``api.jobs.may_open``): a tenant's key sees its own
-    organization's jobs only, an admin every organization's; the routes the page reads
-    (events, metrics, logs, artifacts, stream) apply the same rule."""
-    return principal.is_admin or job.tenant_id == principal.tenant_id
 
 
 def login_redirect(_request: Request, exc: LoginRequired) -> RedirectResponse:

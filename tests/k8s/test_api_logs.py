@@ -16,8 +16,8 @@ from api.main import create_app
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.deploy.chart import one, rendered_docs
 from tests.k8s.conftest import NAMESPACE
+from tests.k8s.test_kubernetes_executor import spec
 from tests.worker.builders import rtx4090
-from trainers.spec import TrainerSpec
 from worker.executors.kubernetes import KubernetesExecutor
 from worker.executors.manifests import SPEC_FILE, ManifestOptions
 from worker.scheduler.placement import Placement
@@ -35,15 +35,6 @@ def _kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-def _spec(job_id: str) -> TrainerSpec:
-    return TrainerSpec.model_validate({
-        "job_id": job_id, "trainer": "fsdp_qlora", "model": {"path": "/models/tiny"},
-        "data": {"train_file": "/data/train.jsonl", "format": "chat"},
-        "hyperparameters": {"n_epochs": 1, "batch_size": 2, "micro_batch_size": 1, "learning_rate": 1e-4},
-        "output_dir": "/out", "checkpoint": {"dir": "/ckpt"},
-        "report": {"url": "http://api/internal", "token": "tok"}})
-
-
 def test_the_logs_route_serves_the_trainer_pods_log(fake_api, settings, inline_queue, tenant_key, make_job,  # noqa: F811
                                                     tmp_path, monkeypatch):
     key = tenant_key()
@@ -52,7 +43,7 @@ def test_the_logs_route_serves_the_trainer_pods_log(fake_api, settings, inline_q
     ex = KubernetesExecutor(fake_api.api_client(), [rtx4090(2)], options=ManifestOptions(namespace=NAMESPACE),
                             command=[sys.executable, FAKE_TRAINER, "--spec", SPEC_FILE],
                             extra_env={"FAKE_TRAINER_MODE": "succeed"})
-    ex.launch(JobHandle(job_id, key.tenant_id, 50), _spec(job_id),
+    ex.launch(JobHandle(job_id, key.tenant_id, 50), spec(job_id),
               Placement("fit", pool="rtx4090", gpus=1, nodes=(("rtx4090-0", 1),), trainer="fsdp_qlora"))
     fake_api.wait_for(lambda: job_id in ex.logs(job_id))
 

@@ -20,7 +20,7 @@ from api.db.models import Job, JobEvent
 from api.db.session import session_scope
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.k8s.conftest import NAMESPACE
-from tests.k8s.test_kubernetes_executor import Row, spec
+from tests.k8s.test_kubernetes_executor import Row, kinds, spec, until
 from tests.worker.builders import rtx4090
 from tests.worker.test_db_store import _tiny_config
 from worker.executors.base import ObservedKind, StopReason
@@ -61,30 +61,14 @@ def restart(ex: KubernetesExecutor) -> None:
     _open.remove(ex)
 
 
-
-
 def running(job_id: str) -> RunningRow:
     return RunningRow(job_id, "org-1", 50, "rtx4090", 1, time.time())
-
-
-def observe_until(api, ex, pred, timeout=20.0):
-    seen = []
-
-    def check():
-        seen.extend(ex.reconcile())
-        return pred(seen)
-    api.wait_for(check, timeout=timeout, interval=0.1)
-    return seen
-
-
-def kinds(changes):
-    return [c.kind for c in changes]
 
 
 def launch_and_start(api, ex, job_id):
     ex.launch(Row(job_id), spec(job_id), Placement("fit", pool="rtx4090", gpus=1, nodes=(("rtx4090-0", 1),),
                                                    trainer="fsdp_qlora"))
-    observe_until(api, ex, lambda s: ObservedKind.STARTED in kinds(s))
+    until(api, ex, lambda s: ObservedKind.STARTED in kinds(s))
     api.wait_for(lambda: job_id in ex.logs(job_id))  # the trainer is up (its SIGTERM handler set)
 
 
@@ -102,14 +86,14 @@ def test_a_stop_issued_before_a_restart_keeps_its_reason(fake_api):
     assert job.metadata.annotations[ANNOTATION_STOP_REASON] == "preempt" and job.metadata.deletion_timestamp
 
     new = scheduler_process(fake_api, lambda: [running("ftjob-Pre")])
-    seen = observe_until(fake_api, new, lambda s: any(k != ObservedKind.STARTED for k in kinds(s)))
+    seen = until(fake_api, new, lambda s: any(k != ObservedKind.STARTED for k in kinds(s)))
     end = [c for c in seen if c.kind != ObservedKind.STARTED]
     assert [(c.kind, c.stop_reason) for c in end] == [(ObservedKind.STOPPED, StopReason.PREEMPT)], end
 
 
 def test_a_job_running_in_the_database_without_its_kubernetes_job_is_reported_lost(fake_api):
     ex = scheduler_process(fake_api, lambda: [running("ftjob-Gone")])
-    (lost,) = observe_until(fake_api, ex, lambda s: ObservedKind.REQUEUE in kinds(s), timeout=15)
+    (lost,) = until(fake_api, ex, lambda s: ObservedKind.REQUEUE in kinds(s), timeout=15)
     assert lost.error_code == "job_lost" and "requeued" in lost.message
 
 

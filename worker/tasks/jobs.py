@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from sqlalchemy import select
@@ -42,6 +41,7 @@ from worker.celery_app import app
 from worker.executors.base import StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
+from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) ->
         on_restart=on_restart,
         max_restarts=settings.max_restarts,
         grace_s=settings.stop_grace_s,
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TUNEFLEET_STOP_WITH_PARENT": "1"},
+        env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
     status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id),
                      files=file_store(settings))
