@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol
 
 from api.errors import APIError
+from api.settings import resolved_dir
 
 if TYPE_CHECKING:
     from api.settings import Settings
@@ -77,11 +78,13 @@ class LocalArtifactStore:
     """Files under a root directory."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).expanduser().resolve()
+        self.root = resolved_dir(Path(root))
 
     def _path(self, key: str) -> Path:
         path = (self.root / safe_key(key)).resolve()
-        if path != self.root and self.root not in path.parents:
+        # Both resolved and absolute: inside the root iff its text starts with the root's.
+        text, root = str(path), str(self.root)
+        if text != root and not text.startswith(root.rstrip(os.sep) + os.sep):
             raise APIError(400, "invalid_artifact_path", "Artifact path escapes the job output.")
         return path
 

@@ -142,6 +142,7 @@ def transition(
     message: str | None = None,
     level: str = "info",
     data: dict[str, Any] | None = None,
+    flush: bool = True,
     **changes: Any,
 ) -> JobEvent:
     """Move ``job`` to ``to`` as ``actor``; the only writer of ``Job.status``.
@@ -155,6 +156,8 @@ def transition(
         message: the event text shown to users (default: a generic one).
         level: event level (``info``, ``warn``, ``error``).
         data: extra event data.
+        flush: write the change at once (default). A caller moving many jobs in one
+            transaction (the scheduler's admissions) passes False and flushes once.
         **changes: other ``Job`` columns to set in the same write (``error=…``,
             ``pool=…``, ``resume_from=…``); ``status`` is refused here.
 
@@ -191,7 +194,8 @@ def transition(
         data={"from": from_status, "to": to, "actor": actor, **(data or {})},
         created_at=now,
     )
-    session.flush()
+    if flush:
+        session.flush()
     for hook in _hooks:
         hook(session, job, from_status, to, actor)
     return event

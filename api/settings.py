@@ -139,7 +139,7 @@ class Settings(BaseSettings):
 
     @property
     def data_path(self) -> Path:
-        return self.data_dir.expanduser().resolve()
+        return resolved_dir(self.data_dir)
 
     @property
     def resolved_database_url(self) -> str:
@@ -195,6 +195,14 @@ class Settings(BaseSettings):
         value = secrets.token_urlsafe(48)
         _write_private(path, value)
         return value
+
+
+@lru_cache(maxsize=64)
+def resolved_dir(path: Path) -> Path:
+    """``path`` absolute with symlinks resolved. Cached: every request and every trainer
+    spec asks for the data dir, and resolving costs a stat per path component; a running
+    service's data dir does not move."""
+    return path.expanduser().resolve()
 
 
 def _is_loopback(url: str) -> bool:

@@ -34,8 +34,9 @@ from collections.abc import Iterable
 from itertools import chain
 from typing import Any
 
-from sqlalchemy import Delete, Engine, Update, event, inspect, select, text
+from sqlalchemy import Delete, Engine, Update, event, select, text
 from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction, UOWTransaction
+from sqlalchemy.orm.attributes import get_history
 
 from api.db.models import Job, JobListVersion
 
@@ -112,14 +113,15 @@ def bump(session: Session, tenant_ids: Iterable[str]) -> None:
 def _job_tenants(session: Session) -> set[str]:
     """Tenants of the jobs this flush will insert, delete or change."""
     tenants: set[str] = set()
-    for obj in chain(session.new, session.deleted, session.dirty):
+    dirty = session.dirty  # computed on each access: once per flush, not once per object
+    for obj in chain(session.new, session.deleted, dirty):
         if not isinstance(obj, Job):
             continue
-        if obj in session.dirty and not session.is_modified(obj, include_collections=False):
+        if obj in dirty and not session.is_modified(obj, include_collections=False):
             continue  # touched, but no column changes: nothing to write
         tenants.add(obj.tenant_id)  # loaded here if it was expired
         # A job moved to another tenant leaves the old tenant's list too.
-        tenants.update(inspect(obj).attrs.tenant_id.history.deleted)
+        tenants.update(get_history(obj, "tenant_id").deleted)
     return {t for t in tenants if t}
 
 

@@ -52,6 +52,7 @@ _STATUS_EVENTS = {
     "cancelled": "fine_tuning.job.cancelled",
 }
 _PENDING_KEY = "tunefleet.webhook_deliveries"
+_ENDPOINTS_KEY = "tunefleet.webhook_endpoints"  # session.info: tenant -> endpoints, this transaction
 DELIVER_WEBHOOK = "tunefleet.deliver_webhook"
 
 # Where committed deliveries are sent: a callable(delivery_id) -> bool. Defaults to the
@@ -117,8 +118,11 @@ def on_transition(session: Session, job: Job, from_status: str, to_status: str, 
     event_type = _STATUS_EVENTS.get(to_status)
     if event_type is None:
         return
-    endpoints = list(session.execute(_endpoints_query(job.tenant_id)))
-    rows = _delivery_rows(endpoints, event_type, job.id, {"id": job.id}, job.tenant_id)
+    # Read once per tenant and transaction: the scheduler moves hundreds of jobs in one.
+    known = session.info.setdefault(_ENDPOINTS_KEY, {})
+    if job.tenant_id not in known:
+        known[job.tenant_id] = list(session.execute(_endpoints_query(job.tenant_id)))
+    rows = _delivery_rows(known[job.tenant_id], event_type, job.id, {"id": job.id}, job.tenant_id)
     for row in rows:
         session.add(WebhookDelivery(**row))
     _remember(session, [row["id"] for row in rows])
@@ -142,6 +146,7 @@ def _on_checkpoint_insert(_mapper: Mapper[Any], connection: Connection, checkpoi
 
 
 def _after_commit(session: Session) -> None:
+    session.info.pop(_ENDPOINTS_KEY, None)
     delivery_ids = session.info.pop(_PENDING_KEY, None)
     for delivery_id in delivery_ids or []:
         try:
@@ -155,6 +160,7 @@ def _after_commit(session: Session) -> None:
 
 def _after_rollback(session: Session) -> None:
     session.info.pop(_PENDING_KEY, None)
+    session.info.pop(_ENDPOINTS_KEY, None)
 
 
 _installed = False

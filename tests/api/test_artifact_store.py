@@ -71,6 +71,13 @@ def test_local_store_roundtrip_and_symlink_escape(tmp_path: Path) -> None:
     (tmp_path / "root" / "link").symlink_to(tmp_path / "outside.txt")
     with pytest.raises(APIError):
         store.read_bytes("link")
+    # A sibling whose name merely starts with the root's name is outside too.
+    (tmp_path / "root-other").mkdir()
+    (tmp_path / "root-other" / "x.txt").write_text("secret")
+    (tmp_path / "root" / "sibling").symlink_to(tmp_path / "root-other")
+    with pytest.raises(APIError):
+        store.read_bytes("sibling/x.txt")
+    assert store.location("a") == str(tmp_path.resolve() / "root" / "a")
     store.delete("a/b.txt")
     assert not store.exists("a/b.txt")
 

@@ -176,3 +176,85 @@ def test_run_forever_runs_cycles_and_stops(settings):
     s = settings.model_copy(update={"schedule_interval_s": 0.05})
     run_forever(s, stop=stop, max_cycles=3)  # returns after 3 cycles, nothing queued
     assert (settings.data_path / "scheduler.lock").exists()  # SQLite mode: the file lock
+
+
+def test_admissions_are_batched_and_one_bad_job_keeps_no_one_out(settings, client, tenant_key, make_job,  # noqa: F811
+                                                                  monkeypatch):
+    """Admissions go in transactions of ADMIT_CHUNK jobs. Inside a chunk, a job cancelled
+    since the plan is skipped and a job whose spec fails is failed, the rest admitted; a
+    chunk that fails as a whole (an unexpected error) is retried one job at a time."""
+    import worker.scheduler.store as store_module
+    from api.db.models import File
+    from worker import spec_builder
+
+    _tiny_config(settings)
+    monkeypatch.setattr(store_module, "ADMIT_CHUNK", 3)
+    a = tenant_key()
+    ids = [make_job(a.headers)["id"] for _ in range(7)]
+    cancelled, bad_file, crashing = ids[1], ids[2], ids[4]
+    pools = [local_pool(slots=7)]
+    store, ex = DbStore(settings, pools), RecordingExecutor(pools)
+
+    with session_scope(settings.resolved_database_url) as s:  # j2's training file: its own, deleted
+        job = s.get(Job, bad_file)
+        original = s.get(File, job.training_file)
+        copy = File(**{c.key: getattr(original, c.key) for c in File.__table__.columns})
+        copy.id, copy.deleted_at = "file-deleted-for-test", original.created_at
+        s.add(copy)
+        s.flush()
+        job.training_file = copy.id
+
+    real_build = spec_builder.build_spec
+
+    def build(session, job, *args, **kwargs):
+        if job.id == crashing:
+            raise RuntimeError("unexpected")
+        return real_build(session, job, *args, **kwargs)
+
+    monkeypatch.setattr(spec_builder, "build_spec", build)
+    real_admit = store.admit
+
+    def admit(admissions):
+        assert client.post(f"{JOBS}/{cancelled}/cancel", headers=a.headers).status_code == 200
+        return real_admit(admissions)
+
+    store.admit = admit
+    run_cycle(store, ex)
+
+    launched = [j for j, _ in ex.launches]
+    assert sorted(launched) == sorted(set(ids) - {cancelled, bad_file, crashing})
+    status = {j: client.get(f"{JOBS}/{j}", headers=a.headers).json() for j in ids}
+    assert status[cancelled]["status"] == "cancelled"
+    assert status[bad_file]["status"] == "failed" and status[bad_file]["error"]["code"] == "file_not_found"
+    assert status[crashing]["status"] == "queued"  # its chunk-mates were admitted one by one
+    assert all(status[j]["status"] == "running" for j in launched)
+    with session_scope(settings.resolved_database_url) as s:
+        admitted_events = s.scalars(select(JobEvent.job_id).where(JobEvent.message.like("Admitted on pool%"))).all()
+    assert sorted(admitted_events) == sorted(launched)  # one event each, none for the refused
+
+
+def test_waiting_reasons_skip_jobs_that_left_the_queue(settings, client, tenant_key, make_job):  # noqa: F811
+    _tiny_config(settings)
+    a = tenant_key()
+    running, waits, leaves = (make_job(a.headers)["id"] for _ in range(3))
+    pools = [local_pool(slots=1)]
+    store, ex = DbStore(settings, pools), RecordingExecutor(pools)
+    real_set_waiting = store.set_waiting
+
+    def set_waiting(waiting):
+        assert client.post(f"{JOBS}/{leaves}/cancel", headers=a.headers).status_code == 200
+        return real_set_waiting(waiting)
+
+    store.set_waiting = set_waiting
+    run_cycle(store, ex)
+    assert [j for j, _ in ex.launches] == [running]
+    got = {j: client.get(f"{JOBS}/{j}", headers=a.headers).json() for j in (waits, leaves)}
+    assert got[waits]["queue_reason"].startswith("waiting: local: needs 1x cpu, 0 free; position 1")
+    assert got[waits]["queue_position"] == 1
+    assert got[leaves]["status"] == "cancelled"
+    assert got[leaves]["queue_reason"] is None and got[leaves]["queue_position"] is None
+    with session_scope(settings.resolved_database_url) as s:
+        def waiting_events(job_id):
+            return s.scalar(select(func.count()).select_from(JobEvent).where(
+                JobEvent.job_id == job_id, JobEvent.message.like("Waiting:%")))
+        assert (waiting_events(waits), waiting_events(leaves)) == (1, 0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,6 +70,15 @@ class Waiting:
     placement: Placement
     position: int
     reason: str
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An admission the store wrote: what the executor launches."""
+
+    admission: Admission
+    row: JobRef
+    spec: Any
 
 
 @dataclass
@@ -207,11 +216,13 @@ class SchedulerStore(Protocol):
 
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]: ...
 
-    def admit(self, job: JobRequest, placement: Placement) -> tuple[JobRef, Any]:
-        """queued -> running (via the one transition function); returns (job row, trainer spec).
+    def admit(self, admissions: Sequence[Admission]) -> Iterable[Admitted]:
+        """queued -> running for each (via the one transition function), in as few
+        transactions as the store can; yields the jobs admitted, with their row and
+        trainer spec, once committed, for the executor to launch.
 
-        Raises RuntimeError when the job cannot be admitted (no longer queued, or its spec
-        failed it); the cycle goes on with the other admissions."""
+        A job the store refuses (no longer queued, or its spec failed it) is left out and
+        logged; the others are admitted."""
         ...
 
     def launch_failed(self, job: JobRequest, error: Exception) -> None: ...
@@ -220,9 +231,9 @@ class SchedulerStore(Protocol):
         """Record that a victim is being preempted (event); returns its row to stop."""
         ...
 
-    def set_waiting(self, job: JobRequest, reason: str, position: int) -> None:
-        """Write queue_reason (with an event, only when it changed) and the job's position
-        among the waiting jobs of this cycle (1 = next)."""
+    def set_waiting(self, waiting: Sequence[Waiting]) -> None:
+        """Write each job's queue_reason (with an event, only when it changed) and its
+        position among the waiting jobs of this cycle (1 = next)."""
         ...
 
     def publish_capacity(self, snapshot: CapacitySnapshot) -> None:
@@ -267,26 +278,20 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
         usage = store.recent_gpu_seconds(now - config.fair_share_window_s)
         # (3) place every head (pure).
         plan = plan_cycle(queued, snapshot, now=now, config=config, recent_gpu_seconds=usage)
-        # (4) admit: transition + launch, all GPUs at once.
-        for adm in plan.admissions:
+        # (4) admit (the transitions, committed) then launch, all GPUs of a job at once.
+        for done in store.admit(plan.admissions):
             try:
-                row, spec = store.admit(adm.job, adm.placement)
-            except RuntimeError as exc:  # refused (no longer queued, or its spec failed it): the others go on
-                log.warning("%s not admitted: %s", adm.job.job_id, exc)
-                continue
-            try:
-                executor.launch(row, spec, adm.placement)
+                executor.launch(done.row, done.spec, done.admission.placement)
             except Exception as exc:
-                log.exception("launch of %s failed", adm.job.job_id)
-                store.launch_failed(adm.job, exc)
+                log.exception("launch of %s failed", done.admission.job.job_id)
+                store.launch_failed(done.admission.job, exc)
         # preemption: SIGTERM -> checkpoint -> requeued by apply_observed with resume_from.
         for pre in plan.preemptions:
             victim = store.preempting(pre.victim_id, pre.for_job)
             if victim is not None:
                 executor.stop(victim, StopReason.PREEMPT)
         # (5) requeue the rest with their reasons.
-        for w in plan.waiting:
-            store.set_waiting(w.job, w.reason, w.position)
+        store.set_waiting(plan.waiting)
         return CycleResult(ran=True, plan=plan, observed=len(changes), seconds=time.perf_counter() - t0)
     finally:
         if lock is not None:

@@ -372,6 +372,15 @@ class PoolEstimate:
     def bytes_per_gpu(self) -> int | None:
         return self.memory.total if self.memory else None
 
+    def for_tokens(self, total_tokens: int | None, price_per_gpu_hour: float) -> PoolEstimate:
+        """This estimate for a job of ``total_tokens``: its ETA and cost (memory and
+        throughput do not depend on the length of the job)."""
+        if not self.fits:
+            return self
+        eta = total_tokens / self.tokens_per_s if total_tokens else None
+        cost = eta / 3600 * self.gpus * price_per_gpu_hour if eta is not None else None
+        return replace(self, eta_s=eta, cost=cost)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "pool": self.pool, "fits": self.fits, "gpus": self.gpus, "nodes": self.nodes,
@@ -441,13 +450,11 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
         )
     n, off, mem = best
     tps = tokens_per_second(m, t, pool, n, trainer=trainer, offload=off)
-    eta = total_tokens / tps if total_tokens else None
-    cost = eta / 3600 * n * pool.price_per_gpu_hour if eta is not None else None
     reasons = [f"{n}x {pool.accelerator}: {mem.total / GIB:.1f} of {pool.gpu_memory_gib:.3g} GiB per GPU"]
     if off:
         reasons.append("CPU offload of sharded weights needed to fit")
     return PoolEstimate(
         pool=pool.name, fits=True, gpus=n, nodes=math.ceil(n / pool.gpus_per_node), offload=off,
-        memory=mem, gpu_memory_bytes=pool.gpu_memory_bytes, tokens_per_s=tps, eta_s=eta,
-        cost=cost, trainer=trainer, reasons=tuple(reasons),
-    )
+        memory=mem, gpu_memory_bytes=pool.gpu_memory_bytes, tokens_per_s=tps, eta_s=None,
+        cost=None, trainer=trainer, reasons=tuple(reasons),
+    ).for_tokens(total_tokens, pool.price_per_gpu_hour)

@@ -9,11 +9,13 @@ Real deployments use ``worker.scheduler.store`` (the DB) and a real executor.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.scheduler.capacity import CapacitySnapshot, RunningJob
+from worker.scheduler.cycle import Admission, Admitted, Waiting
 from worker.scheduler.placement import Placement
 from worker.scheduler.pools import NodePool
 from worker.scheduler.request import JobRequest
@@ -40,6 +42,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self.jobs: dict[str, MemoryJob] = {}
         self.usage: dict[tuple[str, str], float] = {}
+        self.refused: list[str] = []  # admissions refused: the job was no longer queued
         self._lock = threading.Lock()
 
     def submit(self, req: JobRequest) -> MemoryJob:
@@ -55,15 +58,19 @@ class MemoryStore:
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
         return dict(self.usage)
 
-    def admit(self, job: JobRequest, placement: Placement) -> tuple[MemoryJob, dict[str, Any]]:
+    def admit(self, admissions: Sequence[Admission]) -> list[Admitted]:
+        out = []
         with self._lock:
-            row = self.jobs[job.job_id]
-            if row.status != "queued":  # the transition function would refuse this (409)
-                raise RuntimeError(f"{job.job_id} is {row.status}, not queued")
-            row.status, row.placement, row.queue_reason = "running", placement, None
-            row.queue_position = None
-            row.events.append(f"admitted on {placement.pool} ({placement.gpus} GPUs)")
-            return row, {"job_id": job.job_id, "resume_from": row.resume_from}
+            for adm in admissions:
+                row = self.jobs[adm.job.job_id]
+                if row.status != "queued":  # the transition function would refuse this (409)
+                    self.refused.append(adm.job.job_id)
+                    continue
+                row.status, row.placement, row.queue_reason = "running", adm.placement, None
+                row.queue_position = None
+                row.events.append(f"admitted on {adm.placement.pool} ({adm.placement.gpus} GPUs)")
+                out.append(Admitted(adm, row, {"job_id": row.id, "resume_from": row.resume_from}))
+        return out
 
     def launch_failed(self, job: JobRequest, error: Exception) -> None:
         with self._lock:
@@ -79,13 +86,14 @@ class MemoryStore:
             row.events.append(f"preempted for {for_job}")
             return row
 
-    def set_waiting(self, job: JobRequest, reason: str, position: int) -> None:
+    def set_waiting(self, waiting: Sequence[Waiting]) -> None:
         with self._lock:
-            row = self.jobs[job.job_id]
-            row.queue_position = position
-            if row.queue_reason != reason:
-                row.queue_reason = reason
-                row.events.append(reason)
+            for w in waiting:
+                row = self.jobs[w.job.job_id]
+                row.queue_position = w.position
+                if row.queue_reason != w.reason:
+                    row.queue_reason = w.reason
+                    row.events.append(w.reason)
 
     def apply_observed(self, changes: list[ObservedChange]) -> None:
         with self._lock:

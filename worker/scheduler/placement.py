@@ -73,21 +73,26 @@ class _Candidate:
     estimate: PoolEstimate
 
 
-_ESTIMATES: dict[tuple, PoolEstimate] = {}
+_ESTIMATES: dict[tuple, PoolEstimate] = {}  # job shape x pool -> estimate without ETA/cost
+_PER_JOB: dict[tuple, PoolEstimate] = {}  # ... -> with the job's ETA/cost
 
 
 def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
-    """``estimate_on_pool`` memoised: the same job shape on the same pool is asked every cycle."""
-    key = (job.model, job.training, job.total_tokens, job.gpus, trainer, pool.name,
+    """``estimate_on_pool`` memoised: the same job shape on the same pool is asked every
+    cycle, and thousands of queued jobs share a few shapes (only their length differs)."""
+    key = (job.model, job.training, job.gpus, trainer, pool.name,
            pool.gpu_memory_bytes, pool.gpus_per_node, pool.max_nodes_per_job,
            pool.peak_tflops, pool.price_per_gpu_hour, pool.accelerator)
-    est = _ESTIMATES.get(key)
-    if est is None:
-        if len(_ESTIMATES) > 100_000:
-            _ESTIMATES.clear()
-        est = estimate_on_pool(job.model, job.training, pool, trainer=trainer,
-                               total_tokens=job.total_tokens, gpus=job.gpus)
-        _ESTIMATES[key] = est
+    est = _PER_JOB.get((key, job.total_tokens))
+    if est is not None:
+        return est
+    if len(_PER_JOB) > 100_000:
+        _PER_JOB.clear()
+        _ESTIMATES.clear()
+    shape = _ESTIMATES.get(key)
+    if shape is None:
+        shape = _ESTIMATES[key] = estimate_on_pool(job.model, job.training, pool, trainer=trainer, gpus=job.gpus)
+    est = _PER_JOB[(key, job.total_tokens)] = shape.for_tokens(job.total_tokens, pool.price_per_gpu_hour)
     return est
 
 
