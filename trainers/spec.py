@@ -82,7 +82,7 @@ class AdapterSpec(_Strict):
     use_dora: bool = False
 
     @model_validator(mode="after")
-    def _quantization_matches_method(self) -> "AdapterSpec":
+    def _quantization_matches_method(self) -> AdapterSpec:
         if self.method == "qlora" and self.quantization == "none":
             raise ValueError("adapter.method 'qlora' needs quantization 'nf4' or 'hqq4'")
         if self.method == "lora" and self.quantization != "none":
@@ -194,7 +194,7 @@ class TrainerSpec(_Strict):
     )
 
     @model_validator(mode="after")
-    def _batch_divides(self) -> "TrainerSpec":
+    def _batch_divides(self) -> TrainerSpec:
         hp = self.hyperparameters
         if hp.batch_size % hp.micro_batch_size:
             raise ValueError(
@@ -204,7 +204,7 @@ class TrainerSpec(_Strict):
         return self
 
     @classmethod
-    def load(cls, path: str | Path) -> "TrainerSpec":
+    def load(cls, path: str | Path) -> TrainerSpec:
         return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
 
     def dump(self, path: str | Path) -> None:

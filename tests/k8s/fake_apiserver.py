@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, urlparse
 
 NAMESPACED = {"pods": ("", "v1", "Pod"), "services": ("", "v1", "Service"), "configmaps": ("", "v1", "ConfigMap"),
@@ -851,7 +851,7 @@ class FakeApiServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> FakeApiServer:
+    def start(self) -> Self:
         self._threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
                          threading.Thread(target=self._controllers, daemon=True)]
         for t in self._threads:
@@ -871,7 +871,7 @@ class FakeApiServer:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> FakeApiServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

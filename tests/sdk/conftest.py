@@ -158,7 +158,7 @@ def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def run_in_fresh_loop(coro):  # noqa: ANN001, ANN201
+def run_in_fresh_loop(coro):
     """``asyncio.run(coro)`` on a thread of its own: an event loop another test left running
     in the main thread (Playwright's sync API keeps one) cannot get in the way."""
     import asyncio

@@ -16,5 +16,5 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-from tunefleet.cli import commands as _commands  # noqa: E402,F401  (registers client commands)
-from tunefleet.cli import operator as _operator  # noqa: E402,F401  (registers operator commands)
+from tunefleet.cli import commands as _commands  # noqa: F401  (registers client commands)
+from tunefleet.cli import operator as _operator  # noqa: F401  (registers operator commands)

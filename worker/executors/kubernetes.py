@@ -190,7 +190,7 @@ class KubernetesExecutor:
     """Runs trainers as Kubernetes Jobs; implements ``worker.executors.base.Executor``."""
 
     def __init__(self, api_client: client.ApiClient, pools: list[NodePool], *,
-                 options: ManifestOptions = ManifestOptions(), max_pending_s: float = 900.0,
+                 options: ManifestOptions | None = None, max_pending_s: float = 900.0,
                  clock: Callable[[], float] = time.time, watch_timeout_s: int = 5,
                  command: list[str] | None = None, extra_env: dict[str, str] | None = None,
                  running_jobs: Callable[[], Iterable[RunningRow]] | None = None,
@@ -198,7 +198,7 @@ class KubernetesExecutor:
         self.batch = client.BatchV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.pools = {p.name: p for p in pools}
-        self.options = options
+        self.options = options = options or ManifestOptions()
         self.ns = options.namespace
         self.max_pending_s = max_pending_s
         self.clock = clock

@@ -43,7 +43,7 @@ Clock = Callable[[], float]
 class CycleConfig:
     """Policy knobs of a cycle (from settings)."""
 
-    preemption: PreemptionPolicy = PreemptionPolicy()
+    preemption: PreemptionPolicy = field(default_factory=PreemptionPolicy)
     objective: Objective = "cost"
     backfill: bool = True
     reservations_per_pool: int = 1
