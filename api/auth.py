@@ -19,11 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import URL, event, select
 from sqlalchemy.orm import Session, joinedload, make_transient_to_detached
 
-from api.db.base import utcnow
+from api.db.base import to_unix, utcnow
 from api.db.models import ApiKey, Tenant
 from api.errors import APIError
 from api.ids import hash_secret, key_prefix, new_api_key, new_id
@@ -218,6 +219,19 @@ def create_api_key(
     session.add(key)
     session.flush()
     return key, raw_key
+
+
+def tenant_object(tenant: Tenant) -> dict[str, Any]:
+    """A tenant as ``/v1/admin`` (and ``tunefleet admin ... --json``) shows it."""
+    return {"id": tenant.id, "object": "organization", "name": tenant.name, "is_admin": tenant.is_admin,
+            "created_at": to_unix(tenant.created_at)}
+
+
+def key_object(key: ApiKey) -> dict[str, Any]:
+    """An API key as ``/v1/admin`` (and ``tunefleet admin ... --json``) shows it; never the key itself."""
+    return {"id": key.id, "object": "api_key", "prefix": key.prefix, "name": key.name,
+            "tenant_id": key.tenant_id, "is_admin": key.is_admin, "created_at": to_unix(key.created_at),
+            "revoked_at": to_unix(key.revoked_at)}
 
 
 def revoke_api_key(session: Session, key: ApiKey) -> None:

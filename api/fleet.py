@@ -133,6 +133,10 @@ def _observed_capacity(session: Session, pools: list[NodePool]) -> dict[str, Poo
     return {r.pool: r for r in rows if now - r.observed_at <= OBSERVED_CAPACITY_MAX_AGE}
 
 
+def _node_view(name: str, gpus_total: int, gpus_free: int) -> dict[str, Any]:
+    return {"name": name, "gpus_total": gpus_total, "gpus_used": gpus_total - gpus_free, "gpus_free": gpus_free}
+
+
 def _waiting_pool(
     job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None
 ) -> str | None:
@@ -164,14 +168,10 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
         visible = [j.job_id for j in running if key.grants_admin or j.tenant == key.tenant_id]
         if pool.name in observed:
             row = observed[pool.name]
-            node_list = [{"name": n["name"], "gpus_total": n["gpus_total"],
-                          "gpus_used": n["gpus_total"] - n["gpus_free"], "gpus_free": n["gpus_free"]}
-                         for n in row.nodes]
+            node_list = [_node_view(n["name"], n["gpus_total"], n["gpus_free"]) for n in row.nodes]
             source = {"capacity_source": "cluster", "observed_at": int(row.observed_at.timestamp())}
         else:
-            node_list = [{"name": n.name, "gpus_total": n.gpus_total,
-                          "gpus_used": n.gpus_total - n.gpus_free, "gpus_free": n.gpus_free}
-                         for n in snap.nodes.get(pool.name, {}).values()]
+            node_list = [_node_view(n.name, n.gpus_total, n.gpus_free) for n in snap.nodes.get(pool.name, {}).values()]
             source = {"capacity_source": "config", "observed_at": None}
         total = sum(n["gpus_total"] for n in node_list)
         free = sum(n["gpus_free"] for n in node_list)

@@ -9,7 +9,6 @@ from pydantic import Field
 from sqlalchemy import select
 
 from api import auth
-from api.db.base import to_unix
 from api.db.models import ApiKey, Tenant
 from api.deps import AdminDep, SessionDep
 from api.errors import not_found
@@ -28,28 +27,17 @@ class KeyCreate(Strict):
     is_admin: bool = False
 
 
-def _tenant(t: Tenant) -> dict[str, Any]:
-    return {"id": t.id, "object": "organization", "name": t.name, "is_admin": t.is_admin,
-            "created_at": to_unix(t.created_at)}
-
-
-def _key(k: ApiKey) -> dict[str, Any]:
-    return {"id": k.id, "object": "api_key", "prefix": k.prefix, "name": k.name,
-            "tenant_id": k.tenant_id, "is_admin": k.is_admin, "created_at": to_unix(k.created_at),
-            "revoked_at": to_unix(k.revoked_at)}
-
-
 @router.get("/tenants")
 def list_tenants(session: SessionDep, _admin: AdminDep) -> dict[str, Any]:
     rows = session.scalars(select(Tenant).order_by(Tenant.created_at))
-    return {"object": "list", "data": [_tenant(t) for t in rows]}
+    return {"object": "list", "data": [auth.tenant_object(t) for t in rows]}
 
 
 @router.post("/tenants")
 def create_tenant(body: TenantCreate, session: SessionDep, _admin: AdminDep) -> dict[str, Any]:
     tenant = auth.create_tenant(session, body.name, is_admin=body.is_admin)
     session.commit()
-    return _tenant(tenant)
+    return auth.tenant_object(tenant)
 
 
 @router.post("/tenants/{tenant_id}/api_keys")
@@ -59,7 +47,7 @@ def create_key(tenant_id: str, body: KeyCreate, session: SessionDep, _admin: Adm
         raise not_found("tenant", tenant_id)
     key, raw = auth.create_api_key(session, tenant, is_admin=body.is_admin, name=body.name)
     session.commit()
-    return {**_key(key), "key": raw}
+    return {**auth.key_object(key), "key": raw}
 
 
 @router.delete("/api_keys/{key_id}")
@@ -69,4 +57,4 @@ def revoke_key(key_id: str, session: SessionDep, _admin: AdminDep) -> dict[str, 
         raise not_found("API key", key_id)
     auth.revoke_api_key(session, key)
     session.commit()
-    return _key(key)
+    return auth.key_object(key)

@@ -58,8 +58,8 @@ def file_content(
 ) -> StreamingResponse:
     row = queries.get_file(session, tenant, file_id)
     store = request.app.state.file_store
-    # Uploads are JSONL; a job's results file (purpose fine-tune-results) is a CSV.
-    media_type, suffix = ("text/csv", "csv") if row.location.endswith(".csv") else ("application/jsonl", "jsonl")
+    # Uploads are JSONL; a job's results file is a CSV.
+    media_type, suffix = ("text/csv", "csv") if row.purpose == queries.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
     return StreamingResponse(
         store.iter_bytes(row.location), media_type=media_type,
         headers={"Content-Length": str(row.bytes),

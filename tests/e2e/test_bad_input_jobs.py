@@ -14,24 +14,12 @@ import pytest
 import yaml
 
 from tests.e2e.test_local_training import TERMINAL, create_job, upload, wait_status
+from tests.model_files import nan_copy
 from tunefleet.demo import demo_examples
 
 pytestmark = pytest.mark.slow
 
 NAN_MODEL = "tunefleet-tiny-llama-nan"
-
-
-def nan_copy(model_dir: Path, dest: Path) -> Path:
-    """A copy of ``model_dir`` whose final norm has a NaN weight: every logit is NaN."""
-    from safetensors.torch import load_file, save_file
-
-    dest.mkdir()
-    for f in model_dir.iterdir():
-        (dest / f.name).write_bytes(f.read_bytes())
-    weights = load_file(str(dest / "model.safetensors"))
-    weights["model.norm.weight"][0] = float("nan")
-    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
 
 
 def assert_failed_with(http, job_id: str, code: str) -> None:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
+from tests.model_files import nan_copy
 from trainers.__main__ import classify, main
 from trainers.errors import UserError
 from trainers.exit_codes import ExitCode
@@ -110,13 +110,7 @@ def test_corrupt_model_dir(make_spec, tiny_model_dir, tmp_path):
 
 def test_nan_loss_stops_with_a_clear_error(make_spec, tiny_model_dir, tmp_path):
     # A checkpoint with a NaN weight: the first loss is NaN (a real failure mode, no hook).
-    nan_model = tmp_path / "nan-model"
-    nan_model.mkdir()
-    for f in tiny_model_dir.iterdir():
-        (nan_model / f.name).write_bytes(f.read_bytes())
-    weights = load_file(str(nan_model / "model.safetensors"))
-    weights["model.norm.weight"][0] = float("nan")
-    save_file(weights, str(nan_model / "model.safetensors"), metadata={"format": "pt"})
+    nan_model = nan_copy(tiny_model_dir, tmp_path / "nan-model")
     spec = make_spec(model={"path": str(nan_model)})
     code = _main(_write_spec(spec, tmp_path / "spec.json"))
     assert code == ExitCode.USER_ERROR

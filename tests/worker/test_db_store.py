@@ -178,6 +178,18 @@ def test_run_forever_runs_cycles_and_stops(settings):
     assert (settings.data_path / "scheduler.lock").exists()  # SQLite mode: the file lock
 
 
+def _first(store, method, request):
+    """Make ``store.<method>`` send ``request`` (an API call that must succeed) first: a
+    user acting between the cycle's plan and its writes."""
+    real = getattr(store, method)
+
+    def wrapped(items):
+        assert request().status_code == 200
+        return real(items)
+
+    setattr(store, method, wrapped)
+
+
 def test_admissions_are_batched_and_one_bad_job_keeps_no_one_out(settings, client, tenant_key, make_job,  # noqa: F811
                                                                   monkeypatch):
     """Admissions go in transactions of ADMIT_CHUNK jobs. Inside a chunk, a job cancelled
@@ -212,13 +224,7 @@ def test_admissions_are_batched_and_one_bad_job_keeps_no_one_out(settings, clien
         return real_build(session, job, *args, **kwargs)
 
     monkeypatch.setattr(spec_builder, "build_spec", build)
-    real_admit = store.admit
-
-    def admit(admissions):
-        assert client.post(f"{JOBS}/{cancelled}/cancel", headers=a.headers).status_code == 200
-        return real_admit(admissions)
-
-    store.admit = admit
+    _first(store, "admit", lambda: client.post(f"{JOBS}/{cancelled}/cancel", headers=a.headers))
     run_cycle(store, ex)
 
     launched = [j for j, _ in ex.launches]
@@ -239,13 +245,7 @@ def test_waiting_reasons_skip_jobs_that_left_the_queue(settings, client, tenant_
     running, waits, leaves = (make_job(a.headers)["id"] for _ in range(3))
     pools = [local_pool(slots=1)]
     store, ex = DbStore(settings, pools), RecordingExecutor(pools)
-    real_set_waiting = store.set_waiting
-
-    def set_waiting(waiting):
-        assert client.post(f"{JOBS}/{leaves}/cancel", headers=a.headers).status_code == 200
-        return real_set_waiting(waiting)
-
-    store.set_waiting = set_waiting
+    _first(store, "set_waiting", lambda: client.post(f"{JOBS}/{leaves}/cancel", headers=a.headers))
     run_cycle(store, ex)
     assert [j for j, _ in ex.launches] == [running]
     got = {j: client.get(f"{JOBS}/{j}", headers=a.headers).json() for j in (waits, leaves)}

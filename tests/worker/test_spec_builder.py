@@ -50,12 +50,17 @@ def test_cpu_host_devices_are_one_per_core_dividing_the_batch(cores, batch_size,
     assert cpu_host_devices(cores, batch_size) == devices
 
 
-def test_local_pool_jax_job_gets_one_host_device_per_core(client, tenant_key, db_session, settings, monkeypatch):
+def _local_jax_spec(client, tenant_key, db_session, settings, monkeypatch, batch_size):
+    """The spec of a jax job with ``batch_size`` on a 2-core local pool (2 threads per trainer)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    job = _job_row(client, tenant_key, db_session, trainer="jax", batch_size=4)
-    spec = build_spec(db_session, job, settings, pool_accelerator="cpu",
+    job = _job_row(client, tenant_key, db_session, trainer="jax", batch_size=batch_size)
+    return build_spec(db_session, job, settings, pool_accelerator="cpu",
                       pool_families=("fsdp_qlora", "jax_lora"), gpus=1, token="t")
+
+
+def test_local_pool_jax_job_gets_one_host_device_per_core(client, tenant_key, db_session, settings, monkeypatch):
+    spec = _local_jax_spec(client, tenant_key, db_session, settings, monkeypatch, batch_size=4)
     assert spec.trainer == "jax_lora"
     par = spec.parallelism
     assert (par.mesh.data, par.mesh.fsdp, par.mesh.tensor, par.host_devices) == (2, 1, 1, 2)
@@ -65,11 +70,7 @@ def test_local_pool_jax_job_gets_one_host_device_per_core(client, tenant_key, db
 
 
 def test_odd_batch_keeps_one_host_device(client, tenant_key, db_session, settings, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    job = _job_row(client, tenant_key, db_session, trainer="jax", batch_size=3)
-    spec = build_spec(db_session, job, settings, pool_accelerator="cpu",
-                      pool_families=("fsdp_qlora", "jax_lora"), gpus=1, token="t")
+    spec = _local_jax_spec(client, tenant_key, db_session, settings, monkeypatch, batch_size=3)
     assert (spec.parallelism.mesh.data, spec.parallelism.host_devices) == (1, 1)
 
 

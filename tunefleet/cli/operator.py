@@ -19,15 +19,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
 from tunefleet.cli import app
 from tunefleet.cli.render import JsonOpt, print_json, report_error
-
-if TYPE_CHECKING:
-    from api.db.models import ApiKey, Tenant
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
@@ -45,23 +42,6 @@ def _settings(json_out: bool = False):
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         report_error({"message": f"invalid configuration: {exc}", "code": "invalid_configuration"}, json_out)
         raise typer.Exit(2) from exc
-
-
-def _tenant_json(tenant: Tenant) -> dict[str, Any]:
-    """A tenant as ``GET /v1/admin/tenants`` shows it."""
-    from api.db.base import to_unix
-
-    return {"id": tenant.id, "object": "organization", "name": tenant.name, "is_admin": tenant.is_admin,
-            "created_at": to_unix(tenant.created_at)}
-
-
-def _key_json(key: ApiKey, raw: str) -> dict[str, Any]:
-    """A new key as ``POST /v1/admin/tenants/{id}/api_keys`` answers it (the raw key once)."""
-    from api.db.base import to_unix
-
-    return {"id": key.id, "object": "api_key", "prefix": key.prefix, "name": key.name,
-            "tenant_id": key.tenant_id, "is_admin": key.is_admin, "created_at": to_unix(key.created_at),
-            "revoked_at": to_unix(key.revoked_at), "key": raw}
 
 
 @db_app.command("upgrade")
@@ -89,13 +69,14 @@ def create_tenant(
 ) -> None:
     """Create a tenant (organization) and print its id."""
     from api.auth import create_tenant as create
+    from api.auth import tenant_object
     from api.db.session import session_scope
     from api.errors import APIError
 
     settings = _settings(json_out)
     try:
         with session_scope(settings.resolved_database_url) as session:
-            tenant = _tenant_json(create(session, name, is_admin=admin))
+            tenant = tenant_object(create(session, name, is_admin=admin))
     except APIError as exc:
         report_error({"message": exc.message, "code": exc.code, "param": exc.param}, json_out)
         raise typer.Exit(1) from exc
@@ -112,7 +93,7 @@ def create_key(
     """Create an API key for a tenant and print it (it is shown only this once)."""
     from sqlalchemy import or_, select
 
-    from api.auth import create_api_key
+    from api.auth import create_api_key, key_object
     from api.db.models import Tenant
     from api.db.session import session_scope
 
@@ -122,7 +103,8 @@ def create_key(
         if row is None:
             report_error({"message": f"no tenant '{tenant}'", "code": "not_found", "param": "tenant"}, json_out)
             raise typer.Exit(1)
-        key = _key_json(*create_api_key(session, row, is_admin=admin, name=name))
+        key_row, raw = create_api_key(session, row, is_admin=admin, name=name)
+        key = {**key_object(key_row), "key": raw}
     print_json(key) if json_out else typer.echo(key["key"])
 
 
@@ -131,11 +113,12 @@ def list_tenants(json_out: JsonOpt = False) -> None:
     """List tenants (id, name, admin)."""
     from sqlalchemy import select
 
+    from api.auth import tenant_object
     from api.db.models import Tenant
     from api.db.session import session_scope
 
     with session_scope(_settings(json_out).resolved_database_url) as session:
-        tenants = [_tenant_json(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]
+        tenants = [tenant_object(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]
     if json_out:
         print_json({"object": "list", "data": tenants, "has_more": False})
         return

@@ -35,9 +35,9 @@ from api.db.models import File, Job, JobEvent, PoolCapacity
 from api.db.session import begin_write, session_scope
 from api.errors import APIError
 from api.files import create_result_file
-from api.ids import hash_secret, new_id, new_job_token
+from api.ids import hash_secret, new_job_token
 from api.jobs import latest_checkpoint
-from api.lifecycle import add_event, lock_job, transition
+from api.lifecycle import add_event, event_values, lock_job, transition
 from api.settings import Settings
 from worker.executors.base import ObservedChange, ObservedKind, RunningRow, StopReason
 from worker.scheduler.capacity import CapacitySnapshot
@@ -201,8 +201,8 @@ class DbStore:
             jobs = {j.id: j for j in session.scalars(
                 select(Job).where(Job.id.in_(ids)).order_by(Job.id).with_for_update())}
             file_ids = {f for j in jobs.values() for f in (j.training_file, j.validation_file) if f}
-            files = session.scalars(select(File).where(File.id.in_(file_ids))).all()  # noqa: F841 (held: the
-            # session's identity map keeps only referenced objects)
+            # Held in a variable: the session's identity map keeps only referenced objects.
+            _files = session.scalars(select(File).where(File.id.in_(file_ids))).all()
             now = self.clock()
             for adm in chunk:
                 job, placement = jobs.get(adm.job.job_id), adm.placement
@@ -347,10 +347,9 @@ class DbStore:
 
 
 def reason_event(job_id: str, reason: str, now: dt.datetime) -> dict[str, Any]:
-    """The ``fine_tuning.job.event`` row for a new waiting reason (sentence case, the rest
-    as written: "GPUs", pool names)."""
-    return {"id": new_id("ftevent"), "job_id": job_id, "created_at": now, "level": "info", "type": "message",
-            "message": reason[:1].upper() + reason[1:], "data": {"queue_reason": reason}}
+    """The event row for a new waiting reason (sentence case, the rest as written: "GPUs",
+    pool names)."""
+    return event_values(job_id, reason[:1].upper() + reason[1:], data={"queue_reason": reason}, created_at=now)
 
 
 def _timestamp(value: dt.datetime | None) -> float | None:
