@@ -208,8 +208,13 @@ def test_submit_watch_training_and_download_adapter(
     page.wait_for_function(
         f"Number(document.querySelector('#chart-loss').dataset.points || 0) >= {TRAIN_STEPS}"
     )
-    steps = [r.inner_text().split("\t") for r in page.query_selector_all("#checkpoints-table tbody tr")]
-    assert any(str(TRAIN_STEPS) in cells for cells in steps), steps
+    # The final checkpoint is listed (step column). Read in the page, in one go: the live
+    # page re-renders the table, and a row handle read after that is detached (its text
+    # then loses the cell tabs).
+    page.wait_for_function(
+        "[...document.querySelectorAll('#checkpoints-table tbody tr td:nth-child(2)')]"
+        f".some((td) => td.textContent.trim() === '{TRAIN_STEPS}')"
+    )
     # Locators, not element handles: the live page may re-render the table in between.
     row = page.locator('#artifacts-table tr[data-name="adapter/adapter_model.safetensors"]')
     row.wait_for()
