@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,8 @@ def resolve_trainer(requested: str, pool_families: tuple[str, ...]) -> str:
     return name
 
 
-def precision_for(accelerator: str) -> PrecisionSpec:
+@cache
+def precision_for(accelerator: str) -> PrecisionSpec:  # frozen, so one per accelerator
     if accelerator == "cpu":
         return PrecisionSpec(base_dtype="float32", compute_dtype="float32", adapter_dtype="float32")
     return PrecisionSpec(base_dtype="bfloat16", compute_dtype="bfloat16", adapter_dtype="float32")

@@ -82,6 +82,28 @@ def test_local_store_roundtrip_and_symlink_escape(tmp_path: Path) -> None:
     assert not store.exists("a/b.txt")
 
 
+def test_local_store_resolves_links_at_any_depth(tmp_path: Path) -> None:
+    """Only keys with a symlink below the root are resolved; a link at any depth that
+    leads out is refused, one that stays inside is followed, a key not written yet is the
+    plain path under the root."""
+    store = LocalArtifactStore(tmp_path / "root")
+    root = tmp_path.resolve() / "root"
+    store.put_bytes("jobs/j1/out.txt", b"ok")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "s.txt").write_text("secret")
+    (root / "jobs" / "j1" / "up").symlink_to("../../..")  # relative, three levels up
+    (root / "jobs" / "deep").symlink_to(tmp_path / "outside")
+    (root / "alias").symlink_to(root / "jobs" / "j1")
+    for key in ("jobs/j1/up/outside/s.txt", "jobs/deep/s.txt", "jobs/deep"):
+        with pytest.raises(APIError) as caught:
+            store.location(key)
+        assert caught.value.code == "invalid_artifact_path", key
+    assert store.read_bytes("alias/out.txt") == b"ok"
+    assert store.location("alias/out.txt") == str(root / "jobs" / "j1" / "out.txt")
+    assert store.location("jobs/j2/checkpoints") == str(root / "jobs" / "j2" / "checkpoints")
+    assert store.location("jobs/j1/out.txt/below") == str(root / "jobs" / "j1" / "out.txt" / "below")
+
+
 def test_s3_store_roundtrip(s3_endpoint: str, tmp_path: Path) -> None:
     store = store_for("s3://tf-artifacts/jobs/j1", s3_endpoint_url=s3_endpoint)
     assert isinstance(store, S3ArtifactStore)
