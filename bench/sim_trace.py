@@ -11,12 +11,17 @@ tokens/s times a log-normal factor (sigma 0.25). A job placed where its true mem
 exceeds the GPU's OOMs after 5 minutes (the GPUs are held meanwhile) and is requeued.
 Two error models for memory (third argument):
 
-- ``fitted`` (default): log-normal, fitted to every measured/predicted ratio we have
-  (``MEASURED_OVER_PREDICTED``: the published GPU anchors and our own CPU peaks,
-  bench/RESULTS.md). It has tails: a job the estimator sized near the 84 % headroom
-  limit can still OOM, so "0 OOM placements" is a result here, not a given.
+- ``fitted`` (default): log-normal, fitted to the published peak / estimate ratio of
+  every published GPU anchor (``measured_over_predicted``: the 10 rows of
+  tests/worker/test_estimator_anchors.py, computed from the estimator as it is). It has
+  tails: a job the estimator sized near the 84 % headroom limit can still OOM, so
+  "0 OOM placements" is a result here, not a given.
 - ``uniform``: a factor in [0.88, 1.18], the anchors' spread only. With the estimator's
   84 % headroom (0.84 x 1.18 < 1) our policy cannot OOM by construction under it.
+
+``--four-bit-share`` rescales the mix so 4-bit jobs are that fraction of the trace (MIX
+as written: 60 %). 4-bit jobs run only on the fsdp_qlora (RTX 4090) pool, so the share
+bounds how busy the MI300X pool can be kept (bench/RESULTS.md).
 
 - ours: ``plan_cycle`` every simulated minute (priority, fair share, estimator-sized
   gangs, cost-aware pool choice, backfill with a reservation, preemption with a 60 s
@@ -26,11 +31,13 @@ Two error models for memory (third argument):
   ours) with a free gang of the *naive* size (weights only: parameters x bytes
   per parameter / GPU memory); after an OOM the job retries with twice the GPUs.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/sim_trace.py        # writes bench/sim_trace.png
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sim_trace.py [jobs] [seed] [fitted|uniform]
+        [--four-bit-share F] [--no-plot]            # writes bench/sim_trace.png
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
@@ -57,16 +64,25 @@ OBJECTIVE = "cost"
 OOM_AFTER_S = 300.0
 CHECKPOINT_S = 60.0
 
-# measured peak / estimator's figure: Answer.AI 7B QLoRA, 7B LoRA, 70B QLoRA+offload,
-# torchtune 8B QLoRA, 8B LoRA (tests/worker/test_estimator_anchors.py), and our CPU peaks
-# (bench/scheduler_estimator_cpu.py, 4 shapes).
-MEASURED_OVER_PREDICTED = (1.165, 0.905, 1.127, 0.882, 0.876, 1.100, 1.131, 1.135, 1.212)
+def measured_over_predicted() -> list[float]:
+    """Published peak / the estimator's figure for every published GPU anchor
+    (``tests/worker/test_estimator_anchors.py``: Answer.AI 7B QLoRA/LoRA at several batch
+    sizes, 70B QLoRA+offload, torchtune 8B QLoRA/LoRA), computed from the estimator as it
+    is now. Only GPU figures: the simulated pools are GPUs, and our CPU peaks measure the
+    CPU accounting (own constants, bench/scheduler_estimator_cpu.py)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.insert(0, repo)  # the tests package, outside the installed ones
+    from tests.worker.test_estimator_anchors import MEMORY_ANCHORS
+
+    return [published * GIB / memory_per_gpu(KNOWN_MODELS[model], training, gpus,
+                                             accelerator="nvidia-rtx-4090", offload=offload).model_bytes
+            for _source, model, training, gpus, offload, published in MEMORY_ANCHORS]
 
 
-def memory_error(rng: random.Random, model: str) -> float:
+def memory_error(rng: random.Random, model: str, logs: list[float]) -> float:
     if model == "uniform":
         return rng.uniform(0.88, 1.18)
-    logs = [math.log(r) for r in MEASURED_OVER_PREDICTED]
     return math.exp(rng.gauss(statistics.fmean(logs), statistics.stdev(logs)))
 
 
@@ -114,20 +130,33 @@ class SimJob:
     nodes: tuple = ()
 
 
+def mix_weights(four_bit_share: float | None) -> list[float]:
+    """``MIX``'s weights, or rescaled so that 4-bit jobs are ``four_bit_share`` of the trace
+    (each kind keeps its weight within its group)."""
+    weights = [float(m[0]) for m in MIX]
+    if four_bit_share is None:
+        return weights
+    four_bit = [m[3] != "none" for m in MIX]
+    total_4, total_16 = (sum(w for w, q in zip(weights, four_bit, strict=True) if q == want) for want in (True, False))
+    return [w * (four_bit_share / total_4 if q else (1 - four_bit_share) / total_16)
+            for w, q in zip(weights, four_bit, strict=True)]
+
+
 def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
-               memory_model: str = "fitted") -> list[SimJob]:
+               memory_model: str = "fitted", four_bit_share: float | None = None) -> list[SimJob]:
     rng = random.Random(seed)
     # Memory errors from their own stream: both error models get the same jobs and arrivals.
     mem_rng = random.Random(f"memory-{seed}")
+    logs = [math.log(r) for r in measured_over_predicted()]
     jobs: list[SimJob] = []
-    weights = [m[0] for m in MIX]
+    weights = mix_weights(four_bit_share)
     for i in range(n):
         _, model, method, quant, seq, (lo, hi) = rng.choices(MIX, weights)[0]
         tokens = rng.uniform(lo, hi) * 1e6
         req = JobRequest(job_id=f"j{i:05d}", tenant=f"org-{rng.randrange(8)}", model=KNOWN_MODELS[model],
                          training=TrainingShape(method=method, quantization=quant, seq_len=seq),
                          priority=75 if rng.random() < 0.1 else 50, created_at=0.0)
-        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model), math.exp(rng.gauss(0, 0.25))))
+        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model, logs), math.exp(rng.gauss(0, 0.25))))
     # Offered load ~100 %: spread arrivals so total work / capacity ~= the arrival span.
     work = 0.0
     for j in jobs:
@@ -329,18 +358,26 @@ class Sim:
         }
 
 
-def main(n: int = 2000, seed: int = 7, memory_model: str = "fitted") -> None:
-    if memory_model not in ("fitted", "uniform"):
-        raise SystemExit(f"memory error model must be 'fitted' or 'uniform', not {memory_model!r}")
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("jobs", nargs="?", type=int, default=2000)
+    parser.add_argument("seed", nargs="?", type=int, default=7)
+    parser.add_argument("memory_model", nargs="?", choices=("fitted", "uniform"), default="fitted")
+    parser.add_argument("--four-bit-share", type=float, default=None,
+                        help="fraction of 4-bit (QLoRA) jobs in the trace; default: MIX as written (0.6)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    n, seed, memory_model = args.jobs, args.seed, args.memory_model
     cluster = pools()
     t0 = time.perf_counter()
-    trace = make_trace(n, seed, cluster, memory_model=memory_model)
+    trace = make_trace(n, seed, cluster, memory_model=memory_model, four_bit_share=args.four_bit_share)
     results = {}
     for policy in ("ours", "fifo"):
         sim = Sim(trace, cluster, policy)
         results[policy] = (sim.run(), sim.timeline)
     ours, fifo = results["ours"][0], results["fifo"][0]
-    print(f"trace: {n} jobs, seed {seed}, memory error model {memory_model}, cluster 4x8 MI300X + 32x2 RTX 4090 "
+    share = sum(j.req.training.method == "qlora" for j in trace) / n
+    print(f"trace: {n} jobs ({share:.0%} 4-bit), seed {seed}, memory error model {memory_model}, cluster 4x8 MI300X + 32x2 RTX 4090 "
           f"(simulated in {time.perf_counter() - t0:.0f} s)")
     print(f"{'metric':28s} {'ours':>10s} {'FIFO first-fit':>15s}")
     for key, label in [("mean_jct_h", "mean JCT (h)"), ("p95_jct_h", "p95 JCT (h)"), ("max_wait_h", "max wait (h)"),
@@ -353,6 +390,8 @@ def main(n: int = 2000, seed: int = 7, memory_model: str = "fitted") -> None:
         fmt = "{:>10.3f} {:>15.3f}" if isinstance(a, float) else "{:>10d} {:>15d}"
         print(f"{label:28s} " + fmt.format(a, b))
     print(f"mean JCT speedup (FIFO / ours): {fifo['mean_jct_h'] / ours['mean_jct_h']:.2f}x")
+    if args.no_plot:
+        return
     try:
         import matplotlib
 
@@ -380,11 +419,13 @@ def main(n: int = 2000, seed: int = 7, memory_model: str = "fitted") -> None:
     ax2.legend()
     ax2.set_title("4x8 MI300X + 32x2 RTX 4090")
     fig.tight_layout()
-    out = Path(__file__).with_name("sim_trace.png" if memory_model == "fitted" else f"sim_trace_{memory_model}.png")
+    name = "sim_trace" + ("" if memory_model == "fitted" else f"_{memory_model}")
+    if args.four_bit_share is not None:
+        name += f"_4bit{round(args.four_bit_share * 100)}"
+    out = Path(__file__).with_name(name + ".png")
     fig.savefig(out, dpi=110)
     print(f"plot: {out}")
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(*(int(a) for a in args[:2]), *args[2:3])
+    main()
