@@ -202,10 +202,7 @@ def attention(
     if mask is None:
         seq = q.shape[1]
         mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None]
-    # Recompute scores and probabilities in the backward pass instead of saving them:
-    # one extra (seq x seq) matmul per layer is cheaper here than writing, keeping and
-    # re-reading fp32 probabilities of every layer.
-    return jax.checkpoint(cpu_attention, static_argnums=(4, 5))(q, k, v, mask, scale, query_block)
+    return cpu_attention(q, k, v, mask, scale, query_block)
 
 
 def cpu_attention(
@@ -220,30 +217,79 @@ def cpu_attention(
     triangle of blocks.
     """
     seq = q.shape[1]
+    q = q * jnp.asarray(scale, q.dtype)
     outs = [
-        _cpu_attention_block(q[:, start:end], k[:, :end], v[:, :end], mask[:, :, start:end, :end], scale)
+        _cpu_attention_block(q[:, start:end], k[:, :end], v[:, :end], mask[:, :, start:end, :end])
         for start, end in ((s, min(s + query_block, seq)) for s in range(0, seq, query_block))
     ]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """GQA attention laid out so XLA:CPU needs no transpose of the (q_seq x k_seq) scores.
+def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
+    """(batch, seq, heads, head_dim) -> (batch, kv_heads, seq, group, head_dim)."""
+    batch, seq, heads, head_dim = x.shape
+    return x.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 1, 3, 4)
 
-    Query heads are split as (kv_heads, group) and kept in the order the matmul produces,
-    (batch, kv_heads, q_seq, group, k_seq), so the mask, the softmax over the last axis
-    and the second matmul read the scores where they are. Same math as
-    ``jax.nn.dot_product_attention``: masked scores are the float32 minimum, not -inf,
-    and every row has at least one visible key (``attention_mask``).
+
+def _ungrouped(x: jax.Array) -> jax.Array:
+    """Inverse of ``_grouped``."""
+    batch, kv_heads, seq, group, head_dim = x.shape
+    return x.transpose(0, 2, 1, 3, 4).reshape(batch, seq, kv_heads * group, head_dim)
+
+
+@jax.custom_vjp
+def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of pre-scaled queries, with a hand-written backward pass.
+
+    Laid out for XLA:CPU, whose batched matmuls are fast only when the contracted axes
+    are the trailing axes of both operands' matrices. Heads go first, split as
+    (kv_heads, group): queries (batch, kv, q, group, d), keys/values (batch, kv, t, d),
+    scores (batch, kv, q, group, t). Same math as ``jax.nn.dot_product_attention``:
+    masked scores are the float32 minimum, not -inf, and every row has at least one
+    visible key (``attention_mask``).
+
+    The backward pass keeps FlashAttention's residuals - inputs, output and each row's
+    log-sum-exp, no (q x t) probabilities - and works on the *transposed* scores
+    (batch, kv, t, q, group), recomputed by one matmul: then dV = Pᵀ·dO, dK = dSᵀ·Q
+    and dPᵀ = V·dOᵀ all contract trailing axes. Differentiating the forward instead
+    (``jax.checkpoint`` + autodiff, as before) made XLA transpose the probabilities for
+    dV and dK; this is ~3 % more tokens/s on the whole CPU train step
+    (bench/RESULTS.md, issue 4).
     """
-    batch, seq, heads, head_dim = q.shape
+    return _attention_block_fwd(q, k, v, mask)[0]
+
+
+def _attention_block_fwd(q, k, v, mask):
     kv_heads = k.shape[2]
-    q = (q * jnp.asarray(scale, q.dtype)).reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("bqkgd,btkd->bkqgt", q, k, preferred_element_type=jnp.float32)
+    qg, kg, vg = _grouped(q, kv_heads), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqgd,bktd->bkqgt", qg, kg, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, :, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkqgt,btkd->bqkgd", probs, v)
-    return out.reshape(batch, seq, heads, head_dim)
+    row_max = scores.max(axis=-1, keepdims=True)
+    exp = jnp.exp(scores - row_max)
+    row_sum = exp.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bkqgt,bktd->bkqgd", (exp / row_sum).astype(v.dtype), vg)
+    log_sum_exp = (row_max + jnp.log(row_sum))[..., 0]  # (batch, kv, q, group)
+    return _ungrouped(out), (qg, kg, vg, mask, out, log_sum_exp)
+
+
+def _attention_block_bwd(residuals, d_out):
+    qg, kg, vg, mask, out, log_sum_exp = residuals
+    d_out = _grouped(d_out, kg.shape[1])
+    # Σ_d dO·O per query row: softmax's backward without the (q x t) probabilities.
+    row_dot = jnp.einsum("bkqgd,bkqgd->bkqg", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    scores_t = jnp.einsum("bktd,bkqgd->bktqg", kg, qg, preferred_element_type=jnp.float32)
+    visible_t = jnp.swapaxes(mask, 2, 3)[..., None]  # (batch, 1, t, q, 1)
+    probs_t = jnp.where(visible_t, jnp.exp(scores_t - log_sum_exp[:, :, None]), 0.0)
+    d_v = jnp.einsum("bktqg,bkqgd->bktd", probs_t.astype(d_out.dtype), d_out)
+    d_probs_t = jnp.einsum("bktd,bkqgd->bktqg", vg, d_out, preferred_element_type=jnp.float32)
+    d_scores_t = probs_t * (d_probs_t - row_dot[:, :, None])
+    d_k = jnp.einsum("bktqg,bkqgd->bktd", d_scores_t.astype(qg.dtype), qg)
+    d_q = jnp.einsum("bktqg,bktd->bkqgd", d_scores_t.astype(kg.dtype), kg)
+    return (_ungrouped(d_q).astype(qg.dtype), d_k.transpose(0, 2, 1, 3).astype(kg.dtype),
+            d_v.transpose(0, 2, 1, 3).astype(vg.dtype), None)
+
+
+_cpu_attention_block.defvjp(_attention_block_fwd, _attention_block_bwd)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
