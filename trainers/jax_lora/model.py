@@ -225,68 +225,55 @@ def cpu_attention(
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
-    """(batch, seq, heads, head_dim) -> (batch, kv_heads, seq, group, head_dim)."""
-    batch, seq, heads, head_dim = x.shape
-    return x.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 1, 3, 4)
-
-
-def _ungrouped(x: jax.Array) -> jax.Array:
-    """Inverse of ``_grouped``."""
-    batch, kv_heads, seq, group, head_dim = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(batch, seq, kv_heads * group, head_dim)
-
-
 @jax.custom_vjp
 def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention of pre-scaled queries, with a hand-written backward pass.
 
-    Laid out for XLA:CPU, whose batched matmuls are fast only when the contracted axes
-    are the trailing axes of both operands' matrices. Heads go first, split as
-    (kv_heads, group): queries (batch, kv, q, group, d), keys/values (batch, kv, t, d),
-    scores (batch, kv, q, group, t). Same math as ``jax.nn.dot_product_attention``:
-    masked scores are the float32 minimum, not -inf, and every row has at least one
-    visible key (``attention_mask``).
+    Query heads are split as (kv_heads, group) and the scores kept in the order the
+    matmul produces them, (batch, kv_heads, q_seq, group, k_seq), so the mask and the
+    softmax over the last axis read them where they are; every matmul writes its natural
+    layout and the (small) attention output is transposed afterwards. Same math as
+    ``jax.nn.dot_product_attention``: masked scores are the float32 minimum, not -inf,
+    and every row has at least one visible key (``attention_mask``).
 
     The backward pass keeps FlashAttention's residuals - inputs, output and each row's
-    log-sum-exp, no (q x t) probabilities - and works on the *transposed* scores
-    (batch, kv, t, q, group), recomputed by one matmul: then dV = Pᵀ·dO, dK = dSᵀ·Q
-    and dPᵀ = V·dOᵀ all contract trailing axes. Differentiating the forward instead
-    (``jax.checkpoint`` + autodiff, as before) made XLA transpose the probabilities for
-    dV and dK; this is ~3 % more tokens/s on the whole CPU train step
-    (bench/RESULTS.md, issue 4).
+    log-sum-exp, no (q x k) probabilities - and recomputes the probabilities from them.
+    Before, ``jax.checkpoint`` + autodiff recomputed the whole forward, and XLA:CPU
+    wrote the attention output (and its cotangents) through transposed matmul outputs;
+    this is ~10 % more tokens/s on the whole CPU train step (bench/RESULTS.md, issue 4).
     """
     return _attention_block_fwd(q, k, v, mask)[0]
 
 
 def _attention_block_fwd(q, k, v, mask):
+    batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    qg, kg, vg = _grouped(q, kv_heads), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqgd,bktd->bkqgt", qg, kg, preferred_element_type=jnp.float32)
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bqkgd,btkd->bkqgt", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, :, None, :], scores, jnp.finfo(jnp.float32).min)
     row_max = scores.max(axis=-1, keepdims=True)
     exp = jnp.exp(scores - row_max)
     row_sum = exp.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("bkqgt,bktd->bkqgd", (exp / row_sum).astype(v.dtype), vg)
+    out = jnp.einsum("bkqgt,btkd->bkqgd", (exp / row_sum).astype(v.dtype), v).transpose(0, 2, 1, 3, 4)
     log_sum_exp = (row_max + jnp.log(row_sum))[..., 0]  # (batch, kv, q, group)
-    return _ungrouped(out), (qg, kg, vg, mask, out, log_sum_exp)
+    return out.reshape(batch, seq, heads, head_dim), (q, k, v, mask, out, log_sum_exp)
 
 
 def _attention_block_bwd(residuals, d_out):
-    qg, kg, vg, mask, out, log_sum_exp = residuals
-    d_out = _grouped(d_out, kg.shape[1])
-    # Σ_d dO·O per query row: softmax's backward without the (q x t) probabilities.
-    row_dot = jnp.einsum("bkqgd,bkqgd->bkqg", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    scores_t = jnp.einsum("bktd,bkqgd->bktqg", kg, qg, preferred_element_type=jnp.float32)
-    visible_t = jnp.swapaxes(mask, 2, 3)[..., None]  # (batch, 1, t, q, 1)
-    probs_t = jnp.where(visible_t, jnp.exp(scores_t - log_sum_exp[:, :, None]), 0.0)
-    d_v = jnp.einsum("bktqg,bkqgd->bktd", probs_t.astype(d_out.dtype), d_out)
-    d_probs_t = jnp.einsum("bktd,bkqgd->bktqg", vg, d_out, preferred_element_type=jnp.float32)
-    d_scores_t = probs_t * (d_probs_t - row_dot[:, :, None])
-    d_k = jnp.einsum("bktqg,bkqgd->bktd", d_scores_t.astype(qg.dtype), qg)
-    d_q = jnp.einsum("bktqg,bktd->bkqgd", d_scores_t.astype(kg.dtype), kg)
-    return (_ungrouped(d_q).astype(qg.dtype), d_k.transpose(0, 2, 1, 3).astype(kg.dtype),
-            d_v.transpose(0, 2, 1, 3).astype(vg.dtype), None)
+    q, k, v, mask, out, log_sum_exp = residuals  # q and out: (batch, q, kv, group, d)
+    d_out = d_out.reshape(out.shape)
+    # Σ_d dO·O per query row = Σ_k dP·P: softmax's backward without saved probabilities.
+    row_dot = jnp.einsum("bqkgd,bqkgd->bkqg", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    scores = jnp.einsum("bqkgd,btkd->bkqgt", q, k, preferred_element_type=jnp.float32)
+    probs = jnp.where(mask[:, :, :, None, :], jnp.exp(scores - log_sum_exp[..., None]), 0.0)
+    d_probs = jnp.einsum("bqkgd,btkd->bkqgt", d_out, v, preferred_element_type=jnp.float32)
+    d_scores = probs * (d_probs - row_dot[..., None])
+    d_q = jnp.einsum("bkqgt,btkd->bkqgd", d_scores.astype(k.dtype), k).transpose(0, 2, 1, 3, 4)
+    d_k = jnp.einsum("bkqgt,bqkgd->btkd", d_scores.astype(q.dtype), q)
+    d_v = jnp.einsum("bkqgt,bqkgd->btkd", probs.astype(d_out.dtype), d_out)
+    batch, seq, kv_heads, group, head_dim = d_q.shape
+    return (d_q.reshape(batch, seq, kv_heads * group, head_dim).astype(q.dtype), d_k.astype(k.dtype),
+            d_v.astype(v.dtype), None)
 
 
 _cpu_attention_block.defvjp(_attention_block_fwd, _attention_block_bwd)
