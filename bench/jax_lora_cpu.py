@@ -177,12 +177,8 @@ def main() -> None:
             jax_rates.append(statistics.median(timed(j_step, args.steps)))
         # Then single steps in turn: each JAX step next to a torch step of the same
         # seconds, so the machine's drift (+-15 % between minutes here) cancels in the pair.
-        # Who goes first alternates, so neither side always follows the other's step.
-        for i in range(args.rounds * args.steps):
-            if i % 2:
-                (j_rate,), (t_rate,) = timed(j_step, 1), timed(t_step, 1)
-            else:
-                (t_rate,), (j_rate,) = timed(t_step, 1), timed(j_step, 1)
+        for _ in range(args.rounds * args.steps):
+            (t_rate,), (j_rate,) = timed(t_step, 1), timed(j_step, 1)
             paired.append(j_rate / t_rate)
     t_med, j_med = statistics.median(torch_rates), statistics.median(jax_rates)
     print(json.dumps({
