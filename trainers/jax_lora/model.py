@@ -240,7 +240,7 @@ def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     log-sum-exp, no (q x k) probabilities - and recomputes the probabilities from them.
     Before, ``jax.checkpoint`` + autodiff recomputed the whole forward, and XLA:CPU
     wrote the attention output (and its cotangents) through transposed matmul outputs;
-    this is ~10 % more tokens/s on the whole CPU train step (bench/RESULTS.md, issue 4).
+    this is ~6 % more tokens/s on the whole CPU train step (bench/RESULTS.md, issue 4).
     """
     return _attention_block_fwd(q, k, v, mask)[0]
 
