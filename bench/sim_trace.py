@@ -80,10 +80,12 @@ def measured_over_predicted() -> list[float]:
             for _source, model, training, gpus, offload, published in MEMORY_ANCHORS]
 
 
-def memory_error(rng: random.Random, model: str, logs: list[float]) -> float:
+def memory_error(rng: random.Random, model: str, log_fit: tuple[float, float]) -> float:
+    """The true / estimated memory factor of one job; ``log_fit``: (mean, sigma) of the
+    fitted log-normal."""
     if model == "uniform":
         return rng.uniform(0.88, 1.18)
-    return math.exp(rng.gauss(statistics.fmean(logs), statistics.stdev(logs)))
+    return math.exp(rng.gauss(*log_fit))
 
 
 MIX = [  # weight, model, method, quantization, seq, tokens range (millions)
@@ -148,6 +150,7 @@ def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
     # Memory errors from their own stream: both error models get the same jobs and arrivals.
     mem_rng = random.Random(f"memory-{seed}")
     logs = [math.log(r) for r in measured_over_predicted()]
+    log_fit = (statistics.fmean(logs), statistics.stdev(logs))  # once per trace, not per job
     jobs: list[SimJob] = []
     weights = mix_weights(four_bit_share)
     for i in range(n):
@@ -156,7 +159,7 @@ def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
         req = JobRequest(job_id=f"j{i:05d}", tenant=f"org-{rng.randrange(8)}", model=KNOWN_MODELS[model],
                          training=TrainingShape(method=method, quantization=quant, seq_len=seq),
                          priority=75 if rng.random() < 0.1 else 50, created_at=0.0)
-        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model, logs), math.exp(rng.gauss(0, 0.25))))
+        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model, log_fit), math.exp(rng.gauss(0, 0.25))))
     # Offered load ~100 %: spread arrivals so total work / capacity ~= the arrival span.
     work = 0.0
     for j in jobs:
@@ -376,7 +379,7 @@ def main() -> None:
         sim = Sim(trace, cluster, policy)
         results[policy] = (sim.run(), sim.timeline)
     ours, fifo = results["ours"][0], results["fifo"][0]
-    share = sum(j.req.training.method == "qlora" for j in trace) / n
+    share = sum(j.req.training.quantization != "none" for j in trace) / n  # as mix_weights counts 4-bit
     print(f"trace: {n} jobs ({share:.0%} 4-bit), seed {seed}, memory error model {memory_model}, cluster 4x8 MI300X + 32x2 RTX 4090 "
           f"(simulated in {time.perf_counter() - t0:.0f} s)")
     print(f"{'metric':28s} {'ours':>10s} {'FIFO first-fit':>15s}")
