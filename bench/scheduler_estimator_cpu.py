@@ -17,7 +17,7 @@ assumes.
     OMP_NUM_THREADS=1 .venv/bin/python bench/scheduler_estimator_cpu.py [--trainers fsdp_qlora,jax_lora]
         [--shapes 0,1,2,3] [--return-freed]
 
-``jax_lora`` runs on one host device, remat per layer or none, LoRA only (no NF4 there).
+``jax_lora`` runs on one host device, remat per layer or none, with an fp32 or NF4 base.
 ``--return-freed`` runs the trainers with ``MALLOC_MMAP_THRESHOLD_=65536`` (every tensor its
 own mmap, unmapped when freed), so the peak is the live tensors' plus the framework's; the
 difference to a default run is what glibc's heap retains (the estimator's CPU slack).
@@ -141,7 +141,7 @@ def main() -> None:
     trainers = args.trainers.split(",")
     runs = [("fsdp_qlora", q, c) for q in ("none", "nf4") for c in (False, True)] if "fsdp_qlora" in trainers else []
     if "jax_lora" in trainers:
-        runs += [("jax_lora", "none", c) for c in (False, True)]
+        runs += [("jax_lora", q, c) for q in ("none", "nf4") for c in (False, True)]
     print(f"{'trainer':11s} {'shape':32s} {'quant':5s} {'ckpt':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,6 +15,11 @@ gives zero-copy, lazily-paged views of any tensor in any dtype.
 
 HF stores ``nn.Linear`` weights as (out_features, in_features); our kernels are
 (in..., out...), so each slice is transposed and reshaped on the way in.
+
+A QLoRA base (``quantization="nf4"``) is quantized the same way, slice by slice: each
+device's callback reads its rows over whole 64-input blocks and keeps its packed codes
+or block maxima (``nf4.py``), so a 4-bit model never exists in 16 bits on the host
+either.
 """
 
 from __future__ import annotations
@@ -30,12 +35,20 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.jax_lora.config import LlamaConfig
-from trainers.jax_lora.model import PROJECTIONS, Params, param_axes, param_shapes, projection_shape
+from trainers.jax_lora.model import (
+    PROJECTIONS,
+    Params,
+    Quantization,
+    param_axes,
+    param_shapes,
+    projection_shape,
+)
+from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, block_absmax, quantize_rows
 from trainers.jax_lora.sharding import PARAM_RULES, tree_shardings
 
 _DTYPES = {
@@ -185,29 +198,69 @@ def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], 
     return np.stack(parts)
 
 
+def _read_nf4_shard(
+    reader: CheckpointReader, src: _Source, part: str, shape: tuple[int, ...], index: tuple[slice, ...], dtype: Any
+) -> np.ndarray:
+    """One device's slice of an NF4 kernel's ``codes`` or ``absmax`` (``nf4.py`` layout).
+
+    The slice's inputs are widened to whole blocks of 64, read in ``dtype`` (the values a
+    load in the base dtype gives, which is what a Hugging Face 4-bit load quantizes),
+    quantized, and cut back to the slice.
+    """
+    per_element = 2 if part == "codes" else NF4_BLOCKSIZE  # HF inputs per stored element
+    lo, hi, _ = index[1].indices(shape[1])
+    first = lo * per_element // NF4_BLOCKSIZE * NF4_BLOCKSIZE
+    last = -(-hi * per_element // NF4_BLOCKSIZE) * NF4_BLOCKSIZE
+    skip = (lo * per_element - first) // per_element
+    expected = (int(np.prod(src.out_dims)), int(np.prod(src.in_dims)))
+    parts = []
+    for layer in range(*index[0].indices(shape[0])):
+        hf = reader.get(src.hf_names[layer])
+        if tuple(hf.shape) != expected:
+            raise UserError(
+                f"{src.hf_names[layer]} has shape {tuple(hf.shape)}, config implies {expected}", code="corrupt_model"
+            )
+        rows = np.asarray(hf[index[2], first:last], dtype=dtype)
+        stored = quantize_rows(rows)[0] if part == "codes" else block_absmax(rows)
+        parts.append(np.ascontiguousarray(stored[:, skip : skip + hi - lo].T))
+    return np.stack(parts)
+
+
 def load_params(
-    model_dir: str | Path, cfg: LlamaConfig, mesh: Mesh, dtype: Any = jnp.bfloat16
+    model_dir: str | Path, cfg: LlamaConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
+    quantization: Quantization = "none",
 ) -> tuple[Params, dict[str, int]]:
     """Load the base weights into arrays sharded by ``PARAM_RULES`` on ``mesh``.
 
+    ``quantization="nf4"`` quantizes the decoder's linear weights shard by shard while
+    loading (``nf4.py``); embeddings, norms and the LM head stay in ``dtype``.
+
     Returns:
         (params, stats) with stats ``host_peak_rss_bytes`` (after loading) and
-        ``param_bytes`` (total, in the target dtype).
+        ``param_bytes`` (total, as stored on the devices).
     """
     reader = CheckpointReader(model_dir)
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in reader:
         raise UserError("config says untied embeddings but the checkpoint has no lm_head.weight", code="corrupt_model")
-    shapes = param_shapes(cfg, dtype)
-    shardings = tree_shardings(shapes, param_axes(cfg), mesh, PARAM_RULES)
+    shapes = param_shapes(cfg, dtype, quantization)
+    shardings = tree_shardings(shapes, param_axes(cfg, quantization), mesh, PARAM_RULES)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
-    def load_one(src: _Source, shape: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
+    def load_one(src: _Source, shape: Any, sharding: Any) -> Any:
+        if isinstance(shape, dict):  # an NF4 kernel: {"codes", "absmax"}
+            return {
+                part: jax.make_array_from_callback(
+                    s.shape, sharding[part],
+                    lambda index, part=part, s=s: _read_nf4_shard(reader, src, part, s.shape, index, np_dtype),
+                )
+                for part, s in shape.items()
+            }
         return jax.make_array_from_callback(
             shape.shape, sharding, lambda index: _read_shard(reader, src, shape.shape, index, np_dtype)
         )
 
     params = jax.tree.map(load_one, _sources(cfg), shapes, shardings, is_leaf=lambda x: isinstance(x, _Source))
-    total = sum(int(np.prod(s.shape)) * np_dtype.itemsize for s in jax.tree.leaves(shapes))
+    total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
     return params, {"host_peak_rss_bytes": peak_rss_bytes(), "param_bytes": total}
 
 

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainers.jax_lora.config import LlamaConfig, rope_inverse_frequencies
+from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, nf4_project
 
 Params = dict[str, Any]
+Quantization = Literal["none", "nf4"]
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 RematPolicy = Literal["none", "per_layer", "dots_saveable"]
 
@@ -79,28 +81,56 @@ def projection_shape(cfg: LlamaConfig, name: str) -> tuple[tuple[int, ...], tupl
     return tuple(sizes[a] for a in proj.in_axes), tuple(sizes[a] for a in proj.out_axes)
 
 
-def param_axes(cfg: LlamaConfig) -> Params:
-    """Logical axis names of every base parameter (same tree structure as the params)."""
-    layers: dict[str, tuple[str, ...]] = {
+def _flat_axis(axes: tuple[str, ...]) -> str:
+    """Logical name of a flattened group of dims (e.g. heads x head_dim) in an NF4 kernel.
+
+    The group shards like its leading dim, but without that dim's strictness (a
+    quantization block may span heads; the dense heads are checked separately).
+    """
+    return f"{axes[0]}_flat" if len(axes) > 1 else axes[0]
+
+
+def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
+    """Logical axis names of every base parameter (same tree structure as the params).
+
+    With ``quantization="nf4"`` each projection is ``{"codes", "absmax"}`` (``nf4.py``),
+    both (layers, in_flat / k, out_flat) with the projection's leading logical axes.
+    """
+    layers: dict[str, Any] = {
         "input_layernorm": ("layers", "embed"),
         "post_attention_layernorm": ("layers", "embed"),
     }
     for name, proj in PROJECTIONS.items():
-        layers[name] = ("layers", *proj.in_axes, *proj.out_axes)
+        if quantization == "nf4":
+            flat = ("layers", _flat_axis(proj.in_axes), _flat_axis(proj.out_axes))
+            layers[name] = {"codes": flat, "absmax": flat}
+        else:
+            layers[name] = ("layers", *proj.in_axes, *proj.out_axes)
     axes: Params = {"embed_tokens": ("vocab", "embed"), "layers": layers, "norm": ("embed",)}
     if not cfg.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
     return axes
 
 
-def param_shapes(cfg: LlamaConfig, dtype: Any) -> Params:
-    """``jax.ShapeDtypeStruct`` of every base parameter."""
+def param_shapes(cfg: LlamaConfig, dtype: Any, quantization: Quantization = "none") -> Params:
+    """``jax.ShapeDtypeStruct`` of every base parameter (``dtype`` for the unquantized ones)."""
     sizes = axis_sizes(cfg)
-    return jax.tree.map(
+    shapes = jax.tree.map(
         lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), jnp.dtype(dtype)),
         param_axes(cfg),
         is_leaf=lambda x: isinstance(x, tuple),
     )
+    if quantization == "nf4":
+        for name in PROJECTIONS:
+            in_dims, out_dims = projection_shape(cfg, name)
+            in_flat, out_flat = math.prod(in_dims), math.prod(out_dims)
+            if in_flat % NF4_BLOCKSIZE:
+                raise ValueError(f"{name} has {in_flat} inputs; NF4 needs a multiple of {NF4_BLOCKSIZE}")
+            shapes["layers"][name] = {
+                "codes": jax.ShapeDtypeStruct((cfg.num_layers, in_flat // 2, out_flat), jnp.uint8),
+                "absmax": jax.ShapeDtypeStruct((cfg.num_layers, in_flat // NF4_BLOCKSIZE, out_flat), jnp.float32),
+            }
+    return shapes
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
@@ -153,15 +183,24 @@ class LoraRuntime:
 
 def project(
     x: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | dict[str, jax.Array],
     lora: dict[str, jax.Array] | None,
     n_in: int,
     runtime: LoraRuntime,
     dropout_key: jax.Array | None,
+    out_dims: tuple[int, ...] | None = None,
 ) -> jax.Array:
-    """``x @ W`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear)."""
+    """``x @ W`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear).
+
+    ``kernel`` is a dense (in..., out...) array or an NF4 ``{"codes", "absmax"}`` pair
+    (then ``out_dims`` gives the output dims), as bitsandbytes' ``Linear4bit`` under
+    PEFT: the base product runs on the dequantized weight in the input's dtype.
+    """
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())))
+    if isinstance(kernel, dict):
+        y = nf4_project(x, kernel["codes"], kernel["absmax"], x.shape[x.ndim - n_in:], out_dims)
+    else:
+        y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())))
     if lora is None:
         return y
     x_in = x
@@ -302,7 +341,8 @@ def _decoder_layer(
 ) -> jax.Array:
     def proj(name: str, x: jax.Array) -> jax.Array:
         k = None if key is None else jax.random.fold_in(key, list(PROJECTIONS).index(name))
-        return project(x, layer[name], lora.get(name), len(PROJECTIONS[name].in_axes), runtime, k)
+        return project(x, layer[name], lora.get(name), len(PROJECTIONS[name].in_axes), runtime, k,
+                       projection_shape(cfg, name)[1])
 
     x = rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps)
     q = constrain(proj("q_proj", x), ("batch", "seq", "heads", "head_dim"))

@@ -60,9 +60,10 @@ LOCAL_REPORTS = "reports.jsonl"
 def _check_spec(spec: TrainerSpec) -> None:
     if spec.trainer != "jax_lora":
         raise UserError(f"spec.trainer is {spec.trainer!r}, this is the jax_lora trainer", code="invalid_spec")
-    if spec.adapter.method != "lora":
+    if spec.adapter.quantization not in ("none", "nf4") or spec.adapter.double_quant:
         raise UserError(
-            "the JAX trainer trains bf16/fp32 LoRA; 4-bit QLoRA runs on the fsdp_qlora trainer",
+            "the JAX trainer's 4-bit base is NF4 without double quantization; hqq4 and "
+            "double_quant run on the fsdp_qlora trainer",
             code="invalid_spec",
         )
     if spec.adapter.use_dora:
@@ -218,8 +219,9 @@ def run(
     base_dtype = jnp.dtype(spec.precision.base_dtype)
     adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
 
-    p_abstract = param_shapes(cfg, base_dtype)
-    p_shard = tree_shardings(p_abstract, param_axes(cfg), mesh)
+    quantization = spec.adapter.quantization
+    p_abstract = param_shapes(cfg, base_dtype, quantization)
+    p_shard = tree_shardings(p_abstract, param_axes(cfg, quantization), mesh)
     p_report = sharding_report(p_abstract, p_shard, mesh)
     check_replication(p_report, what="base parameters")
     l_abstract = lora_shapes(cfg, targets, spec.adapter.r, adapter_dtype)
@@ -243,7 +245,7 @@ def run(
 
         # -- model: tensor by tensor into sharded arrays ---------------------------------
         t0 = time.perf_counter()
-        params, load_stats = load_params(spec.model.path, cfg, mesh, base_dtype)
+        params, load_stats = load_params(spec.model.path, cfg, mesh, base_dtype, quantization)
         load_s = time.perf_counter() - t0
 
         # -- adapter + optimizer, created directly sharded ---------------------------------
@@ -326,7 +328,7 @@ def run(
                 data={
                     "devices": jax.device_count(), "processes": jax.process_count(),
                     "mesh": {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor},
-                    "param_bytes_per_device": p_report.bytes_per_device,
+                    "base_quantization": quantization, "param_bytes_per_device": p_report.bytes_per_device,
                     "optimizer_bytes_per_device": opt_report.bytes_per_device,
                     "host_peak_rss_bytes_after_load": load_stats["host_peak_rss_bytes"],
                     "load_seconds": round(load_s, 3), "total_steps": total_steps,

@@ -38,6 +38,10 @@ PARAM_RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "mlp": "tensor",
     "lora_rank": None,
+    # NF4 kernels flatten (heads, head_dim) into one dim (model.param_axes): it shards
+    # like heads, but a dim that does not divide is replicated rather than refused.
+    "heads_flat": "tensor",
+    "kv_heads_flat": "tensor",
 }
 
 ACTIVATION_RULES: dict[str, MeshAxes] = {

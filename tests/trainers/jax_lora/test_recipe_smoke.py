@@ -39,14 +39,16 @@ def _run_entry(spec, tmp_path: Path, xla_flags: str | None = None) -> subprocess
 
 
 def _reference_first_loss(spec) -> float:
-    from transformers import LlamaForCausalLM
+    """transformers' completion-only loss on the first batch (bitsandbytes NF4 for qlora)."""
+    from tests.trainers.fsdp_qlora.reference import hf_model
 
     tok = load_tokenizer(spec.model.path)
     data = load_job_data(spec, tok, pad_to=spec.data.max_seq_len)
     stream = data.train.micro_batches()
     n_micro = spec.hyperparameters.batch_size // spec.hyperparameters.micro_batch_size
     batches = [next(stream) for _ in range(n_micro)]
-    model = LlamaForCausalLM.from_pretrained(spec.model.path, dtype=torch.float32).eval()
+    # train mode (no dropout in the base): bnb repacks its CPU weights in eval mode
+    model = hf_model(Path(spec.model.path), spec.adapter.quantization)
     nll, count = 0.0, 0
     with torch.no_grad():
         for b in batches:
@@ -119,3 +121,39 @@ def test_host_devices_must_fill_the_mesh(recipe_model, tiny_datasets, tmp_path):
     with pytest.raises(ValidationError, match="host_devices"):
         make_spec(recipe_model, tiny_datasets, tmp_path,
                   parallelism={"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "host_devices": 2})
+
+
+def test_qlora_nf4_trains_sharded_over_fsdp(recipe_model, tiny_datasets, tmp_path):
+    """A 4-bit base on a (1, 2, 1) mesh: every NF4 kernel split over two devices, step 1's
+    loss is transformers' on the same checkpoint loaded with BitsAndBytesConfig(nf4)."""
+    spec = make_spec(recipe_model, tiny_datasets, tmp_path,
+                     adapter={"method": "qlora", "quantization": "nf4", "r": 4, "alpha": 8.0,
+                              "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]},
+                     hyperparameters={"max_steps": 4, "batch_size": 4, "micro_batch_size": 2},
+                     parallelism={"mesh": {"data": 1, "fsdp": 2, "tensor": 1}, "host_devices": 2})
+    proc = _run_entry(spec, tmp_path)
+    assert proc.returncode == ExitCode.SUCCESS, proc.stderr[-3000:]
+
+    rows = [json.loads(line) for line in (Path(spec.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in rows]
+    assert abs(losses[0] - _reference_first_loss(spec)) <= 1e-4
+    dense = _reference_first_loss(spec.model_copy(update={"adapter": spec.adapter.model_copy(
+        update={"method": "lora", "quantization": "none"})}))
+    assert abs(losses[0] - dense) > 1e-3  # the 4-bit base is not the dense one
+    assert losses[-1] < losses[0] - 0.05
+    reports = [json.loads(line) for line in (Path(spec.checkpoint.dir) / "reports.jsonl").read_text().splitlines()]
+    loaded = next(r for r in reports if r["type"] == "event" and r["message"].startswith("jax_lora: model loaded"))
+    assert loaded["data"]["devices"] == 2 and loaded["data"]["base_quantization"] == "nf4"
+    assert (Path(spec.output_dir) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("adapter", [
+    {"method": "qlora", "quantization": "hqq4"},
+    {"method": "qlora", "quantization": "nf4", "double_quant": True},
+])
+def test_4bit_formats_of_the_torch_trainer_are_a_user_error(recipe_model, tiny_datasets, tmp_path, adapter):
+    spec = make_spec(recipe_model, tiny_datasets, tmp_path, adapter=adapter)
+    proc = _run_entry(spec, tmp_path)
+    assert proc.returncode == ExitCode.USER_ERROR, proc.stderr[-2000:]
+    error = json.loads(Path(spec.termination_log).read_text())
+    assert error["code"] == "invalid_spec" and "fsdp_qlora" in error["message"]

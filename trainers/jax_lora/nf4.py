@@ -1,0 +1,134 @@
+"""4-bit NormalFloat (NF4) base weights for QLoRA in JAX, bit-compatible with bitsandbytes.
+
+The format is bitsandbytes' ``quant_type="nf4"`` with its default block of 64 and no
+double quantization: a weight matrix, read in Hugging Face's (out_features, in_features)
+order, is cut into blocks of 64 consecutive values; each block keeps its absolute
+maximum (float32) and each value the index of the nearest of 16 NF4 levels after
+dividing by it, two indices per byte (the first value of a pair in the high nibble).
+Quantizing a checkpoint here gives the same bytes and absmax as
+``bitsandbytes.functional.quantize_4bit`` on the same tensor, and dequantizing gives
+the same floats (tests/trainers/jax_lora/test_nf4.py checks both against the library).
+
+Layout. Our kernels are (in..., out...); a quantized kernel of a projection with
+``in_flat`` inputs and ``out_flat`` outputs is the pair
+
+- ``codes``: uint8 (in_flat / 2, out_flat); ``codes[i, o]`` packs HF ``W[o, 2i]`` and
+  ``W[o, 2i + 1]``;
+- ``absmax``: float32 (in_flat / 64, out_flat), one per block of 64 inputs.
+
+Blocks run along the inputs (HF rows), so ``in_flat`` must be a multiple of 64; it is
+for every Llama (hidden sizes, heads x head_dim and MLP widths are multiples of 64).
+Both arrays keep the projection's leading logical axes, so they shard like the dense
+kernel would (``model.param_axes``).
+
+Compute. :func:`nf4_project` is ``x @ dequantize(W)`` with a hand-written backward pass:
+the base is frozen, so the only gradient is the input's, ``dy @ W.T``, and the
+backward dequantizes the kernel again instead of keeping it. Autodiff would save each
+layer's dequantized kernel as a residual of the layer scan - the whole model in the
+compute dtype, which is what quantizing was meant to avoid.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NF4_BLOCKSIZE = 64
+
+# The 16 NF4 levels (quantiles of N(0, 1) scaled to [-1, 1], with an exact zero), as the
+# float32 values bitsandbytes uses; the test compares them with the library's table.
+NF4_LEVELS = np.array(
+    [
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    ],
+    dtype=np.float32,
+)
+# A scaled value goes to level i when it lies in (bound[i - 1], bound[i]]: the midpoints
+# between neighbouring levels, computed in float32 as the library does.
+_BOUNDS = (NF4_LEVELS[:-1] + NF4_LEVELS[1:]) / np.float32(2)
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a (rows, cols) slice of an HF weight, blocks of 64 along each row.
+
+    Returns ``(packed, absmax)``: uint8 (rows, cols / 2) and float32 (rows, cols / 64).
+    ``cols`` must be a multiple of 64 (whole blocks). The values are first widened to
+    float32 (exact for bf16/fp16), as bitsandbytes does.
+    """
+    rows, cols = w.shape
+    blocks = _blocks(w)
+    absmax = np.abs(blocks).max(axis=-1)
+    # Multiply by the reciprocal (not divide): the library's rounding, bit for bit.
+    inverse = np.float32(1.0) / np.maximum(absmax, np.float32(1e-38))
+    scaled = np.clip(blocks * inverse[..., None], np.float32(-1.0), np.float32(1.0))
+    index = np.searchsorted(_BOUNDS, scaled, side="left").astype(np.uint8).reshape(rows, cols)
+    packed = (index[:, 0::2] << 4) | index[:, 1::2]
+    return packed, absmax
+
+
+def block_absmax(w: np.ndarray) -> np.ndarray:
+    """Only the float32 (rows, cols / 64) block maxima of ``quantize_rows``."""
+    return np.abs(_blocks(w)).max(axis=-1)
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    rows, cols = w.shape
+    if cols % NF4_BLOCKSIZE:
+        raise ValueError(f"NF4 quantizes whole blocks of {NF4_BLOCKSIZE}; got {cols} columns")
+    return np.asarray(w, dtype=np.float32).reshape(rows, cols // NF4_BLOCKSIZE, NF4_BLOCKSIZE)
+
+
+def quantize_kernel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An HF (out, in) weight -> our ``(codes, absmax)`` layout (see the module docstring)."""
+    packed, absmax = quantize_rows(w)
+    return np.ascontiguousarray(packed.T), np.ascontiguousarray(absmax.T)
+
+
+def dequantize(codes: jax.Array, absmax: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``(codes, absmax)`` -> the (in_flat, out_flat) kernel in ``dtype``.
+
+    As bitsandbytes: level x absmax in float32, then one cast to ``dtype``.
+    """
+    half, out = codes.shape
+    index = jnp.stack([codes >> 4, codes & 0xF], axis=1).reshape(2 * half, out)
+    levels = jnp.take(jnp.asarray(NF4_LEVELS), index.astype(jnp.int32), axis=0)
+    blocks = levels.reshape(-1, NF4_BLOCKSIZE, out) * absmax[:, None, :]
+    return blocks.reshape(2 * half, out).astype(dtype)
+
+
+def _contract(n: int, ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim - n, ndim))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def nf4_project(
+    x: jax.Array, codes: jax.Array, absmax: jax.Array, in_dims: tuple[int, ...], out_dims: tuple[int, ...]
+) -> jax.Array:
+    """``x @ W`` for a quantized kernel: x (..., *in_dims) -> (..., *out_dims) in x's dtype."""
+    return _project_fwd(x, codes, absmax, in_dims, out_dims)[0]
+
+
+def _project_fwd(x, codes, absmax, in_dims, out_dims):
+    kernel = dequantize(codes, absmax, x.dtype).reshape(*in_dims, *out_dims)
+    y = jax.lax.dot_general(x, kernel, ((_contract(len(in_dims), x.ndim), tuple(range(len(in_dims)))), ((), ())))
+    return y, (codes, absmax)
+
+
+def _project_bwd(in_dims, out_dims, residuals, dy):
+    codes, absmax = residuals
+    kernel = dequantize(codes, absmax, dy.dtype).reshape(*in_dims, *out_dims)
+    n_out = len(out_dims)
+    dx = jax.lax.dot_general(
+        dy, kernel, ((_contract(n_out, dy.ndim), _contract(n_out, kernel.ndim)), ((), ()))
+    )
+    # The frozen codes and scales get no gradient (None: a zero cotangent).
+    return dx, None, None
+
+
+nf4_project.defvjp(_project_fwd, _project_bwd)
