@@ -49,7 +49,14 @@ from worker.scheduler.estimator import (
     PoolEstimate,
     TrainingShape,
 )
-from worker.scheduler.placement import Placement, PreemptionPolicy, estimate_for, place_job
+from worker.scheduler.placement import (
+    Placement,
+    PreemptionPolicy,
+    estimate_for,
+    place_job,
+    trainer_for,
+    trainer_refusal,
+)
 from worker.scheduler.pools import NodePool, load_pools
 from worker.scheduler.request import JobRequest
 from worker.scheduler.usage import tenant_usage
@@ -287,11 +294,9 @@ def job_request(
 ) -> EstimateInput:
     shape, source = model_shape(entry)
     training = training_shape(adapter, hyperparameters, max_seq_len)
+    # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
+    # scheduler does for the queued job.
     family = trainer if trainer in ("jax_lora", "fsdp_qlora") else "auto"
-    if family == "auto" and training.method == "qlora":
-        # Only the torch trainer quantizes (the JAX recipe refuses 4-bit bases), so a
-        # QLoRA job can only run on fsdp_qlora pools.
-        family = "fsdp_qlora"
     req = JobRequest(
         job_id=job_id,
         tenant=tenant_id,
@@ -319,7 +324,7 @@ def _breakdown(est: PoolEstimate) -> dict[str, int] | None:
     if m is None:
         return None
     return {
-        "weights": m.weights + m.gathered_layer,
+        "weights": m.weights + m.gathered_layer + m.dequantized_layer,
         "lora": m.lora_params,
         "grads": m.lora_grads,
         "optimizer": m.optimizer,
@@ -407,23 +412,10 @@ def estimate(
     rows: list[dict[str, Any]] = []
     for pool in pools:
         free = snapshot.pool_free(pool.name)
-        trainer = (
-            pool.preferred_trainer()
-            if req.trainer == "auto"
-            else (req.trainer if req.trainer in pool.trainers else None)
-        )
+        trainer = trainer_for(req, pool)
         limit = pool.gpus_per_node * pool.max_nodes_per_job
         if trainer is None:
-            wants = (
-                "QLoRA (4-bit) trains only on fsdp_qlora"
-                if req.training.method == "qlora"
-                else f"the job asks for {req.trainer}"
-            )
-            rows.append(
-                _pool_row(
-                    pool, None, free, [f"{pool.name} runs {'/'.join(pool.trainers)}; {wants}"]
-                )
-            )
+            rows.append(_pool_row(pool, None, free, [f"{pool.name}: {trainer_refusal(req, pool)}"]))
             continue
         if req.gpus is not None and req.gpus > limit:
             rows.append(

@@ -73,11 +73,19 @@ def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> 
     return file
 
 
+# The bases the JAX trainer trains: bf16/fp32 and bitsandbytes-layout NF4 (not HQQ). The
+# scheduler's rule is ``worker.scheduler.placement.trainer_can_train`` (api never imports
+# worker outside api/fleet.py); tests/api/test_fleet.py checks both agree on every adapter
+# this API accepts.
+JAX_LORA_QUANTIZATIONS = ("none", "nf4")
+
+
 def check_trainer(body: JobCreate) -> None:
-    if body.trainer_name == "jax_lora" and body.adapter.method == "qlora":
+    quantization = body.adapter.quantization
+    if body.trainer_name == "jax_lora" and quantization not in JAX_LORA_QUANTIZATIONS:
         raise APIError(400, "invalid_request",
-                       "The JAX trainer trains LoRA on bf16/fp32 weights; QLoRA (4-bit) needs "
-                       "trainer 'fsdp_qlora' or 'auto'.", param="trainer")
+                       f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base; a "
+                       f"{quantization} base needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
 
 
 def create_job(

@@ -20,16 +20,17 @@ Two error models for memory (third argument):
   84 % headroom (0.84 x 1.18 < 1) our policy cannot OOM by construction under it.
 
 ``--four-bit-share`` rescales the mix so 4-bit jobs are that fraction of the trace (MIX
-as written: 60 %). 4-bit jobs run only on the fsdp_qlora (RTX 4090) pool, so the share
-bounds how busy the MI300X pool can be kept (bench/RESULTS.md).
+as written: 60 %). Which pools a job may use follows the scheduler's ``trainer_for``: the
+mix's 4-bit jobs are NF4 without double quantization, which both trainers train (jax_lora
+on MI300X, fsdp_qlora on RTX 4090); an HQQ or double-quantized base would be 4090-only.
 
 - ours: ``plan_cycle`` every simulated minute (priority, fair share, estimator-sized
   gangs, cost-aware pool choice, backfill with a reservation, preemption with a 60 s
   checkpoint); after an OOM the job is pinned to the next larger GPU count.
 - FIFO first-fit: strict arrival order, the head blocks the queue; the first pool (in
-  config order) that runs the job's trainer (QLoRA only on fsdp_qlora pools, as for
-  ours) with a free gang of the *naive* size (weights only: parameters x bytes
-  per parameter / GPU memory); after an OOM the job retries with twice the GPUs.
+  config order) with a trainer that can run the job (``trainer_for``, as for ours) and a
+  free gang of the *naive* size (weights only: parameters x bytes per parameter / GPU
+  memory); after an OOM the job retries with twice the GPUs.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sim_trace.py [jobs] [seed] [fitted|uniform]
         [--four-bit-share F] [--no-plot]            # writes bench/sim_trace.png
@@ -88,7 +89,7 @@ def memory_error(rng: random.Random, model: str, log_fit: tuple[float, float]) -
     return math.exp(rng.gauss(*log_fit))
 
 
-MIX = [  # weight, model, method, quantization, seq, tokens range (millions)
+MIX = [  # weight, model, method, quantization (nf4: no double quant), seq, tokens range (millions)
     (30, "llama-2-7b", "qlora", "nf4", 2048, (2, 20)),
     (20, "llama-3.1-8b", "qlora", "nf4", 2048, (2, 20)),
     (15, "llama-3.1-8b", "lora", "none", 2048, (2, 20)),
@@ -163,9 +164,9 @@ def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
     # Offered load ~100 %: spread arrivals so total work / capacity ~= the arrival span.
     work = 0.0
     for j in jobs:
-        best = max(estimate_on_pool(j.req.model, j.req.training, p).tokens_per_s
-                   / max(1, estimate_on_pool(j.req.model, j.req.training, p).gpus)
-                   for p in cluster if estimate_on_pool(j.req.model, j.req.training, p).fits)
+        ests = [estimate_on_pool(j.req.model, j.req.training, p, trainer=trainer)
+                for p in cluster if (trainer := trainer_for(j.req, p)) is not None]
+        best = max(e.tokens_per_s / max(1, e.gpus) for e in ests if e.fits)
         work += j.tokens / best  # GPU-seconds on its best pool
     total_gpus = sum(p.nodes * p.gpus_per_node for p in cluster)
     span = work / total_gpus / load  # arrivals faster than the cluster drains: a queue builds up
@@ -177,9 +178,9 @@ def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
     return jobs
 
 
-def true_memory(j: SimJob, pool: NodePool, gpus: int, offload: bool) -> float:
+def true_memory(j: SimJob, pool: NodePool, gpus: int, offload: bool, trainer: str) -> float:
     return memory_per_gpu(j.req.model, j.req.training, gpus, accelerator=pool.accelerator,
-                          offload=offload).total * j.mem_factor
+                          offload=offload, trainer=trainer).total * j.mem_factor
 
 
 class Sim:
@@ -237,11 +238,11 @@ class Sim:
             if all(j.gpus * 2 > p.gpus_per_node * p.max_nodes_per_job for p in self.pools.values()):
                 j.req = replace(j.req, gpus=None)  # cannot grow: start over with the naive size
 
-    def start(self, j: SimJob, pool: NodePool, gpus: int, nodes: tuple, t: float, offload: bool,
+    def start(self, j: SimJob, pool: NodePool, trainer: str, gpus: int, nodes: tuple, t: float, offload: bool,
               est_tps: float, est_eta: float | None) -> None:
         j.pool, j.gpus, j.nodes, j.start = pool.name, gpus, nodes, t
         j.first_start = j.first_start if j.first_start is not None else t
-        if true_memory(j, pool, gpus, offload) > pool.gpu_memory_bytes:
+        if true_memory(j, pool, gpus, offload, trainer) > pool.gpu_memory_bytes:
             self.oom_placements += 1
             j.oom, j.end, j.run_tps = True, t + OOM_AFTER_S, 0.0
         else:
@@ -272,8 +273,8 @@ class Sim:
             j = by_id[adm.job.job_id]
             self.queue.remove(j)
             est = adm.placement.estimate
-            self.start(j, self.pools[adm.placement.pool], adm.placement.gpus, adm.placement.nodes, t,
-                       adm.placement.offload, est.tokens_per_s, est.eta_s)
+            self.start(j, self.pools[adm.placement.pool], adm.placement.trainer, adm.placement.gpus,
+                       adm.placement.nodes, t, adm.placement.offload, est.tokens_per_s, est.eta_s)
 
     def naive_gpus(self, j: SimJob, pool: NodePool) -> int | None:
         if j.req.gpus:  # after an OOM: the smallest valid gang with at least that many GPUs
@@ -294,7 +295,7 @@ class Sim:
             placed = False
             for pool in self.pools.values():
                 trainer = trainer_for(j.req, pool)
-                if trainer is None:  # no scheduler can run QLoRA on a JAX-only pool
+                if trainer is None:  # e.g. an HQQ base on a JAX-only pool: no scheduler can
                     continue
                 n = self.naive_gpus(j, pool)
                 if n is None:
@@ -310,7 +311,7 @@ class Sim:
                     from worker.scheduler.estimator import flops_per_token
                     tps = n * pool.peak_tflops * 1e12 * 0.4 / flops_per_token(j.req.model, j.req.training)
                 self.queue.pop(0)
-                self.start(j, pool, n, nodes, t, False, tps, None)
+                self.start(j, pool, trainer, n, nodes, t, False, tps, None)
                 placed = True
                 break
             if not placed:
@@ -336,7 +337,7 @@ class Sim:
                 self.waiting_busy[0] += useful * TICK_S
                 self.waiting_busy[1] += self.total_gpus * TICK_S
                 # Idle GPUs of pools that no waiting job's trainer can run on: no policy
-                # could use them at this moment (e.g. only 4-bit jobs wait, MI300X is free).
+                # could use them at this moment (e.g. only HQQ jobs wait, MI300X is free).
                 unusable = [p for p in self.pools.values()
                             if not any(trainer_for(j.req, p) for j in self.queue)]
                 for pool in unusable:

@@ -72,7 +72,10 @@ NodePoolsPublic = ListPublic[NodePoolPublic]
 class MemoryBreakdownPublic(BaseModel):
     """Bytes per GPU by component; the six add up to ``memory_per_gpu_bytes``."""
 
-    weights: int = Field(description="Base weights (sharded) plus the one layer FSDP gathers.")
+    weights: int = Field(
+        description="Base weights (sharded) plus the one layer FSDP gathers, and (jax_lora on "
+        "an NF4 base) one layer's weights dequantized to the compute dtype."
+    )
     lora: int
     grads: int
     optimizer: int

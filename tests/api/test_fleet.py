@@ -159,13 +159,11 @@ def test_8b_qlora_goes_to_one_4090_with_the_estimators_numbers(client, tenant_ke
     # resolve to batch 2 (0.2 %), micro batch 2, 3 epochs -> 1500 steps of 2 x 2048 tokens.
     training = TrainingShape(method="qlora", quantization="nf4", seq_len=2048, micro_batch=2)
     tokens = 1500 * 2 * 2048
-    ref = estimate_on_pool(
-        ModelShape.from_hf_config(LLAMA_8B_CONFIG),
-        training,
-        POOLS["rtx4090"],
-        trainer="fsdp_qlora",
-        total_tokens=tokens,
-    )
+    def ref_on(pool: str, trainer: str):
+        return estimate_on_pool(ModelShape.from_hf_config(LLAMA_8B_CONFIG), training, POOLS[pool],
+                                trainer=trainer, total_tokens=tokens)
+
+    ref = ref_on("rtx4090", "fsdp_qlora")
     row = _row(result, "rtx4090")
     assert result["total_tokens"] == tokens
     assert row["fits"] and row["gpus"] == 1 and not row["cpu_offload"]
@@ -177,9 +175,71 @@ def test_8b_qlora_goes_to_one_4090_with_the_estimators_numbers(client, tenant_ke
     # Published: torchtune's Llama-3.1-8B QLoRA peaks at 7.4 GiB (seq 512, batch 2); at
     # 2048 tokens it must still sit well inside one 24 GB card.
     assert 7.4 * GIB < row["memory_per_gpu_bytes"] < 20 * GIB
-    # The MI300X pool is the JAX family, which does not quantize: not a home for QLoRA.
-    assert not _row(result, "mi300x")["fits"]
-    assert "runs jax_lora" in _row(result, "mi300x")["reasons"][0]
+    # The MI300X pool's JAX trainer trains an NF4 base too (one layer dequantized at a
+    # time); the 4090 is cheaper per token, so it only lists the pool as an option.
+    ref_jax = ref_on("mi300x", "jax_lora")
+    mi = _row(result, "mi300x")
+    assert (mi["fits"], mi["gpus"], mi["trainer"]) == (True, 1, "jax_lora")
+    assert mi["memory_per_gpu_bytes"] == ref_jax.bytes_per_gpu == sum(mi["breakdown"].values())
+    assert ref_jax.memory.dequantized_layer > 0
+    assert chosen["cost"] < mi["cost"]
+
+
+def test_hqq4_qlora_is_refused_by_the_jax_pool_with_the_reason(client, tenant_key) -> None:
+    a = tenant_key()
+    result = _estimate(
+        client, a.headers, model="llama-8b", adapter={"method": "qlora", "quantization": "hqq4"}
+    )
+    assert result["chosen"]["pool"] == "rtx4090"
+    mi = _row(result, "mi300x")
+    assert not mi["fits"] and mi["trainer"] is None
+    assert mi["reasons"] == ["mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"]
+
+    # Pinned to the JAX pool it can never run: no pool is chosen, and the reason says why.
+    pinned = _estimate(
+        client,
+        a.headers,
+        model="llama-8b",
+        adapter={"method": "qlora", "quantization": "hqq4"},
+        placement={"pool": "mi300x"},
+    )
+    assert pinned["mode"] == "no_fit" and pinned["chosen"] is None
+    assert pinned["reasons"] == ["mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"]
+
+
+def test_nf4_qlora_takes_the_mi300x_when_the_4090s_are_busy(
+    client, tenant_key, processed_file, db_session
+) -> None:
+    a, b = tenant_key(), tenant_key()
+    other = _create(client, b.headers, processed_file(b.headers), placement={"pool": "rtx4090"})
+    _run(db_session, other["id"], "rtx4090", 2)
+    busy = _estimate(client, a.headers, model="llama-8b", adapter={"method": "qlora"})
+    assert busy["mode"] == "fit"
+    assert (busy["chosen"]["pool"], busy["chosen"]["gpus"], busy["chosen"]["trainer"]) == (
+        "mi300x",
+        1,
+        "jax_lora",
+    )
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "hqq4"])
+@pytest.mark.parametrize("trainer", ["jax", "fsdp_qlora", "auto"])
+def test_the_apis_trainer_check_agrees_with_the_scheduler(
+    client, tenant_key, trainer, quantization
+) -> None:
+    from worker.scheduler.placement import trainer_can_train
+
+    adapter = {"method": "qlora", "quantization": quantization}
+    response = client.post(
+        "/v1/fine_tuning/estimate",
+        headers=tenant_key().headers,
+        json={"model": "llama-8b", "trainer": trainer, "adapter": adapter},
+    )
+    family = {"jax": "jax_lora"}.get(trainer, trainer)
+    can = family == "auto" or trainer_can_train(
+        family, TrainingShape(method="qlora", quantization=quantization)
+    )
+    assert response.status_code == (200 if can else 400), response.text
 
 
 def test_70b_qlora_fits_two_4090s_and_405b_lora_takes_a_whole_mi300x_node(
@@ -206,7 +266,7 @@ def test_70b_qlora_fits_two_4090s_and_405b_lora_takes_a_whole_mi300x_node(
         gpus=2,
     )
     assert row["memory_per_gpu_bytes"] == ref.bytes_per_gpu <= 24 * GIB
-    # Unpinned, the 70B QLoRA job still lands on the 4090 pool (the only QLoRA family).
+    # Unpinned, the 70B QLoRA job lands on the 4090 pool (cheaper per token than MI300X).
     free = _estimate(
         client, a.headers, model="llama-70b", adapter={"method": "qlora"}, max_seq_len=2048
     )
@@ -264,7 +324,11 @@ def test_bad_input_is_400_with_the_param(client, tenant_key, processed_file) -> 
         ({"model": "llama-8b", "placement": {"pool": "h100"}}, "invalid_request", "placement.pool"),
         ({"model": "llama-8b", "placement": {"gpus": 0}}, "invalid_request", "placement.gpus"),
         (
-            {"model": "llama-8b", "trainer": "jax", "adapter": {"method": "qlora"}},
+            {
+                "model": "llama-8b",
+                "trainer": "jax",
+                "adapter": {"method": "qlora", "quantization": "hqq4"},
+            },
             "invalid_request",
             "trainer",
         ),

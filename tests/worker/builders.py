@@ -32,6 +32,9 @@ class JobBuilder:
         self._job = replace(self._job, model=KNOWN_MODELS[SIZES[size]])
         return self._t(method="qlora", quantization=quantization)
 
+    def double_quant(self) -> JobBuilder:
+        return self._t(double_quant=True)
+
     def lora(self, size: str) -> JobBuilder:
         self._job = replace(self._job, model=KNOWN_MODELS[SIZES[size]])
         return self._t(method="lora", quantization="none")

@@ -258,3 +258,25 @@ def test_waiting_reasons_skip_jobs_that_left_the_queue(settings, client, tenant_
             return s.scalar(select(func.count()).select_from(JobEvent).where(
                 JobEvent.job_id == job_id, JobEvent.message.like("Waiting:%")))
         assert (waiting_events(waits), waiting_events(leaves)) == (1, 0)
+
+
+def test_the_adapter_decides_whether_a_jax_pool_takes_a_qlora_job(settings, client, tenant_key, make_job):  # noqa: F811
+    """The store maps the stored adapter (double_quant included) onto the job's training
+    shape; a JAX-only pool then trains an NF4 base and refuses a double-quantized one."""
+    _tiny_config(settings)
+    a = tenant_key()
+    nf4, double_quant = (make_job(a.headers, adapter={"method": "qlora"})["id"] for _ in range(2))
+    with session_scope(settings.resolved_database_url) as s:
+        row = s.get(Job, double_quant)
+        row.adapter = {**row.adapter, "double_quant": True}  # the trainer spec's field; not in the API
+    jax_only = local_pool(slots=2).model_copy(update={"trainers": ("jax_lora",)})
+    store, ex = DbStore(settings, [jax_only]), RecordingExecutor([jax_only])
+    run_cycle(store, ex)
+    assert [j for j, _ in ex.launches] == [nf4]
+    spec = dict(ex.launches)[nf4]
+    assert (spec["trainer"], spec["adapter"]["quantization"], spec["adapter"]["double_quant"]) == (
+        "jax_lora", "nf4", False)
+    waiting = client.get(f"{JOBS}/{double_quant}", headers=a.headers).json()
+    assert waiting["status"] == "queued"
+    assert waiting["queue_reason"].startswith(
+        "local: runs jax_lora, job needs fsdp_qlora (nf4 base with double_quant)")

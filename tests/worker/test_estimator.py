@@ -5,12 +5,17 @@ counts against a transformers Llama built on the meta device; LoRA parameter cou
 against peft. Then the fitting rules (smallest GPU count, headroom, offload).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tests.worker.builders import mi300x, rtx4090
 from worker.scheduler.estimator import (
+    ALLOCATOR_SLACK,
+    CPU_HEAP_RETAINED_LAYERS,
     HEADROOM,
+    JAX_CPU_RUNTIME_EXTRA,
     KNOWN_MODELS,
     EstimateError,
     ModelShape,
@@ -149,6 +154,7 @@ TABLE = [
     ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
     ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, False),
     ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, False),
+    ("70b nf4 qlora on mi300x (jax_lora)", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4"), mi300x(), 1, False),
 ]
 
 
@@ -183,3 +189,27 @@ def test_offload_only_on_gpu_torch_pools():
     m, t = KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=2048, cpu_offload="always")
     assert estimate_on_pool(m, t, rtx4090()).offload
     assert not estimate_on_pool(m, TrainingShape(method="lora", cpu_offload="always"), mi300x()).fits
+
+
+def test_jax_lora_on_nf4_holds_one_dequantized_layer():
+    """jax_lora dequantizes each projection's kernel to the compute dtype in the step: one
+    layer's linear weights, whole on every shard (no tensor-parallel split). The torch
+    trainer's figure (calibrated against the anchors) is unchanged by the trainer argument."""
+    m, t = KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4")
+    layer = m.linear_params_per_layer * 2  # bf16
+    for n in (1, 8):
+        jax = memory_per_gpu(m, t, n, accelerator="amd-mi300x", trainer="jax_lora")
+        torch_ = memory_per_gpu(m, t, n, accelerator="amd-mi300x", trainer="fsdp_qlora")
+        assert torch_ == memory_per_gpu(m, t, n, accelerator="amd-mi300x")
+        assert (jax.dequantized_layer, torch_.dequantized_layer) == (layer, 0)
+        assert jax.total - torch_.total == pytest.approx(layer * (1 + ALLOCATOR_SLACK), abs=2)
+    # Nothing to dequantize on a bf16 base.
+    lora = TrainingShape(method="lora")
+    assert memory_per_gpu(m, lora, 8, accelerator="amd-mi300x", trainer="jax_lora").dequantized_layer == 0
+    # On CPU (fp32): the live layer on top of the heap's retained ones, which both trainers keep.
+    cpu_t = replace(t, compute_bytes=4, checkpointing=False)
+    jax = memory_per_gpu(m, cpu_t, 1, accelerator="cpu", trainer="jax_lora")
+    torch_ = memory_per_gpu(m, cpu_t, 1, accelerator="cpu", trainer="fsdp_qlora")
+    assert jax.dequantized_layer == 2 * layer
+    assert jax.slack == torch_.slack == CPU_HEAP_RETAINED_LAYERS * (activation_bytes_per_layer(m, cpu_t) + 2 * layer)
+    assert jax.total - torch_.total == 2 * layer + JAX_CPU_RUNTIME_EXTRA

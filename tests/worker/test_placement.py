@@ -3,7 +3,7 @@
 import pytest
 
 from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
-from worker.scheduler.placement import PreemptionPolicy, place_job
+from worker.scheduler.placement import PreemptionPolicy, place_job, trainer_for
 
 POLICY = PreemptionPolicy()
 
@@ -24,8 +24,24 @@ CASES = [
      ("fit", "mi300x", 1), ""),
     ("pinned trainer family restricts pools", make_job().lora("7b").trainer("jax_lora"), [mi300x(1), rtx4090(2)], [],
      ("fit", "mi300x", 1), ""),
-    ("qlora never goes to a jax-only pool", make_job().qlora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)], [],
-     ("no_fit", None, 0), "job needs fsdp_qlora (a 4-bit base)"),
+    ("nf4 qlora pinned to a jax pool trains there", make_job().qlora("7b").pool("mi300x"), [mi300x(1), rtx4090(2)],
+     [], ("fit", "mi300x", 1), "1x amd-mi300x"),
+    ("nf4 qlora takes the mi300x when the 4090s are full", make_job().qlora("7b"), [mi300x(1), full_4090s()[0]],
+     full_4090s()[1], ("fit", "mi300x", 1), "1x amd-mi300x"),
+    ("nf4 qlora on a jax-only fleet", make_job().qlora("70b"), [mi300x(1)], [], ("fit", "mi300x", 1), ""),
+    ("nf4 qlora pinned to jax_lora", make_job().qlora("7b").trainer("jax_lora"), [mi300x(1), rtx4090(2)], [],
+     ("fit", "mi300x", 1), ""),
+    ("hqq4 never goes to a jax-only pool", make_job().qlora("7b", "hqq4").pool("mi300x"), [mi300x(1), rtx4090(2)],
+     [], ("no_fit", None, 0), "mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"),
+    ("hqq4 waits for the full 4090s, not the free mi300x", make_job().qlora("7b", "hqq4").priority("low"),
+     [mi300x(1), full_4090s()[0]], full_4090s()[1], ("no_fit", None, 0),
+     "mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"),
+    ("double-quantized nf4 never goes to a jax-only pool", make_job().qlora("7b").double_quant(), [mi300x(1)], [],
+     ("no_fit", None, 0), "mi300x: runs jax_lora, job needs fsdp_qlora (nf4 base with double_quant)"),
+    ("double-quantized nf4 still takes a 4090", make_job().qlora("7b").double_quant(), [mi300x(1), rtx4090(2)], [],
+     ("fit", "rtx4090", 1), ""),
+    ("jax_lora pinned with an hqq4 base", make_job().qlora("7b", "hqq4").trainer("jax_lora"),
+     [mi300x(1), rtx4090(2)], [], ("no_fit", None, 0), "job asks for jax_lora, which cannot train a hqq4 base"),
     ("unknown pool", make_job().qlora("7b").pool("tpu"), [rtx4090(2)], [], ("no_fit", None, 0), "pool 'tpu' does not exist"),
     ("405b never fits 4090s", make_job().lora("405b"), [rtx4090(4)], [], ("no_fit", None, 0),
      "per GPU even on 8x nvidia-rtx-4090"),
@@ -55,6 +71,32 @@ def test_trainer_follows_pool():
     snap = cluster(mi300x(1), rtx4090(1))
     assert place_job(make_job().lora("405b").build(), snap).trainer == "jax_lora"
     assert place_job(make_job().qlora("7b").tokens(10**6).build(), snap).trainer == "fsdp_qlora"
+    assert place_job(make_job().qlora("7b").pool("mi300x").build(), snap).trainer == "jax_lora"
+
+
+BOTH = ("fsdp_qlora", "jax_lora")
+TRAINERS = [
+    # name, job, the pool's families (first = preferred), expected trainer
+    ("auto lora takes the preferred family", make_job().lora("7b"), ("jax_lora", "fsdp_qlora"), "jax_lora"),
+    ("auto nf4 keeps a preferred jax_lora", make_job().qlora("7b"), ("jax_lora", "fsdp_qlora"), "jax_lora"),
+    ("auto nf4 keeps a preferred fsdp_qlora", make_job().qlora("7b"), BOTH, "fsdp_qlora"),
+    ("auto hqq4 skips a preferred jax_lora", make_job().qlora("7b", "hqq4"), ("jax_lora", "fsdp_qlora"), "fsdp_qlora"),
+    ("auto double-quant skips a preferred jax_lora", make_job().qlora("7b").double_quant(),
+     ("jax_lora", "fsdp_qlora"), "fsdp_qlora"),
+    ("auto nf4 on jax only", make_job().qlora("7b"), ("jax_lora",), "jax_lora"),
+    ("auto hqq4 on jax only", make_job().qlora("7b", "hqq4"), ("jax_lora",), None),
+    ("auto double-quant on jax only", make_job().qlora("7b").double_quant(), ("jax_lora",), None),
+    ("pinned jax_lora nf4", make_job().qlora("7b").trainer("jax_lora"), BOTH, "jax_lora"),
+    ("pinned jax_lora hqq4", make_job().qlora("7b", "hqq4").trainer("jax_lora"), BOTH, None),
+    ("pinned jax_lora double-quant", make_job().qlora("7b").double_quant().trainer("jax_lora"), BOTH, None),
+    ("pinned fsdp_qlora hqq4", make_job().qlora("7b", "hqq4").trainer("fsdp_qlora"), BOTH, "fsdp_qlora"),
+    ("pinned fsdp_qlora on jax only", make_job().qlora("7b").trainer("fsdp_qlora"), ("jax_lora",), None),
+]
+
+
+@pytest.mark.parametrize("name, builder, families, expected", TRAINERS, ids=[c[0] for c in TRAINERS])
+def test_trainer_for(name, builder, families, expected):
+    assert trainer_for(builder.build(), mi300x(1).model_copy(update={"trainers": families})) == expected
 
 
 def test_single_node_gang_uses_best_fit_node():

@@ -31,6 +31,7 @@ from worker.scheduler.placement import (
     candidate_pools,
     estimate_for,
     place_job,
+    trainer_for,
 )
 from worker.scheduler.request import JobRequest
 
@@ -197,7 +198,8 @@ def _blocked_for(job: JobRequest, snapshot: CapacitySnapshot, reserved: Mapping[
         pool = working_pool_of(snapshot, node) if node not in etas else None
         if pool is not None and pool not in etas:
             cand = snapshot.pools.get(pool)
-            est = estimate_for(job, cand, cand.preferred_trainer()) if cand else None
+            trainer = trainer_for(job, cand) if cand else None
+            est = estimate_for(job, cand, trainer) if cand and trainer else None
             etas[pool] = est.eta_s if est and est.fits else None
         eta = etas.get(pool) if pool is not None else None
         if eta is None or now + eta > start:

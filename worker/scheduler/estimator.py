@@ -13,6 +13,12 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
                               HQQ 4-bit: 0.5 B/param + bf16 scale and zero per group.
                               Embeddings, lm_head and norms stay bf16 (never quantized).
   + one gathered layer        FSDP all-gathers one decoder layer's weights at a time
+  + one dequantized layer     jax_lora on a 4-bit base only: each projection's kernel
+                              is dequantized to the compute dtype inside the step (and
+                              again in the backward); about one layer's linear weights
+                              in the compute dtype are live at once, unsharded (the
+                              torch trainer's bitsandbytes temporaries are part of its
+                              calibrated slack)
   + LoRA params / N           fp32 (the adapter dtype of both trainers)
   + LoRA grads / N            fp32
   + Adam moments / N          2 x fp32
@@ -209,6 +215,8 @@ class MemoryBreakdown:
 
     weights: int
     gathered_layer: int
+    dequantized_layer: int
+    """jax_lora on a 4-bit base: one layer's kernels dequantized to the compute dtype."""
     lora_params: int
     lora_grads: int
     optimizer: int
@@ -226,8 +234,8 @@ class MemoryBreakdown:
     @property
     def total(self) -> int:
         return (
-            self.weights + self.gathered_layer + self.lora_params + self.lora_grads
-            + self.optimizer + self.activations + self.logits + self.slack + self.framework
+            self.weights + self.gathered_layer + self.dequantized_layer + self.lora_params
+            + self.lora_grads + self.optimizer + self.activations + self.logits + self.slack + self.framework
         )
 
 
@@ -300,13 +308,22 @@ def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
 def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator: str,
                    offload: bool = False, trainer: str | None = None) -> MemoryBreakdown:
     """Bytes per GPU for ``n_gpus`` sharding the job (``offload``: weights on the host;
-    ``trainer``: the family that runs it, which matters on CPU only)."""
+    ``trainer``: the family that runs it -- jax_lora adds its runtime on CPU and, on a
+    4-bit base, the dequantized layer on every accelerator)."""
     if n_gpus < 1:
         raise EstimateError("n_gpus must be >= 1")
     qb = quantized_bytes_per_param(t)
     weights_total = m.linear_params * qb + m.embedding_params * t.compute_bytes
     layer_weights = m.linear_params_per_layer * qb
     lora = lora_params(m, t)
+    # One layer's linear kernels in the compute dtype: what 4-bit matmuls materialise
+    # (bitsandbytes per matmul, jax_lora per projection inside its custom_vjp).
+    dequantized = m.linear_params_per_layer * t.compute_bytes if t.quantization != "none" else 0
+    # jax_lora holds them live at its peak. Counted whole, not divided by n_gpus: the
+    # worker's mesh has no tensor axis (tensor=1) and FSDP gathers whole kernels for the
+    # matmul. The torch trainer's copies are already in its slack, calibrated against the
+    # anchors.
+    dequantized_live = dequantized if trainer == "jax_lora" else 0
     weights = 0 if offload else int(weights_total / n_gpus)
     # With more than one shard FSDP materialises a full layer while computing it (and
     # prefetches the next one); unsharded runs hold it already.
@@ -325,17 +342,18 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         acts = m.layers * per_layer + per_layer
     # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient.
     logits = tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
-    live = weights + gathered + lora_p + grads + optim + acts + logits
+    live = weights + gathered + dequantized_live + lora_p + grads + optim + acts + logits
     buffers = FSDP_BUFFERS if n_gpus > 1 else 0
     kind = "cpu" if accelerator == "cpu" else "gpu"
     if kind == "cpu":
-        dequantized = m.linear_params_per_layer * t.compute_bytes if t.quantization != "none" else 0
+        # The heap keeps freed dequantized kernels too (either trainer), on top of the
+        # layer jax_lora holds live at the peak.
         slack = CPU_HEAP_RETAINED_LAYERS * (per_layer + dequantized)
     else:
         slack = int(ALLOCATOR_SLACK * live)
     return MemoryBreakdown(
-        weights=weights, gathered_layer=gathered, lora_params=lora_p, lora_grads=grads,
-        optimizer=optim, activations=acts, logits=logits,
+        weights=weights, gathered_layer=gathered, dequantized_layer=dequantized_live,
+        lora_params=lora_p, lora_grads=grads, optimizer=optim, activations=acts, logits=logits,
         slack=slack + buffers,
         framework=FRAMEWORK_OVERHEAD[kind] + (JAX_CPU_RUNTIME_EXTRA if kind == "cpu" and trainer == "jax_lora" else 0),
     )
@@ -388,8 +406,8 @@ class PoolEstimate:
             "memory_per_gpu_bytes": self.bytes_per_gpu, "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_breakdown": None if self.memory is None else {
                 k: getattr(self.memory, k) for k in (
-                    "weights", "gathered_layer", "lora_params", "lora_grads", "optimizer",
-                    "activations", "logits", "slack", "framework")},
+                    "weights", "gathered_layer", "dequantized_layer", "lora_params", "lora_grads",
+                    "optimizer", "activations", "logits", "slack", "framework")},
             "tokens_per_s": round(self.tokens_per_s, 1), "eta_s": self.eta_s,
             "cost": None if self.cost is None else round(self.cost, 4), "reasons": list(self.reasons),
         }

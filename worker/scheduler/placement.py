@@ -14,7 +14,9 @@ jobs). It returns a ``Placement``:
 Heterogeneity: among pools where the job fits now, the ``objective`` picks: ``cost``
 (default: lowest estimated GPU-hour cost, ties by earliest finish) keeps a 7B QLoRA job
 on a free 4090 instead of a slice of the MI300X node a 405B job needs; ``time`` takes
-the earliest estimated finish. The trainer family follows the pool.
+the earliest estimated finish. The trainer family follows the pool, among the families
+that can train the job's base (``trainer_can_train``: an NF4 base trains in both, an
+HQQ or double-quantized one only in ``fsdp_qlora``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
-from worker.scheduler.estimator import PoolEstimate, estimate_on_pool
+from worker.scheduler.estimator import PoolEstimate, TrainingShape, estimate_on_pool
 from worker.scheduler.pools import NodePool
 from worker.scheduler.request import JobRequest
 
@@ -96,20 +98,46 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
     return est
 
 
+def trainer_can_train(trainer: str, training: TrainingShape) -> bool:
+    """Whether the ``trainer`` family can train the job's base weights as they are stored.
+
+    ``fsdp_qlora`` trains every base: bf16, NF4 (with or without double quantization) and
+    HQQ 4-bit. ``jax_lora`` trains bf16/fp32 bases and bitsandbytes-layout NF4 (blocks of
+    64, one fp32 absmax each); it has no HQQ layers and no double-quantized absmax.
+    """
+    if trainer != "jax_lora" or training.quantization == "none":
+        return True
+    return training.quantization == "nf4" and not training.double_quant
+
+
+def base_text(training: TrainingShape) -> str:
+    """How a reason names the job's base: "hqq4 base", "nf4 base with double_quant"."""
+    if training.quantization == "none":
+        return "unquantized base"
+    return f"{training.quantization} base" + (" with double_quant" if training.double_quant else "")
+
+
 def trainer_for(job: JobRequest, pool: NodePool) -> str | None:
     """The trainer family the job runs on ``pool``, None if the pool cannot run it.
 
-    A 4-bit (QLoRA) base trains only in ``fsdp_qlora``: the JAX trainer has no quantized
-    layers, so "auto" never sends a QLoRA job to a ``jax_lora``-only pool.
+    "auto" takes the first of the pool's families (its preference) that can train the
+    job's base, so a pool running both keeps its preferred family whenever it can.
     """
-    quantized = job.training.quantization != "none"
     if job.trainer == "auto":
-        if quantized:
-            return "fsdp_qlora" if "fsdp_qlora" in pool.trainers else None
-        return pool.preferred_trainer()
-    if quantized and job.trainer != "fsdp_qlora":
-        return None
-    return job.trainer if job.trainer in pool.trainers else None
+        return next((t for t in pool.trainers if trainer_can_train(t, job.training)), None)
+    if job.trainer in pool.trainers and trainer_can_train(job.trainer, job.training):
+        return job.trainer
+    return None
+
+
+def trainer_refusal(job: JobRequest, pool: NodePool) -> str:
+    """Why ``trainer_for(job, pool)`` is None, in a user's words (no pool name)."""
+    runs = f"runs {'/'.join(pool.trainers)}"
+    if job.trainer != "auto" and not trainer_can_train(job.trainer, job.training):
+        return f"{runs}, job asks for {job.trainer}, which cannot train a {base_text(job.training)}"
+    if job.trainer == "auto":
+        return f"{runs}, job needs fsdp_qlora ({base_text(job.training)})"
+    return f"{runs}, job needs {job.trainer}"
 
 
 def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_Candidate], list[str]]:
@@ -123,8 +151,7 @@ def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_
             continue
         trainer = trainer_for(job, pool)
         if trainer is None:
-            needs = "fsdp_qlora (a 4-bit base)" if job.training.quantization != "none" else job.trainer
-            reasons.append(f"{pool.name}: runs {'/'.join(pool.trainers)}, job needs {needs}")
+            reasons.append(f"{pool.name}: {trainer_refusal(job, pool)}")
             continue
         if job.gpus is not None and job.gpus > pool.gpus_per_node * pool.max_nodes_per_job:
             reasons.append(f"{pool.name}: at most {pool.gpus_per_node * pool.max_nodes_per_job} GPUs per job")
