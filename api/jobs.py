@@ -81,11 +81,13 @@ JAX_LORA_QUANTIZATIONS = ("none", "nf4")
 
 
 def check_trainer(body: JobCreate) -> None:
-    quantization = body.adapter.quantization
-    if body.trainer_name == "jax_lora" and quantization not in JAX_LORA_QUANTIZATIONS:
+    adapter = body.adapter
+    if body.trainer_name == "jax_lora" and (adapter.quantization not in JAX_LORA_QUANTIZATIONS
+                                            or adapter.double_quant):
+        base = f"{adapter.quantization} base" + (" with double_quant" if adapter.double_quant else "")
         raise APIError(400, "invalid_request",
-                       f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base; a "
-                       f"{quantization} base needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
+                       f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base without "
+                       f"double_quant; a {base} needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
 
 
 def create_job(

@@ -222,14 +222,16 @@ def test_nf4_qlora_takes_the_mi300x_when_the_4090s_are_busy(
     )
 
 
-@pytest.mark.parametrize("quantization", ["nf4", "hqq4"])
+@pytest.mark.parametrize(
+    ("quantization", "double_quant"), [("nf4", False), ("nf4", True), ("hqq4", False)]
+)
 @pytest.mark.parametrize("trainer", ["jax", "fsdp_qlora", "auto"])
 def test_the_apis_trainer_check_agrees_with_the_scheduler(
-    client, tenant_key, trainer, quantization
+    client, tenant_key, trainer, quantization, double_quant
 ) -> None:
     from worker.scheduler.placement import trainer_can_train
 
-    adapter = {"method": "qlora", "quantization": quantization}
+    adapter = {"method": "qlora", "quantization": quantization, "double_quant": double_quant}
     response = client.post(
         "/v1/fine_tuning/estimate",
         headers=tenant_key().headers,
@@ -237,7 +239,7 @@ def test_the_apis_trainer_check_agrees_with_the_scheduler(
     )
     family = {"jax": "jax_lora"}.get(trainer, trainer)
     can = family == "auto" or trainer_can_train(
-        family, TrainingShape(method="qlora", quantization=quantization)
+        family, TrainingShape(method="qlora", quantization=quantization, double_quant=double_quant)
     )
     assert response.status_code == (200 if can else 400), response.text
 

@@ -27,7 +27,8 @@ def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job,
     assert hp["learning_rate"] == pytest.approx(2e-4) and job["total_steps"] == 24
     assert job["method"]["type"] == "supervised"
     assert job["adapter"] == {"method": "qlora", "r": 4, "alpha": 8.0, "dropout": 0.0,
-                              "target_modules": ["q_proj", "v_proj"], "quantization": "nf4"}
+                              "target_modules": ["q_proj", "v_proj"], "quantization": "nf4",
+                              "double_quant": False}
     assert (job["trainer"], job["priority"], job["max_seq_len"], job["packing"]) == (
         "fsdp_qlora", 75, 256, True)
     assert job["placement"] == {"gpus": 2} and job["seed"] == 7
@@ -112,6 +113,12 @@ def test_bad_files(client, tenant_key, upload, processed_file) -> None:
          "invalid_request"),
         ({"trainer": "tensorflow"}, "trainer", "invalid_request"),
         ({"trainer": "jax", "adapter": {"method": "qlora", "quantization": "hqq4"}}, "trainer",
+         "invalid_request"),
+        ({"trainer": "jax", "adapter": {"method": "qlora", "double_quant": True}}, "trainer",
+         "invalid_request"),
+        ({"adapter": {"method": "qlora", "quantization": "hqq4", "double_quant": True}},
+         "adapter", "invalid_request"),
+        ({"adapter": {"method": "qlora", "double_quant": "yes"}}, "adapter.double_quant",
          "invalid_request"),
         ({"priority": "urgent"}, "priority", "invalid_request"),
         ({"priority": 101}, "priority", "invalid_request"),
