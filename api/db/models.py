@@ -134,6 +134,10 @@ class Job(Base):
     estimated_finish: Mapped[dt.datetime | None]
     resume_from: Mapped[str | None] = mapped_column(String(1024))
     restarts: Mapped[int] = mapped_column(Integer, default=0)
+    retry_placement: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, doc="{pool, gpus} the scheduler retries the job with after it ran out of GPU memory "
+        "on fewer GPUs (set by the executor, never by the user; ``placement`` is the user's)."
+    )
     job_token_hash: Mapped[str | None] = mapped_column(String(64))
     usage: Mapped[dict[str, Any] | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)

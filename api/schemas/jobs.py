@@ -234,6 +234,10 @@ class JobPublic(BaseModel):
     eval: dict[str, Any]
     pool: str | None
     gpus: int | None
+    retry_placement: dict[str, Any] | None = Field(
+        None, description="After the trainer ran out of GPU memory on a GPU count the scheduler "
+        "chose: the pool and larger GPU count it is retried with."
+    )
     queue_reason: str | None
     queue_position: int | None = Field(
         None, description="Place among the waiting jobs in the scheduler's last cycle (1 = next)."
@@ -272,7 +276,7 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
         "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
         "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
-        "queue_reason": job.queue_reason, "queue_position": job.queue_position,
+        "retry_placement": job.retry_placement, "queue_reason": job.queue_reason, "queue_position": job.queue_position,
         "started_at": to_unix(job.started_at),
         "total_steps": job.total_steps, "current_step": job.current_step,
         "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,

@@ -4,7 +4,8 @@ It reads the spec the executor mounted (must exist, must not hold the token), ch
 token arrived through the Secret, prints its distributed environment as JSON, then:
 ``succeed`` (exit 0), ``user_error`` (termination message + exit 10), ``sleep`` (wait
 for SIGTERM, "checkpoint" -- taking ``FAKE_TRAINER_STOP_DELAY_S`` seconds -- exit 12),
-``crash`` (exit 1).
+``crash`` (exit 1), ``oom_on_one_gpu`` (out of GPU memory, termination message + exit 11,
+when its gang is one GPU; else ``succeed``).
 """
 
 import json
@@ -35,6 +36,10 @@ if mode == "user_error":
     sys.exit(10)
 if mode == "crash":
     sys.exit(1)
+if mode == "oom_on_one_gpu" and int(env["NPROC_PER_NODE"] or 1) * int(env["NNODES"] or 1) == 1:
+    with open(spec["termination_log"], "w") as f:
+        json.dump({"code": "out_of_memory", "message": "out of memory: CUDA out of memory"}, f)
+    sys.exit(11)
 if mode == "sleep":
     while True:
         time.sleep(0.1)

@@ -155,6 +155,33 @@ def test_an_oom_kill_after_a_scheduler_restart_fails_the_job(fake_api, settings,
     assert any("OOM-killed" in e for e in events)
 
 
+def test_out_of_gpu_memory_retries_on_the_next_larger_gang(fake_api, settings, db_job):
+    """The estimator chose 1 GPU and the trainer ran out of GPU memory: the job is requeued
+    for the pool's next gang (2 GPUs, one node), resumes there and succeeds."""
+    store = DbStore(settings, [rtx4090(2)], in_cluster=True)
+    ex = scheduler_process(fake_api, store.running_jobs, mode="oom_on_one_gpu")
+    _cycle_until(store, ex, lambda: _job(settings, db_job)[0] == "succeeded")
+    _, restarts, _, events = _job(settings, db_job)
+    oom = [e for e in events if e.startswith("Out of GPU memory")]
+    assert restarts == 1 and len(oom) == 1, events
+    assert oom[0].startswith("Out of GPU memory on 1x nvidia-rtx-4090 (out of memory: CUDA out of memory); "
+                             "requeued for 2 GPUs of pool rtx4090"), oom
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, db_job)
+        assert (job.gpus, job.retry_placement, job.placement) == (2, {"pool": "rtx4090", "gpus": 2}, {})
+
+
+def test_out_of_gpu_memory_on_a_pinned_gpu_count_fails(fake_api, settings, tenant_key, make_job):  # noqa: F811
+    """The user chose the GPU count: running out of memory is the job's error, not a retry."""
+    _tiny_config(settings)
+    job_id = make_job(tenant_key().headers, placement={"gpus": 1})["id"]
+    store = DbStore(settings, [rtx4090(2)], in_cluster=True)
+    ex = scheduler_process(fake_api, store.running_jobs, mode="oom_on_one_gpu")
+    _cycle_until(store, ex, lambda: _job(settings, job_id)[0] in ("failed", "succeeded"))
+    status, restarts, error, _ = _job(settings, job_id)
+    assert (status, restarts, error.get("code")) == ("failed", 0, "out_of_memory")
+
+
 def test_node_lost_requeues_then_fails_per_the_restart_policy(fake_api, settings, db_job):
     """Node loss is a lost run: requeued from the last checkpoint, counted as a restart;
     past ``max_restarts`` the job fails with the same clear reason."""

@@ -39,10 +39,17 @@ from api.ids import hash_secret, new_job_token
 from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, event_values, lock_job, transition
 from api.settings import Settings
+from trainers.exit_codes import ExitCode
 from worker.executors.base import ObservedChange, ObservedKind, RunningRow, StopReason
 from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.cycle import Admission, Admitted, Waiting
-from worker.scheduler.estimator import KNOWN_MODELS, EstimateError, ModelShape, TrainingShape
+from worker.scheduler.estimator import (
+    KNOWN_MODELS,
+    EstimateError,
+    ModelShape,
+    TrainingShape,
+    candidate_gpu_counts,
+)
 from worker.scheduler.pools import NodePool
 from worker.scheduler.request import JobRequest
 from worker.scheduler.usage import close_segment, open_segment, recent_gpu_seconds
@@ -56,7 +63,7 @@ WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 # What a queued job's placement needs (the JobRequest), and its current reason/position.
 _QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.hyperparameters, Job.placement,
                   Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
-                  Job.queue_reason, Job.queue_position)
+                  Job.queue_reason, Job.queue_position, Job.retry_placement)
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,8 @@ class DbStore:
         method = adapter.get("method", "lora")
         quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
         hp = dict(job.hyperparameters or {})
-        placement = dict(job.placement or {})
+        # The user's pins; after an out-of-memory failure, the larger gang on the same pool.
+        placement = {**(job.retry_placement or {}), **(job.placement or {})}
         trainer = job.trainer if job.trainer in ("jax_lora", "fsdp_qlora") else "auto"
         if job.resume_from and job.usage and job.usage.get("trainer"):
             trainer = job.usage["trainer"]  # a checkpoint only resumes in its own trainer family
@@ -323,6 +331,10 @@ class DbStore:
             transition(session, job, "succeeded", actor="executor", message="The trainer finished.", usage=usage,
                        result_files=[results.id])
         elif ch.kind == ObservedKind.FAILED:
+            if ch.exit_code == ExitCode.OUT_OF_MEMORY and requeue_after_oom(
+                    session, job, self.pools.get(job.pool or ""), max_restarts=self.max_restarts,
+                    reason=ch.message, usage=usage):
+                return
             transition(session, job, "failed", actor="executor", message=ch.message, level="error",
                        error={"code": ch.error_code or "trainer_failed", "message": ch.message}, usage=usage)
         elif ch.kind == ObservedKind.STOPPED:
@@ -344,6 +356,32 @@ class DbStore:
                 transition(session, job, "queued", actor="executor", level="warn", usage=usage,
                            resume_from=resume, restarts=(job.restarts or 0) + 1,
                            message=f"{ch.message} (restart {(job.restarts or 0) + 1} of {self.max_restarts})")
+
+
+def requeue_after_oom(session: Any, job: Job, pool: NodePool | None, *, max_restarts: int, reason: str,
+                      **changes: Any) -> bool:
+    """Requeue a job whose trainer ran out of GPU memory on the next larger gang of its pool.
+
+    The GPU count was the estimator's guess (the user pinned none), so running out of
+    memory is the estimate's error, not the job's: the job resumes from its latest
+    checkpoint on the pool's next valid GPU count (``retry_placement``), as
+    ``bench/sim_trace.py`` models it. Not on CPU pools (more host devices share the same
+    RAM), not past ``max_restarts``, not when the pool has no larger gang. Returns False
+    when it does not apply; the caller then fails the job as before.
+    """
+    if pool is None or pool.is_cpu or job.gpus is None or (job.placement or {}).get("gpus"):
+        return False
+    bigger = [n for n in candidate_gpu_counts(pool) if n > job.gpus]
+    if not bigger or (job.restarts or 0) >= max_restarts:
+        return False
+    resume = _latest_checkpoint(session, job.id) or job.resume_from
+    transition(session, job, "queued", actor="executor", level="warn", resume_from=resume,
+               restarts=(job.restarts or 0) + 1, retry_placement={"pool": pool.name, "gpus": bigger[0]},
+               message=(f"Out of GPU memory on {job.gpus}x {pool.accelerator} ({reason}); requeued for "
+                        f"{bigger[0]} GPUs of pool {pool.name}, resuming from {resume or 'the start'} "
+                        f"(restart {(job.restarts or 0) + 1} of {max_restarts})."),
+               **changes)
+    return True
 
 
 def reason_event(job_id: str, reason: str, now: dt.datetime) -> dict[str, Any]:

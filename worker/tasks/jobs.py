@@ -9,7 +9,9 @@ trainer outcome            job
 =========================  =====================================================
 SUCCESS                    succeeded (artifacts registered from the manifest, the
                            metrics stored as its ``result_files`` CSV)
-USER_ERROR / OUT_OF_MEMORY failed with the trainer's error code and message
+USER_ERROR / OUT_OF_MEMORY failed with the trainer's error code and message; out of
+                           GPU memory on a GPU count the scheduler chose: queued
+                           for the pool's next larger gang (``requeue_after_oom``)
 crashed too often          failed with ``trainer_crashed``
 stopped (cancel)           cancelled (already, by the API)
 stopped (pause)            paused, resume_from = the latest checkpoint
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy import select
@@ -41,6 +44,8 @@ from worker.celery_app import app
 from worker.executors.base import StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
+from worker.scheduler.pools import NodePool, load_pools
+from worker.scheduler.store import requeue_after_oom
 from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,8 @@ def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) ->
         env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
     status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id),
-                     files=file_store(settings))
+                     files=file_store(settings), pools=load_pools(settings.node_pools_file),
+                     max_restarts=settings.max_restarts)
     CeleryQueue(settings).send(SCHEDULE)  # a slot is free again
     return status
 
@@ -126,7 +132,7 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:
 
 
 def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None,
-            *, files: ArtifactStore) -> str:
+            *, files: ArtifactStore, pools: Sequence[NodePool] = (), max_restarts: int = 0) -> str:
     with session_scope(db_url) as session:
         job = lock_job(session, job_id)
         if job is None:
@@ -155,6 +161,10 @@ def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: S
             return job.status
         error = outcome.error or {"code": "trainer_failed",
                                   "message": f"the trainer ended with {_code_text(outcome.returncode)}"}
+        pool = next((p for p in pools if p.name == job.pool), None)
+        if outcome.returncode == ExitCode.OUT_OF_MEMORY and requeue_after_oom(
+                session, job, pool, max_restarts=max_restarts, reason=error["message"]):
+            return job.status
         transition(session, job, "failed", actor="executor", level="error",
                    message=f"Job failed: {error['code']}: {error['message']}",
                    error={"code": error["code"], "message": error["message"], "param": None})
