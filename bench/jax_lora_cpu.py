@@ -15,7 +15,11 @@ tunable; the bench re-executes itself with it, since glibc reads it at start-up)
 torch uses ``OMP_NUM_THREADS`` threads, the cores the JAX side splits into.
 ``--malloc default`` runs both without the tunable (to measure what it is worth).
 
-    OMP_NUM_THREADS=2 python bench/jax_lora_cpu.py --steps 8 --rounds 5
+``--quantization nf4`` makes both sides QLoRA: torch loads the base with
+``BitsAndBytesConfig`` (NF4, fp32 compute, as the fsdp_qlora trainer's CPU tests do), JAX
+quantizes it while loading (``trainers/jax_lora/nf4.py``); same codes on both sides.
+
+    OMP_NUM_THREADS=2 python bench/jax_lora_cpu.py --steps 8 --rounds 5 [--quantization nf4]
 """
 
 from __future__ import annotations
@@ -48,13 +52,16 @@ def build_model(path: Path) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def torch_loop(path: Path, tokens, threads: int):
+def torch_loop(path: Path, tokens, threads: int, quantization: str = "none"):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     torch.set_num_threads(threads)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    quant = {} if quantization == "none" else {"device_map": "cpu", "quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32)}
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **quant)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=16, target_modules=list(TARGETS)))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -70,7 +77,7 @@ def torch_loop(path: Path, tokens, threads: int):
     return step
 
 
-def jax_loop(path: Path, tokens, parallelism):
+def jax_loop(path: Path, tokens, parallelism, quantization: str = "none"):
     """The trainer's jitted step on ``parallelism`` (a spec's ParallelismSpec)."""
     from trainers.jax_lora.host_devices import use_host_devices
 
@@ -96,7 +103,7 @@ def jax_loop(path: Path, tokens, parallelism):
     cfg = LlamaConfig.from_pretrained(path)
     m = parallelism.mesh
     mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[: m.size])
-    params, _ = load_params(path, cfg, mesh, jnp.float32)
+    params, _ = load_params(path, cfg, mesh, jnp.float32, quantization)
     l_abs = lora_shapes(cfg, TARGETS, RANK, jnp.float32)
     l_shard = tree_shardings(l_abs, lora_axes(TARGETS), mesh)
     opt = make_optimizer(lambda s: 1e-4, weight_decay=0.0, max_grad_norm=None)
@@ -104,7 +111,7 @@ def jax_loop(path: Path, tokens, parallelism):
     lora = jax.jit(lambda k: init_lora(cfg, TARGETS, RANK, k), out_shardings=l_shard)(jax.random.key(0))
     state = {"s": init_state(lora, opt, shardings, jax.random.key(1))}
     sc = StepConfig(cfg=cfg, runtime=lora_runtime(16.0, RANK, 0.0), packed=False)
-    train_step, _ = compile_steps(sc, opt, mesh, shardings, tree_shardings(params, param_axes(cfg), mesh))
+    train_step, _ = compile_steps(sc, opt, mesh, shardings, tree_shardings(params, param_axes(cfg, quantization), mesh))
     ids = np.asarray(tokens, np.int32)[None]
     batch = {
         "input_ids": ids, "labels": ids,
@@ -147,6 +154,7 @@ def main() -> None:
                     help="trainer: the JAX trainer's malloc tunable for both sides; default: none")
     ap.add_argument("--host-devices", type=int, default=None,
                     help="XLA host devices (default: what the spec builder gives a local job)")
+    ap.add_argument("--quantization", choices=("none", "nf4"), default="none", help="nf4: QLoRA on both sides")
     args = ap.parse_args()
     _exec_with_malloc_env(args.malloc)
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
@@ -162,8 +170,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_model(path)
-        t_step = torch_loop(path, tokens, threads)
-        j_step = jax_loop(path, tokens, parallelism)
+        t_step = torch_loop(path, tokens, threads, args.quantization)
+        j_step = jax_loop(path, tokens, parallelism, args.quantization)
         t0 = time.perf_counter()
         j_step()
         compile_s = time.perf_counter() - t0
@@ -178,7 +186,7 @@ def main() -> None:
         "torch_peft_tokens_per_s": round(t_med, 1), "jax_tokens_per_s": round(j_med, 1),
         "ratio_jax_over_torch": round(j_med / t_med, 3), "jax_compile_s": round(compile_s, 2),
         "rounds_torch": [round(x) for x in torch_rates], "rounds_jax": [round(x) for x in jax_rates],
-        "jax_host_devices": host_devices, "torch_threads": threads,
+        "quantization": args.quantization, "jax_host_devices": host_devices, "torch_threads": threads,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "load_average": os.getloadavg()[0],
     }))
 
