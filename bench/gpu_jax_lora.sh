@@ -28,4 +28,7 @@ timeout 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --step
 # 2) memory-lean: dots_saveable remat (keeps matmul outputs, recomputes the rest), batch 2
 timeout 240 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 2 --remat dots_saveable --steps "$STEPS" \
     --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "batch 2 / dots_saveable failed"
+# 3) QLoRA: the same step on an NF4 base (4-bit codes + fp32 block scales), batch 4, no remat
+timeout 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --quantization nf4 --steps "$STEPS" \
+    --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "nf4 batch 4 / no remat failed"
 cat "$RESULTS"

@@ -11,6 +11,10 @@ taken from --peak-tflops (H200 / H100 SXM: 989).
 
     python bench/jax_lora_gpu.py                      # 8B shape (Llama 3.1 8B dims)
     python bench/jax_lora_gpu.py --tiny --steps 2     # a CPU self-check of this script
+
+``--quantization nf4`` trains on an NF4 base (``trainers/jax_lora/nf4.py``): random 4-bit codes
+and block scales of the shapes and dtypes the loader produces (the values do not change the
+step's cost), so the same 8B shape measures QLoRA's speed and memory.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     ap.add_argument("--remat", default="none", choices=["none", "per_layer", "dots_saveable"])
+    ap.add_argument("--quantization", default="none", choices=["none", "nf4"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--out", default=None, help="append the JSON line to this file")
@@ -55,7 +60,7 @@ def main() -> None:
 
     from trainers.jax_lora.config import LlamaConfig
     from trainers.jax_lora.lora import count_params, init_lora, lora_axes, lora_runtime, lora_shapes
-    from trainers.jax_lora.model import init_params, param_axes, param_shapes
+    from trainers.jax_lora.model import PROJECTIONS, init_params, param_axes, param_shapes
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
     from trainers.jax_lora.step import (
         StepConfig,
@@ -71,10 +76,24 @@ def main() -> None:
     cfg = LlamaConfig.from_hf_dict(raw)
     targets = tuple(args.targets.split(","))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    p_abs = param_shapes(cfg, jnp.bfloat16)
-    p_shard = tree_shardings(p_abs, param_axes(cfg), mesh)
+    p_abs = param_shapes(cfg, jnp.bfloat16, args.quantization)
+    p_shard = tree_shardings(p_abs, param_axes(cfg, args.quantization), mesh)
+
+    def init(key: jax.Array) -> dict:
+        params = init_params(cfg, key, jnp.bfloat16)  # unused dense kernels are dropped by jit
+        if args.quantization == "nf4":
+            layers = dict(params["layers"])
+            for i, name in enumerate(PROJECTIONS):
+                shape = p_abs["layers"][name]
+                codes = jax.random.randint(jax.random.fold_in(key, 100 + i), shape["codes"].shape, 0, 256)
+                # |w| <= 0.04: about the init scale of init_params' dense kernels
+                layers[name] = {"codes": codes.astype(jnp.uint8),
+                                "absmax": jnp.full(shape["absmax"].shape, 0.04, jnp.float32)}
+            params = {**params, "layers": layers}
+        return params
+
     t0 = time.perf_counter()
-    params = jax.jit(lambda k: init_params(cfg, k, jnp.bfloat16), out_shardings=p_shard)(jax.random.key(0))
+    params = jax.jit(init, out_shardings=p_shard)(jax.random.key(0))
     jax.block_until_ready(params)
     init_s = time.perf_counter() - t0
 
@@ -114,6 +133,7 @@ def main() -> None:
     result = {
         "device": jax.devices()[0].device_kind, "layers": cfg.num_layers, "base_params": n_params,
         "lora_params": count_params(l_abs), "seq": args.seq, "batch": args.batch, "remat": args.remat,
+        "quantization": args.quantization,
         "tokens_per_s": round(tokens_per_s, 1), "mfu_4N": round(mfu, 4),
         "peak_memory_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
         "param_init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
