@@ -48,7 +48,7 @@ from trainers.jax_lora.model import (
     param_shapes,
     projection_shape,
 )
-from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, block_absmax, quantize_rows
+from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, quantize_kernel
 from trainers.jax_lora.sharding import PARAM_RULES, tree_shardings
 
 _DTYPES = {
@@ -221,8 +221,8 @@ def _read_nf4_shard(
                 f"{src.hf_names[layer]} has shape {tuple(hf.shape)}, config implies {expected}", code="corrupt_model"
             )
         rows = np.asarray(hf[index[2], first:last], dtype=dtype)
-        stored = quantize_rows(rows)[0] if part == "codes" else block_absmax(rows)
-        parts.append(np.ascontiguousarray(stored[:, skip : skip + hi - lo].T))
+        stored = quantize_kernel(rows)[part == "absmax"]  # one fused pass yields both
+        parts.append(stored[skip : skip + hi - lo])
     return np.stack(parts)
 
 

@@ -54,40 +54,38 @@ NF4_LEVELS = np.array(
 _BOUNDS = (NF4_LEVELS[:-1] + NF4_LEVELS[1:]) / np.float32(2)
 
 
-def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a (rows, cols) slice of an HF weight, blocks of 64 along each row.
+def quantize_kernel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An HF (out, in) weight (or a slice of whole rows and blocks) -> ``(codes, absmax)``.
 
-    Returns ``(packed, absmax)``: uint8 (rows, cols / 2) and float32 (rows, cols / 64).
-    ``cols`` must be a multiple of 64 (whole blocks). The values are first widened to
-    float32 (exact for bf16/fp16), as bitsandbytes does.
+    ``codes`` uint8 (in / 2, out) and ``absmax`` float32 (in / 64, out): our layout (see
+    the module docstring); ``in`` must be a multiple of 64. The values are widened to
+    float32 first (exact for bf16/fp16), as bitsandbytes does.
+
+    Runs as one fused XLA computation on the host CPU: numpy's per-value level search
+    made loading a 4-bit model ~6x slower than loading it dense (bench/RESULTS.md).
     """
-    rows, cols = w.shape
-    blocks = _blocks(w)
-    absmax = np.abs(blocks).max(axis=-1)
-    # Multiply by the reciprocal (not divide): the library's rounding, bit for bit.
-    inverse = np.float32(1.0) / np.maximum(absmax, np.float32(1e-38))
-    scaled = np.clip(blocks * inverse[..., None], np.float32(-1.0), np.float32(1.0))
-    index = np.searchsorted(_BOUNDS, scaled, side="left").astype(np.uint8).reshape(rows, cols)
-    packed = (index[:, 0::2] << 4) | index[:, 1::2]
-    return packed, absmax
-
-
-def block_absmax(w: np.ndarray) -> np.ndarray:
-    """Only the float32 (rows, cols / 64) block maxima of ``quantize_rows``."""
-    return np.abs(_blocks(w)).max(axis=-1)
-
-
-def _blocks(w: np.ndarray) -> np.ndarray:
-    rows, cols = w.shape
+    cols = w.shape[1]
     if cols % NF4_BLOCKSIZE:
         raise ValueError(f"NF4 quantizes whole blocks of {NF4_BLOCKSIZE}; got {cols} columns")
-    return np.asarray(w, dtype=np.float32).reshape(rows, cols // NF4_BLOCKSIZE, NF4_BLOCKSIZE)
+    with jax.default_device(jax.devices("cpu")[0]):
+        codes, absmax = _quantize(np.asarray(w, dtype=np.float32))
+    return np.asarray(codes), np.asarray(absmax)
 
 
-def quantize_kernel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """An HF (out, in) weight -> our ``(codes, absmax)`` layout (see the module docstring)."""
-    packed, absmax = quantize_rows(w)
-    return np.ascontiguousarray(packed.T), np.ascontiguousarray(absmax.T)
+@jax.jit
+def _quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // NF4_BLOCKSIZE, NF4_BLOCKSIZE)
+    absmax = jnp.abs(blocks).max(axis=-1)
+    # bitsandbytes multiplies by the reciprocal of max(absmax, 1e-38) (not a division):
+    # the same rounding, bit for bit; an all-zero block scales to 0 (level 7), as there.
+    inverse = jnp.where(absmax > 0, 1.0 / jnp.maximum(absmax, jnp.float32(1e-38)), 0.0)
+    scaled = jnp.clip(blocks * inverse[..., None], -1.0, 1.0)
+    # The level index = how many midpoints lie strictly below the value (bucketize).
+    index = (scaled[..., None] > jnp.asarray(_BOUNDS)).sum(axis=-1, dtype=jnp.uint8)
+    pairs = index.reshape(rows, cols // 2, 2)
+    packed = (pairs[..., 0] << 4) | pairs[..., 1]
+    return packed.T, absmax.T
 
 
 def dequantize(codes: jax.Array, absmax: jax.Array, dtype: jnp.dtype) -> jax.Array:

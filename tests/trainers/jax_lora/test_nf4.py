@@ -29,11 +29,17 @@ from trainers.jax_lora.step import StepConfig, make_loss_and_grads
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 
-def _weight(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def _weight(dtype: torch.dtype, seed: int = 0, shape: tuple[int, int] = (96, 192)) -> torch.Tensor:
     rng = np.random.default_rng(seed)
-    w = torch.tensor(0.05 * rng.standard_normal((96, 192)), dtype=torch.float32)
+    w = torch.tensor(0.05 * rng.standard_normal(shape), dtype=torch.float32)
     w[3, 64:128] = 0.0  # an all-zero block: absmax 0, every value dequantizes to 0
     w[5, :64] = torch.linspace(-1.0, 1.0, 64)  # every level and the block's extremes
+    # Values exactly on the midpoints between levels (absmax 1: scaling is exact): a tie
+    # goes to the lower level, as the library's bucketize does.
+    levels = torch.tensor(NF4_LEVELS)
+    w[7, :64] = 0.0
+    w[7, :15] = (levels[:-1] + levels[1:]) / 2
+    w[7, 15] = 1.0
     return w.to(dtype)
 
 
@@ -50,7 +56,7 @@ def test_levels_are_the_library_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_and_dequantize_match_bitsandbytes(dtype):
-    w = _weight(dtype)
+    w = _weight(dtype, shape=(512, 1024))  # half a million values: rare roundings show up
     packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="nf4", quant_storage=torch.uint8)
     codes, absmax = quantize_kernel(_host(w))
     # Ours is (in / 2, out) and (in / 64, out); the library's the same bytes in HF order.
@@ -62,6 +68,8 @@ def test_quantize_and_dequantize_match_bitsandbytes(dtype):
     ours = np.asarray(dequantize(jnp.asarray(codes), jnp.asarray(absmax), jdtype).astype(jnp.float32))
     assert np.array_equal(ours.T, ref)
     assert not ours[:, 3][64:128].any()
+    if dtype == torch.float32:  # the ties: each midpoint maps to the level below it
+        assert np.array_equal(ours[:15, 7], NF4_LEVELS[:-1])
 
 
 def test_project_gradient_is_the_dequantized_transpose():
