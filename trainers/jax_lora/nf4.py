@@ -67,9 +67,17 @@ def quantize_kernel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     cols = w.shape[1]
     if cols % NF4_BLOCKSIZE:
         raise ValueError(f"NF4 quantizes whole blocks of {NF4_BLOCKSIZE}; got {cols} columns")
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(_host_device()):
         codes, absmax = _quantize(np.asarray(w, dtype=np.float32))
     return np.asarray(codes), np.asarray(absmax)
+
+
+def _host_device() -> jax.Device:
+    """The CPU backend; the default device where ``JAX_PLATFORMS`` leaves no CPU backend."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
 
 
 @jax.jit
