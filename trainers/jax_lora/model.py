@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainers.errors import UserError
 from trainers.jax_lora.config import LlamaConfig, rope_inverse_frequencies
 from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, nf4_project
 
@@ -125,7 +126,8 @@ def param_shapes(cfg: LlamaConfig, dtype: Any, quantization: Quantization = "non
             in_dims, out_dims = projection_shape(cfg, name)
             in_flat, out_flat = math.prod(in_dims), math.prod(out_dims)
             if in_flat % NF4_BLOCKSIZE:
-                raise ValueError(f"{name} has {in_flat} inputs; NF4 needs a multiple of {NF4_BLOCKSIZE}")
+                raise UserError(f"{name} has {in_flat} inputs; the JAX trainer's NF4 needs a multiple of "
+                                f"{NF4_BLOCKSIZE} (train this model with trainer fsdp_qlora)", code="invalid_spec")
             shapes["layers"][name] = {
                 "codes": jax.ShapeDtypeStruct((cfg.num_layers, in_flat // 2, out_flat), jnp.uint8),
                 "absmax": jax.ShapeDtypeStruct((cfg.num_layers, in_flat // NF4_BLOCKSIZE, out_flat), jnp.float32),

@@ -182,3 +182,20 @@ def test_logits_and_lora_grads_match_peft_on_the_bnb_model(tiny_untied, tmp_path
         ref = ref_grads[key.removesuffix(".weight") + ".default.weight"]  # PEFT's live name
         assert np.abs(ref).max() > 1e-4, key
         np.testing.assert_allclose(g, ref, rtol=0, atol=2e-5 * np.abs(ref).max(), err_msg=key)
+
+
+def test_a_model_whose_inputs_are_not_whole_blocks_is_a_user_error(tiny_untied):
+    from trainers.errors import UserError
+
+    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    odd = LlamaConfig.from_hf_dict({**_hf_config(tiny_untied), "intermediate_size": 96})
+    assert param_shapes(cfg, jnp.float32, "nf4")  # 64 / 128 inputs: whole blocks
+    with pytest.raises(UserError, match="down_proj has 96 inputs") as err:
+        param_shapes(odd, jnp.float32, "nf4")
+    assert err.value.code == "invalid_spec"
+
+
+def _hf_config(model_dir) -> dict:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())
