@@ -75,9 +75,10 @@ class Settings(BaseSettings):
     placement_objective: Literal["cost", "time"] = Field(
         default="cost", description="Among pools that fit: the cheapest run, or the earliest finish."
     )
-    # Local executor (worker/tasks/jobs.py): restarts of a crashed trainer (from its latest
-    # checkpoint) before the job fails, and the seconds a stopped trainer gets to checkpoint
-    # after SIGTERM before SIGKILL.
+    # Restarts of a lost run (crashed trainer, lost node, eviction, out of GPU memory) from
+    # its latest checkpoint before the job fails, for both executors (the local one's
+    # supervisor, the Kubernetes one's reconcile in DbStore); and the seconds a stopped
+    # local trainer gets to checkpoint after SIGTERM before SIGKILL.
     max_restarts: int = Field(default=2, ge=0)
     stop_grace_s: float = Field(default=30.0, gt=0)
 

@@ -56,7 +56,6 @@ from worker.scheduler.usage import close_segment, open_segment, recent_gpu_secon
 
 log = logging.getLogger(__name__)
 
-MAX_RESTARTS = 3
 ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a second
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
@@ -99,13 +98,16 @@ class DbStore:
     """``SchedulerStore`` on the service database."""
 
     def __init__(self, settings: Settings, pools: list[NodePool], *, in_cluster: bool = False,
-                 clock: Any = time.time, max_restarts: int = MAX_RESTARTS) -> None:
+                 clock: Any = time.time, max_restarts: int | None = None) -> None:
+        """``max_restarts``: lost runs (node lost, evicted, crashed, out of GPU memory) a job
+        may restart from its checkpoint before it fails; default ``settings.max_restarts``,
+        the same cap the local executor applies."""
         self.settings = settings
         self.url = settings.resolved_database_url
         self.pools = {p.name: p for p in pools}
         self.in_cluster = in_cluster
         self.clock = clock
-        self.max_restarts = max_restarts
+        self.max_restarts = settings.max_restarts if max_restarts is None else max_restarts
         self._reasons: dict[str, str | None] = {}
         self._positions: dict[str, int | None] = {}
 
