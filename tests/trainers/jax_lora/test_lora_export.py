@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from peft import PeftModel
 
@@ -118,13 +119,16 @@ def test_bf16_base_with_fp32_adapter_tracks_fp32(tiny_untied):
     assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) > 0.99
 
 
-def test_remat_policies_give_the_same_loss_and_grads(tiny_untied):
-    """per_layer / dots_saveable recompute activations in the backward pass: same numbers."""
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_remat_policies_give_the_same_loss_and_grads(tiny_untied, quantization):
+    """per_layer / dots_saveable recompute activations in the backward pass: same numbers
+    (on an NF4 base too, whose projections are custom_vjp calls inside the remat)."""
     from tests.trainers.jax_lora.batches import random_lora
     from trainers.jax_lora.step import make_loss_and_grads
 
     cfg = LlamaConfig.from_pretrained(tiny_untied)
-    params, _ = load_params(tiny_untied, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    params, _ = load_params(tiny_untied, cfg, mesh, jnp.float32, quantization)
     targets = ("q_proj", "o_proj", "up_proj")
     lora = jax.tree.map(jnp.asarray, random_lora(lora_shapes(cfg, targets, 4, jnp.float32), seed=11))
     batch = {k: jnp.asarray(v) for k, v in packed_batch(12, accum=2, rows=2, seq=24, vocab=cfg.vocab_size).items()}
