@@ -95,7 +95,8 @@ def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
     """Logical axis names of every base parameter (same tree structure as the params).
 
     With ``quantization="nf4"`` each projection is ``{"codes", "absmax"}`` (``nf4.py``),
-    both (layers, in_flat / k, out_flat) with the projection's leading logical axes.
+    both (layers, in_flat / k, out_flat); the codes shard like the dense kernel (the
+    projection's leading logical axes), the small absmax over its outputs only.
     """
     layers: dict[str, Any] = {
         "input_layernorm": ("layers", "embed"),
@@ -103,8 +104,10 @@ def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
     }
     for name, proj in PROJECTIONS.items():
         if quantization == "nf4":
-            flat = ("layers", _flat_axis(proj.in_axes), _flat_axis(proj.out_axes))
-            layers[name] = {"codes": flat, "absmax": flat}
+            # The scales split over every parameter axis along their outputs: a model's
+            # input blocks (in / 64) rarely divide the fsdp size of a small model.
+            layers[name] = {"codes": ("layers", _flat_axis(proj.in_axes), _flat_axis(proj.out_axes)),
+                            "absmax": ("layers", None, "nf4_scales")}
         else:
             layers[name] = ("layers", *proj.in_axes, *proj.out_axes)
     axes: Params = {"embed_tokens": ("vocab", "embed"), "layers": layers, "norm": ("embed",)}

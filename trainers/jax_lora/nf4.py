@@ -18,8 +18,9 @@ Layout. Our kernels are (in..., out...); a quantized kernel of a projection with
 
 Blocks run along the inputs (HF rows), so ``in_flat`` must be a multiple of 64; it is
 for every Llama (hidden sizes, heads x head_dim and MLP widths are multiples of 64).
-Both arrays keep the projection's leading logical axes, so they shard like the dense
-kernel would (``model.param_axes``).
+The codes keep the projection's leading logical axes, so they shard like the dense kernel
+would; the absmax (1/8 of the codes' bytes) splits over all parameter devices along its
+outputs (``model.param_axes``, rule ``nf4_scales``).
 
 Compute. :func:`nf4_project` is ``x @ dequantize(W)`` with a hand-written backward pass:
 the base is frozen, so the only gradient is the input's, ``dy @ W.T``, and the
@@ -73,11 +74,12 @@ def quantize_kernel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _host_device() -> jax.Device:
-    """The CPU backend; the default device where ``JAX_PLATFORMS`` leaves no CPU backend."""
+    """This process's CPU device (multi-host: ``jax.devices()`` lists every process's);
+    its default device where ``JAX_PLATFORMS`` leaves no CPU backend."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
-        return jax.devices()[0]
+        return jax.local_devices()[0]
 
 
 @jax.jit

@@ -42,6 +42,8 @@ PARAM_RULES: dict[str, MeshAxes] = {
     # like heads, but a dim that does not divide is replicated rather than refused.
     "heads_flat": "tensor",
     "kv_heads_flat": "tensor",
+    # NF4 block scales: their outputs over both parameter axes (see model.param_axes).
+    "nf4_scales": ("fsdp", "tensor"),
 }
 
 ACTIVATION_RULES: dict[str, MeshAxes] = {

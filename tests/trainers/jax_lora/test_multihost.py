@@ -38,8 +38,14 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_like_one(recipe_model, tiny_datasets, tmp_path):
-    spec = make_spec(recipe_model, tiny_datasets, tmp_path / "cluster",
+@pytest.mark.parametrize("adapter", [
+    {"method": "lora"},
+    # QLoRA: each process quantizes only the NF4 shards its own devices hold.
+    {"method": "qlora", "quantization": "nf4"},
+], ids=["lora", "qlora-nf4"])
+def test_two_processes_train_like_one(recipe_model, tiny_datasets, tmp_path, adapter):
+    adapter = {"r": 4, "alpha": 8.0, **adapter}
+    spec = make_spec(recipe_model, tiny_datasets, tmp_path / "cluster", adapter=adapter,
                      parallelism={"mesh": {"data": 1, "fsdp": 2, "tensor": 2}}, hyperparameters=HP)
     spec_path = tmp_path / "spec.json"
     spec.dump(spec_path)
@@ -61,7 +67,7 @@ def test_two_processes_train_like_one(recipe_model, tiny_datasets, tmp_path):
     # Reference: this process on its own devices (any mesh: sharded = unsharded, tested).
     mesh = {"data": 1, "fsdp": 4, "tensor": 2} if jax.device_count() == 8 else {"data": 1, "fsdp": 1, "tensor": 1}
     ref = make_spec(recipe_model, tiny_datasets, tmp_path / "single", parallelism={"mesh": mesh},
-                    hyperparameters={**HP, "batch_size": 4})
+                    hyperparameters={**HP, "batch_size": 4}, adapter=adapter)
     run(ref)
 
     got, want = _rows(tmp_path / "cluster" / "out"), _rows(tmp_path / "single" / "out")

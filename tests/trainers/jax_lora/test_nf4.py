@@ -21,9 +21,9 @@ from trainers.jax_lora.config import LlamaConfig
 from trainers.jax_lora.export import export_adapter, to_peft_weights
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import lora_runtime, lora_shapes
-from trainers.jax_lora.model import PROJECTIONS, forward, param_shapes
+from trainers.jax_lora.model import PROJECTIONS, forward, param_axes, param_shapes
 from trainers.jax_lora.nf4 import NF4_LEVELS, dequantize, nf4_project, quantize_kernel
-from trainers.jax_lora.sharding import make_mesh
+from trainers.jax_lora.sharding import check_replication, make_mesh, sharding_report, tree_shardings
 from trainers.jax_lora.step import StepConfig, make_loss_and_grads
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -116,11 +116,17 @@ def test_loaded_kernels_are_what_transformers_stores(tiny_untied, mesh_shape):
         kernel = params["layers"][name]
         if n > 1:
             assert len(kernel["codes"].sharding.device_set) == n
+            # the scales are split over all 8 devices too, though in / 64 (1 or 2) is not
+            assert kernel["absmax"].addressable_shards[0].data.size * n == kernel["absmax"].size
         codes, absmax = np.asarray(kernel["codes"]), np.asarray(kernel["absmax"])
         for layer in range(cfg.num_layers):
             packed, ref_absmax = ref[f"{layer}.{name}"]
             assert np.array_equal(codes[layer].T, packed), (name, layer)
             assert np.array_equal(absmax[layer].T.reshape(-1), ref_absmax), (name, layer)
+    if n > 1:  # what the recipe checks before it loads: no more than 5 % above an even split
+        shapes = param_shapes(cfg, jnp.float32, "nf4")
+        mesh = make_mesh(*mesh_shape, devices=jax.devices()[:n])
+        check_replication(sharding_report(shapes, tree_shardings(shapes, param_axes(cfg, "nf4"), mesh), mesh))
     dense = param_shapes(cfg, jnp.float32)
     dense_bytes = sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(dense["layers"]))
     assert stats["param_bytes"] < sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(dense))
