@@ -143,6 +143,9 @@ def test_a_new_organization_sees_empty_states(service, page_for, screenshots: Pa
     page = page_for(key)
     empty = page.wait_for_selector("#jobs-empty .empty")
     assert "No fine-tuning jobs yet" in empty.inner_text()
+    # The counters come from their own requests, after the list may already show: wait
+    # until the placeholder is replaced (reading it at once was a race, seen in CI).
+    page.wait_for_function("""() => document.querySelector('[data-count="running"]').textContent !== '—'""")
     assert page.inner_text('[data-count="running"]') == "0"
     page.screenshot(path=screenshots / "02-jobs-empty.png", full_page=True)
     page.goto(f"{service.url}/ui/pools")
