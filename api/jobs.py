@@ -31,6 +31,7 @@ from api.lifecycle import add_event, lock_job, transition
 from api.pagination import check_limit, page_newest_first
 from api.queue import SCHEDULE, TaskQueue
 from api.schemas.jobs import JobCreate, jobs_page_json
+from trainers.spec import trains_base
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MAX_FIRST_ERRORS = 5
@@ -73,17 +74,9 @@ def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> 
     return file
 
 
-# The bases the JAX trainer trains: bf16/fp32 and bitsandbytes-layout NF4 (not HQQ). The
-# scheduler's rule is ``worker.scheduler.placement.trainer_can_train`` (api never imports
-# worker outside api/fleet.py); tests/api/test_fleet.py checks both agree on every adapter
-# this API accepts.
-JAX_LORA_QUANTIZATIONS = ("none", "nf4")
-
-
 def check_trainer(body: JobCreate) -> None:
     adapter = body.adapter
-    if body.trainer_name == "jax_lora" and (adapter.quantization not in JAX_LORA_QUANTIZATIONS
-                                            or adapter.double_quant):
+    if not trains_base(body.trainer_name, adapter.quantization, adapter.double_quant):
         base = f"{adapter.quantization} base" + (" with double_quant" if adapter.double_quant else "")
         raise APIError(400, "invalid_request",
                        f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base without "

@@ -29,6 +29,19 @@ TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 DataFormat = Literal["chat", "prompt_completion", "alpaca"]
 
 
+def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> bool:
+    """Whether ``trainer`` trains a base stored as ``quantization``.
+
+    ``fsdp_qlora`` trains every base: bf16/fp32, NF4 (with or without double quantization)
+    and HQQ 4-bit. ``jax_lora`` trains bf16/fp32 and bitsandbytes-layout NF4 (blocks of 64,
+    one fp32 absmax each; ``trainers/jax_lora/nf4.py``): no HQQ, no double-quantized absmax.
+    The trainer, the scheduler's placement and the API's check all ask this.
+    """
+    if trainer != "jax_lora":
+        return True
+    return quantization in ("none", "nf4") and not double_quant
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -52,7 +52,7 @@ from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, w
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted, UserError
-from trainers.spec import TrainerSpec
+from trainers.spec import TrainerSpec, trains_base
 
 LOCAL_REPORTS = "reports.jsonl"
 
@@ -60,7 +60,7 @@ LOCAL_REPORTS = "reports.jsonl"
 def _check_spec(spec: TrainerSpec) -> None:
     if spec.trainer != "jax_lora":
         raise UserError(f"spec.trainer is {spec.trainer!r}, this is the jax_lora trainer", code="invalid_spec")
-    if spec.adapter.quantization not in ("none", "nf4") or spec.adapter.double_quant:
+    if not trains_base("jax_lora", spec.adapter.quantization, spec.adapter.double_quant):
         raise UserError(
             "the JAX trainer's 4-bit base is NF4 without double quantization; hqq4 and "
             "double_quant run on the fsdp_qlora trainer",

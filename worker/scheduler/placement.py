@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trainers.spec import trains_base
 from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
 from worker.scheduler.estimator import PoolEstimate, TrainingShape, estimate_on_pool
 from worker.scheduler.pools import NodePool
@@ -99,15 +100,9 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
 
 
 def trainer_can_train(trainer: str, training: TrainingShape) -> bool:
-    """Whether the ``trainer`` family can train the job's base weights as they are stored.
-
-    ``fsdp_qlora`` trains every base: bf16, NF4 (with or without double quantization) and
-    HQQ 4-bit. ``jax_lora`` trains bf16/fp32 bases and bitsandbytes-layout NF4 (blocks of
-    64, one fp32 absmax each); it has no HQQ layers and no double-quantized absmax.
-    """
-    if trainer != "jax_lora" or training.quantization == "none":
-        return True
-    return training.quantization == "nf4" and not training.double_quant
+    """Whether the ``trainer`` family can train the job's base weights as they are stored
+    (``trainers.spec.trains_base``, the trainers' own rule)."""
+    return trains_base(trainer, training.quantization, training.double_quant)
 
 
 def base_text(training: TrainingShape) -> str:

@@ -376,7 +376,7 @@ def requeue_after_oom(session: Any, job: Job, pool: NodePool | None, *, max_rest
     bigger = [n for n in candidate_gpu_counts(pool) if n > job.gpus]
     if not bigger or (job.restarts or 0) >= max_restarts:
         return False
-    resume = _latest_checkpoint(session, job.id) or job.resume_from
+    resume = resume_point(session, job)
     transition(session, job, "queued", actor="executor", level="warn", resume_from=resume,
                restarts=(job.restarts or 0) + 1, retry_placement={"pool": pool.name, "gpus": bigger[0]},
                message=(f"Out of GPU memory on {job.gpus}x {pool.accelerator} ({reason}); requeued for "
@@ -396,6 +396,12 @@ def _timestamp(value: dt.datetime | None) -> float | None:
     if value is None:
         return None
     return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()  # SQLite drops the zone
+
+
+def resume_point(session: Any, job: Job) -> str | None:
+    """Where a requeued or paused run resumes: its latest checkpoint, else where it resumed from."""
+    row = latest_checkpoint(session, job)
+    return row.location if row else job.resume_from
 
 
 def _latest_checkpoint(session: Any, job_id: str) -> str | None:

@@ -32,7 +32,6 @@ from api.artifacts import ArtifactStore, file_store
 from api.db.models import Job
 from api.db.session import session_scope
 from api.files import create_result_file
-from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
 from api.reports import apply_artifacts
@@ -45,7 +44,7 @@ from worker.executors.base import StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
 from worker.scheduler.pools import NodePool, load_pools
-from worker.scheduler.store import requeue_after_oom
+from worker.scheduler.store import requeue_after_oom, resume_point
 from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
@@ -116,11 +115,6 @@ def _event(db_url: str, job_id: str, level: str, message: str) -> None:
             add_event(session, job, message, level=level)
 
 
-def _latest_checkpoint_location(session, job: Job) -> str | None:
-    ckpt = latest_checkpoint(session, job)
-    return ckpt.location if ckpt else job.resume_from
-
-
 def _register_manifest(session, job: Job, output_dir: str) -> None:
     """Register the outputs from manifest.json (in case the trainer's last report was lost)."""
     manifest = Path(output_dir) / "manifest.json"
@@ -143,7 +137,7 @@ def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: S
             add_event(session, job, f"trainer stopped ({_code_text(outcome.returncode)})")
             return job.status
         if outcome.stopped or outcome.returncode == ExitCode.PREEMPTED:
-            resume = _latest_checkpoint_location(session, job)
+            resume = resume_point(session, job)
             if stop_reason == StopReason.PAUSE:
                 transition(session, job, "paused", actor="system", resume_from=resume,
                            message="Job paused; it resumes from its last checkpoint.")
