@@ -139,6 +139,15 @@ class Job(Base):
         "on fewer GPUs (set by the executor, never by the user; ``placement`` is the user's)."
     )
     job_token_hash: Mapped[str | None] = mapped_column(String(64))
+    attempt: Mapped[int] = mapped_column(
+        Integer, default=0, doc="Run attempt: 1 at the first admission, +1 at each later one. Every "
+        "executor outcome names the attempt it belongs to; one of an older attempt never moves the job."
+    )
+    exited_attempt: Mapped[int] = mapped_column(
+        Integer, default=0, doc="The newest attempt whose trainer is known to have stopped. A job "
+        "whose ``attempt`` is newer is not admitted again until that run has stopped (or the "
+        "scheduler's stop deadline passed), so two trainers never write one job's checkpoints."
+    )
     usage: Mapped[dict[str, Any] | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
