@@ -33,7 +33,8 @@ idempotency_conflict           409   an ``Idempotency-Key`` reused with another 
 invalid_state_transition       409   e.g. cancelling a succeeded job
 invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
-invalid_artifact_location      400   report endpoint: outputs outside the service's storage
+invalid_artifact_location      400   report endpoint: outputs or checkpoints outside the job's own
+                                     output / checkpoint directory, or control characters
 invalid_session                401   dashboard JSON routes without a signed-in session
 invalid_metrics_token          401   ``/metrics`` with a wrong scrape token
 csrf_failed                    403   a cookie-authenticated unsafe request without the

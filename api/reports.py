@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.artifacts import safe_key
 from api.db.base import utcnow
 from api.db.models import Artifact, Checkpoint, Job, JobMetric, ReportBatch
 from api.errors import APIError
@@ -33,7 +36,7 @@ from api.schemas.reports import (
     MetricItem,
     ReportBatchIn,
 )
-from api.settings import Settings
+from api.settings import Settings, resolved_dir
 
 # Trainer metric names -> OpenAI checkpoint metric names.
 CHECKPOINT_METRIC_NAMES = {
@@ -69,33 +72,113 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
-def check_artifact_location(location: str, settings: Settings) -> None:
-    """Refuse output locations outside this service's storage (400 ``invalid_artifact_location``).
+@dataclass(frozen=True)
+class JobStorage:
+    """Where a job's trainer writes (as the spec builder lays it out): the only places
+    its token may register.
+
+    ``outputs``: the job's ``output_dir`` in the artifact store (``<root>/<job>/output``).
+    ``checkpoints``: ``<root>/<job>/checkpoints`` (S3, or a Kubernetes pod on a shared
+    volume) and, for local trainers on a local store, ``<data>/jobs/<job>/checkpoints``.
+    """
+
+    outputs: tuple[str, ...]
+    checkpoints: tuple[str, ...]
+
+
+def job_storage(job_id: str, settings: Settings) -> JobStorage:
+    root = settings.resolved_artifact_url
+    if root.startswith("s3://"):
+        base = root.rstrip("/")
+        return JobStorage(outputs=(f"{base}/{job_id}/output",),
+                          checkpoints=(f"{base}/{job_id}/checkpoints",))
+    base_dir = resolved_dir(Path(root)) / job_id
+    return JobStorage(
+        outputs=(str(base_dir / "output"),),
+        checkpoints=(str(base_dir / "checkpoints"), str(settings.job_dir(job_id) / "checkpoints")),
+    )
+
+
+def has_control_characters(text: str) -> bool:
+    """C0 controls and DEL: never part of a path or key we write, and a NUL makes
+    ``Path.resolve`` raise."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def is_inside(location: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``location`` is one of ``prefixes`` or lies below one.
+
+    Local paths are resolved first (``..`` and symlinks cannot lead out); the prefixes are
+    compared as written, so a symlink planted at a prefix cannot widen it. S3 keys are not
+    normalized by the store, so the part below the prefix must be a clean relative key.
+    """
+    if has_control_characters(location):
+        return False
+    if location.startswith("s3://"):
+        for prefix in (p for p in prefixes if p.startswith("s3://")):
+            rest = location.removeprefix(prefix)
+            if rest in ("", "/"):
+                return True
+            if rest.startswith("/") and _clean_key(rest[1:].rstrip("/")):
+                return True
+        return False
+    if not os.path.isabs(location):
+        return False
+    path = os.path.realpath(location)
+    return any(path == p or path.startswith(p.rstrip(os.sep) + os.sep)
+               for p in prefixes if not p.startswith("s3://"))
+
+
+def _clean_key(key: str) -> bool:
+    return bool(key) and "\\" not in key and all(
+        part not in ("", ".", "..") for part in key.split("/"))
+
+
+def check_artifact_location(location: str, job_id: str, settings: Settings, *,
+                            param: str = "items.location") -> None:
+    """Refuse output locations outside the job's own output (400 ``invalid_artifact_location``).
 
     Artifacts are later served from their location with the API's own file access and S3
-    credentials, so a trainer (or a stolen job token) must not be able to register
-    ``/etc`` or another bucket as a job's output.
+    credentials, so a job token (held by a trainer that reads tenant data) must not be
+    able to register the data directory, another job's output or another bucket.
     """
-    root = settings.resolved_artifact_url
-    if location.startswith("s3://"):
-        allowed = root.startswith("s3://") and (
-            location == root or location.startswith(root.rstrip("/") + "/")
-        )
-    else:
-        path = Path(location).expanduser().resolve()
-        roots = [settings.data_path] + ([] if root.startswith("s3://") else [Path(root).resolve()])
-        allowed = any(path == r or r in path.parents for r in roots)
-    if not allowed:
+    _check_location(location, job_storage(job_id, settings).outputs, "output", param)
+
+
+def check_checkpoint_location(location: str, job_id: str, settings: Settings, *,
+                              param: str = "items.location") -> None:
+    """Refuse checkpoint locations outside the job's checkpoint directory (400)."""
+    _check_location(location, job_storage(job_id, settings).checkpoints, "checkpoint", param)
+
+
+def _check_location(location: str, prefixes: tuple[str, ...], kind: str, param: str) -> None:
+    if has_control_characters(location):
         raise APIError(400, "invalid_artifact_location",
-                       f"Artifact location '{location}' is outside the service's storage ({root}).",
-                       param="items.location")
+                       "Locations must not contain control characters.", param=param)
+    if not is_inside(location, prefixes):
+        raise APIError(400, "invalid_artifact_location",
+                       f"Location '{location}' is outside this job's {kind} directory "
+                       f"({' or '.join(prefixes)}).", param=param)
+
+
+def check_batch_locations(job: Job, batch: ReportBatchIn, settings: Settings) -> None:
+    """Every location and file name of ``batch`` is the job's own, or a 400 naming the item."""
+    for index, item in enumerate(batch.items):
+        if isinstance(item, ArtifactsItem):
+            check_artifact_location(item.location, job.id, settings, param=f"items[{index}].location")
+            for number, file in enumerate(item.files):
+                try:
+                    safe_key(file.name)
+                except APIError as exc:
+                    exc.param = f"items[{index}].files[{number}].name"
+                    raise
+        elif isinstance(item, CheckpointItem):
+            check_checkpoint_location(item.location, job.id, settings, param=f"items[{index}].location")
 
 
 def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Settings) -> bool:
     """Apply ``batch`` to ``job`` and commit; returns False when it was a duplicate."""
-    for item in batch.items:
-        if isinstance(item, ArtifactsItem):
-            check_artifact_location(item.location, settings)
+    check_batch_locations(job, batch, settings)
     if session.scalar(
         select(ReportBatch.id).where(ReportBatch.job_id == job.id, ReportBatch.seq == batch.seq)
     ) is not None:

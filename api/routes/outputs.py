@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -26,7 +27,10 @@ from api.deps import CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError
 from api.jobs import get_job
 from api.logs import read_job_log
+from api.reports import is_inside, job_storage
 from api.schemas.jobs import JobEventPublic
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning outputs"])
 
@@ -89,6 +93,14 @@ def download_artifact(
     row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == object_key))
     if row is None:
         raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{object_key}'.",
+                       param="name")
+    if not is_inside(row.location, job_storage(job.id, settings).outputs):
+        # Registered before locations were confined to the job's own output: serving it
+        # would hand out whatever the location points at.
+        log.warning("artifact %s of job %s has a location outside its output: %r",
+                    object_key, job.id, row.location)
+        raise APIError(404, "artifact_not_found",
+                       f"Artifact '{object_key}' of job '{job.id}' is not in the job's output.",
                        param="name")
     store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
     url = store.presigned_url(object_key, expires_s=900)

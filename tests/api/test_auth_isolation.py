@@ -78,12 +78,13 @@ def world(client, tenant_key, make_job, settings, db_session):
     a, b = tenant_key(), tenant_key()
     job = make_job(a.headers)
     row, token = start_running(db_session, job["id"])
-    out = settings.data_path / "out"
+    out = settings.data_path / "artifacts" / job["id"] / "output"
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    checkpoint = settings.job_dir(job["id"]) / "checkpoints" / "step-1"
     report = {"seq": 1, "items": [
         {"type": "metric", "step": 1, "total_steps": 2, "train_loss": 2.0},
-        {"type": "checkpoint", "step": 1, "location": str(out), "metrics": {"train_loss": 2.0}},
+        {"type": "checkpoint", "step": 1, "location": str(checkpoint), "metrics": {"train_loss": 2.0}},
         {"type": "artifacts", "location": str(out), "files": [
             {"name": "adapter/adapter_model.safetensors", "bytes": 7, "sha256": "0" * 64}]},
     ]}

@@ -84,11 +84,12 @@ def test_rotated_token_stops_working(client, running, db_session) -> None:
     assert running["post"](0, auth=new).status_code == 200
 
 
-def test_checkpoints_in_openai_shape(client, running) -> None:
+def test_checkpoints_in_openai_shape(client, running, settings) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
-    post(0, {"type": "checkpoint", "step": 2, "location": "/ck/step-2",
+    ck = settings.job_dir(job_id) / "checkpoints"
+    post(0, {"type": "checkpoint", "step": 2, "location": str(ck / "step-2"),
              "metrics": {"train_loss": 1.5, "valid_loss": 1.7, "token_accuracy": 0.4}})
-    post(1, {"type": "checkpoint", "step": 4, "location": "/ck/step-4",
+    post(1, {"type": "checkpoint", "step": 4, "location": str(ck / "step-4"),
              "metrics": {"train_loss": 1.2}})
     page = client.get(f"{JOBS}/{job_id}/checkpoints", headers=headers).json()
     assert [c["step_number"] for c in page["data"]] == [4, 2]
@@ -101,12 +102,12 @@ def test_checkpoints_in_openai_shape(client, running) -> None:
     # pause -> resume continues from the newest checkpoint
     client.post(f"{JOBS}/{job_id}/pause", headers=headers)
     resumed = client.post(f"{JOBS}/{job_id}/resume", headers=headers).json()
-    assert resumed["resume_from"] == "/ck/step-4"
+    assert resumed["resume_from"] == str(ck / "step-4")
 
 
 def test_artifacts_listing_download_and_traversal(client, running, settings, db_session) -> None:
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
-    out = settings.data_path / "artifacts" / job_id
+    out = settings.data_path / "artifacts" / job_id / "output"
     files = {"adapter/adapter_model.safetensors": b"\x00weights", "manifest.json": b"{}"}
     for name, data in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
@@ -194,13 +195,14 @@ def test_a_wrong_or_foreign_token_changes_nothing(client, running, make_job, db_
     """A rejected batch of every kind of item leaves both jobs exactly as they were."""
     post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
     other, foreign_token = start_running(db_session, make_job(headers)["id"])
-    out = settings.data_path / "artifacts" / job_id
+    out = settings.data_path / "artifacts" / job_id / "output"
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
     items = (
         metric(1, 2.5),
         {"type": "event", "level": "info", "message": "forged event"},
-        {"type": "checkpoint", "step": 1, "location": str(out), "metrics": {"train_loss": 2.5}},
+        {"type": "checkpoint", "step": 1, "location": str(settings.job_dir(job_id) / "checkpoints" / "step-1"),
+         "metrics": {"train_loss": 2.5}},
         {"type": "artifacts", "location": str(out), "files": [
             {"name": "adapter/adapter_model.safetensors", "bytes": 7,
              "sha256": hashlib.sha256(b"weights").hexdigest()}]},

@@ -130,7 +130,7 @@ def test_job_events_are_signed_delivered_and_retried_by_celery(
         job = sdk.jobs.create(model=DEMO_MODEL, training_file=fid)
         driver = JobDriver(service, job.id)
         driver.start()
-        driver.report({"type": "checkpoint", "step": 5, "location": "/c/step-5", "metrics": {}})
+        driver.report({"type": "checkpoint", "step": 5, "location": driver.checkpoint_location(5), "metrics": {}})
         driver.finish("succeeded")
         got = receiver.wait_for(lambda rs: sum(b"succeeded" in r.body for r in rs) >= 3, timeout=60)
     finally:

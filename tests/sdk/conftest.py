@@ -96,7 +96,7 @@ class JobDriver:
 
     def write_outputs(self, files: dict[str, bytes]) -> dict[str, Any]:
         """Write output files under the job's dir; returns the ``artifacts`` report item."""
-        out = self.service.settings.data_path / "jobs" / self.job_id / "output"
+        out = self.service.settings.data_path / "artifacts" / self.job_id / "output"
         listing = []
         for name, data in files.items():
             path = out / name
@@ -104,6 +104,11 @@ class JobDriver:
             path.write_bytes(data)
             listing.append({"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         return {"type": "artifacts", "location": str(out), "files": listing}
+
+    def checkpoint_location(self, step: int) -> str:
+        """Where the local trainer of this job keeps checkpoint ``step`` (its token may
+        register nothing else)."""
+        return str(self.service.settings.job_dir(self.job_id) / "checkpoints" / f"step-{step}")
 
     def write_log(self, text: str) -> None:
         path = self.service.settings.data_path / "jobs" / self.job_id / "trainer.log"

@@ -126,7 +126,7 @@ def test_running_job_outputs_stream_and_download(service: Service, tmp_path: Pat
         driver.start()
         driver.write_log("step 1\nstep 2\nstep 3\n")
         driver.report(driver.metric(1, 3, 2.0), driver.metric(2, 3, 1.5))
-        driver.report({"type": "checkpoint", "step": 2, "location": "/ckpt/step-2",
+        driver.report({"type": "checkpoint", "step": 2, "location": driver.checkpoint_location(2),
                        "metrics": {"train_loss": 1.5}})
         driver.report(driver.metric(3, 3, 1.2),
                       driver.write_outputs({"adapter/adapter_model.safetensors": adapter,
