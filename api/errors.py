@@ -14,6 +14,7 @@ code                           HTTP  meaning
 missing_api_key                401   no ``Authorization: Bearer`` header
 invalid_api_key                401   unknown, malformed or revoked key
 invalid_job_token              401   report endpoint: wrong or missing job token
+job_token_expired              401   report endpoint: the job stopped running over a minute ago
 permission_denied              403   an admin-only route with a tenant key
 not_found                      404   unknown route, or an object of another tenant
 method_not_allowed             405   wrong HTTP method

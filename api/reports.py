@@ -5,7 +5,8 @@ transaction as its items, so a retried batch (the trainer never saw the answer) 
 the unique constraint and is answered ``duplicate: true`` without changing anything.
 
 Authentication uses the per-job token (only its sha256 is stored): no or an unknown
-token is a 401; a valid token of another job is a 404 for this job.
+token is a 401; a valid token of another job is a 404 for this job; the token of a job
+that stopped running more than ``REPORT_GRACE_S`` ago is a 401 ``job_token_expired``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from api.artifacts import safe_key
 from api.db.base import utcnow
-from api.db.models import Artifact, Checkpoint, Job, JobMetric, ReportBatch
+from api.db.models import Artifact, Checkpoint, Job, JobEvent, JobMetric, ReportBatch
 from api.errors import APIError
 from api.ids import hash_secret, new_id
 from api.lifecycle import add_event
@@ -51,6 +52,8 @@ CHECKPOINT_METRIC_NAMES = {
     "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
 }
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
+# How long after a job stopped running its trainer may still deliver its last batches.
+REPORT_GRACE_S = 60.0
 
 
 def authenticate_job(session: Session, job_id: str, authorization: str | None) -> Job:
@@ -64,7 +67,29 @@ def authenticate_job(session: Session, job_id: str, authorization: str | None) -
         raise APIError(401, "invalid_job_token", "Unknown or rotated job token.")
     if owner.id != job_id:
         raise APIError(404, "not_found", f"No fine-tuning job found with id '{job_id}'.")
+    if not accepts_reports(session, owner):
+        raise APIError(401, "job_token_expired",
+                       f"Job '{job_id}' is {owner.status}; its trainer token no longer reports.")
     return owner
+
+
+def accepts_reports(session: Session, job: Job, *, now: dt.datetime | None = None) -> bool:
+    """Whether the job's token may still report: while the job runs, and for
+    ``REPORT_GRACE_S`` after it stopped running (a trainer that was told to stop, or just
+    exported its adapter, still flushes its last batch).
+
+    After that the token is dead for good: a stolen or leaked token of a finished job
+    cannot post events or overwrite ``error``. When the job runs again it gets a new token.
+    """
+    if job.status == "running":
+        return True
+    last = session.scalar(
+        select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.type == "status")
+        .order_by(JobEvent.seq.desc()).limit(1)
+    )
+    if last is None or (last.data or {}).get("from") != "running":
+        return False
+    return (now or utcnow()) - last.created_at <= dt.timedelta(seconds=REPORT_GRACE_S)
 
 
 def _finite(value: float | None) -> float | None:
