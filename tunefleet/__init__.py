@@ -7,8 +7,6 @@
     job = job.wait(timeout=600)
 """
 
-__version__ = "0.1.0"
-
 from tunefleet.sdk.client import AsyncTunefleet, Tunefleet
 from tunefleet.sdk.errors import (
     APIConnectionError,
@@ -26,6 +24,7 @@ from tunefleet.sdk.errors import (
     TunefleetError,
     WaitTimeoutError,
 )
+from tunefleet.version import __version__
 
 __all__ = [
     "APIConnectionError",

@@ -62,12 +62,24 @@ def write_config_file(values: dict[str, str], path: Path | None = None) -> Path:
         raise ConfigurationError(f"unknown config keys: {sorted(unknown)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(f"{k} = {json.dumps(merged[k], ensure_ascii=False)}\n" for k in _KEYS if k in merged)
+    write_private_file(path, text)
+    return path
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``, readable by its owner only (it holds a secret).
+
+    The text goes to a temporary file created with mode 0600 and then renamed over
+    ``path``, so the secret is never in a file with wider permissions and a reader never
+    sees half a file.
+    """
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_CREAT's mode applies only to a new file: a leftover temporary keeps its own.
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)
-    return path
 
 
 def normalize_base_url(url: str) -> str:

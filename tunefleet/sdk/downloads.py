@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from tunefleet.sdk.errors import ChecksumMismatchError
+from tunefleet.sdk.types import Artifact
 
 
 class ArtifactWriter:
@@ -49,3 +50,14 @@ def local_path(dest_dir: Path, name: str) -> Path:
     if not parts or any(p in (".", "..") for p in parts):
         raise ValueError(f"invalid artifact name {name!r}")
     return dest_dir.joinpath(*parts)
+
+
+def listed_sha256(artifacts: list[Artifact], name: str) -> str | None:
+    """The digest the artifacts listing gives for ``name``, if it lists it."""
+    listed = {a.name: a for a in artifacts}
+    return listed[name].sha256 if name in listed else None
+
+
+def download_plan(artifacts: list[Artifact], dest_dir: Path, prefix: str) -> list[tuple[Artifact, Path]]:
+    """The artifacts whose names start with ``prefix``, each with where it goes under ``dest_dir``."""
+    return [(a, local_path(dest_dir, a.name)) for a in artifacts if a.name.startswith(prefix)]

@@ -1,7 +1,10 @@
 """Request builders shared by the sync and async resources.
 
-Each function turns one SDK call into a ``RequestOptions`` (method, path, query, body),
-so the two clients differ only in ``await`` and the wire format lives in one place.
+Each function turns one SDK call into a ``RequestOptions`` (method, path, query, body,
+headers), so the two clients differ only in ``await`` and the wire format lives in one
+place: ``resources.Jobs.cancel`` and ``async_resources.AsyncJobs.cancel`` both send
+``cancel_job(job_id)``. List requests carry their query in ``params``; the next page is
+the same request with ``after`` set (``next_page``).
 """
 
 from __future__ import annotations
@@ -10,13 +13,20 @@ import mimetypes
 import os
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import quote
 
+import httpx
+
 from tunefleet.sdk.transport import RequestOptions
 
+FILES = "/v1/files"
 JOBS = "/v1/fine_tuning/jobs"
+WEBHOOKS = "/v1/webhooks"
+# Answers that are not JSON (file content, logs, artifacts): accept whatever comes.
+ANY_CONTENT = {"Accept": "*/*"}
 FileInput = str | os.PathLike[str] | bytes | IO[bytes]
 
 
@@ -49,18 +59,47 @@ def file_part(file: FileInput, filename: str | None) -> tuple[str, Any, str]:
     return (name, content, mime)
 
 
-def upload_file(file: FileInput, purpose: str, filename: str | None) -> RequestOptions:
-    return RequestOptions(
-        "POST", "/v1/files", files={"file": file_part(file, filename)}, data={"purpose": purpose}
-    )
-
-
 def list_params(limit: int | None, after: str | None, **extra: Any) -> dict[str, Any]:
     return {"limit": limit, "after": after, **extra}
 
 
 def metadata_params(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return {f"metadata[{k}]": v for k, v in (metadata or {}).items()}
+
+
+def list_request(path: str, limit: int | None = None, after: Any = None, **extra: Any) -> RequestOptions:
+    return RequestOptions("GET", path, params=list_params(limit, after, **extra))
+
+
+def next_page(options: RequestOptions, after: Any) -> RequestOptions:
+    """The request of the page after ``options``' page, which ended at cursor ``after``."""
+    return replace(options, params={**(options.params or {}), "after": after})
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def upload_file(file: FileInput, purpose: str, filename: str | None) -> RequestOptions:
+    return RequestOptions("POST", FILES, files={"file": file_part(file, filename)}, data={"purpose": purpose})
+
+
+def list_files(purpose: str | None, limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(FILES, limit, after, purpose=purpose)
+
+
+def retrieve_file(file_id: str) -> RequestOptions:
+    return RequestOptions("GET", f"{FILES}/{seg(file_id)}")
+
+
+def file_content(file_id: str) -> RequestOptions:
+    return RequestOptions("GET", f"{FILES}/{seg(file_id)}/content", headers=dict(ANY_CONTENT))
+
+
+def delete_file(file_id: str) -> RequestOptions:
+    return RequestOptions("DELETE", f"{FILES}/{seg(file_id)}")
+
+
+# ----------------------------------------------------------------------------- jobs
 
 
 def job_body(
@@ -107,8 +146,123 @@ def job_body(
     return body
 
 
+def create_job(body: dict[str, Any], idempotency_key: str | None) -> RequestOptions:
+    """One idempotency key per create, sent again by every retry: a retry never makes two jobs."""
+    return RequestOptions("POST", JOBS, json=body, headers=idempotency_headers(idempotency_key))
+
+
+def estimate_job(body: dict[str, Any]) -> RequestOptions:
+    return RequestOptions("POST", "/v1/fine_tuning/estimate", json=body)
+
+
+def list_jobs(limit: int | None, after: str | None, metadata: Mapping[str, str] | None,
+              status: str | None) -> RequestOptions:
+    return list_request(JOBS, limit, after, status=status, **metadata_params(metadata))
+
+
+def job_path(job_id: str, *rest: str) -> str:
+    return "/".join([JOBS, seg(job_id), *rest])
+
+
+def retrieve_job(job_id: str) -> RequestOptions:
+    return RequestOptions("GET", job_path(job_id))
+
+
+def control_job(job_id: str, action: str) -> RequestOptions:
+    """``cancel``, ``pause`` or ``resume``."""
+    return RequestOptions("POST", job_path(job_id, action))
+
+
+def list_job_events(job_id: str, limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(job_path(job_id, "events"), limit, after)
+
+
+def list_job_checkpoints(job_id: str, limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(job_path(job_id, "checkpoints"), limit, after)
+
+
+def list_job_metrics(job_id: str, limit: int | None, after: int | None) -> RequestOptions:
+    """Metrics page by step: ``after`` is the last step seen, not an id."""
+    return list_request(job_path(job_id, "metrics"), limit, after)
+
+
+def job_logs(job_id: str, tail: int | None) -> RequestOptions:
+    return RequestOptions("GET", job_path(job_id, "logs"), params={"tail": tail}, headers=dict(ANY_CONTENT))
+
+
+def list_job_artifacts(job_id: str) -> RequestOptions:
+    return RequestOptions("GET", job_path(job_id, "artifacts"))
+
+
 def artifact_path(job_id: str, name: str) -> str:
     parts = [p for p in name.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise ValueError(f"invalid artifact name {name!r}")
     return f"{JOBS}/{seg(job_id)}/artifacts/" + "/".join(quote(p, safe="") for p in parts)
+
+
+def download_artifact(job_id: str, name: str) -> RequestOptions:
+    """A streamed download; the service may redirect it to a presigned storage URL."""
+    return RequestOptions("GET", artifact_path(job_id, name), stream=True, headers=dict(ANY_CONTENT),
+                          follow_redirects=True)
+
+
+def job_stream(job_id: str, last_event_id: str | None) -> RequestOptions:
+    """The job's SSE stream, resumed after ``last_event_id`` when given.
+
+    No read timeout: the stream is quiet between events for as long as a step takes."""
+    headers = {"Accept": "text/event-stream"}
+    if last_event_id:
+        headers["Last-Event-ID"] = last_event_id
+    return RequestOptions("GET", job_path(job_id, "stream"), headers=headers, stream=True,
+                          timeout=httpx.Timeout(10.0, read=None))
+
+
+def list_data(body: Any) -> list[Any]:
+    """The items of a list answer without pagination (an envelope or a bare list)."""
+    return body.get("data", []) if isinstance(body, dict) else body
+
+
+# ----------------------------------------------------------- pools, models, webhooks
+
+
+def list_node_pools() -> RequestOptions:
+    return RequestOptions("GET", "/v1/node_pools")
+
+
+def list_models() -> RequestOptions:
+    return list_request("/v1/models")
+
+
+def retrieve_model(model_id: str) -> RequestOptions:
+    return RequestOptions("GET", f"/v1/models/{seg(model_id)}")
+
+
+def create_webhook(url: str, events: list[str] | None, description: str | None, enabled: bool) -> RequestOptions:
+    body = {"url": url, "events": events, "description": description, "enabled": enabled}
+    return RequestOptions("POST", WEBHOOKS, json={k: v for k, v in body.items() if v is not None})
+
+
+def list_webhooks(limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(WEBHOOKS, limit, after)
+
+
+def retrieve_webhook(endpoint_id: str) -> RequestOptions:
+    return RequestOptions("GET", f"{WEBHOOKS}/{seg(endpoint_id)}")
+
+
+def update_webhook(endpoint_id: str, changes: dict[str, Any]) -> RequestOptions:
+    return RequestOptions("PATCH", f"{WEBHOOKS}/{seg(endpoint_id)}", json=changes)
+
+
+def delete_webhook(endpoint_id: str) -> RequestOptions:
+    return RequestOptions("DELETE", f"{WEBHOOKS}/{seg(endpoint_id)}")
+
+
+def rotate_webhook_secret(endpoint_id: str, grace_period_s: int | None) -> RequestOptions:
+    body = {} if grace_period_s is None else {"grace_period_s": grace_period_s}
+    return RequestOptions("POST", f"{WEBHOOKS}/{seg(endpoint_id)}/rotate_secret", json=body)
+
+
+def list_webhook_deliveries(endpoint_id: str, limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(f"{WEBHOOKS}/{seg(endpoint_id)}/deliveries", limit, after)

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from tunefleet import __version__
 from tunefleet.sdk.errors import APIConnectionError, APITimeoutError, error_from_response
+from tunefleet.version import __version__
 
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 DEFAULT_MAX_RETRIES = 3
