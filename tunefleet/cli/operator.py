@@ -1,13 +1,12 @@
-"""Operator commands of the `tunefleet` CLI: serve, worker, scheduler, db, admin.
+"""Operator commands of the `tunefleet` CLI: serve, worker, scheduler.
 
 ``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
 sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
 permissions), then runs the API (uvicorn, in this process), a Celery worker and the
 scheduler loop (subprocesses) together, and stops them all on Ctrl-C or SIGTERM.
-The production roles run the same code one per process/pod: ``tunefleet db upgrade``,
-``uvicorn --factory api.main:create_app``, ``tunefleet worker``, ``tunefleet scheduler``.
-The data commands (``db``, ``admin``) take ``--json`` like the client commands: one JSON
-document on stdout (the object the ``/v1/admin`` routes answer), errors as JSON on stderr.
+The production roles run the same code one per process/pod: ``tunefleet db upgrade``
+(``tunefleet.cli.admin``), ``uvicorn --factory api.main:create_app``, ``tunefleet worker``,
+``tunefleet scheduler``.
 """
 
 from __future__ import annotations
@@ -23,107 +22,10 @@ from typing import Annotated
 
 import typer
 
-from tunefleet.cli import app
-from tunefleet.cli.render import JsonOpt, print_json, report_error
-
-db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
-admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-app.add_typer(admin_app, name="admin")
+from tunefleet.cli.options import load_settings
+from tunefleet.sdk.config import write_private_file
 
 ADMIN_TENANT = "admin"
-
-
-def _settings(json_out: bool = False):
-    from api.settings import get_settings
-
-    try:
-        return get_settings()
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        report_error({"message": f"invalid configuration: {exc}", "code": "invalid_configuration"}, json_out)
-        raise typer.Exit(2) from exc
-
-
-@db_app.command("upgrade")
-def db_upgrade(
-    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
-    json_out: JsonOpt = False,
-) -> None:
-    """Apply the database migrations (creates the schema on an empty database)."""
-    from api.db.migrate import current_revision, upgrade
-
-    url = _settings(json_out).resolved_database_url
-    upgrade(url, revision)
-    now = current_revision(url)
-    if json_out:
-        print_json({"object": "database", "revision": now})
-    else:
-        typer.echo(f"database at revision {now}")
-
-
-@admin_app.command("create-tenant")
-def create_tenant(
-    name: str,
-    admin: Annotated[bool, typer.Option("--admin", help="Tenant keys are admins.")] = False,
-    json_out: JsonOpt = False,
-) -> None:
-    """Create a tenant (organization) and print its id."""
-    from api.auth import create_tenant as create
-    from api.auth import tenant_object
-    from api.db.session import session_scope
-    from api.errors import APIError
-
-    settings = _settings(json_out)
-    try:
-        with session_scope(settings.resolved_database_url) as session:
-            tenant = tenant_object(create(session, name, is_admin=admin))
-    except APIError as exc:
-        report_error({"message": exc.message, "code": exc.code, "param": exc.param}, json_out)
-        raise typer.Exit(1) from exc
-    print_json(tenant) if json_out else typer.echo(tenant["id"])
-
-
-@admin_app.command("create-key")
-def create_key(
-    tenant: Annotated[str, typer.Option("--tenant", help="Tenant id (org-…) or name.")],
-    admin: Annotated[bool, typer.Option("--admin", help="An admin key.")] = False,
-    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
-    json_out: JsonOpt = False,
-) -> None:
-    """Create an API key for a tenant and print it (it is shown only this once)."""
-    from sqlalchemy import or_, select
-
-    from api.auth import create_api_key, key_object
-    from api.db.models import Tenant
-    from api.db.session import session_scope
-
-    settings = _settings(json_out)
-    with session_scope(settings.resolved_database_url) as session:
-        row = session.scalar(select(Tenant).where(or_(Tenant.id == tenant, Tenant.name == tenant)))
-        if row is None:
-            report_error({"message": f"no tenant '{tenant}'", "code": "not_found", "param": "tenant"}, json_out)
-            raise typer.Exit(1)
-        key_row, raw = create_api_key(session, row, is_admin=admin, name=name)
-        key = {**key_object(key_row), "key": raw}
-    print_json(key) if json_out else typer.echo(key["key"])
-
-
-@admin_app.command("list-tenants")
-def list_tenants(json_out: JsonOpt = False) -> None:
-    """List tenants (id, name, admin)."""
-    from sqlalchemy import select
-
-    from api.auth import tenant_object
-    from api.db.models import Tenant
-    from api.db.session import session_scope
-
-    with session_scope(_settings(json_out).resolved_database_url) as session:
-        tenants = [tenant_object(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]
-    if json_out:
-        print_json({"object": "list", "data": tenants, "has_more": False})
-        return
-    for t in tenants:
-        typer.echo(f"{t['id']}\t{t['name']}\t{'admin' if t['is_admin'] else ''}")
 
 
 def ensure_admin_key(settings) -> str | None:
@@ -139,7 +41,6 @@ def ensure_admin_key(settings) -> str | None:
     from api.db.models import ApiKey, Tenant
     from api.db.session import session_scope
     from api.ids import hash_secret
-    from api.settings import _write_private
 
     wanted = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
     with session_scope(settings.resolved_database_url) as session:
@@ -158,23 +59,22 @@ def ensure_admin_key(settings) -> str | None:
         if live is not None:
             return None
         _, raw = create_api_key(session, tenant, is_admin=True, name="first start")
-    _write_private(settings.data_path / "admin_key", raw + "\n")
+    write_private_file(settings.data_path / "admin_key", raw + "\n")
     return raw
 
 
 def _cli_command(*args: str) -> list[str]:
     """This CLI as a subprocess command (works without the console script on PATH)."""
-    return [sys.executable, "-c", "import sys; from tunefleet.cli import app; app()", *args]
+    return [sys.executable, "-c", "import sys; from tunefleet.cli.main import app; app()", *args]
 
 
-@app.command()
 def worker(
     pool: Annotated[str, typer.Option(help="Celery pool: threads, prefork or solo.")] = "threads",
     concurrency: Annotated[int, typer.Option(help="Tasks run at once.")] = 4,
     loglevel: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (validation, scheduling, local jobs, webhooks)."""
-    _settings()
+    load_settings()
     from worker.celery_app import app as celery_app
 
     celery_app.worker_main(
@@ -183,10 +83,9 @@ def worker(
     )
 
 
-@app.command()
 def scheduler() -> None:
     """Run the scheduling loop (one active scheduler at a time; see worker/scheduler)."""
-    settings = _settings()
+    settings = load_settings()
     try:
         from worker.scheduler.loop import run_forever
     except ImportError as exc:
@@ -243,7 +142,6 @@ def _stop(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> Non
             child.wait()
 
 
-@app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
@@ -261,7 +159,7 @@ def serve(
     from api.settings import get_settings
 
     get_settings.cache_clear()
-    settings = _settings()
+    settings = load_settings()
     settings.ensure_dirs()
     settings.secret_key_value()  # generated once into <data>/secret_key before children start
     from api.db.migrate import upgrade

@@ -1,7 +1,7 @@
 """How CLI results look: rich tables for people, JSON for scripts.
 
 Every client command, and the operator's ``db``/``admin`` commands, takes ``--json``
-(``JsonOpt``); with it the command prints exactly one JSON document on stdout (the API
+(``tunefleet.cli.options.JsonOpt``); with it the command prints exactly one JSON document on stdout (the API
 object, or ``{"data": [...], "has_more": ...}`` for lists; ``jobs watch`` prints one
 message per line) and errors go to stderr as ``{"error": {...}}`` (``report_error``), so
 scripts can pipe into ``jq``.
@@ -13,9 +13,8 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
@@ -24,9 +23,6 @@ from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of tables.")]
-
 
 def to_jsonable(value: Any) -> Any:
     if isinstance(value, BaseModel):
@@ -52,6 +48,33 @@ def report_error(error: dict[str, Any], json_out: bool) -> None:
     where = f" (param: {error['param']})" if error.get("param") else ""
     code = f" [{error['code']}]" if error.get("code") else ""
     err_console.print(f"[red]error{escape(code)}:[/red] {escape(str(error['message']) + where)}", highlight=False)
+
+
+def print_list(
+    json_out: bool,
+    items: list[Any],
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    has_more: bool | None = None,
+    show_next_cursor: bool = False,
+) -> None:
+    """A list command's output: the list envelope as JSON, or a table of ``rows``.
+
+    ``has_more`` goes into the envelope when given (routes without pagination answer
+    without it); ``show_next_cursor`` adds the ``--after`` to pass for the next page.
+    ``rows`` may be a generator: it is not consumed for JSON output.
+    """
+    if json_out:
+        envelope: dict[str, Any] = {"object": "list", "data": items}
+        if has_more is not None:
+            envelope["has_more"] = has_more
+        print_json(envelope)
+        return
+    console.print(table(title, columns, rows))
+    if show_next_cursor and has_more:
+        console.print(f"more: --after {items[-1].id}")
 
 
 def print_json_line(value: Any) -> None:
@@ -83,6 +106,15 @@ def fmt_duration(seconds: float | None) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_value(value: Any) -> str:
+    """A metric or estimate value in a table cell: JSON for structures, 4 significant digits."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
 
 
 STATUS_STYLE = {

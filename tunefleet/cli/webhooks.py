@@ -1,18 +1,15 @@
 """`tunefleet webhooks ...`: manage signed webhook endpoints and read their delivery log."""
 
+# No `from __future__ import annotations`: typer reads these annotations at runtime.
+
 from typing import Annotated
 
 import typer
 
-from tunefleet.cli.commands import (
-    ApiKeyOpt,
-    BaseUrlOpt,
-    JsonOpt,
-    _client,
-    _errors,
-    webhooks_app,
-)
-from tunefleet.cli.render import console, fmt_time, key_values, print_json, table
+from tunefleet.cli.options import ApiKeyOpt, BaseUrlOpt, JsonOpt, connected
+from tunefleet.cli.render import console, fmt_time, key_values, print_json, print_list
+
+webhooks_app = typer.Typer(help="Signed webhook endpoints for job events.", no_args_is_help=True)
 
 
 @webhooks_app.command("create")
@@ -25,7 +22,7 @@ def webhooks_create(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Register an endpoint; prints its signing secret once."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         ep = client.webhooks.create(url=url, events=event, description=description)
     if json_out:
         print_json(ep)
@@ -38,20 +35,17 @@ def webhooks_create(
 @webhooks_app.command("list")
 def webhooks_list(json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
     """List endpoints."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         items = list(client.webhooks.list())
-    if json_out:
-        print_json({"object": "list", "data": items, "has_more": False})
-        return
-    rows = [(e.id, e.url, ", ".join(e.events), e.enabled, fmt_time(e.created_at)) for e in items]
-    console.print(table("webhooks", ["id", "url", "events", "enabled", "created"], rows))
+    rows = ((e.id, e.url, ", ".join(e.events), e.enabled, fmt_time(e.created_at)) for e in items)
+    print_list(json_out, items, "webhooks", ["id", "url", "events", "enabled", "created"], rows, has_more=False)
 
 
 @webhooks_app.command("delete")
 def webhooks_delete(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
                     api_key: ApiKeyOpt = None) -> None:
     """Delete an endpoint."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         result = client.webhooks.delete(endpoint_id)
     print_json(result) if json_out else console.print(f"deleted {result.id}")
 
@@ -65,7 +59,7 @@ def webhooks_rotate(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Issue a new signing secret; the old one also signs during the grace period."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         ep = client.webhooks.rotate_secret(endpoint_id, grace_period_s=grace_period_s)
     print_json(ep) if json_out else console.print(f"new secret: {ep.secret}")
 
@@ -74,10 +68,8 @@ def webhooks_rotate(
 def webhooks_deliveries(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
                         api_key: ApiKeyOpt = None) -> None:
     """The delivery log of an endpoint: each event, attempts, last answer."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         items = client.webhooks.list_deliveries(endpoint_id).data
-    if json_out:
-        print_json({"object": "list", "data": items})
-        return
-    rows = [(d.id, d.event_type, d.status, d.attempts, d.response_status, d.last_error) for d in items]
-    console.print(table(f"deliveries of {endpoint_id}", ["id", "event", "status", "attempts", "http", "error"], rows))
+    rows = ((d.id, d.event_type, d.status, d.attempts, d.response_status, d.last_error) for d in items)
+    print_list(json_out, items, f"deliveries of {endpoint_id}", ["id", "event", "status", "attempts", "http", "error"],
+               rows)

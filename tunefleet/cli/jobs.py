@@ -1,204 +1,48 @@
-"""Client commands of the `tunefleet` CLI: files, jobs, estimate, pools, models, webhooks, login.
+"""`tunefleet jobs ...` and `tunefleet estimate`: create, follow and control fine-tuning jobs.
 
-Every command talks to the service through the SDK (``tunefleet.Tunefleet``) and takes
-``--json`` for scripts, plus ``--base-url`` / ``--api-key`` (else ``TUNEFLEET_BASE_URL`` /
-``TUNEFLEET_API_KEY``, else the config file written by ``tunefleet login``).
-
-Exit codes: 0 ok; 1 the service answered an error or could not be reached; 2 usage
-error; 3 the job (``watch``/``--wait``) ended failed or cancelled, or a file failed
-validation; 4 a wait timed out.
+``jobs create`` and ``estimate`` take the same body options (built once, by
+``_make_job_command``); a local path given as the training file is uploaded and validated
+first. ``jobs watch`` (and ``create --watch``) draw the live view of ``tunefleet.cli.watch``.
 """
 
 # No `from __future__ import annotations`: typer reads these annotations at runtime, and
 # the job-option factory below builds some of them from local variables.
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.text import Text
 
-from tunefleet.cli import app
-from tunefleet.cli.render import (
+from tunefleet.cli.files import print_file
+from tunefleet.cli.options import (
+    EXIT_JOB_FAILED,
+    AfterOpt,
+    AllOpt,
+    ApiKeyOpt,
+    BaseUrlOpt,
     JsonOpt,
+    LimitOpt,
+    connected,
+    page_items,
+)
+from tunefleet.cli.render import (
     console,
     fmt_bytes,
     fmt_time,
+    fmt_value,
     key_values,
     print_json,
-    report_error,
+    print_list,
     status_text,
     table,
 )
 from tunefleet.cli.watch import watch_job
 from tunefleet.sdk.client import Tunefleet
-from tunefleet.sdk.config import config_path, normalize_base_url, write_config_file
-from tunefleet.sdk.errors import APIStatusError, TunefleetError, WaitTimeoutError
-from tunefleet.sdk.types import FileObject, FineTuningJob
+from tunefleet.sdk.types import FineTuningJob
 
-EXIT_API_ERROR = 1
-EXIT_JOB_FAILED = 3
-EXIT_TIMEOUT = 4
-
-files_app = typer.Typer(help="Upload and inspect training files.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Create, follow and control fine-tuning jobs.", no_args_is_help=True)
-webhooks_app = typer.Typer(help="Signed webhook endpoints for job events.", no_args_is_help=True)
-app.add_typer(files_app, name="files")
-app.add_typer(jobs_app, name="jobs")
-app.add_typer(webhooks_app, name="webhooks")
-
-BaseUrlOpt = Annotated[
-    str | None, typer.Option("--base-url", help="Service URL (default: env, config, http://127.0.0.1:8000).")
-]
-ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="API key (default: env or config).")]
-LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=100, help="Items per page.")]
-AfterOpt = Annotated[str | None, typer.Option("--after", help="Cursor: the last id of the previous page.")]
-AllOpt = Annotated[bool, typer.Option("--all", help="Follow the cursor through every page.")]
-
-
-def _client(base_url: str | None, api_key: str | None) -> Tunefleet:
-    return Tunefleet(base_url=base_url, api_key=api_key)
-
-
-@contextlib.contextmanager
-def _errors(json_out: bool) -> Iterator[None]:
-    """Turn SDK errors into a message (or JSON on stderr) and a stable exit code."""
-    try:
-        yield
-    except WaitTimeoutError as exc:
-        report_error({"message": exc.message, "code": "wait_timeout"}, json_out)
-        raise typer.Exit(EXIT_TIMEOUT) from None
-    except APIStatusError as exc:
-        report_error(
-            {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code, "status": exc.status},
-            json_out,
-        )
-        raise typer.Exit(EXIT_API_ERROR) from None
-    except TunefleetError as exc:
-        report_error({"message": str(exc), "code": type(exc).__name__}, json_out)
-        raise typer.Exit(EXIT_API_ERROR) from None
-
-
-def _list_out(page: Any, fetch_all: bool) -> tuple[list[Any], bool]:
-    if fetch_all:
-        return list(page), False
-    return page.data, page.has_more
-
-
-# ---------------------------------------------------------------------------- files
-
-
-def _print_file(f: FileObject) -> None:
-    pairs = [
-        ("id", f.id), ("filename", f.filename), ("purpose", f.purpose), ("bytes", fmt_bytes(f.bytes)),
-        ("created", fmt_time(f.created_at)), ("status", f.status),
-    ]
-    extra = f.model_extra or {}
-    validation = extra.get("validation")
-    if isinstance(validation, dict):
-        for key in ("format", "n_examples", "n_tokens_estimate", "n_errors"):
-            if validation.get(key) is not None:
-                pairs.append((key, validation[key]))
-    if f.status_details:
-        pairs.append(("details", f.status_details))
-    console.print(key_values(f"file {f.id}", pairs))
-    errors = f.validation_errors()
-    if errors:
-        rows = [(e.line, e.code, e.message) for e in errors]
-        console.print(table("validation errors", ["line", "code", "message"], rows))
-
-
-@files_app.command("upload")
-def files_upload(
-    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL file.")],
-    purpose: Annotated[str, typer.Option(help="File purpose.")] = "fine-tune",
-    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait for validation.")] = True,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for validation.")] = 300.0,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """Upload a training file and show its validation result (line-numbered errors)."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        if not json_out:
-            console.print(Text(f"uploading {path.name} ({fmt_bytes(path.stat().st_size)}) ..."))
-        f = client.files.upload(path, purpose=purpose, wait=wait, timeout=timeout)
-        if json_out:
-            print_json(f)
-        else:
-            _print_file(f)
-        if f.status == "error":
-            raise typer.Exit(EXIT_JOB_FAILED)
-
-
-@files_app.command("list")
-def files_list(
-    purpose: Annotated[str | None, typer.Option(help="Only files of this purpose.")] = None,
-    limit: LimitOpt = 20,
-    after: AfterOpt = None,
-    fetch_all: AllOpt = False,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """List uploaded files, newest first."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        items, has_more = _list_out(client.files.list(purpose=purpose, limit=limit, after=after), fetch_all)
-        if json_out:
-            print_json({"object": "list", "data": items, "has_more": has_more})
-            return
-        rows = [(f.id, f.filename, fmt_bytes(f.bytes), status_text(f.status), fmt_time(f.created_at)) for f in items]
-        console.print(table("files", ["id", "filename", "size", "status", "created"], rows))
-        if has_more:
-            console.print(f"more: --after {items[-1].id}")
-
-
-@files_app.command("get")
-def files_get(
-    file_id: str,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """Show one file with its validation result."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        f = client.files.retrieve(file_id)
-        print_json(f) if json_out else _print_file(f)
-
-
-@files_app.command("content")
-def files_content(
-    file_id: str,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write to this file.")] = None,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """Print (or save) a file's content."""
-    with _errors(False), _client(base_url, api_key) as client:
-        data = client.files.content(file_id)
-        if output:
-            output.write_bytes(data)
-        else:
-            typer.echo(data.decode("utf-8", errors="replace"), nl=False)
-
-
-@files_app.command("delete")
-def files_delete(
-    file_id: str,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """Delete a file (refused while a live job uses it)."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        result = client.files.delete(file_id)
-        print_json(result) if json_out else console.print(f"deleted {result.id}")
-
-
-# ----------------------------------------------------------------------------- jobs
 
 
 def _parse_kv(values: list[str] | None, option: str) -> dict[str, str]:
@@ -277,7 +121,7 @@ def _resolve_training_file(client: Tunefleet, value: str, json_out: bool) -> str
     f = client.files.upload(path, wait=True)
     if f.status == "error":
         if not json_out:
-            _print_file(f)
+            print_file(f)
         raise typer.Exit(EXIT_JOB_FAILED)
     return f.id
 
@@ -346,7 +190,7 @@ def _make_job_command(estimate: bool) -> Any:
             priority=priority, max_seq_len=max_seq_len, packing=packing, metadata=metadata,
             wandb_project=wandb_project, mlflow_uri=mlflow_uri,
         )
-        with _errors(json_out), _client(base_url, api_key) as client:
+        with connected(json_out, base_url, api_key) as client:
             file_id = _resolve_training_file(client, training_file, json_out)
             if estimate:
                 result = client.jobs.estimate(model=model, training_file=file_id, extra_body=fields)
@@ -373,8 +217,9 @@ def _make_job_command(estimate: bool) -> Any:
     return command
 
 
-jobs_app.command("create")(_make_job_command(estimate=False))
-app.command("estimate")(_make_job_command(estimate=True))
+jobs_create = jobs_app.command("create")(_make_job_command(estimate=False))
+# A top-level command (`tunefleet estimate`), registered on the root app.
+estimate = _make_job_command(estimate=True)
 
 
 def _print_estimate(est: dict[str, Any]) -> None:
@@ -388,15 +233,7 @@ def _print_estimate(est: dict[str, Any]) -> None:
                 console.print(Text(f"  - {line}"))
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             columns = list(dict.fromkeys(k for row in value for k in row))
-            console.print(table(key, columns, [[_cell(row.get(c)) for c in columns] for row in value]))
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
+            console.print(table(key, columns, [[fmt_value(row.get(c)) for c in columns] for row in value]))
 
 
 @jobs_app.command("list")
@@ -412,33 +249,30 @@ def jobs_list(
 ) -> None:
     """List jobs, newest first."""
     meta = _parse_kv(metadata, "--metadata")
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         page = client.jobs.list(limit=limit, after=after, status=status, metadata=meta or None)
-        items, has_more = _list_out(page, fetch_all)
-        if json_out:
-            print_json({"object": "list", "data": items, "has_more": has_more})
-            return
-        rows = [(j.id, status_text(j.status), j.model, j.fine_tuned_model, fmt_time(j.created_at)) for j in items]
-        console.print(table("jobs", ["id", "status", "model", "fine-tuned model", "created"], rows))
-        if has_more:
-            console.print(f"more: --after {items[-1].id}")
+        items, has_more = page_items(page, fetch_all)
+        rows = ((j.id, status_text(j.status), j.model, j.fine_tuned_model, fmt_time(j.created_at)) for j in items)
+        print_list(json_out, items, "jobs", ["id", "status", "model", "fine-tuned model", "created"], rows,
+                   has_more=has_more, show_next_cursor=True)
 
 
 @jobs_app.command("get")
 def jobs_get(job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
     """Show one job."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         job = client.jobs.retrieve(job_id)
         print_json(job) if json_out else _print_job(job)
 
 
+def _print_status(job: FineTuningJob) -> None:
+    console.print(Text.assemble(f"{job.id}: ", status_text(job.status)))
+
+
 def _control(action: str, job_id: str, json_out: bool, base_url: str | None, api_key: str | None) -> None:
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         job = getattr(client.jobs, action)(job_id)
-        if json_out:
-            print_json(job)
-        else:
-            console.print(Text.assemble(f"{job.id}: ", status_text(job.status)))
+        print_json(job) if json_out else _print_status(job)
 
 
 @jobs_app.command("cancel")
@@ -471,7 +305,7 @@ def jobs_watch(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Follow a job live: progress bar with steps, tokens/s, loss and ETA; events as they come."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         final = watch_job(client, job_id, json_lines=json_out, poll_interval=poll_interval, console=console)
     if final.status != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
@@ -486,9 +320,9 @@ def jobs_wait(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Block until the job ends; exit 0 if it succeeded, 3 otherwise, 4 on timeout."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         job = client.jobs.wait(job_id, timeout=timeout)
-        print_json(job) if json_out else console.print(Text.assemble(f"{job.id}: ", status_text(job.status)))
+        print_json(job) if json_out else _print_status(job)
     if job.status != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -504,13 +338,10 @@ def jobs_events(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """List a job's events, newest first."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        items, has_more = _list_out(client.jobs.list_events(job_id, limit=limit, after=after), fetch_all)
-        if json_out:
-            print_json({"object": "list", "data": items, "has_more": has_more})
-            return
-        rows = [(fmt_time(e.created_at), e.level, e.message) for e in items]
-        console.print(table(f"events of {job_id}", ["time", "level", "message"], rows))
+    with connected(json_out, base_url, api_key) as client:
+        items, has_more = page_items(client.jobs.list_events(job_id, limit=limit, after=after), fetch_all)
+        rows = ((fmt_time(e.created_at), e.level, e.message) for e in items)
+        print_list(json_out, items, f"events of {job_id}", ["time", "level", "message"], rows, has_more=has_more)
 
 
 @jobs_app.command("checkpoints")
@@ -518,14 +349,12 @@ def jobs_checkpoints(
     job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None
 ) -> None:
     """List a job's checkpoints with their metrics."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         items = list(client.jobs.list_checkpoints(job_id))
-        if json_out:
-            print_json({"object": "list", "data": items, "has_more": False})
-            return
-        rows = [(c.id, c.step_number, _cell((c.metrics or {}).get("train_loss")),
-                 _cell((c.metrics or {}).get("valid_loss")), fmt_time(c.created_at)) for c in items]
-        console.print(table(f"checkpoints of {job_id}", ["id", "step", "train loss", "valid loss", "created"], rows))
+        rows = ((c.id, c.step_number, fmt_value((c.metrics or {}).get("train_loss")),
+                 fmt_value((c.metrics or {}).get("valid_loss")), fmt_time(c.created_at)) for c in items)
+        print_list(json_out, items, f"checkpoints of {job_id}", ["id", "step", "train loss", "valid loss", "created"],
+                   rows, has_more=False)
 
 
 @jobs_app.command("metrics")
@@ -533,14 +362,12 @@ def jobs_metrics(
     job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None
 ) -> None:
     """Print a job's training metrics (every step)."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         items = list(client.jobs.metrics(job_id))
-        if json_out:
-            print_json({"object": "list", "data": items, "has_more": False})
-            return
-        rows = [(m.step, m.total_steps, _cell(m.train_loss), _cell(m.valid_loss), _cell(m.learning_rate),
-                 _cell(m.tokens_per_s)) for m in items]
-        console.print(table(f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows))
+        rows = ((m.step, m.total_steps, fmt_value(m.train_loss), fmt_value(m.valid_loss), fmt_value(m.learning_rate),
+                 fmt_value(m.tokens_per_s)) for m in items)
+        print_list(json_out, items, f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows,
+                   has_more=False)
 
 
 @jobs_app.command("logs")
@@ -552,7 +379,7 @@ def jobs_logs(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Print the trainer's log (the last --tail lines; the service's default is 200)."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         text = client.jobs.logs(job_id, tail=tail)
     lines = text.splitlines()
     if json_out:
@@ -572,7 +399,7 @@ def jobs_download(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Download a job's artifacts (adapter, config, metrics), each checked against its sha256."""
-    with _errors(json_out), _client(base_url, api_key) as client:
+    with connected(json_out, base_url, api_key) as client:
         artifacts = [a for a in client.jobs.list_artifacts(job_id) if a.name.startswith(prefix)]
         paths = client.jobs.download(job_id, dest, prefix=prefix)
     if json_out:
@@ -583,68 +410,3 @@ def jobs_download(
         rows = [(a.name, fmt_bytes(a.bytes), (a.sha256 or "")[:16], str(p)) for a, p in zip(artifacts, paths)]
         console.print(table(f"downloaded {len(paths)} file(s), sha256 verified", ["name", "size", "sha256", "path"],
                             rows))
-
-
-# ------------------------------------------------------------- pools, models, login
-
-
-@app.command("pools")
-def pools(json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
-    """Node pools with their capacity and usage."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        items = client.node_pools.list()
-    if json_out:
-        print_json({"object": "list", "data": items})
-        return
-    known = ["name", "accelerator", "trainer", "gpu_memory_gb", "gpus_total", "gpus_used", "gpus_free",
-             "running_jobs", "queued_jobs", "price_per_gpu_hour"]
-    present = [k for k in known if any(k in p.to_dict() for p in items)] or ["name"]
-    rows = [[_cell(p.to_dict().get(k)) for k in present] for p in items]
-    console.print(table("node pools", present, rows))
-
-
-@app.command("models")
-def models(json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
-    """Base models and fine-tuned adapters you can use."""
-    with _errors(json_out), _client(base_url, api_key) as client:
-        items = list(client.models.list())
-    if json_out:
-        print_json({"object": "list", "data": items})
-        return
-    rows = [(m.id, m.owned_by, fmt_time(m.created)) for m in items]
-    console.print(table("models", ["id", "owned by", "created"], rows))
-
-
-@app.command("login")
-def login(
-    base_url: Annotated[str, typer.Option("--base-url", prompt="Service URL", help="Service URL.")],
-    api_key: Annotated[str, typer.Option("--api-key", prompt="API key", hide_input=True, help="API key.")],
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the key first.")] = True,
-    json_out: JsonOpt = False,
-) -> None:
-    """Save the service URL and API key to the config file (mode 0600)."""
-    with _errors(json_out):
-        url = normalize_base_url(base_url)
-        if verify:
-            with Tunefleet(base_url=url, api_key=api_key, max_retries=1) as client:
-                client.jobs.list(limit=1)
-        path = write_config_file({"base_url": url, "api_key": api_key})
-    if json_out:
-        print_json({"config": str(path), "base_url": url})
-    else:
-        console.print(Text(f"saved {url} to {path}"))
-
-
-@app.command("config")
-def show_config(json_out: JsonOpt = False) -> None:
-    """Show where the CLI finds its URL and key (the key is masked)."""
-    from tunefleet.sdk.config import resolve_config
-
-    with _errors(json_out):
-        cfg = resolve_config()
-    masked = None if not cfg.api_key else cfg.api_key[:12] + "..."
-    out = {"config_file": str(config_path()), "base_url": cfg.base_url, "api_key": masked}
-    print_json(out) if json_out else console.print(key_values("config", list(out.items())))
-
-
-from tunefleet.cli import webhooks as _webhooks  # noqa: F401  (registers `tunefleet webhooks ...`)

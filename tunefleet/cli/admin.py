@@ -1,0 +1,103 @@
+"""`tunefleet db ...` and `tunefleet admin ...`: the operator's data commands.
+
+``db upgrade`` applies the Alembic migrations; ``admin`` creates tenants and API keys
+directly in the database the service's settings (``TUNEFLEET_*``) point at, so the first
+key can be made before any key exists. Like the client commands they take ``--json``: one
+JSON document on stdout (the object the ``/v1/admin`` routes answer), errors as JSON on
+stderr. The service's modules are imported inside each command, so the client commands
+work where only the SDK is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tunefleet.cli.options import EXIT_API_ERROR, JsonOpt, load_settings
+from tunefleet.cli.render import print_json, report_error
+
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+    json_out: JsonOpt = False,
+) -> None:
+    """Apply the database migrations (creates the schema on an empty database)."""
+    from api.db.migrate import current_revision, upgrade
+
+    url = load_settings(json_out).resolved_database_url
+    upgrade(url, revision)
+    now = current_revision(url)
+    if json_out:
+        print_json({"object": "database", "revision": now})
+    else:
+        typer.echo(f"database at revision {now}")
+
+
+@admin_app.command("create-tenant")
+def create_tenant(
+    name: str,
+    admin: Annotated[bool, typer.Option("--admin", help="Tenant keys are admins.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Create a tenant (organization) and print its id."""
+    from api.auth import create_tenant as create
+    from api.auth import tenant_object
+    from api.db.session import session_scope
+    from api.errors import APIError
+
+    settings = load_settings(json_out)
+    try:
+        with session_scope(settings.resolved_database_url) as session:
+            tenant = tenant_object(create(session, name, is_admin=admin))
+    except APIError as exc:
+        report_error({"message": exc.message, "code": exc.code, "param": exc.param}, json_out)
+        raise typer.Exit(EXIT_API_ERROR) from exc
+    print_json(tenant) if json_out else typer.echo(tenant["id"])
+
+
+@admin_app.command("create-key")
+def create_key(
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant id (org-…) or name.")],
+    admin: Annotated[bool, typer.Option("--admin", help="An admin key.")] = False,
+    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Create an API key for a tenant and print it (it is shown only this once)."""
+    from sqlalchemy import or_, select
+
+    from api.auth import create_api_key, key_object
+    from api.db.models import Tenant
+    from api.db.session import session_scope
+
+    settings = load_settings(json_out)
+    with session_scope(settings.resolved_database_url) as session:
+        row = session.scalar(select(Tenant).where(or_(Tenant.id == tenant, Tenant.name == tenant)))
+        if row is None:
+            report_error({"message": f"no tenant '{tenant}'", "code": "not_found", "param": "tenant"}, json_out)
+            raise typer.Exit(EXIT_API_ERROR)
+        key_row, raw = create_api_key(session, row, is_admin=admin, name=name)
+        key = {**key_object(key_row), "key": raw}
+    print_json(key) if json_out else typer.echo(key["key"])
+
+
+@admin_app.command("list-tenants")
+def list_tenants(json_out: JsonOpt = False) -> None:
+    """List tenants (id, name, admin)."""
+    from sqlalchemy import select
+
+    from api.auth import tenant_object
+    from api.db.models import Tenant
+    from api.db.session import session_scope
+
+    with session_scope(load_settings(json_out).resolved_database_url) as session:
+        tenants = [tenant_object(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]
+    if json_out:
+        print_json({"object": "list", "data": tenants, "has_more": False})
+        return
+    for t in tenants:
+        typer.echo(f"{t['id']}\t{t['name']}\t{'admin' if t['is_admin'] else ''}")

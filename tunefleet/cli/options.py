@@ -1,0 +1,85 @@
+"""What the CLI's commands share: common options, exit codes, and how errors end a command.
+
+Client commands take ``--json`` for scripts plus ``--base-url`` / ``--api-key`` (else
+``TUNEFLEET_BASE_URL`` / ``TUNEFLEET_API_KEY``, else the config file written by
+``tunefleet login``) and talk to the service through the SDK inside ``connected``, which
+turns SDK errors into a message (or JSON on stderr) and a stable exit code. Operator
+commands read the service's own settings through ``load_settings``.
+
+Exit codes: 0 ok; 1 the service answered an error or could not be reached; 2 usage
+error or invalid configuration; 3 the job (``watch``/``--wait``) ended failed or
+cancelled, or a file failed validation; 4 a wait timed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from tunefleet.cli.render import report_error
+from tunefleet.sdk.client import Tunefleet
+from tunefleet.sdk.errors import APIStatusError, TunefleetError, WaitTimeoutError
+
+if TYPE_CHECKING:
+    from api.settings import Settings
+
+EXIT_API_ERROR = 1
+EXIT_INVALID_CONFIGURATION = 2
+EXIT_JOB_FAILED = 3
+EXIT_TIMEOUT = 4
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of tables.")]
+BaseUrlOpt = Annotated[
+    str | None, typer.Option("--base-url", help="Service URL (default: env, config, http://127.0.0.1:8000).")
+]
+ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="API key (default: env or config).")]
+LimitOpt = Annotated[int, typer.Option("--limit", min=1, max=100, help="Items per page.")]
+AfterOpt = Annotated[str | None, typer.Option("--after", help="Cursor: the last id of the previous page.")]
+AllOpt = Annotated[bool, typer.Option("--all", help="Follow the cursor through every page.")]
+
+
+@contextlib.contextmanager
+def exit_on_error(json_out: bool) -> Iterator[None]:
+    """Turn SDK errors into a message (or JSON on stderr) and a stable exit code."""
+    try:
+        yield
+    except WaitTimeoutError as exc:
+        report_error({"message": exc.message, "code": "wait_timeout"}, json_out)
+        raise typer.Exit(EXIT_TIMEOUT) from None
+    except APIStatusError as exc:
+        report_error(
+            {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code, "status": exc.status},
+            json_out,
+        )
+        raise typer.Exit(EXIT_API_ERROR) from None
+    except TunefleetError as exc:
+        report_error({"message": str(exc), "code": type(exc).__name__}, json_out)
+        raise typer.Exit(EXIT_API_ERROR) from None
+
+
+@contextlib.contextmanager
+def connected(json_out: bool, base_url: str | None, api_key: str | None) -> Iterator[Tunefleet]:
+    """A client for one command; SDK errors inside (configuration included) end the command."""
+    with exit_on_error(json_out), Tunefleet(base_url=base_url, api_key=api_key) as client:
+        yield client
+
+
+def page_items(page: Any, fetch_all: bool) -> tuple[list[Any], bool]:
+    """The items to print and whether more follow: one page, or every page with ``--all``."""
+    if fetch_all:
+        return list(page), False
+    return page.data, page.has_more
+
+
+def load_settings(json_out: bool = False) -> Settings:
+    """The service's settings from the environment; invalid ones end the command with exit 2."""
+    from api.settings import get_settings
+
+    try:
+        return get_settings()
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        report_error({"message": f"invalid configuration: {exc}", "code": "invalid_configuration"}, json_out)
+        raise typer.Exit(EXIT_INVALID_CONFIGURATION) from exc
