@@ -36,6 +36,10 @@ invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
 invalid_artifact_location      400   report endpoint: outputs or checkpoints outside the job's own
                                      output / checkpoint directory, or control characters
+invalid_tracking_uri           400   an MLflow ``tracking_uri`` that is not http(s)://host
+tracking_uri_not_public        400   ... that resolves to an internal address (and is not in
+                                     ``TUNEFLEET_TRACKER_ALLOWED_HOSTS``)
+tracking_uri_unresolvable      400   ... whose host does not resolve
 invalid_session                401   dashboard JSON routes without a signed-in session
 invalid_metrics_token          401   ``/metrics`` with a wrong scrape token
 csrf_failed                    403   a cookie-authenticated unsafe request without the

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     # local trainer gets to checkpoint after SIGTERM before SIGKILL.
     max_restarts: int = Field(default=2, ge=0)
     stop_grace_s: float = Field(default=30.0, gt=0)
+    # Tracking servers (MLflow ``tracking_uri``) a job may name although they resolve to
+    # private addresses: ``host`` or ``host:port``, comma-separated. Everything else must be
+    # a public http(s) address (the webhooks' rule). Trainers read the same variable.
+    tracker_allowed_hosts: str | None = None
 
     @field_validator("public_url")
     @classmethod

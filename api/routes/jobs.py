@@ -21,6 +21,7 @@ from api.schemas.jobs import (
     JobPublic,
     JobsPublic,
 )
+from api.trackers import check_tracking_uris
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -34,6 +35,7 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobPublic:
     """Create a fine-tuning job (OpenAI body + tunefleet extensions)."""
+    check_tracking_uris(body.integrations, request.app.state.settings)
     job = queries.create_job(
         session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
         base_models=request.app.state.base_models, queue=queue, idempotency_key=idempotency_key,

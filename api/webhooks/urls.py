@@ -1,20 +1,26 @@
-"""Target URL checks: webhooks must not become a way to reach the service's own network.
+"""Webhook target URLs: the service's one outbound rule (``trainers.common.target_urls``)
+with the webhook error codes.
 
-A URL is refused unless it is http(s) with a host, and every address the host resolves
-to is public (not loopback, private, link-local, multicast, reserved or unspecified),
-unless ``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true``. The check runs when an endpoint is saved
-and again before each delivery (a DNS answer may change in between).
+A URL is refused unless it is http(s) with a host and every address the host resolves to
+is public (``is_global``, not multicast, no internal IPv4 inside an IPv6 address), unless
+``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true``. The check runs when an endpoint is saved and
+again before each delivery (a DNS answer may change in between).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-from urllib.parse import urlsplit
+from trainers.common import target_urls
+from trainers.common.target_urls import Target
+
+CODES = {
+    "invalid": "invalid_webhook_url",
+    "not_public": "webhook_url_not_public",
+    "unresolvable": "webhook_url_unresolvable",
+}
 
 
 class TargetURLError(ValueError):
-    """A refused target URL; ``code`` is the stable API error code."""
+    """A refused webhook URL; ``code`` is the stable API error code."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -22,48 +28,15 @@ class TargetURLError(ValueError):
         self.message = message
 
 
-def _is_internal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return (
-        address.is_loopback or address.is_private or address.is_link_local or address.is_multicast
-        or address.is_reserved or address.is_unspecified
-    )
-
-
-def resolve_host(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+def checked_target(url: str, *, allow_private: bool) -> Target:
+    """``url`` checked for webhooks (``TargetURLError`` with a webhook code if refused)."""
     try:
-        return [ipaddress.ip_address(host)]
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise TargetURLError("webhook_url_unresolvable", f"cannot resolve host '{host}': {exc}") from exc
-    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        return target_urls.check_target(url, allow_private=allow_private, noun="webhook URLs")
+    except target_urls.TargetURLError as exc:
+        raise TargetURLError(CODES[exc.reason], exc.message) from exc
 
 
 def check_target_url(url: str, *, allow_private: bool) -> str:
     """Return ``url`` if it may receive webhooks, else raise ``TargetURLError``."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise TargetURLError("invalid_webhook_url", "webhook URLs must be http(s)://host/...")
-    if parts.username or parts.password:
-        raise TargetURLError("invalid_webhook_url", "webhook URLs must not carry credentials")
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as exc:
-        raise TargetURLError("invalid_webhook_url", f"invalid port: {exc}") from exc
-    if allow_private:
-        return url
-    host = parts.hostname.rstrip(".").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        raise TargetURLError("webhook_url_not_public", "webhook URLs must not point at localhost")
-    for address in resolve_host(host, port):
-        if _is_internal(address):
-            raise TargetURLError(
-                "webhook_url_not_public",
-                f"'{host}' resolves to the internal address {address}; internal targets are refused "
-                "(an operator may allow them with TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true)",
-            )
-    return url
+    return checked_target(url, allow_private=allow_private).url
+

@@ -24,8 +24,9 @@ def test_trainer_mirrors_losses_and_adapter_to_mlflow(make_spec: Any, tmp_path: 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the operator's tracker (a file store here)
     spec = make_spec(hyperparameters={"max_steps": 3},
-                     integrations=[{"type": "mlflow", "tracking_uri": uri, "project": "tunefleet-e2e"}])
+                     integrations=[{"type": "mlflow", "project": "tunefleet-e2e"}])
     spec_path = tmp_path / "spec.json"
     spec.dump(spec_path)
     assert main(["--spec", str(spec_path)]) == 0

@@ -1,11 +1,12 @@
 """Experiment trackers from the API to the trainer: a job-create body's ``integrations``
 become the trainer spec's ``IntegrationSpec`` values (worker/spec_builder.py), and the
-trainer's tracker mirror built from that spec writes where the body said.
+trainer's tracker mirror built from that spec writes to the trackers.
 
 The job is created through the real API (SQLite migrated by Alembic, file validation run
 inline) and its spec built the way the scheduler's admission builds it, then written and
 loaded again as the trainer reads it. The trackers are read back with their own clients:
-MLflow's ``MlflowClient`` on a local file store, W&B's offline run log.
+MLflow's ``MlflowClient`` on a local file store (standing in for the job's allowed
+tracking server), W&B's offline run log.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ def test_job_body_integrations_reach_the_trainer_spec_and_the_trackers(
     from mlflow import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # The job names an operator-allowed tracking server; the trainer side below mirrors to
+    # a file store in its place (a job may not name file: or sqlite: stores itself).
+    store_uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    tracking_uri = (tmp_path / "mlruns").as_uri()
+    tracking_uri = "http://mlflow.tracking.svc:5000"
+    client.app.state.settings = settings = settings.model_copy(
+        update={"tracker_allowed_hosts": "mlflow.tracking.svc:5000"})
 
     headers = tenant_key().headers
     upload = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
@@ -67,15 +72,18 @@ def test_job_body_integrations_reach_the_trainer_spec_and_the_trackers(
     loaded = TrainerSpec.load(write_spec(spec, tmp_path / "spec.json"))  # what the trainer reads
     assert loaded.integrations == spec.integrations
 
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    local = loaded.model_copy(update={"integrations": (
+        loaded.integrations[0].model_copy(update={"tracking_uri": None}), *loaded.integrations[1:])})
     warnings: list[str] = []
-    mirror = mirror_from_spec(loaded, warn=warnings.append)
+    mirror = mirror_from_spec(local, warn=warnings.append)
     assert mirror is not None and [t.name for t in mirror.trackers] == ["mlflow", "wandb"], warnings
     for step, loss in ((1, 2.0), (2, 1.5)):
         mirror.add({"type": "metric", "step": step, "total_steps": 2, "train_loss": loss})
     mirror.close()
     assert warnings == []
 
-    mlflow = MlflowClient(tracking_uri=tracking_uri)
+    mlflow = MlflowClient(tracking_uri=store_uri)
     (run,) = mlflow.search_runs([mlflow.get_experiment_by_name("exp-api").experiment_id])
     assert run.info.run_name == "run-m" and run.data.tags["tunefleet.job_id"] == job.id
     history = sorted(mlflow.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)

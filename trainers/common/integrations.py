@@ -13,7 +13,11 @@ service sees:
 Items are handed to the trackers by a background thread, so a slow tracking server
 never slows the training loop; ``close()`` drains the queue before ending the runs.
 A tracker is a convenience, never a reason to lose a training run: any tracker error is
-logged once, turned into a warning event for the user, and that tracker is switched off.
+logged once (with its details, in the trainer's log), turned into a warning event for the
+user that names only the exception class (a tracking server's answer never reaches the
+job's events), and that tracker is switched off. A tenant-named ``tracking_uri`` must pass
+``trainers.common.target_urls`` (public http(s), or a host in
+``TUNEFLEET_TRACKER_ALLOWED_HOSTS``) before the trainer connects to it.
 The tracker libraries are imported only when a job asks for them (trainer images that
 never mirror need neither). Credentials come from the environment of the trainer
 (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN`` ...), never from the spec.
@@ -30,9 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainers.common.target_urls import check_target, split_hosts
 from trainers.spec import IntegrationSpec, TrainerSpec
 
 log = logging.getLogger(__name__)
+
+# Hosts a job's tracking_uri may name although they are private (the API's
+# TUNEFLEET_TRACKER_ALLOWED_HOSTS, handed to the trainer's environment).
+TRACKER_ALLOWED_HOSTS_ENV = "TUNEFLEET_TRACKER_ALLOWED_HOSTS"
 
 # Metric fields of a report item that trackers get (ids and clocks are not metrics).
 _NOT_METRICS = frozenset({"type", "step", "total_steps", "time"})
@@ -72,6 +81,11 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, integration: IntegrationSpec, spec: TrainerSpec) -> None:
+        if integration.tracking_uri:
+            # The tenant named this server: check it now, right before connecting (the API
+            # checked it at creation; a DNS answer may have changed since).
+            check_target(integration.tracking_uri, noun="tracking_uri",
+                         allowed_hosts=split_hosts(os.environ.get(TRACKER_ALLOWED_HOSTS_ENV)))
         from mlflow import MlflowClient
 
         uri = integration.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -233,7 +247,8 @@ class TrackerMirror:
                 log.exception("%s tracker failed in %s; it is switched off", tracker.name, method)
                 self.trackers.remove(tracker)
                 if self._warn is not None:
-                    self._warn(f"{tracker.name} mirroring stopped: {type(exc).__name__}: {exc}")
+                    self._warn(f"{tracker.name} mirroring stopped ({type(exc).__name__}); "
+                               "the trainer log has the details")
 
     def _no_local_adapter(self, location: str) -> None:
         log.warning("adapter at %s is not a local directory; trackers get no artifact", location)
@@ -255,5 +270,6 @@ def mirror_from_spec(spec: TrainerSpec, warn: Callable[[str], None] | None = Non
         except Exception as exc:
             log.exception("cannot start the %s integration", integration.type)
             if warn is not None:
-                warn(f"{integration.type} integration not started: {type(exc).__name__}: {exc}")
+                warn(f"{integration.type} integration not started ({type(exc).__name__}); "
+                     "the trainer log has the details")
     return TrackerMirror(trackers, warn)
