@@ -6,7 +6,8 @@ message), is left alone. A 2xx answer ends the delivery; anything else (non-2xx,
 timeout, refused connection, a target that now resolves to an internal address) counts
 as a failed attempt, retried after ``retry_base_s * 2**(attempt-1)`` seconds (capped at
 ``retry_max_s``) until ``max_attempts``. Redirects are not followed: a receiver must
-answer at the URL it registered.
+answer at the URL it registered. The connection goes to the address the target check
+approved (``urls.pinned_request``), not to a fresh DNS answer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from api.webhooks.config import WebhookSettings
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 from api.webhooks.sealing import SecretUnreadable
 from api.webhooks.signing import signature_headers
-from api.webhooks.urls import TargetURLError, check_target_url
+from api.webhooks.urls import TargetURLError, checked_target, pinned_request
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,16 @@ def attempt_delivery(
 
     response_status, error, started = None, None, time.monotonic()
     try:
-        check_target_url(endpoint.url, allow_private=settings.allow_private)
+        url, pinned_headers, extensions = pinned_request(
+            checked_target(endpoint.url, allow_private=settings.allow_private))
         timestamp = int(now.timestamp())
         headers = signature_headers(endpoint.signing_secrets(now, service_key), delivery.event_id, timestamp,
                                     delivery.body)
-        headers.update({"content-type": "application/json", "user-agent": _USER_AGENT})
+        headers.update({"content-type": "application/json", "user-agent": _USER_AGENT, **pinned_headers})
         client = http or httpx.Client(timeout=settings.timeout_s, follow_redirects=False)
         try:
-            response = client.post(endpoint.url, content=delivery.body.encode("utf-8"), headers=headers)
+            response = client.post(url, content=delivery.body.encode("utf-8"), headers=headers,
+                                   extensions=extensions)
         finally:
             if http is None:
                 client.close()
