@@ -9,7 +9,8 @@
    checkpoint and the final output dir are uploaded before their report items go out
    with their s3:// locations.
 3. Dispatch to the recipe named by ``spec.trainer`` (imported lazily, so a torch image
-   without jax, or the reverse, still starts): ``trainers.fsdp_qlora.recipe:run`` or
+   without jax, or the reverse, still starts): ``trainers.fsdp_qlora.launch:run`` (which
+   starts the ranks, each running ``trainers.fsdp_qlora.recipe``) or
    ``trainers.jax_lora.recipe:run``. A recipe is ``run(spec, *, reporter, stop)``; it
    raises :class:`trainers.errors.TrainerError` subclasses for conditions the user can act
    on, and :class:`~trainers.errors.Preempted` after checkpointing on SIGTERM.
@@ -52,7 +53,7 @@ from trainers.exit_codes import ExitCode
 log = logging.getLogger("trainers")
 
 RECIPES: dict[str, str] = {
-    "fsdp_qlora": "trainers.fsdp_qlora.recipe:run",
+    "fsdp_qlora": "trainers.fsdp_qlora.launch:run",
     "jax_lora": "trainers.jax_lora.recipe:run",
 }
 REPORTS_FILE = "reports.jsonl"  # standalone mode; in checkpoint.dir, not in the manifest

@@ -11,6 +11,9 @@ renamed into place once every file is fsynced, so a crash (or SIGKILL) mid-write
 leaves a half checkpoint that :func:`latest_checkpoint` would pick. Framework tensors
 are the recipe's business: it passes a ``write_tensors(dir)`` callback.
 
+Resuming: :func:`resolve_resume` is the one rule both recipes follow for
+``checkpoint.resume_from`` (what counts as a checkpoint to resume from).
+
 RNG: :func:`capture_host_rng` / :func:`restore_host_rng` cover Python's ``random`` and
 numpy's global generator; the recipe adds its framework's generator state (e.g. torch's
 CPU generator, base64-encoded) under ``rng["framework"]``.
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from trainers.common.data import DataCursor
+from trainers.errors import UserError
 
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -176,3 +180,28 @@ def load_trainer_state(checkpoint_dir: str | Path) -> TrainerState:
     return TrainerState.from_dict(
         json.loads((Path(checkpoint_dir) / TRAINER_STATE).read_text(encoding="utf-8"))
     )
+
+
+def resolve_resume(checkpoint: Any) -> Path | None:
+    """The checkpoint directory a run resumes from, given the spec's ``checkpoint`` section.
+
+    - ``resume_from`` None: a fresh start (None);
+    - ``"latest"``: the newest complete checkpoint in ``checkpoint.dir``, or None when
+      there is none yet (the first attempt of a job that may be restarted);
+    - a directory: it must be a complete checkpoint (it holds ``trainer_state.json``, the
+      file written last), else UserError ``checkpoint_not_found``; a half-written or
+      unrelated directory is refused before any model is loaded.
+    """
+    wanted = checkpoint.resume_from
+    if wanted is None:
+        return None
+    if wanted == "latest":
+        return latest_checkpoint(checkpoint.dir)
+    path = Path(wanted)
+    if not (path / TRAINER_STATE).is_file():
+        raise UserError(
+            f"checkpoint.resume_from {wanted} is not a checkpoint (no {TRAINER_STATE} in it); "
+            "give a step-<N> directory of checkpoint.dir, or 'latest'",
+            code="checkpoint_not_found",
+        )
+    return path

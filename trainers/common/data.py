@@ -30,7 +30,7 @@ next one does not fit; examples never cross a row boundary and are never split.
 of a row 1, 2, ... (0 = padding), so a trainer can build a block-diagonal causal mask:
 token ``q`` may attend to ``k`` iff ``segment[q] == segment[k] != 0 and k <= q``.
 Support: the JAX trainer builds that mask from ``segment_ids``; the torch recipe passes
-it to transformers as a 4D additive mask (see ``trainers.fsdp_qlora.recipe``). The
+it to transformers as a 4D mask (``trainers.fsdp_qlora.train_step.model_inputs``). The
 first token of every example is also labelled -100 so no loss crosses a boundary.
 
 Order and resume. Epoch ``e`` visits rows in ``numpy.random.default_rng([seed, e])``

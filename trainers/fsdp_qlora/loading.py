@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainers.common.hf_checkpoint import read_checkpoint_index
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
@@ -183,34 +184,6 @@ def check_options(opts: ModelOptions) -> None:
         raise UserError("nf4 with float16 compute is not supported; use bfloat16", code="invalid_spec")
 
 
-def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
-    """Map every tensor name of a safetensors checkpoint to the file holding it.
-
-    Supports a single ``model.safetensors`` and a sharded ``model.safetensors.index.json``.
-    """
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise UserError(f"{index} is not a safetensors index: {exc}", code="corrupt_model") from exc
-        files = {name: root / fname for name, fname in weight_map.items()}
-        missing = sorted({str(p) for p in files.values() if not p.is_file()})
-        if missing:
-            raise UserError(f"checkpoint shards missing: {', '.join(missing)}", code="corrupt_model")
-        return files
-    single = root / "model.safetensors"
-    if single.is_file():
-        with open_safetensors(single) as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
-    raise UserError(
-        f"no model.safetensors or model.safetensors.index.json in {root} "
-        "(only safetensors checkpoints are supported)",
-        code="model_not_found",
-    )
-
-
 def open_safetensors(path: Path, **kwargs: Any) -> Any:
     """``safetensors.safe_open`` of ``path``; a file it cannot parse is a ``corrupt_model``."""
     from safetensors import SafetensorError, safe_open
@@ -221,21 +194,10 @@ def open_safetensors(path: Path, **kwargs: Any) -> Any:
         raise UserError(f"cannot read {path}: {exc}", code="corrupt_model") from exc
 
 
-def checkpoint_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes from the safetensors headers (no tensor data is read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with open_safetensors(path) as f:
-            for name in names:
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def check_checkpoint_matches(config: Any, files: dict[str, Path]) -> None:
+def check_checkpoint_matches(config: Any, found: dict[str, tuple[int, ...]]) -> None:
     """Every weight the model needs is present with the right shape, nothing unknown.
+
+    ``found``: the checkpoint's tensor shapes (``trainers.common.hf_checkpoint``).
 
     Raises:
         UserError(corrupt_model): listing the first missing / unexpected / mis-shaped names.
@@ -246,8 +208,7 @@ def check_checkpoint_matches(config: Any, files: dict[str, Path]) -> None:
         expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    found = checkpoint_shapes(files)
-    found.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    found = {k: v for k, v in found.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(k for k in set(found) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
@@ -333,8 +294,9 @@ def build_model(
             code="offload_requires_accelerator",
         )
     config = read_model_config(opts.model_dir)
-    files = checkpoint_files(opts.model_dir)
-    check_checkpoint_matches(config, files)
+    tensors = read_checkpoint_index(opts.model_dir)  # model_not_found / corrupt_model
+    check_checkpoint_matches(config, {name: loc.shape for name, loc in tensors.items()})
+    files = {name: loc.file for name, loc in tensors.items()}
 
     model = build_meta_model(config, opts)
     # Train mode BEFORE sharding: bnb repacks eval-mode weights in place on avx512_bf16

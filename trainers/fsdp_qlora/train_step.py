@@ -1,4 +1,5 @@
-"""One optimizer step of data-parallel LoRA training: split, accumulate, reduce, clip, update.
+"""One optimizer step of data-parallel LoRA training (split, accumulate, reduce, clip,
+update) and the evaluation pass.
 
 The loss of a step is the mean token cross-entropy over ALL label tokens of the global
 batch (every rank's micro-batches together), so the update does not depend on how the
@@ -14,7 +15,8 @@ resumed run draws exactly what the uninterrupted run drew, with no RNG state to 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,3 +200,40 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+@contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[None]:
+    """Dropout off and no grad, but quantized layers left in train mode: an eval-mode
+    bitsandbytes ``Linear4bit`` repacks its weight in place on avx512_bf16 CPUs, which
+    under FSDP would corrupt the all-gathered copy's layout bookkeeping."""
+    from trainers.fsdp_qlora.quantize import is_quantized_linear
+
+    changed = [m for m in model.modules() if m.training and not is_quantized_linear(m)]
+    for m in changed:
+        m.training = False
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m in changed:
+            m.training = True
+
+
+def evaluate(model: nn.Module, data: Any, ctx: DistContext, max_batches: int | None) -> dict[str, float]:
+    """Mean token loss and accuracy on validation (every rank runs the same batches: the
+    FSDP all-gathers of each forward are collectives)."""
+    loss_sum, correct, count = 0.0, 0, 0
+    batches = data.micro_batches()
+    with evaluation_mode(model):
+        for _ in range(min(data.micro_batches_per_epoch(0), max_batches or 1 << 30)):
+            batch = next(batches)
+            logits = model(**model_inputs(batch, ctx.device)).logits[:, :-1].float()
+            labels = torch.as_tensor(batch.labels[:, 1:], device=ctx.device)
+            mask = labels != IGNORE_INDEX
+            loss_sum += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum"))
+            correct += int(((logits.argmax(-1) == labels) & mask).sum())
+            count += int(mask.sum())
+    return {"valid_loss": loss_sum / max(count, 1), "token_accuracy": correct / max(count, 1)}

@@ -10,8 +10,9 @@ far less RAM than the model.
 Why our own safetensors reader: ``safe_open(framework="numpy")`` cannot return bfloat16
 (numpy has no such dtype) and the "flax" framework materializes arrays on the default
 device. The format is an 8-byte header length, a JSON header (dtype, shape, byte
-offsets per tensor) and raw little-endian data, so ``np.memmap`` with ``ml_dtypes``
-gives zero-copy, lazily-paged views of any tensor in any dtype.
+offsets per tensor) and raw little-endian data, so the headers
+(``trainers.common.hf_checkpoint``, shared with the torch trainer) plus ``np.memmap``
+with ``ml_dtypes`` give zero-copy, lazily-paged views of any tensor in any dtype.
 
 HF stores ``nn.Linear`` weights as (out_features, in_features); our kernels are
 (in..., out...), so each slice is transposed and reshaped on the way in.
@@ -24,8 +25,6 @@ either.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
+from trainers.common.hf_checkpoint import read_checkpoint_index
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.jax_lora.config import LlamaConfig
@@ -62,61 +62,32 @@ _DTYPES = {
 }
 
 
-class SafetensorsFile:
-    """Read-only, memory-mapped view of one ``.safetensors`` file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with path.open("rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            if header_len > 100_000_000:
-                raise UserError(f"{path} has an implausible header; not a safetensors file", code="corrupt_model")
-            header = json.loads(fh.read(header_len))
-        header.pop("__metadata__", None)
-        self._header = header
-        self._base = 8 + header_len
-        self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
-
-    def keys(self) -> list[str]:
-        return list(self._header)
-
-    def get(self, name: str) -> np.ndarray:
-        """A zero-copy view; only the pages that are sliced are read from disk."""
-        info = self._header[name]
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise UserError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}", code="corrupt_model")
-        start, end = info["data_offsets"]
-        raw = self._mmap[self._base + start : self._base + end]
-        return raw.view(dtype).reshape(info["shape"])
-
-
 class CheckpointReader:
-    """All tensors of an HF checkpoint dir (single file or sharded with an index)."""
+    """All tensors of an HF checkpoint dir (single file or sharded with an index).
+
+    Where each tensor lies comes from ``trainers.common.hf_checkpoint`` (the same checks,
+    and ``corrupt_model`` errors, as the torch trainer); the data is memory-mapped.
+    """
 
     def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
-        index = model_dir / "model.safetensors.index.json"
-        single = model_dir / "model.safetensors"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = {name: SafetensorsFile(model_dir / name) for name in sorted(set(weight_map.values()))}
-            self._where = {key: files[fname] for key, fname in weight_map.items()}
-        elif single.is_file():
-            f = SafetensorsFile(single)
-            self._where = dict.fromkeys(f.keys(), f)
-        else:
-            raise UserError(
-                f"no model.safetensors or model.safetensors.index.json in {model_dir}", code="model_not_found"
-            )
+        self._where = read_checkpoint_index(model_dir)
+        self._mmaps: dict[Path, np.memmap] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._where:
+        """A zero-copy view; only the pages that are sliced are read from disk."""
+        loc = self._where.get(name)
+        if loc is None:
             raise UserError(f"the checkpoint has no tensor {name!r}", code="corrupt_model")
-        return self._where[name].get(name)
+        dtype = _DTYPES.get(loc.dtype)
+        if dtype is None:
+            raise UserError(f"{loc.file}: tensor {name} has unsupported dtype {loc.dtype}", code="corrupt_model")
+        mmap = self._mmaps.get(loc.file)
+        if mmap is None:
+            mmap = self._mmaps[loc.file] = np.memmap(loc.file, dtype=np.uint8, mode="r")
+        return mmap[loc.start : loc.end].view(dtype).reshape(loc.shape)
 
 
 @dataclass(frozen=True)

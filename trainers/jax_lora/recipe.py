@@ -36,8 +36,8 @@ import numpy as np
 from trainers.common.checkpointing import (
     TrainerState,
     capture_host_rng,
-    latest_checkpoint,
     load_trainer_state,
+    resolve_resume,
     restore_host_rng,
     save_checkpoint,
 )
@@ -47,6 +47,13 @@ from trainers.common.job_data import (
     load_job_data,
     load_tokenizer,
     total_optimizer_steps,
+)
+from trainers.common.loop import (
+    check_finite,
+    checkpoint_metrics,
+    epoch_of_step,
+    metric_row,
+    should_evaluate,
 )
 from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
 from trainers.common.reporter import Reporter, reporter_from_spec
@@ -135,18 +142,6 @@ def _eval_batches(data: TrainingData, dp: int, pad_id: int, max_batches: int | N
         yield _pad_rows(data.collate(rows[i * per : (i + 1) * per]), per, pad_id)
 
 
-def _resume_dir(spec: TrainerSpec) -> Path | None:
-    src = spec.checkpoint.resume_from
-    if src is None:
-        return None
-    if src == "latest":
-        return latest_checkpoint(spec.checkpoint.dir)  # None: a first start, nothing to resume
-    path = Path(src)
-    if not path.is_dir():
-        raise UserError(f"checkpoint.resume_from {src} does not exist", code="checkpoint_not_found")
-    return path
-
-
 def run(
     spec: TrainerSpec,
     *,
@@ -229,7 +224,7 @@ def run(
 
     ckpt_root = Path(spec.checkpoint.dir)
     out_dir = Path(spec.output_dir)
-    resume_from = _resume_dir(spec)
+    resume_from = resolve_resume(spec.checkpoint)
     resume_state = load_trainer_state(resume_from) if resume_from is not None else None
     own_reporter = reporter is None and primary
     if own_reporter:
@@ -313,7 +308,7 @@ def run(
                 )
 
             ts = TrainerState(
-                step=step, epoch=cursor.epoch, cursor=cursor, rng=capture_host_rng(),
+                step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
                 metrics=last_metrics,
                 extra={"trainer": "jax_lora", "seed": spec.seed, "tokens_seen": tokens_seen},
             )
@@ -338,38 +333,36 @@ def run(
 
         # -- the loop --------------------------------------------------------------------
         batches = _step_batches(data.train, cursor, dp, accum, pad_id)
-        last: dict[str, Any] = {}
+        last: dict[str, Any] = dict(resume_state.metrics) if resume_state is not None else {}
         while step < total_steps:
             host_batch, next_cursor = next(batches)
             t_step = time.perf_counter()
             state, out = train_step(state, params, to_device(host_batch))
             loss = float(out["loss"])  # blocks: the step's time below is real
             elapsed = time.perf_counter() - t_step
-            if not math.isfinite(loss):
-                raise UserError(
-                    f"the loss became {loss} at step {step + 1}; lower the learning rate", code="nan_loss"
-                )
+            grad_norm = float(out["grad_norm"])
+            check_finite(step + 1, loss, grad_norm)
             lr = float(schedule(step))
             step, cursor = step + 1, next_cursor
             n_tokens = int((host_batch["segment_ids"] > 0).sum())
             tokens_seen += n_tokens
-            last = {
-                "step": step, "total_steps": total_steps, "epoch": cursor.epoch, "train_loss": loss,
-                "learning_rate": lr, "grad_norm": float(out["grad_norm"]),
-                "tokens_per_s": n_tokens / elapsed, "tokens_seen": tokens_seen,
-                "memory_bytes": _device_memory_bytes(jax) or peak_rss_bytes(),
-                "valid_loss": None, "token_accuracy": None,
-            }
-            every = spec.eval.every_n_steps
-            if data.validation is not None and ((every and step % every == 0) or step == total_steps):
-                last.update(evaluate())
+            evaluated = None
+            if should_evaluate(step, total_steps=total_steps, every_n_steps=spec.eval.every_n_steps,
+                               has_validation=data.validation is not None):
+                evaluated = evaluate()
+            row = metric_row(
+                step=step, total_steps=total_steps, cursor_after=cursor, train_loss=loss, learning_rate=lr,
+                grad_norm=grad_norm, step_tokens=n_tokens, elapsed_s=elapsed, tokens_seen=tokens_seen,
+                memory_bytes=_device_memory_bytes(jax) or peak_rss_bytes(), evaluation=evaluated,
+            )
+            last = checkpoint_metrics(row, last)
             if primary:
-                reporter.metric(**last)
-                metrics_log.append(last)
+                reporter.metric(**row)
+                metrics_log.append(row)
             if on_step is not None:
                 on_step(step)
             if stop.requested or step % spec.checkpoint.every_n_steps == 0:
-                checkpoint(_ckpt_metrics(last))
+                checkpoint(last)
             if stop.requested:
                 if primary:
                     reporter.event(f"preempted ({stop.signal_name}) at step {step}; checkpoint written")
@@ -377,7 +370,7 @@ def run(
 
         # -- export ----------------------------------------------------------------------
         if step % spec.checkpoint.every_n_steps:
-            checkpoint(_ckpt_metrics(last))
+            checkpoint(last)
         host_state = ckpt.state_to_host(state)
         if primary:
             export_adapter(
@@ -390,10 +383,6 @@ def run(
     finally:
         if own_reporter:
             reporter.close()
-
-
-def _ckpt_metrics(last: dict[str, Any]) -> dict[str, Any]:
-    return {k: last.get(k) for k in ("train_loss", "valid_loss", "token_accuracy")}
 
 
 def _lora_from_flat(flat: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:

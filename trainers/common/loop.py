@@ -1,0 +1,120 @@
+"""The train loop's framework-free decisions, made once for both trainers.
+
+Each recipe writes its loop out in its own framework (``trainers/jax_lora/recipe.py``,
+``trainers/fsdp_qlora/recipe.py``); what does not depend on the framework is decided
+here, so the same job reports the same rows on either trainer:
+
+- :func:`should_evaluate`: the eval cadence (``eval.every_n_steps``, and always after
+  the last step when there is a validation set, so every run that has one ends with a
+  ``valid_loss``);
+- :func:`epoch_of_step`: which 0-based epoch an optimizer step belongs to;
+- :func:`check_finite`: a non-finite loss OR gradient norm stops the run with the user
+  error ``nan_loss`` (the update is already poisoned; continuing would export NaNs);
+- :func:`metric_row`: the dict reported for every step (``docs/internals.md``, "Trainer
+  reports") and appended to ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from trainers.common.data import DataCursor
+from trainers.errors import UserError
+
+METRIC_KEYS = (
+    "step", "total_steps", "epoch", "train_loss", "learning_rate", "grad_norm", "tokens_per_s",
+    "tokens_seen", "memory_bytes", "valid_loss", "token_accuracy", "time",
+)
+EVAL_KEYS = ("valid_loss", "token_accuracy")
+
+
+def should_evaluate(step: int, *, total_steps: int, every_n_steps: int | None, has_validation: bool) -> bool:
+    """Whether to evaluate after optimizer step ``step`` (1-based).
+
+    Every ``every_n_steps`` steps, and after the last step, as long as there is a
+    validation set; ``every_n_steps=None`` means at the end only.
+    """
+    if not has_validation:
+        return False
+    if step == total_steps:
+        return True
+    return every_n_steps is not None and step % every_n_steps == 0
+
+
+def epoch_of_step(cursor_after: DataCursor) -> int:
+    """The 0-based epoch of the step that left the data at ``cursor_after``.
+
+    A step belongs to the epoch its last row came from. The loader moves the cursor to
+    ``(epoch + 1, 0)`` as soon as an epoch's last row is read, so the step that finishes
+    epoch ``e`` reports ``e``, not ``e + 1``. A step count alone cannot say this: with
+    packing, epochs differ in length by a row or so.
+    """
+    if cursor_after.position == 0 and cursor_after.epoch > 0:
+        return cursor_after.epoch - 1
+    return cursor_after.epoch
+
+
+def check_finite(step: int, loss: float, grad_norm: float | None) -> None:
+    """UserError ``nan_loss`` if optimizer step ``step`` (1-based) gave a non-finite
+    loss or gradient norm."""
+    finite_norm = grad_norm is None or math.isfinite(grad_norm)
+    if math.isfinite(loss) and finite_norm:
+        return
+    raise UserError(
+        f"the loss is {loss} (gradient norm {grad_norm}) at step {step}; lower the learning "
+        "rate, or check the model's weights and the data",
+        code="nan_loss",
+    )
+
+
+def metric_row(
+    *,
+    step: int,
+    total_steps: int,
+    cursor_after: DataCursor,
+    train_loss: float,
+    learning_rate: float,
+    grad_norm: float | None,
+    step_tokens: int,
+    elapsed_s: float,
+    tokens_seen: int,
+    memory_bytes: int | None,
+    evaluation: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The metric item of one optimizer step, keys :data:`METRIC_KEYS`.
+
+    Args:
+        step: the 1-based step just taken.
+        cursor_after: the data cursor after the step (gives the epoch).
+        step_tokens: non-padding tokens the step consumed (all ranks).
+        elapsed_s: wall time of the step; ``tokens_per_s`` is None if it is not positive.
+        tokens_seen: tokens consumed since the start of training, this step included.
+        evaluation: ``valid_loss`` and ``token_accuracy`` when the step evaluated; None
+            otherwise (both reported as None).
+    """
+    evaluation = evaluation or {}
+    return {
+        "step": step,
+        "total_steps": total_steps,
+        "epoch": epoch_of_step(cursor_after),
+        "train_loss": train_loss,
+        "learning_rate": learning_rate,
+        "grad_norm": grad_norm,
+        "tokens_per_s": step_tokens / elapsed_s if elapsed_s > 0 else None,
+        "tokens_seen": tokens_seen,
+        "memory_bytes": memory_bytes,
+        **{k: evaluation.get(k) for k in EVAL_KEYS},
+        "time": time.time(),
+    }
+
+
+def checkpoint_metrics(row: dict[str, Any], previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics a checkpoint records: the step's train loss and the latest evaluation
+    (from ``previous``, the last checkpoint-metrics dict, when this step did not evaluate)."""
+    out = {"train_loss": row.get("train_loss")}
+    evaluated = row.get("valid_loss") is not None
+    source = row if evaluated else (previous or {})
+    out.update({k: source.get(k) for k in EVAL_KEYS})
+    return out
