@@ -7,38 +7,15 @@ read-only by tests; tests that need another shape build their own with
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from tests.trainers.datasets import write_tiny_datasets
+
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _chat_lines(n: int) -> list[dict]:
-    """A learnable toy task: answer with the word after the given one in a fixed list."""
-    words = ["red", "green", "blue", "cyan", "pink", "gold", "gray", "teal"]
-    rows = []
-    for i in range(n):
-        w = words[i % len(words)]
-        nxt = words[(i + 1) % len(words)]
-        rows.append(
-            {
-                "messages": [
-                    {"role": "system", "content": "One word."},
-                    {"role": "user", "content": f"after {w}?"},
-                    {"role": "assistant", "content": nxt},
-                ]
-            }
-        )
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -59,18 +36,7 @@ def tiny_tokenizer(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def tiny_datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Chat train (32 rows) / validation (8 rows), prompt/completion and alpaca files."""
-    d = tmp_path_factory.mktemp("data")
-    return {
-        "chat_train": write_jsonl(d / "chat_train.jsonl", _chat_lines(32)),
-        "chat_valid": write_jsonl(d / "chat_valid.jsonl", _chat_lines(8)),
-        "prompt_completion": write_jsonl(
-            d / "pc.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(16)]
-        ),
-        "alpaca": write_jsonl(
-            d / "alpaca.jsonl",
-            [{"instruction": "Repeat", "input": f"w{i}", "output": f"w{i}"} for i in range(16)],
-        ),
-    }
+    return write_tiny_datasets(tmp_path_factory.mktemp("data"))
 
 
 def deep_update(base: dict, changes: dict) -> dict:
