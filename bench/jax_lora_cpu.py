@@ -1,6 +1,6 @@
 """JAX LoRA train step vs a plain transformers + peft LoRA loop, same shape, one run.
 
-Shape (issue 4): Llama hidden 256, 4 layers, heads 8 / kv 4, ffn 1024, vocab 1024,
+Shape: Llama hidden 256, 4 layers, heads 8 / kv 4, ffn 1024, vocab 1024,
 seq 256 x batch 4, LoRA r 8 on q/k/v/o, fp32, AdamW, one optimizer step per batch.
 Both sides start from the same random weights (saved by transformers, loaded by our
 loader) and train on the same token batch. Rounds alternate torch / JAX so that a

@@ -1,4 +1,4 @@
-"""Estimator vs the measured peak host memory of OUR trainers on CPU (issue 6, goal +-15 %).
+"""Estimator vs the measured peak host memory of OUR trainers on CPU (goal: within +-15 %).
 
 Each configuration runs the real trainer entry point, ``python -m trainers --spec``, in a
 fresh process for 2 optimizer steps on a random Llama of the given shape. The trainers

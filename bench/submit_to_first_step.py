@@ -9,7 +9,7 @@ and measures for each:
   includes starting Python, importing torch/transformers/peft, loading the tiny model
   and tokenizing the data.
 
-Goal (issue 3): first step <= 15 s. Results go to bench/RESULTS.md.
+Goal: first step <= 15 s. Results go to bench/RESULTS.md.
 
     python bench/submit_to_first_step.py [--runs 3]
 """

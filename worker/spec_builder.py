@@ -1,13 +1,14 @@
 """From a job row to the trainer spec: the one mapping between the API's job and a trainer.
 
-STYLE.md: "The API's job schema maps to exactly one trainer spec." This module is that
-map. Every value a trainer uses is resolved here (no "auto" crosses into a spec): the
+The API's job schema maps to exactly one trainer spec, and this module is that map.
+Every value a trainer uses is resolved here (no "auto" crosses into a spec): the
 trainer family follows the pool, precision follows the accelerator (fp32 on CPU pools,
 bf16 base + fp32 adapter on GPUs), the parallel layout follows the GPU count, and the
 locations follow the artifact store (a local directory in the embedded default, S3 in
 production). A JAX job on a local CPU pool runs as one XLA host device per core it may
 use, with a ``data`` mesh over them (``parallelism.host_devices``), so that XLA's
-single-threaded loop fusions run on every core (bench/RESULTS.md, issue 4).
+single-threaded loop fusions run on every core (measured in bench/RESULTS.md, "jax_lora
+as shipped on a CPU-only local pool").
 """
 
 from __future__ import annotations

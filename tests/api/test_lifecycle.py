@@ -15,7 +15,8 @@ from api.errors import APIError
 ACTORS = ("user", "admin", "scheduler", "executor", "trainer", "system")
 PEOPLE = {"user", "admin"}
 
-# Written out by hand from DESIGN.md / docs/internals.md, independently of api.lifecycle.RULES.
+# Who may move a job from which status to which, written out by hand independently of
+# api.lifecycle.RULES: a change to the rules has to be made in both places.
 ALLOWED: dict[tuple[str, str], set[str]] = {
     ("validating_files", "queued"): {"system"},
     ("validating_files", "failed"): {"system"},

@@ -10,8 +10,8 @@ A checkpoint directory (layout from ``trainers.common.checkpointing``) holds::
 Only trainable tensors are saved: the frozen (quantized) base is the user's checkpoint
 and is re-read on resume. We build the state dict by hand from ``named_parameters`` and
 ``optimizer.state`` rather than ``get_model_state_dict`` because the latter walks
-``HQQLinear.state_dict`` which fails under FSDP (FACTS.md); the tensors are FSDP2
-DTensors, so DCP writes each rank's shard and can reload into any world size.
+``HQQLinear.state_dict``, which fails under FSDP2 on HQQ's view-as-float weights; the
+tensors are FSDP2 DTensors, so DCP writes each rank's shard and can reload into any world size.
 
 The common module writes into a temporary directory and renames it atomically; rank 0
 owns that directory and broadcasts its path so every rank writes its DCP shard there

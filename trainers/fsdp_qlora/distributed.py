@@ -7,8 +7,8 @@ machine. NCCL on GPUs, gloo on CPU.
 
 Sharding is FSDP2 (``fully_shard``): each decoder layer is its own FSDP group (its
 parameters are all-gathered just before it runs and freed right after), then the root
-takes what is left (embeddings, final norm, lm_head). Measured constraints (see
-shared/FACTS.md): FSDP1 needs ``device_id=cpu`` and cannot flatten integer storage,
+takes what is left (embeddings, final norm, lm_head). Constraints measured on CPU (gloo,
+2 processes): FSDP1 needs ``device_id=cpu`` and cannot flatten integer storage,
 ``CPUOffloadPolicy`` needs an accelerator; accelerate silently falls back to DDP on CPU.
 Hence torch's own FSDP2 API, float quant storage, and offload refused on CPU up front.
 

@@ -4,7 +4,7 @@ XLA:CPU runs its matmuls on a thread pool but most other fusions of our step (RM
 RoPE, softmax, residual adds and their backward) as single-threaded loops. On one host
 device those loops leave the other cores idle; split into one device per core with a
 ``data`` mesh over them, each core runs its share of the batch through the whole step
-(bench/RESULTS.md, issue 4).
+(bench/RESULTS.md, "jax_lora as shipped on a CPU-only local pool").
 
 ``parallelism.host_devices`` in the spec asks for it; the worker sets it for local CPU
 pools only, so GPU jobs never come here. The device count is fixed when JAX creates its

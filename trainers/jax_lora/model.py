@@ -219,7 +219,7 @@ def project(
 
 
 # Query rows per block of ``cpu_attention``: 2 blocks at seq 256 compute 3/4 of the
-# full (seq x seq) scores (bench/RESULTS.md, issue 4).
+# full (seq x seq) scores (bench/RESULTS.md, "jax_lora as shipped on a CPU-only local pool").
 CPU_QUERY_BLOCK = 128
 
 
@@ -284,7 +284,8 @@ def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     log-sum-exp, no (q x k) probabilities - and recomputes the probabilities from them.
     Before, ``jax.checkpoint`` + autodiff recomputed the whole forward, and XLA:CPU
     wrote the attention output (and its cotangents) through transposed matmul outputs;
-    this is ~6 % more tokens/s on the whole CPU train step (bench/RESULTS.md, issue 4).
+    this is ~6 % more tokens/s on the whole CPU train step (bench/RESULTS.md, "jax_lora CPU
+    attention with a hand-written backward pass").
     """
     return _attention_block_fwd(q, k, v, mask)[0]
 

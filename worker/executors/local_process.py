@@ -145,8 +145,8 @@ def kill_orphan(pid_file: Path, grace_s: float = 10.0) -> bool:
 # so the kernel faults in ~24,000 4 KiB pages on every train step. With transparent huge
 # pages for malloc (THP mode "madvise" suffices) it takes ~250: the JAX trainer's step
 # (bench shape, 2 host devices) went from ~550 to ~440 ms of CPU time, peak RSS +1 %
-# (bench/RESULTS.md, issue 4). Only the JAX trainer gets it: the torch trainer's memory
-# checks measure RSS, which huge pages round up.
+# (bench/RESULTS.md, "jax_lora as shipped on a CPU-only local pool"). Only the JAX
+# trainer gets it: the torch trainer's memory checks measure RSS, which huge pages round up.
 JAX_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 
 

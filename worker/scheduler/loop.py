@@ -108,7 +108,7 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
             signal.signal(sig, lambda *_: stop.set())
     from api.webhooks import install_hooks
 
-    install_hooks()  # status changes made in this process notify webhooks too (issue 9)
+    install_hooks()  # status changes made in this process notify webhooks too
     components = build_components(settings)
     log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
     cycles = 0

@@ -43,7 +43,8 @@ def hf_model(model_dir: Path, quant: str = "none"):
                 model, quant_config=BaseQuantizeConfig(nbits=4, group_size=64, view_as_float=True),
                 compute_dtype=torch.float32, device="cpu",
             )
-    # Train mode: bnb repacks eval-mode weights on avx512_bf16 CPUs (FACTS.md).
+    # Train mode: on CPUs with avx512_bf16, bitsandbytes repacks an eval-mode Linear4bit's
+    # weight in place into a CPU-only layout, which changes the numbers.
     model.train()
     return model
 

@@ -138,7 +138,9 @@ def _peft_nf4(model_dir, adapter_dir):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(hf_model(model_dir, "nf4"), str(adapter_dir), is_trainable=True)
-    model.train()  # bnb's CPU path repacks weights in eval mode (FACTS.md); no dropout here
+    # Train mode: on CPUs with avx512_bf16, bitsandbytes repacks an eval-mode Linear4bit's
+    # weight in place into a CPU-only layout. No dropout here, so train mode changes nothing else.
+    model.train()
     return model
 
 

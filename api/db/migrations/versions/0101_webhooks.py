@@ -1,4 +1,4 @@
-"""webhooks: endpoints and the delivery outbox/log (issue 9)
+"""webhooks: endpoints and the delivery outbox/log
 
 Revision ID: 0101_webhooks
 Revises: 0001

@@ -1,4 +1,4 @@
-"""job_list_versions: a per-tenant change counter of the jobs table (issue 2, list cache)
+"""job_list_versions: a per-tenant change counter of the jobs table (for the job list cache)
 
 Revision ID: 0201_job_list_versions
 Revises: 0101_webhooks

@@ -1,4 +1,4 @@
-"""fleet state the scheduler publishes: jobs.queue_position, pool_capacity (issue 7)
+"""fleet state the scheduler publishes: jobs.queue_position, pool_capacity
 
 Revision ID: 0202_fleet_state
 Revises: 0201_job_list_versions

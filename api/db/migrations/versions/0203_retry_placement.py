@@ -1,4 +1,4 @@
-"""jobs.retry_placement: the larger gang a job gets after running out of GPU memory (issue 6)
+"""jobs.retry_placement: the larger gang a job gets after running out of GPU memory
 
 Revision ID: 0203_retry_placement
 Revises: 0202_fleet_state
