@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.model_files import nan_copy
+from tests.trainers.golden.job import golden_spec, run_entry_point
 from trainers.__main__ import classify, main
 from trainers.errors import UserError
 from trainers.exit_codes import ExitCode
@@ -117,6 +118,24 @@ def test_nan_loss_stops_with_a_clear_error(make_spec, tiny_model_dir, tmp_path):
     term = _termination(spec)
     assert term["code"] == "nan_loss" and "step 1" in term["message"]
     assert not list(Path(spec.checkpoint.dir).glob("step-*"))  # nothing NaN was checkpointed
+
+
+def test_nan_loss_is_the_same_error_on_the_jax_trainer(tiny_model_dir, tiny_datasets, tmp_path):
+    nan_model = nan_copy(tiny_model_dir, tmp_path / "nan-model")
+    spec = golden_spec("jax_lora", nan_model, tiny_datasets, tmp_path / "run")
+    run = run_entry_point(spec, tmp_path / "run")
+    assert run.returncode == ExitCode.USER_ERROR, run.output[-3000:]
+    term = _termination(spec)
+    assert term["code"] == "nan_loss" and "step 1" in term["message"]
+    assert not list(Path(spec.checkpoint.dir).glob("step-*"))
+
+
+def test_resume_from_a_directory_that_is_not_a_checkpoint(make_spec, tmp_path):
+    (tmp_path / "not-a-checkpoint").mkdir()
+    spec = make_spec(checkpoint={"resume_from": str(tmp_path / "not-a-checkpoint")})
+    code = _main(_write_spec(spec, tmp_path / "spec.json"))
+    assert code == ExitCode.USER_ERROR
+    assert _termination(spec)["code"] == "checkpoint_not_found"
 
 
 def test_sigterm_checkpoints_and_exits_preempted(make_spec, tmp_path):
