@@ -3,8 +3,10 @@
 Read top to bottom: setup (multi-host, config, mesh, checks that need no compile),
 data, model, adapter + optimizer (sharded), resume, the loop (step, metrics, eval,
 checkpoint, preemption), export. Reusable parts live in the sibling modules; data,
-reporting, checkpoint layout, schedules and PEFT export are shared with the torch
-trainer through ``trainers.common``.
+reporting, checkpoint layout and resume rule, schedules, the loop's decisions (eval
+cadence, epoch numbering, NaN policy, metric row: ``trainers.common.loop``), the HF
+checkpoint index and PEFT export are shared with the torch trainer through
+``trainers.common``.
 
 Batch layout. ``micro_batch_size`` is per data-parallel rank; the data-parallel size is
 ``mesh.data * mesh.fsdp``. One optimizer step consumes ``batch_size / micro_batch_size``
