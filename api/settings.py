@@ -188,6 +188,15 @@ class Settings(BaseSettings):
             path.mkdir(parents=True, exist_ok=True)
         if self.artifact_url is None:
             Path(self.resolved_artifact_url).mkdir(parents=True, exist_ok=True)
+        for database in self._sqlite_files():
+            _owner_only(database)
+
+    def _sqlite_files(self) -> list[Path]:
+        """The SQLite files of the database and the broker (embedded mode): they hold every
+        key hash, job token hash and task message, so only the service's user reads them."""
+        urls = (self.resolved_database_url, self.resolved_broker_url)
+        return [Path(url.split(":///", 1)[1]) for url in urls
+                if url.startswith(("sqlite:///", "sqla+sqlite:///")) and ":memory:" not in url]
 
     def secret_key_value(self) -> str:
         """The secret key; in development generated once into ``<data>/secret_key`` (0600)."""
@@ -203,6 +212,14 @@ class Settings(BaseSettings):
 
 
 @lru_cache(maxsize=64)
+def _owner_only(path: Path) -> None:
+    """Create ``path`` (if missing) or narrow it to mode 0600; SQLite's journal and WAL
+    files take the database file's mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+
+
 def resolved_dir(path: Path) -> Path:
     """``path`` absolute with symlinks resolved. Cached: every request and every trainer
     spec asks for the data dir, and resolving costs a stat per path component; a running

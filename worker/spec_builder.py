@@ -27,6 +27,7 @@ from api.base_models import load_base_models
 from api.db.models import File, Job
 from api.settings import Settings
 from trainers.spec import (
+    DEFAULT_TARGET_MODULES,
     AdapterSpec,
     CheckpointSpec,
     DataSpec,
@@ -237,7 +238,7 @@ def build_spec(
         r=int(adapter.get("r", 8)),
         alpha=float(adapter.get("alpha", 16.0)),
         dropout=float(adapter.get("dropout", 0.0)),
-        target_modules=tuple(adapter.get("target_modules") or ("q_proj", "k_proj", "v_proj", "o_proj")),
+        target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGET_MODULES),
         quantization=quantization if adapter.get("method") == "qlora" else "none",
         double_quant=bool(adapter.get("double_quant", False)),
         hqq_group_size=int(adapter.get("hqq_group_size", 64)),
@@ -287,6 +288,8 @@ def build_spec(
 def write_spec(spec: TrainerSpec, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.touch(mode=0o600)  # the spec holds the job's report token: owner-only from the first byte
     spec.dump(tmp)
     tmp.replace(path)
     return path

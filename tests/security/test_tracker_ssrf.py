@@ -58,37 +58,3 @@ def test_an_operator_allowed_tracking_host_is_accepted(client, tenant_key, proce
         "integrations": _mlflow("http://mlflow.tracking.svc:5000")})
     assert response.status_code == 200, response.text
 
-
-def test_the_trainer_checks_the_tracking_uri_before_connecting(service, listener) -> None:
-    """A real job whose row names a loopback tracker (stored before the creation check
-    existed, or a name that resolves elsewhere by now): the trainer never connects, trains
-    anyway, and the job's events name only the exception class."""
-    from sqlalchemy import update
-
-    from api.db.models import Job
-    from api.db.session import session_scope
-    from tests.e2e.test_local_training import TERMINAL, upload, wait_status
-    from tunefleet.demo import demo_examples
-
-    svc = service()
-    svc.stop("scheduler")  # nothing is admitted while the row is changed
-    with svc.http() as http:
-        file_id = upload(http, demo_examples(16, seed=3))
-        created = http.post("/fine_tuning/jobs", json={
-            "model": "tunefleet-tiny-llama", "training_file": file_id,
-            "hyperparameters": {"n_epochs": 1, "batch_size": 8}})
-        assert created.status_code == 200, created.text
-        job_id = created.json()["id"]
-        with session_scope(svc.env["TUNEFLEET_DATABASE_URL"]) as session:
-            session.execute(update(Job).where(Job.id == job_id).values(
-                integrations=_mlflow(f"{listener.url}/mlflow")))
-        svc.start("scheduler")
-        job = wait_status(http, job_id, TERMINAL)
-        assert job["status"] == "succeeded", svc.dump_logs()
-        events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-    assert listener.hits == []
-    messages = [e["message"] for e in events]
-    assert "mlflow integration not started (TargetURLError); the trainer log has the details" in messages
-    assert not any("127.0.0.1" in m or "internal service answer" in m for m in messages), messages
-    trainer_log = (svc.data_dir / "jobs" / job_id / "trainer.log").read_text()
-    assert "TargetURLError" in trainer_log

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +164,34 @@ def trainer_env(trainer: str, environ: dict[str, str] | None = None) -> dict[str
     return {"GLIBC_TUNABLES": ":".join(t for t in (current, JAX_MALLOC_TUNABLE) if t)}
 
 
+# What a local trainer inherits from the worker: the control plane's environment holds its
+# secret key, database and broker URLs and the admin key, none of which a trainer (running
+# tenant data through third-party libraries) needs. Exact names, then name prefixes.
+TRAINER_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+    "GLIBC_TUNABLES", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    # The trainer's own settings (trainers/): S3 endpoint, staging cache, tracker allow-list.
+    "TUNEFLEET_S3_ENDPOINT_URL", "TUNEFLEET_CACHE_DIR", "TUNEFLEET_TRACKER_ALLOWED_HOSTS",
+    "TUNEFLEET_STOP_WITH_PARENT",
+})
+TRAINER_ENV_PREFIXES = (
+    "LC_", "JAX_", "TF_CPP_", "TORCH_", "PYTORCH_", "NCCL_", "NVIDIA_", "CUDA_", "HF_",
+    "TRANSFORMERS_", "AWS_",  # the artifact store's credentials: outputs go to the bucket
+    "MLFLOW_", "WANDB_",  # the operator's tracker credentials (trainers/common/integrations.py)
+)
+
+
+def trainer_base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of the worker's environment a local trainer gets (an allow-list)."""
+    return {name: value for name, value in environ.items()
+            if name in TRAINER_ENV_NAMES or name.startswith(TRAINER_ENV_PREFIXES)}
+
+
 def _spec_trainer(spec_path: Path) -> str:
     try:
         return str(json.loads(spec_path.read_text(encoding="utf-8")).get("trainer", ""))
@@ -189,7 +217,7 @@ def supervise_trainer(
 ) -> TrainerOutcome:
     """Run the trainer of `spec_path` until it ends for good (see the module docstring)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, **trainer_env(_spec_trainer(spec_path)), **(env or {})}
+    child_env = {**trainer_base_env(os.environ), **trainer_env(_spec_trainer(spec_path)), **(env or {})}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     restarts = 0
     history: list[int] = []
