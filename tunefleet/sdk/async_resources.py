@@ -7,7 +7,7 @@ plans and wait deadlines (``streaming``, ``downloads``, ``waiting``); only the I
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,17 @@ class _AsyncResource:
     async def _json(self, options: RequestOptions) -> Any:
         response = await self._send(options)
         return response.json() if response.content else None
+
+    async def _poll(self, fetch: Callable[[], Awaitable[Any]], done: Callable[[Any], bool], what: str,
+                    timeout: float | None, poll_interval: float) -> Any:
+        """``await fetch()`` every ``poll_interval`` seconds until ``done``; that last object."""
+        deadline = WaitDeadline(timeout)
+        while True:
+            current = await fetch()
+            if done(current):
+                return current
+            deadline.check(what, current)
+            await asyncio.sleep(poll_interval)
 
     async def _page(self, options: RequestOptions, parse: Callable[[Any], Any],
                     cursor_of: Callable[[Any], Any] | None = None) -> AsyncPage[Any]:
@@ -94,13 +105,8 @@ class AsyncFiles(_AsyncResource):
     async def wait(self, file_id: str, *, timeout: float | None = 300.0,
                    poll_interval: float = 0.5) -> FileObject:
         """Poll until the file is ``processed`` or ``error``."""
-        deadline = WaitDeadline(timeout)
-        while True:
-            current = await self.retrieve(file_id)
-            if current.is_final:
-                return current
-            deadline.check(f"file {file_id}", current)
-            await asyncio.sleep(poll_interval)
+        return await self._poll(lambda: self.retrieve(file_id), lambda f: f.is_final, f"file {file_id}",
+                                timeout, poll_interval)
 
 
 class AsyncJobs(_AsyncResource):
@@ -192,13 +198,8 @@ class AsyncJobs(_AsyncResource):
 
         Raises:
             WaitTimeoutError: the job was still running after ``timeout`` seconds."""
-        deadline = WaitDeadline(timeout)
-        while True:
-            job = await self.retrieve(job_id)
-            if job.is_terminal:
-                return job
-            deadline.check(f"job {job_id}", job)
-            await asyncio.sleep(poll_interval)
+        return await self._poll(lambda: self.retrieve(job_id), lambda j: j.is_terminal, f"job {job_id}",
+                                timeout, poll_interval)
 
     async def stream(self, job_id: str, *, last_event_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """Live events and metrics of a job (SSE). Ends when the service closes the stream

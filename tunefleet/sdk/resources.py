@@ -53,6 +53,17 @@ class _Resource:
         response = self._send(options)
         return response.json() if response.content else None
 
+    def _poll(self, fetch: Callable[[], Any], done: Callable[[Any], bool], what: str,
+              timeout: float | None, poll_interval: float) -> Any:
+        """``fetch()`` every ``poll_interval`` seconds until ``done``; that last object."""
+        deadline = WaitDeadline(timeout)
+        while True:
+            current = fetch()
+            if done(current):
+                return current
+            deadline.check(what, current)
+            time.sleep(poll_interval)
+
     def _page(self, options: RequestOptions, parse: Callable[[Any], Any],
               cursor_of: Callable[[Any], Any] | None = None) -> SyncPage[Any]:
         def fetch(after: Any) -> SyncPage[Any]:
@@ -96,13 +107,8 @@ class Files(_Resource):
 
     def wait(self, file_id: str, *, timeout: float | None = 300.0, poll_interval: float = 0.5) -> FileObject:
         """Poll until the file is ``processed`` or ``error``."""
-        deadline = WaitDeadline(timeout)
-        while True:
-            current = self.retrieve(file_id)
-            if current.is_final:
-                return current
-            deadline.check(f"file {file_id}", current)
-            time.sleep(poll_interval)
+        return self._poll(lambda: self.retrieve(file_id), lambda f: f.is_final, f"file {file_id}",
+                          timeout, poll_interval)
 
 
 class Jobs(_Resource):
@@ -188,13 +194,8 @@ class Jobs(_Resource):
 
         Raises:
             WaitTimeoutError: the job was still running after ``timeout`` seconds."""
-        deadline = WaitDeadline(timeout)
-        while True:
-            job = self.retrieve(job_id)
-            if job.is_terminal:
-                return job
-            deadline.check(f"job {job_id}", job)
-            time.sleep(poll_interval)
+        return self._poll(lambda: self.retrieve(job_id), lambda j: j.is_terminal, f"job {job_id}",
+                          timeout, poll_interval)
 
     def stream(self, job_id: str, *, last_event_id: str | None = None) -> Iterator[StreamEvent]:
         """Live events and metrics of a job (SSE). Ends when the service closes the stream
