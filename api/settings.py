@@ -24,14 +24,19 @@ public URL with the Kubernetes executor), each with a message that says what to 
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from api.ids import key_prefix
 
 MiB = 1024 * 1024
 _UNSAFE_SECRETS = {"", "changeme", "change-me", "secret", "dev", "development", "test"}
@@ -123,8 +128,12 @@ class Settings(BaseSettings):
         elif (
             self.secret_key.get_secret_value().lower() in _UNSAFE_SECRETS
             or len(self.secret_key.get_secret_value()) < 32
+            or not looks_random(self.secret_key.get_secret_value())
         ):
-            problems.append("TUNEFLEET_SECRET_KEY must be a random value of at least 32 characters")
+            problems.append(
+                "TUNEFLEET_SECRET_KEY must be a random value of at least 32 characters "
+                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(48))'`)"
+            )
         if self.broker_url is None or self.broker_url.startswith(("sqla+", "filesystem")):
             problems.append(
                 "TUNEFLEET_BROKER_URL must point to Redis in production (redis://host:6379/0)"
@@ -134,8 +143,18 @@ class Settings(BaseSettings):
                 "TUNEFLEET_PUBLIC_URL must be reachable from training pods, not "
                 f"{self.public_url}"
             )
-        if self.admin_api_key is not None and len(self.admin_api_key.get_secret_value()) < 32:
-            problems.append("TUNEFLEET_ADMIN_API_KEY must be at least 32 characters")
+        if self.admin_api_key is not None and key_prefix(self.admin_api_key.get_secret_value()) is None:
+            # Only keys of this shape ever authenticate (api.auth): any other value would
+            # leave the service without a working admin key.
+            problems.append(
+                "TUNEFLEET_ADMIN_API_KEY must look like tf_<8 characters>_<32 characters> "
+                "(`tunefleet admin create-key` prints one)"
+            )
+        if _webhooks_allow_private():
+            problems.append(
+                "TUNEFLEET_WEBHOOK_ALLOW_PRIVATE must not be true in production (tenants' "
+                "webhooks could reach the service's own network)"
+            )
         if problems:
             raise ValueError("unsafe production settings: " + "; ".join(problems))
         return self
@@ -228,8 +247,42 @@ def resolved_dir(path: Path) -> Path:
 
 
 def _is_loopback(url: str) -> bool:
-    host = url.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
-    return host in {"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"}
+    """Whether ``url`` names this machine only (127.0.0.0/8, ::1, localhost, 0.0.0.0)."""
+    host = (urlsplit(url if "://" in url else f"http://{url}").hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
+
+
+def looks_random(secret: str) -> bool:
+    """A rough guard against typed or patterned secrets: enough distinct characters for
+    about 100 bits (length x log2(distinct characters)), and no repetition of a shorter
+    block (``changeme`` four times has 7 distinct characters, and period 8)."""
+    distinct = len(set(secret))
+    if distinct < 8 or len(secret) * math.log2(distinct) < 100:
+        return False
+    return _shortest_period(secret) > len(secret) // 2
+
+
+def _shortest_period(text: str) -> int:
+    """The smallest p with text[i] == text[i + p] for every i (len(text) if none)."""
+    for period in range(1, len(text)):
+        if text[period:] == text[:-period]:
+            return period
+    return len(text)
+
+
+def _webhooks_allow_private() -> bool:
+    """``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE`` as the webhook settings read it."""
+    from api.webhooks.config import WebhookSettings  # the webhook package imports this module
+
+    return WebhookSettings().allow_private
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -1,0 +1,58 @@
+"""``TUNEFLEET_ENV=production`` refuses what only looks configured.
+
+The probe: a 32-character secret of ``changeme`` four times passed; a public URL on
+127.0.0.2 was not seen as loopback; ``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true`` passed; an
+admin key that is not shaped ``tf_<8>_<32>`` was accepted but could never authenticate.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from pydantic import ValidationError
+
+from api.settings import Settings
+
+SAFE = {
+    "env": "production",
+    "database_url": "postgresql://tf:pw@db:5432/tunefleet",
+    "broker_url": "redis://redis:6379/0",
+    "secret_key": secrets.token_urlsafe(48),
+    "public_url": "https://tunefleet.example.com",
+    "executor": "kubernetes",
+    "admin_api_key": f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_webhook_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", raising=False)
+
+
+def test_real_production_settings_pass() -> None:
+    assert Settings(_env_file=None, **SAFE).env == "production"
+    Settings(_env_file=None, **{**SAFE, "secret_key": secrets.token_hex(16)})  # 128 bits as hex
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"secret_key": "changeme" * 4}, "TUNEFLEET_SECRET_KEY"),
+    ({"secret_key": "0123456789abcdef" * 2}, "TUNEFLEET_SECRET_KEY"),
+    ({"secret_key": "ab" * 20}, "TUNEFLEET_SECRET_KEY"),
+    ({"secret_key": "a" * 31 + "b"}, "TUNEFLEET_SECRET_KEY"),
+    ({"public_url": "http://127.0.0.2:8000"}, "TUNEFLEET_PUBLIC_URL"),
+    ({"public_url": "http://[::ffff:127.0.0.1]:8000"}, "TUNEFLEET_PUBLIC_URL"),
+    ({"public_url": "http://api.localhost:8000"}, "TUNEFLEET_PUBLIC_URL"),
+    ({"admin_api_key": "x" * 40}, "TUNEFLEET_ADMIN_API_KEY"),
+    ({"admin_api_key": f"tf_{secrets.token_hex(4)}_{secrets.token_hex(8)}"}, "TUNEFLEET_ADMIN_API_KEY"),
+])
+def test_production_refuses(change: dict, needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        Settings(_env_file=None, **{**SAFE, **change})
+
+
+def test_production_refuses_private_webhook_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
+    with pytest.raises(ValidationError, match="TUNEFLEET_WEBHOOK_ALLOW_PRIVATE"):
+        Settings(_env_file=None, **SAFE)
+    Settings(_env_file=None, **{**SAFE, "env": "development"})  # fine on a developer's machine
