@@ -1,16 +1,16 @@
-"""The API's view of the fleet: node pools, their capacity now, placement estimates, usage.
+"""The API's view of the fleet: node pools, their capacity now, placement estimates.
 
-This module imports the scheduler's pure decision modules (``worker.scheduler`` pools,
-capacity, estimator, placement, request, usage: no Celery, no executors, no cluster I/O;
-the only other API import of worker code is ``api.logs``' pod-log reader in Kubernetes
-mode, see docs/internals.md). The estimate a user sees before
-submitting, the estimate stored on a new job and the scheduler's own placement are then
-computed by the same functions and cannot drift apart.
+The decisions come from the pure ``scheduling`` package (pools, capacity, estimator,
+placement, the job -> request mapping ``request_from_job``), the same functions the
+scheduler runs, so the estimate a user sees before submitting, the estimate stored on a
+new job and the scheduler's own placement cannot drift apart. This module adds the
+database reads around them and the response shapes.
 
 Capacity: the scheduler's local executor builds its snapshot as the configured nodes
-minus the GPUs of ``running`` jobs, packed first-fit (``LocalExecutor.snapshot``); this
-module builds the same view from the database (``capacity_source: "config"``: GPUs
-*used* are exact, GPUs *total* are what the pools file declares). In Kubernetes mode the
+minus the GPUs of ``running`` jobs, packed first-fit (``CapacitySnapshot.packed`` over
+its rows, ``LocalExecutor.snapshot``); this module builds the same view from the
+database with the same function (``capacity_source: "config"``: GPUs *used* are exact,
+GPUs *total* are what the pools file declares). In Kubernetes mode the
 scheduler counts real Nodes (allocatable GPUs minus pods' requests) and publishes them
 each cycle (``pool_capacity``); the API, which does not talk to the cluster, shows that
 observation while it is fresh (``capacity_source: "cluster"``, with ``observed_at``).
@@ -21,8 +21,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,23 +31,17 @@ from sqlalchemy.orm import Session
 
 from api.base_models import BaseModelEntry
 from api.db.models import ApiKey, File, Job, PoolCapacity, Tenant
-from api.errors import APIError, not_found
+from api.errors import APIError
 from api.files import get_file
 from api.hyperparameters import micro_batch_for, resolve_hyperparameters
-from api.jobs import check_trainer
+from api.jobs import base_model_and_seq_len
 from api.observability.collectors import set_pool_capacity_provider
 from api.schemas.fleet import EstimateRequest
 from api.settings import Settings
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
-from worker.scheduler.estimator import (
-    HEADROOM,
-    KNOWN_MODELS,
-    EstimateError,
-    ModelShape,
-    PoolEstimate,
-    TrainingShape,
-)
-from worker.scheduler.placement import (
+from api.usage import to_timestamp
+from scheduling.capacity import CapacitySnapshot, HeldGpus
+from scheduling.estimator import HEADROOM, KNOWN_MODELS, EstimateError, ModelShape, PoolEstimate
+from scheduling.placement import (
     Placement,
     PreemptionPolicy,
     estimate_for,
@@ -57,14 +49,10 @@ from worker.scheduler.placement import (
     trainer_for,
     trainer_refusal,
 )
-from worker.scheduler.pools import NodePool, load_pools
-from worker.scheduler.request import JobRequest
-from worker.scheduler.usage import tenant_usage
+from scheduling.pools import NodePool, load_pools
+from scheduling.request import JobRequest, planned_tokens, request_from_job
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_SEQ_LEN = 2048  # same default as job creation (api.jobs)
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 # ---- pools and capacity ------------------------------------------------------------
@@ -90,42 +78,16 @@ def capacity_snapshot(session: Session, pools: list[NodePool]) -> CapacitySnapsh
     Running jobs are packed first-fit onto nodes in start order, as the local executor
     does; the DB does not record node names, only each job's pool and GPU count.
     """
-    snap = CapacitySnapshot.from_pools(pools)
     rows = session.execute(
-        select(Job.id, Job.tenant_id, Job.pool, Job.gpus, Job.priority, Job.started_at)
+        select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
         .where(Job.status == "running", Job.pool.in_([p.name for p in pools]))
         .order_by(Job.started_at, Job.id)
     ).all()
-    for job_id, tenant, pool, gpus, priority, started_at in rows:
-        need = max(1, gpus or 1)
-        held: list[tuple[str, int]] = []
-        for name, node in snap.nodes.get(pool, {}).items():
-            take = min(node.gpus_free, need)
-            if take:
-                held.append((name, take))
-                need -= take
-            if not need:
-                break
-        if held:
-            snap.allocate(
-                RunningJob(
-                    job_id=job_id,
-                    tenant=tenant,
-                    pool=pool,
-                    priority=int(priority or 0),
-                    started_at=_ts(started_at) or 0.0,
-                    nodes=tuple(held),
-                )
-            )
-    return snap
-
-
-def _ts(value: dt.datetime | None) -> float | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=dt.UTC)
-    return value.timestamp()
+    return CapacitySnapshot.packed(
+        pools,
+        (HeldGpus(jid, tenant, int(priority or 0), pool, gpus, to_timestamp(started))
+         for jid, tenant, priority, pool, gpus, started in rows),
+    )
 
 
 # A published cluster observation older than this is not shown (the scheduler is down or
@@ -235,38 +197,14 @@ def model_shape(entry: BaseModelEntry) -> tuple[ModelShape, str]:
     )
 
 
-def training_shape(
-    adapter: dict[str, Any], hyperparameters: dict[str, Any], max_seq_len: int
-) -> TrainingShape:
-    """The job settings that decide memory (same mapping as the scheduler's store)."""
-    method = adapter.get("method", "lora")
-    quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
-    return TrainingShape(
-        method=method,
-        quantization=quant if method == "qlora" else "none",
-        double_quant=bool(adapter.get("double_quant", False)),
-        hqq_group_size=int(adapter.get("hqq_group_size", 64)),
-        r=int(adapter.get("r", 8)),
-        target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGETS),
-        seq_len=int(max_seq_len),
-        micro_batch=_micro_batch(hyperparameters),
-    )
-
-
-def _micro_batch(hp: dict[str, Any]) -> int:
-    if isinstance(hp.get("micro_batch_size"), int):
-        return hp["micro_batch_size"]
-    if isinstance(hp.get("batch_size"), int):  # a given batch, "auto" micro batch: as resolved
-        return micro_batch_for(hp["batch_size"])
-    return 1
-
-
-def planned_tokens(hyperparameters: dict[str, Any], max_seq_len: int) -> int | None:
-    """Tokens the job will process: steps x batch x sequence length (the scheduler's rule)."""
-    steps, batch = hyperparameters.get("total_steps"), hyperparameters.get("batch_size")
-    if isinstance(steps, int) and isinstance(batch, int):
-        return steps * batch * int(max_seq_len) or None
-    return None
+def _estimable(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters with the micro batch a given batch size resolves to (the
+    ``"auto"`` rule of ``api.hyperparameters``), so an estimate before the training file
+    is validated counts the micro batch the job will run with."""
+    hp = dict(hyperparameters)
+    if not isinstance(hp.get("micro_batch_size"), int) and isinstance(hp.get("batch_size"), int):
+        hp["micro_batch_size"] = micro_batch_for(hp["batch_size"])
+    return hp
 
 
 @dataclass(frozen=True)
@@ -293,23 +231,22 @@ def job_request(
     total_tokens: int | None,
 ) -> EstimateInput:
     shape, source = model_shape(entry)
-    training = training_shape(adapter, hyperparameters, max_seq_len)
     # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
     # scheduler does for the queued job.
-    family = trainer if trainer in ("jax_lora", "fsdp_qlora") else "auto"
-    req = JobRequest(
+    req = request_from_job(
         job_id=job_id,
         tenant=tenant_id,
         model=shape,
-        training=training,
+        adapter=adapter,
+        hyperparameters=_estimable(hyperparameters),
+        max_seq_len=max_seq_len,
+        trainer=trainer,
+        placement=placement,
         priority=priority,
         total_tokens=total_tokens,
-        trainer=family,
-        pool=placement.get("pool"),
-        gpus=placement.get("gpus"),
     )
     notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
-    if total_tokens is None:
+    if req.total_tokens is None:
         notes.append(
             "no example count yet: ETA and cost need training_file, n_examples or total_tokens"
         )
@@ -467,24 +404,7 @@ def estimate_request(
     pools: list[NodePool],
 ) -> dict[str, Any]:
     """``POST /v1/fine_tuning/estimate``: validate the job-shaped body, then estimate."""
-    entry = base_models.get(body.model)
-    if entry is None:
-        known = ", ".join(sorted(base_models)) or "none"
-        raise APIError(
-            400,
-            "invalid_model",
-            f"Unknown base model '{body.model}'. Available: {known}.",
-            param="model",
-        )
-    check_trainer(body)
-    max_seq_len = body.max_seq_len or min(entry.max_seq_len, DEFAULT_MAX_SEQ_LEN)
-    if max_seq_len > entry.max_seq_len:
-        raise APIError(
-            400,
-            "invalid_request",
-            f"max_seq_len {max_seq_len} exceeds the model's {entry.max_seq_len}.",
-            param="max_seq_len",
-        )
+    entry, max_seq_len = base_model_and_seq_len(body, base_models)
     if body.placement.pool is not None and body.placement.pool not in {p.name for p in pools}:
         raise APIError(
             400,
@@ -567,72 +487,3 @@ def estimate_job(
         total_tokens=planned_tokens(hp, job.max_seq_len),
     )
     return estimate(pools, capacity_snapshot(session, pools), inp)
-
-
-# ---- usage -----------------------------------------------------------------------------
-
-
-def parse_time(value: str | None, param: str) -> float | None:
-    """Unix seconds or an ISO 8601 date/time (UTC when no zone is given)."""
-    if value is None or value == "":
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            parsed = dt.datetime.fromisoformat(value)
-        except ValueError:
-            raise APIError(
-                400,
-                "invalid_request",
-                f"{param} must be Unix seconds or an ISO 8601 time; got '{value}'.",
-                param=param,
-            ) from None
-        return _ts(parsed)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise APIError(
-            400,
-            "invalid_request",
-            f"{param} must be a finite time >= 0; got '{value}'.",
-            param=param,
-        )
-    return seconds
-
-
-def usage_report(
-    session: Session,
-    key: ApiKey,
-    *,
-    start: str | None,
-    end: str | None,
-    tenant: str | None,
-    now: float | None = None,
-) -> dict[str, Any]:
-    """``GET /v1/usage``: GPU-seconds and cost per pool for the caller's tenant, or (admins)
-    one tenant or every tenant with a per-tenant list."""
-    s, e = parse_time(start, "start"), parse_time(end, "end")
-    if s is not None and e is not None and e <= s:
-        raise APIError(400, "invalid_request", "end must be after start.", param="end")
-    now = time.time() if now is None else now
-    if not key.grants_admin:
-        if tenant not in (None, key.tenant_id):
-            raise APIError(
-                403,
-                "permission_denied",
-                "Only admin keys can read another tenant's usage.",
-                param="tenant",
-            )
-        return {**tenant_usage(session, key.tenant_id, s, e, now=now), "tenants": None}
-    if tenant is not None:
-        if session.get(Tenant, tenant) is None:
-            raise not_found("tenant", tenant, param="tenant")
-        return {**tenant_usage(session, tenant, s, e, now=now), "tenants": None}
-    everyone = tenant_usage(session, None, s, e, now=now)
-    ids = session.scalars(select(Job.tenant_id).where(Job.usage.is_not(None)).distinct()).all()
-    per_tenant = [tenant_usage(session, t, s, e, now=now) for t in sorted(ids)]
-    everyone["tenants"] = [
-        {k: u[k] for k in ("tenant_id", "jobs", "gpu_seconds", "cost", "by_pool")}
-        for u in per_tenant
-        if u["jobs"]
-    ]
-    return everyone

@@ -31,9 +31,8 @@ from api.lifecycle import add_event, lock_job, transition
 from api.pagination import check_limit, page_newest_first
 from api.queue import SCHEDULE, TaskQueue
 from api.schemas.jobs import JobCreate, jobs_page_json
-from trainers.spec import trains_base
+from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
-DEFAULT_MAX_SEQ_LEN = 2048
 MAX_FIRST_ERRORS = 5
 
 log = logging.getLogger(__name__)
@@ -83,6 +82,27 @@ def check_trainer(body: JobCreate) -> None:
                        f"double_quant; a {base} needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
 
 
+def base_model_and_seq_len(
+    body: JobCreate, base_models: dict[str, BaseModelEntry]
+) -> tuple[BaseModelEntry, int]:
+    """The job's base model and sequence length, checked as job creation and estimates
+    both check them: a configured model, a trainer that trains its base, and
+    ``max_seq_len`` (default: the smaller of the model's and ``DEFAULT_MAX_SEQ_LEN``)
+    within the model's."""
+    model = base_models.get(body.model)
+    if model is None:
+        known = ", ".join(sorted(base_models)) or "none"
+        raise APIError(400, "invalid_model",
+                       f"Unknown base model '{body.model}'. Available: {known}.", param="model")
+    check_trainer(body)
+    max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > model.max_seq_len:
+        raise APIError(400, "invalid_request",
+                       f"max_seq_len {max_seq_len} exceeds the model's {model.max_seq_len}.",
+                       param="max_seq_len")
+    return model, max_seq_len
+
+
 def create_job(
     session: Session,
     tenant: Tenant,
@@ -117,17 +137,7 @@ def create_job(
                                param="Idempotency-Key")
             return session.get_one(Job, earlier.job_id)
 
-    model = base_models.get(body.model)
-    if model is None:
-        known = ", ".join(sorted(base_models)) or "none"
-        raise APIError(400, "invalid_model",
-                       f"Unknown base model '{body.model}'. Available: {known}.", param="model")
-    check_trainer(body)
-    max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
-    if max_seq_len > model.max_seq_len:
-        raise APIError(400, "invalid_request",
-                       f"max_seq_len {max_seq_len} exceeds the model's {model.max_seq_len}.",
-                       param="max_seq_len")
+    _, max_seq_len = base_model_and_seq_len(body, base_models)
     training = _usable_file(session, tenant, body.training_file, "training_file")
     validation = (
         _usable_file(session, tenant, body.validation_file, "validation_file")

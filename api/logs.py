@@ -79,7 +79,7 @@ def kubernetes_log(job: Job, settings: Settings, tail: int) -> str | None:
         return None
     from kubernetes.client.exceptions import ApiException
 
-    from worker.executors.kubernetes import read_pod_log
+    from kube.pod_logs import read_pod_log
 
     try:
         return read_pod_log(_core_api(os.environ.get("KUBECONFIG")), settings.k8s_namespace, job.id, tail)

@@ -15,11 +15,11 @@ import random
 import statistics
 import time
 
-from worker.scheduler.capacity import CapacitySnapshot
+from scheduling.capacity import CapacitySnapshot
+from scheduling.estimator import KNOWN_MODELS, TrainingShape
+from scheduling.pools import GIB, NodePool
+from scheduling.request import JobRequest
 from worker.scheduler.cycle import plan_cycle
-from worker.scheduler.estimator import KNOWN_MODELS, TrainingShape
-from worker.scheduler.pools import GIB, NodePool
-from worker.scheduler.request import JobRequest
 
 MIX = [  # (weight, model, method, quantization, seq)
     (40, "llama-2-7b", "qlora", "nf4", 2048),

@@ -56,7 +56,7 @@ class RecordingExecutor:
         self.last_launch = 0.0
 
     def snapshot(self):
-        from worker.scheduler.capacity import CapacitySnapshot
+        from scheduling.capacity import CapacitySnapshot
 
         return CapacitySnapshot.from_pools_and_running(self.pools, self.running)
 
@@ -64,7 +64,7 @@ class RecordingExecutor:
         return []
 
     def launch(self, job, spec, placement):
-        from worker.scheduler.capacity import RunningJob
+        from scheduling.capacity import RunningJob
 
         self.running.append(RunningJob(job.id, job.tenant_id, placement.pool, job.priority, 0.0, placement.nodes))
         self.launched += 1

@@ -5,7 +5,7 @@ fresh process for 2 optimizer steps on a random Llama of the given shape. The tr
 report ``memory_bytes`` with every metric: on CPU that is the process's peak RSS
 (``VmHWM``, ``trainers.common.memory.peak_rss_bytes``), which covers the interpreter and
 libraries, loading, and both steps. It is compared with
-``worker.scheduler.estimator.memory_per_gpu(..., accelerator="cpu")`` for the same shape
+``scheduling.estimator.memory_per_gpu(..., accelerator="cpu")`` for the same shape
 and the settings the trainer runs with: fp32 base/compute/adapter (what
 ``worker.spec_builder`` gives CPU pools), NF4 for QLoRA, activation checkpointing off
 (the CPU setting) and on.
@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.scheduler.estimator import ModelShape, TrainingShape, memory_per_gpu
+from scheduling.estimator import ModelShape, TrainingShape, memory_per_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20

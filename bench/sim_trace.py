@@ -48,18 +48,18 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
-from worker.scheduler.cycle import CycleConfig, plan_cycle
-from worker.scheduler.estimator import (
+from scheduling.capacity import CapacitySnapshot, RunningJob
+from scheduling.estimator import (
     KNOWN_MODELS,
     TrainingShape,
     candidate_gpu_counts,
     estimate_on_pool,
     memory_per_gpu,
 )
-from worker.scheduler.placement import estimate_for, trainer_for
-from worker.scheduler.pools import GIB, NodePool
-from worker.scheduler.request import JobRequest
+from scheduling.placement import estimate_for, trainer_for
+from scheduling.pools import GIB, NodePool
+from scheduling.request import JobRequest
+from worker.scheduler.cycle import CycleConfig, plan_cycle
 
 TICK_S = 60.0
 OBJECTIVE = "cost"
@@ -288,7 +288,7 @@ class Sim:
         return None
 
     def schedule_fifo(self, t: float) -> None:
-        from worker.scheduler.placement import gang_nodes
+        from scheduling.placement import gang_nodes
 
         self.queue.sort(key=lambda j: j.arrival)
         while self.queue:
@@ -309,7 +309,7 @@ class Sim:
                     j.req.model, j.req.training, pool, gpus=n, trainer=trainer).tokens_per_s or
                     n * pool.peak_tflops * 1e12 * 0.4 / (6 * j.req.model.params))
                 if tps <= 0:
-                    from worker.scheduler.estimator import flops_per_token
+                    from scheduling.estimator import flops_per_token
                     tps = n * pool.peak_tflops * 1e12 * 0.4 / flops_per_token(j.req.model, j.req.training)
                 self.queue.pop(0)
                 self.start(j, pool, trainer, n, nodes, t, False, tps, None)

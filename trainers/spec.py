@@ -26,6 +26,10 @@ SPEC_VERSION = 1
 TrainerName = Literal["fsdp_qlora", "jax_lora"]
 DType = Literal["float32", "bfloat16", "float16"]
 TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What a job adapts and how long its sequences are when it does not say (the API's job
+# defaults, the estimate's and the spec's: one value for all of them).
+DEFAULT_TARGET_MODULES: tuple[TargetModule, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_MAX_SEQ_LEN = 2048
 DataFormat = Literal["chat", "prompt_completion", "alpaca"]
 
 
@@ -57,7 +61,7 @@ class DataSpec(_Strict):
     train_file: str = Field(description="Validated JSONL training file (path or s3:// URI).")
     validation_file: str | None = None
     format: DataFormat
-    max_seq_len: Annotated[int, Field(ge=8, le=1_048_576)] = 2048
+    max_seq_len: Annotated[int, Field(ge=8, le=1_048_576)] = DEFAULT_MAX_SEQ_LEN
     packing: bool = False
     shuffle: bool = True
 
@@ -88,7 +92,7 @@ class AdapterSpec(_Strict):
     r: Annotated[int, Field(ge=1, le=1024)] = 8
     alpha: Annotated[float, Field(gt=0)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    target_modules: tuple[TargetModule, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[TargetModule, ...] = DEFAULT_TARGET_MODULES
     quantization: Literal["none", "nf4", "hqq4"] = "none"
     double_quant: bool = False
     hqq_group_size: Annotated[int, Field(ge=8)] = 64

@@ -1,6 +1,6 @@
 """Fleet routes: ``GET /v1/node_pools``, ``POST /v1/fine_tuning/estimate``, ``GET /v1/usage``.
 
-Thin wrappers over ``api.fleet`` (the API's only door into the scheduler's pure modules).
+Thin wrappers over ``api.fleet`` (pools, estimates) and ``api.usage``.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api import fleet
+from api import usage as usage_queries
 from api.deps import CurrentKey, CurrentTenant, SessionDep
 from api.schemas.fleet import (
     EstimatePublic,
@@ -56,5 +57,5 @@ def usage(
     """GPU-seconds and cost per pool in [start, end) (Unix seconds or ISO 8601); admins may pass
     ``tenant`` or get every tenant."""
     return UsagePublic.model_validate(
-        fleet.usage_report(session, key, start=start, end=end, tenant=tenant)
+        usage_queries.usage_report(session, key, start=start, end=end, tenant=tenant)
     )

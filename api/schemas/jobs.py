@@ -20,8 +20,9 @@ from pydantic_core import to_json
 from api.db.base import to_unix
 from api.db.models import Checkpoint, Job, JobEvent
 from api.schemas.common import ListPublic, Strict
+from scheduling.priorities import priority_value
+from trainers.spec import DEFAULT_TARGET_MODULES
 
-PRIORITY_NAMES = {"low": 25, "normal": 50, "high": 75}
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Auto = Literal["auto"]
@@ -70,7 +71,7 @@ class Adapter(Strict):
     alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[Literal[TARGET_MODULES]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES), min_length=1
     )
     quantization: Literal["none", "nf4", "hqq4"] | None = None
     double_quant: StrictBool = Field(
@@ -176,9 +177,7 @@ class JobCreate(Strict):
 
     @property
     def priority_value(self) -> int:
-        if isinstance(self.priority, str):
-            return PRIORITY_NAMES[self.priority]
-        return self.priority
+        return priority_value(self.priority)
 
     @property
     def trainer_name(self) -> str:

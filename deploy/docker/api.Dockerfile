@@ -32,6 +32,8 @@ COPY pyproject.toml README.md ./
 COPY requirements/torch.txt requirements/torch.txt
 COPY api ./api
 COPY worker ./worker
+COPY scheduling ./scheduling
+COPY kube ./kube
 COPY trainers ./trainers
 COPY tunefleet ./tunefleet
 COPY deploy/docker/constraints/ /tmp/constraints/

@@ -40,6 +40,8 @@ COPY pyproject.toml README.md ./
 COPY trainers ./trainers
 COPY api/__init__.py ./api/__init__.py
 COPY worker/__init__.py ./worker/__init__.py
+COPY scheduling/__init__.py ./scheduling/__init__.py
+COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY deploy/docker/constraints/jax.txt /tmp/constraints.txt
 # Versions: held to the tested ones by the constraints file.

@@ -41,6 +41,8 @@ COPY trainers ./trainers
 # `trainers` at run time, the others are empty shells here.
 COPY api/__init__.py ./api/__init__.py
 COPY worker/__init__.py ./worker/__init__.py
+COPY scheduling/__init__.py ./scheduling/__init__.py
+COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY deploy/docker/constraints/torch.txt /tmp/constraints.txt
 # Versions: held to the tested ones by the constraints files (torch: the build installed above).

@@ -21,9 +21,9 @@ from sqlalchemy import update
 
 from api.db.models import Job
 from api.lifecycle import transition
+from scheduling.estimator import KNOWN_MODELS, ModelShape, TrainingShape, estimate_on_pool
+from scheduling.pools import parse_pools
 from tests.conftest import make_settings
-from worker.scheduler.estimator import KNOWN_MODELS, ModelShape, TrainingShape, estimate_on_pool
-from worker.scheduler.pools import parse_pools
 
 GIB = 2**30
 
@@ -229,7 +229,7 @@ def test_nf4_qlora_takes_the_mi300x_when_the_4090s_are_busy(
 def test_the_apis_trainer_check_agrees_with_the_scheduler(
     client, tenant_key, trainer, quantization, double_quant
 ) -> None:
-    from worker.scheduler.placement import trainer_can_train
+    from scheduling.placement import trainer_can_train
 
     adapter = {"method": "qlora", "quantization": quantization, "double_quant": double_quant}
     response = client.post(

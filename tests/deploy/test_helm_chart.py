@@ -132,7 +132,7 @@ def test_default_values_satisfy_the_schema():
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_pools_configmap_is_accepted_by_the_service_parser(name):
-    from worker.scheduler.pools import parse_pools
+    from scheduling.pools import parse_pools
 
     config = one(rendered_docs(name), "ConfigMap", f"{FULL}-config")
     pools = parse_pools(config["data"]["pools.yaml"], source="ConfigMap pools.yaml")
@@ -148,7 +148,7 @@ def test_pools_configmap_is_accepted_by_the_service_parser(name):
 
 
 def test_two_pool_values_keep_taints_and_selectors():
-    from worker.scheduler.pools import parse_pools
+    from scheduling.pools import parse_pools
 
     config = one(rendered_docs("two-pools-taints"), "ConfigMap", f"{FULL}-config")
     pools = {p.name: p for p in parse_pools(config["data"]["pools.yaml"])}

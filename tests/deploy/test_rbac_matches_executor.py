@@ -23,7 +23,7 @@ from tests.deploy.k8s_calls import (
 )
 
 FULL = "tf-tunefleet"
-SERVICE_CODE = (REPO_ROOT / "worker", REPO_ROOT / "api")
+SERVICE_CODE = (REPO_ROOT / "worker", REPO_ROOT / "api", REPO_ROOT / "kube")
 EXECUTOR = REPO_ROOT / "worker" / "executors" / "kubernetes.py"
 
 
@@ -121,12 +121,12 @@ def test_rbac_equals_the_calls_the_service_makes():
 
 
 def test_the_api_role_equals_what_serving_pod_logs_needs():
-    """The API reads pod logs with ``worker.executors.kubernetes.read_pod_log`` (through
+    """The API reads pod logs with ``kube.pod_logs.read_pod_log`` (through
     ``api.logs.kubernetes_log``) and makes no other Kubernetes call."""
     import inspect
     import textwrap
 
-    from worker.executors.kubernetes import read_pod_log
+    from kube.pod_logs import read_pod_log
 
     needed = permissions_in_source(textwrap.dedent(inspect.getsource(read_pod_log)))
     assert needed == {Permission("", "pods", "list", True), Permission("", "pods/log", "get", True)}
@@ -155,14 +155,14 @@ def test_the_executor_against_the_fake_api_server_needs_exactly_these_permission
 
     import yaml
 
+    from scheduling.placement import Placement
+    from scheduling.pools import parse_pools
     from tests.deploy.chart import CHART_DIR
     from tests.k8s.fake_apiserver import FakeApiServer, two_pool_cluster
     from trainers.spec import TrainerSpec
     from worker.executors.base import ObservedKind, StopReason
     from worker.executors.kubernetes import KubernetesExecutor
     from worker.executors.manifests import SPEC_FILE, ManifestOptions
-    from worker.scheduler.placement import Placement
-    from worker.scheduler.pools import parse_pools
 
     @dataclass
     class JobRow:

@@ -13,6 +13,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from scheduling.placement import Placement
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.deploy.chart import one, rendered_docs
 from tests.k8s.conftest import NAMESPACE
@@ -20,7 +21,6 @@ from tests.k8s.test_kubernetes_executor import spec
 from tests.worker.builders import rtx4090
 from worker.executors.kubernetes import KubernetesExecutor
 from worker.executors.manifests import SPEC_FILE, ManifestOptions
-from worker.scheduler.placement import Placement
 from worker.scheduler.store import JobHandle
 
 FAKE_TRAINER = str(Path(__file__).with_name("fake_trainer.py"))

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from scheduling.placement import Placement
 from tests.k8s.conftest import NAMESPACE
 from tests.worker.builders import mi300x, rtx4090
 from trainers.spec import TrainerSpec
 from worker.executors.base import ObservedKind, StopReason
 from worker.executors.kubernetes import KubernetesExecutor
 from worker.executors.manifests import SPEC_FILE, ManifestOptions
-from worker.scheduler.placement import Placement
 
 FAKE_TRAINER = str(Path(__file__).with_name("fake_trainer.py"))
 

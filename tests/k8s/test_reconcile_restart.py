@@ -18,16 +18,17 @@ from sqlalchemy import select
 
 from api.db.models import Job, JobEvent
 from api.db.session import session_scope
+from kube.labels import ANNOTATION_STOP_REASON
+from scheduling.placement import Placement
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.k8s.conftest import NAMESPACE
 from tests.k8s.test_kubernetes_executor import Row, kinds, spec, until
 from tests.worker.builders import rtx4090
 from tests.worker.test_db_store import _tiny_config
 from worker.executors.base import ObservedKind, StopReason
-from worker.executors.kubernetes import ANNOTATION_STOP_REASON, KubernetesExecutor
+from worker.executors.kubernetes import KubernetesExecutor
 from worker.executors.manifests import SPEC_FILE, ManifestOptions
 from worker.scheduler.cycle import run_cycle
-from worker.scheduler.placement import Placement
 from worker.scheduler.store import DbStore, RunningRow
 
 FAKE_TRAINER = str(Path(__file__).with_name("fake_trainer.py"))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
-from worker.scheduler.estimator import KNOWN_MODELS, TrainingShape
-from worker.scheduler.pools import GIB, NodePool
-from worker.scheduler.request import JobRequest, priority_value
+from scheduling.capacity import CapacitySnapshot, RunningJob
+from scheduling.estimator import KNOWN_MODELS, TrainingShape
+from scheduling.pools import GIB, NodePool
+from scheduling.priorities import priority_value
+from scheduling.request import JobRequest
 
 _ids = itertools.count(1)
 

@@ -3,14 +3,14 @@
 import itertools
 import threading
 
+from scheduling.capacity import CapacitySnapshot
+from scheduling.ordering import FairQueue, dominant_shares
 from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
+from tests.worker.memory_store import MemoryExecutor, MemoryStore
 from worker.executors.base import StopReason
-from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.cycle import CycleConfig, plan_cycle, run_cycle
 from worker.scheduler.lock import FileLock, InProcessLock
 from worker.scheduler.loop import Components, run_once
-from worker.scheduler.memory_store import MemoryExecutor, MemoryStore
-from worker.scheduler.ordering import FairQueue, dominant_shares
 
 
 def small(tenant="org-a", **kw):

@@ -3,10 +3,10 @@
 import pytest
 
 from api.settings import Settings
+from scheduling.placement import PreemptionPolicy
 from tests.worker.builders import cluster, make_job, rtx4090, running
 from worker.scheduler.cycle import CycleConfig, plan_cycle
 from worker.scheduler.loop import build_components, cycle_config
-from worker.scheduler.placement import PreemptionPolicy
 
 
 def _full_pool_and_a_high_job():

@@ -12,13 +12,13 @@ from sqlalchemy import func, select
 
 from api.db.models import Job, JobEvent
 from api.db.session import session_scope
+from api.usage import tenant_usage
+from scheduling.capacity import CapacitySnapshot, RunningJob
+from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.cycle import run_cycle
-from worker.scheduler.pools import local_pool
 from worker.scheduler.store import DbStore
-from worker.scheduler.usage import tenant_usage
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -124,7 +124,7 @@ class ObservingExecutor(RecordingExecutor):
         self.nodes = nodes  # [(pool, node, gpus_total, gpus_free)]
 
     def snapshot(self):
-        from worker.scheduler.capacity import NodeCapacity
+        from scheduling.capacity import NodeCapacity
 
         snap = CapacitySnapshot(pools={p.name: p for p in self.pools}, observed=True)
         for pool, node, total, free in self.nodes:

@@ -10,8 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.worker.builders import mi300x, rtx4090
-from worker.scheduler.estimator import (
+from scheduling.estimator import (
     ALLOCATOR_SLACK,
     CPU_HEAP_RETAINED_LAYERS,
     HEADROOM,
@@ -27,6 +26,7 @@ from worker.scheduler.estimator import (
     memory_per_gpu,
     quantized_bytes_per_param,
 )
+from tests.worker.builders import mi300x, rtx4090
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -15,14 +15,14 @@ every row must be within 20 % (the printed table is the calibration record).
 
 import pytest
 
-from tests.worker.builders import mi300x, rtx4090
-from worker.scheduler.estimator import (
+from scheduling.estimator import (
     KNOWN_MODELS,
     TrainingShape,
     estimate_on_pool,
     memory_per_gpu,
     tokens_per_second,
 )
+from tests.worker.builders import mi300x, rtx4090
 
 GIB = 2**30
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -2,8 +2,8 @@
 
 import pytest
 
+from scheduling.placement import PreemptionPolicy, place_job, trainer_for
 from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
-from worker.scheduler.placement import PreemptionPolicy, place_job, trainer_for
 
 POLICY = PreemptionPolicy()
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.scheduler.pools import GIB, PoolConfigError, load_pools, parse_pools
+from scheduling.pools import GIB, PoolConfigError, load_pools, parse_pools
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from api.artifacts import file_store
+from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, start_running, upload  # noqa: F401 (fixtures)
 from worker.executors.base import ObservedChange, ObservedKind
 from worker.executors.local_process import TrainerOutcome
-from worker.scheduler.pools import local_pool
 from worker.scheduler.store import DbStore
 from worker.tasks.jobs import _finish
 

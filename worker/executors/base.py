@@ -23,11 +23,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from worker.scheduler.capacity import CapacitySnapshot
+from scheduling.capacity import CapacitySnapshot
 
 if TYPE_CHECKING:
+    from scheduling.placement import Placement
     from trainers.spec import TrainerSpec
-    from worker.scheduler.placement import Placement
 
 
 class StopReason(str, enum.Enum):

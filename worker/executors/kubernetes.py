@@ -63,29 +63,27 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from kube.labels import (
+    ANNOTATION_STOP_REASON,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_POOL,
+    LABEL_PRIORITY,
+    LABEL_TENANT,
+    MANAGED,
+)
+from kube.labels import attempt_of as _attempt
+from kube.pod_logs import read_pod_log
+from scheduling.capacity import CapacitySnapshot, NodeCapacity, RunningJob
+from scheduling.pools import NodePool
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, RunningRow, StopReason
-from worker.executors.manifests import (
-    LABEL_JOB,
-    LABEL_MANAGED,
-    LABEL_POOL,
-    LABEL_TENANT,
-    TERMINATION_LOG,
-    ManifestOptions,
-    owner_reference,
-    render_all,
-)
-from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
-from worker.scheduler.pools import NodePool
+from worker.executors.manifests import TERMINATION_LOG, ManifestOptions, owner_reference, render_all
 
 log = logging.getLogger(__name__)
 
 JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
-LABEL_PRIORITY = "tunefleet.io/priority"
-LABEL_ATTEMPT = "tunefleet.io/attempt"
-ANNOTATION_STOP_REASON = "tunefleet.io/stop-reason"
-MANAGED = f"{LABEL_MANAGED}=tunefleet"
 # Pod-level reasons for a run lost through no fault of the trainer -> requeue.
 POD_LOST = {"Evicted": "was evicted", "NodeLost": "lost its node", "Preempting": "was preempted by the cluster",
             "Terminated": "was terminated"}
@@ -153,20 +151,6 @@ class Informer:
     def snapshot(self) -> list[Any]:
         with self.lock:
             return list(self.items.values())
-
-
-def read_pod_log(core: client.CoreV1Api, namespace: str, job_id: str, tail_lines: int | None = 200) -> str | None:
-    """The trainer log of a job's newest launch, rank 0 (None: the job has no pods).
-
-    The API serves ``GET /v1/fine_tuning/jobs/{id}/logs`` with this too (``api.logs``):
-    it needs ``list`` on pods and ``get`` on pods/log in the training namespace.
-    """
-    pods = core.list_namespaced_pod(namespace, label_selector=f"{MANAGED},{LABEL_JOB}={job_id}").items
-    if not pods:
-        return None
-    pods.sort(key=lambda p: (-_attempt(p), _index(p), p.metadata.creation_timestamp or ""))
-    return core.read_namespaced_pod_log(pods[0].metadata.name, namespace, container="trainer",
-                                        tail_lines=tail_lines)
 
 
 @dataclass
@@ -549,13 +533,6 @@ class KubernetesExecutor:
 @dataclass(frozen=True)
 class _Ref:
     id: str
-
-
-def _attempt(obj: Any) -> int:
-    try:
-        return int((obj.metadata.labels or {}).get(LABEL_ATTEMPT, "0"))
-    except ValueError:
-        return 0
 
 
 def _of_attempt(jobs: list[Any], attempt: int | None) -> Any:

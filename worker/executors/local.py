@@ -22,13 +22,12 @@ from sqlalchemy import select
 
 from api.db.models import Job
 from api.db.session import session_scope
-from api.fleet import capacity_snapshot
 from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
+from scheduling.capacity import CapacitySnapshot, HeldGpus
+from scheduling.pools import NodePool
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
-from worker.scheduler.capacity import CapacitySnapshot
-from worker.scheduler.pools import NodePool
 from worker.spec_builder import write_spec
 
 SPEC_FILE = "spec.json"
@@ -77,9 +76,18 @@ class LocalExecutor:
         path.write_text(reason.value)
 
     def snapshot(self) -> CapacitySnapshot:
-        """The configured local pools, minus the slots of jobs running on them."""
+        """The configured local pools, minus the slots of jobs running on them (packed onto
+        the pool's nodes in start order, as the slots filled)."""
         with session_scope(self.settings.resolved_database_url) as session:
-            return capacity_snapshot(session, list(self.pools.values()))
+            rows = session.execute(
+                select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
+                .where(Job.status == "running", Job.pool.in_(list(self.pools)))
+                .order_by(Job.started_at, Job.id)
+            ).all()
+        return CapacitySnapshot.packed(
+            list(self.pools.values()),
+            (HeldGpus(jid, tenant, int(priority or 0), pool, gpus, started.timestamp() if started else None)
+             for jid, tenant, priority, pool, gpus, started in rows))
 
     def reconcile(self) -> list[ObservedChange]:
         """Re-supervise running local jobs whose supervising task died with its worker.

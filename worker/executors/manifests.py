@@ -23,15 +23,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from worker.scheduler.pools import NodePool
+from kube.labels import (
+    COMPLETION_INDEX_ANNOTATION,
+    LABEL_JOB,
+    LABEL_MANAGED,
+    LABEL_NAME,
+    LABEL_POOL,
+    LABEL_TENANT,
+)
+from scheduling.pools import NodePool
 
-LABEL_MANAGED = "app.kubernetes.io/managed-by"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_JOB = "tunefleet.io/job-id"
-LABEL_POOL = "tunefleet.io/pool"
-LABEL_TENANT = "tunefleet.io/tenant"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 SPEC_MOUNT = "/etc/tunefleet/spec"
 SPEC_FILE = f"{SPEC_MOUNT}/spec.json"
@@ -79,10 +81,6 @@ def labels(job_id: str, tenant: str, pool: str) -> dict[str, str]:
         LABEL_POOL: pool,
         LABEL_TENANT: tenant,
     }
-
-
-def selector(job_id: str) -> str:
-    return f"{LABEL_MANAGED}=tunefleet,{LABEL_JOB}={job_id}"
 
 
 def _meta(name: str, namespace: str, lbls: dict[str, str]) -> dict[str, Any]:

@@ -21,10 +21,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
-from worker.scheduler.ordering import FairQueue, dominant_shares
-from worker.scheduler.placement import (
+from scheduling.capacity import CapacitySnapshot, RunningJob
+from scheduling.ordering import FairQueue, dominant_shares
+from scheduling.placement import (
     Objective,
     Placement,
     PreemptionPolicy,
@@ -33,7 +32,8 @@ from worker.scheduler.placement import (
     place_job,
     trainer_for,
 )
-from worker.scheduler.request import JobRequest
+from scheduling.request import JobRequest
+from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.settings import Settings
+from scheduling.placement import PreemptionPolicy
+from scheduling.pools import load_pools
 from worker.executors.base import Executor
 from worker.scheduler.cycle import CycleConfig, CycleResult, run_cycle
 from worker.scheduler.lock import SchedulerLock, make_lock
-from worker.scheduler.placement import PreemptionPolicy
-from worker.scheduler.pools import load_pools
 from worker.scheduler.store import DbStore
 
 log = logging.getLogger(__name__)

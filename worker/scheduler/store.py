@@ -7,7 +7,7 @@ with the row locked (``lock_job``; admissions lock their chunk of rows in one
 each other. Besides statuses it writes ``queue_reason`` (shown on
 ``GET /v1/fine_tuning/jobs/{id}``; an event only when the reason changes),
 ``queue_position``, ``pool``, ``gpus``, ``estimate`` and ``usage`` (see
-``worker.scheduler.usage``).
+``scheduling.usage``).
 
 A cycle of 10,000 queued jobs writes thousands of rows, so writes are batched: admissions
 in transactions of ``ADMIT_CHUNK`` jobs (one flush each), waiting reasons and positions
@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, or_, select, update
 
 from api.artifacts import file_store
 from api.base_models import load_base_models
@@ -39,20 +39,14 @@ from api.ids import hash_secret, new_job_token
 from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, event_values, lock_job, transition
 from api.settings import Settings
+from scheduling.capacity import CapacitySnapshot
+from scheduling.estimator import KNOWN_MODELS, EstimateError, ModelShape, candidate_gpu_counts
+from scheduling.pools import NodePool
+from scheduling.request import JobRequest, request_from_job
+from scheduling.usage import close_segment, gpu_seconds_since, open_segment
 from trainers.exit_codes import ExitCode
 from worker.executors.base import ObservedChange, ObservedKind, RunningRow, StopReason
-from worker.scheduler.capacity import CapacitySnapshot
 from worker.scheduler.cycle import Admission, Admitted, Waiting
-from worker.scheduler.estimator import (
-    KNOWN_MODELS,
-    EstimateError,
-    ModelShape,
-    TrainingShape,
-    candidate_gpu_counts,
-)
-from worker.scheduler.pools import NodePool
-from worker.scheduler.request import JobRequest
-from worker.scheduler.usage import close_segment, open_segment, recent_gpu_seconds
 
 log = logging.getLogger(__name__)
 
@@ -142,29 +136,14 @@ class DbStore:
         shape = shapes[job.model]
         if isinstance(shape, EstimateError):
             raise shape
-        adapter = dict(job.adapter or {})
-        method = adapter.get("method", "lora")
-        quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
-        hp = dict(job.hyperparameters or {})
-        # The user's pins; after an out-of-memory failure, the larger gang on the same pool.
-        placement = {**(job.retry_placement or {}), **(job.placement or {})}
-        trainer = job.trainer if job.trainer in ("jax_lora", "fsdp_qlora") else "auto"
-        if job.resume_from and job.usage and job.usage.get("trainer"):
-            trainer = job.usage["trainer"]  # a checkpoint only resumes in its own trainer family
-        training = TrainingShape(
-            method=method, quantization=quant if method == "qlora" else "none",
-            double_quant=bool(adapter.get("double_quant", False)),
-            hqq_group_size=int(adapter.get("hqq_group_size", 64)), r=int(adapter.get("r", 8)),
-            target_modules=tuple(adapter.get("target_modules") or ("q_proj", "k_proj", "v_proj", "o_proj")),
-            seq_len=int(job.max_seq_len), micro_batch=int(hp.get("micro_batch_size") or 1),
-        )
-        steps = int(hp.get("total_steps") or 0)
-        tokens = steps * int(hp.get("batch_size") or 1) * int(job.max_seq_len) or None
-        created = job.created_at.timestamp() if job.created_at else 0.0
-        return JobRequest(
-            job_id=job.id, tenant=job.tenant_id, model=shape, training=training,
-            priority=int(job.priority or 0), created_at=created, total_tokens=tokens, trainer=trainer,
-            pool=placement.get("pool"), gpus=placement.get("gpus"),
+        return request_from_job(
+            job_id=job.id, tenant=job.tenant_id, model=shape, adapter=job.adapter or {},
+            hyperparameters=job.hyperparameters or {}, max_seq_len=job.max_seq_len, trainer=job.trainer,
+            # The user's pins; after an out-of-memory failure, the larger gang on the same pool.
+            placement={**(job.retry_placement or {}), **(job.placement or {})},
+            priority=int(job.priority or 0),
+            created_at=job.created_at.timestamp() if job.created_at else 0.0,
+            checkpoint_trainer=(job.usage or {}).get("trainer") if job.resume_from else None,
         )
 
     def running_jobs(self) -> list[RunningRow]:
@@ -176,8 +155,14 @@ class DbStore:
                 for jid, tenant, priority, pool, gpus, started in rows]
 
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
+        """GPU-seconds per (tenant, pool) since ``since`` (the fair-share window): the
+        usage of every job that had not finished before it."""
         with session_scope(self.url) as session:
-            return recent_gpu_seconds(session, since, now=self.clock())
+            rows = session.execute(
+                select(Job.tenant_id, Job.usage).where(Job.usage.is_not(None)).where(
+                    or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(since, dt.UTC)))
+            ).all()
+        return gpu_seconds_since(rows, since, now=self.clock())
 
     # --- writing -----------------------------------------------------------------------
     def admit(self, admissions: Sequence[Admission]) -> Iterator[Admitted]:

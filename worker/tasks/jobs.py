@@ -37,13 +37,13 @@ from api.queue import SCHEDULE, CeleryQueue
 from api.reports import apply_artifacts
 from api.schemas.reports import ArtifactsItem
 from api.settings import get_settings
+from scheduling.pools import NodePool, load_pools
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.celery_app import app
 from worker.executors.base import StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
-from worker.scheduler.pools import NodePool, load_pools
 from worker.scheduler.store import requeue_after_oom, resume_point
 from worker.spec_builder import local_trainer_threads
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduling.capacity import CapacitySnapshot, NodeCapacity, RunningJob
+from scheduling.estimator import PoolEstimate, TrainingShape, estimate_on_pool
+from scheduling.pools import NodePool
+from scheduling.request import JobRequest
 from trainers.spec import trains_base
-from worker.scheduler.capacity import CapacitySnapshot, NodeCapacity, RunningJob
-from worker.scheduler.estimator import PoolEstimate, TrainingShape, estimate_on_pool
-from worker.scheduler.pools import NodePool
-from worker.scheduler.request import JobRequest
 
 Mode = Literal["fit", "fit_after_preemption", "no_fit"]
 Objective = Literal["cost", "time"]

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from worker.scheduler.pools import GIB, NodePool
+from scheduling.pools import GIB, NodePool
+from trainers.spec import DEFAULT_TARGET_MODULES
 
 Method = Literal["lora", "qlora"]
 Quantization = Literal["none", "nf4", "hqq4"]
@@ -64,7 +65,7 @@ OFFLOAD_SLOWDOWN = 0.9
 # Fixed runtime cost per process, by accelerator kind: CUDA/ROCm context + NCCL/RCCL
 # buffers on GPUs; on CPU the torch trainer's resident set before its first model tensor
 # (interpreter, torch, transformers, peft, bitsandbytes, tokenizer and data): 485 MiB
-# measured (bench/scheduler_estimator_cpu.py; FACTS.md: ~470 MB per FSDP rank).
+# measured (bench/scheduler_estimator_cpu.py; a CPU FSDP rank under torchrun holds ~470 MB).
 FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.47 * GIB)}
 # The JAX trainer on CPU holds more than the torch one besides its tensors (jaxlib's XLA
 # compiler and CPU client, the compiled step): measured 173-323 MiB above the torch-based
@@ -191,7 +192,7 @@ class TrainingShape:
     double_quant: bool = False
     hqq_group_size: int = 64
     r: int = 8
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     seq_len: int = 2048
     micro_batch: int = 1
     checkpointing: bool = True
@@ -445,7 +446,8 @@ def estimate_on_pool(m: ModelShape, t: TrainingShape, pool: NodePool, *, trainer
     counts = [gpus] if gpus is not None else candidate_gpu_counts(pool)
     offload_options = {"never": [False], "auto": [False, True], "always": [True]}[t.cpu_offload]
     if pool.is_cpu or trainer != "fsdp_qlora":
-        # Offload needs a CUDA/ROCm device (FACTS.md) and only the torch trainer has it.
+        # FSDP's CPU offload needs a CUDA/ROCm device (on CPU it fails with "Cannot access
+        # accelerator device"), and only the torch trainer has it.
         offload_options = [o for o in offload_options if not o]
     best: tuple[int, bool, MemoryBreakdown] | None = None
     smallest: MemoryBreakdown | None = None

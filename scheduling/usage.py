@@ -10,18 +10,18 @@ job spends writing its checkpoint is included; time in the queue is not)::
      "gpu_seconds": 7200.0, "cost": 0.8, "by_pool": {"rtx4090": {"gpu_seconds": 7200.0, "cost": 0.8}},
      "trainer": "fsdp_qlora"}
 
-``tenant_usage`` sums usage per tenant and pool over a time range (segments clipped to
-it) for ``GET /v1/usage``; ``recent_gpu_seconds`` feeds fair share.
+This module is the arithmetic only, over the ``usage`` values themselves: the API's
+``GET /v1/usage`` (``api.usage``) sums them per pool over a time range with
+``sum_usage``, the scheduler's fair share (``worker.scheduler.store``) per (tenant, pool)
+since the window start with ``gpu_seconds_since``; each reads its rows with its own
+query.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
-
-from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
 
 
 def open_segment(usage: dict[str, Any] | None, *, pool: str, gpus: int, now: float,
@@ -63,66 +63,47 @@ def summarize(usage: dict[str, Any], now: float) -> dict[str, Any]:
         gs = _clip(seg, None, None, now)
         by_pool[seg["pool"]]["gpu_seconds"] += gs
         by_pool[seg["pool"]]["cost"] += gs / 3600 * seg.get("price_per_gpu_hour", 0.0)
-    out = dict(usage)
-    out["by_pool"] = {p: {"gpu_seconds": round(v["gpu_seconds"], 3), "cost": round(v["cost"], 6)}
-                      for p, v in by_pool.items()}
-    out["gpu_seconds"] = round(sum(v["gpu_seconds"] for v in by_pool.values()), 3)
-    out["cost"] = round(sum(v["cost"] for v in by_pool.values()), 6)
-    return out
+    return {**usage, **_totals(by_pool)}
 
 
-def _ts(value: dt.datetime | float | None) -> float | None:
-    if value is None or isinstance(value, (int, float)):
-        return value
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=dt.UTC)
-    return value.timestamp()
+def _totals(by_pool: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Rounded totals and per-pool sums (pools in the order they were first seen)."""
+    return {
+        "by_pool": {p: {"gpu_seconds": round(v["gpu_seconds"], 3), "cost": round(v["cost"], 6)}
+                    for p, v in by_pool.items()},
+        "gpu_seconds": round(sum(v["gpu_seconds"] for v in by_pool.values()), 3),
+        "cost": round(sum(v["cost"] for v in by_pool.values()), 6),
+    }
 
 
-def tenant_usage(session: Session, tenant_id: str | None, start: dt.datetime | float | None = None,
-                 end: dt.datetime | float | None = None, *, now: float) -> dict[str, Any]:
-    """GPU-seconds and cost per pool for a tenant (None: every tenant) within [start, end).
+def sum_usage(usages: Iterable[dict[str, Any] | None], start: float | None, end: float | None,
+              *, now: float) -> dict[str, Any]:
+    """GPU-seconds and cost per pool of many jobs' ``usage`` within [start, end).
 
-    Returns ``{"object": "usage", "tenant_id", "start", "end", "gpu_seconds", "cost",
-    "by_pool": {pool: {"gpu_seconds", "cost"}}, "jobs": n}``.
+    Segments are clipped to the range (None: unbounded; open segments count up to
+    ``now``). Returns ``{"jobs", "gpu_seconds", "cost", "by_pool": {pool: {"gpu_seconds",
+    "cost"}}}``, where ``jobs`` counts the jobs with GPU time inside the range.
     """
-    from api.db.models import Job
-
-    s, e = _ts(start), _ts(end)
-    q = select(Job.id, Job.usage).where(Job.usage.is_not(None))
-    if tenant_id is not None:
-        q = q.where(Job.tenant_id == tenant_id)
-    if s is not None:
-        # jobs that finished before the range cannot overlap it
-        q = q.where(or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(s, dt.UTC)))
     by_pool: dict[str, dict[str, float]] = defaultdict(lambda: {"gpu_seconds": 0.0, "cost": 0.0})
     jobs = 0
-    for _, usage in session.execute(q):
+    for usage in usages:
         counted = False
         for seg in (usage or {}).get("segments", []):
-            gs = _clip(seg, s, e, now)
+            gs = _clip(seg, start, end, now)
             if gs > 0:
                 by_pool[seg["pool"]]["gpu_seconds"] += gs
                 by_pool[seg["pool"]]["cost"] += gs / 3600 * seg.get("price_per_gpu_hour", 0.0)
                 counted = True
         jobs += counted
-    return {
-        "object": "usage", "tenant_id": tenant_id, "start": s, "end": e, "jobs": jobs,
-        "gpu_seconds": round(sum(v["gpu_seconds"] for v in by_pool.values()), 3),
-        "cost": round(sum(v["cost"] for v in by_pool.values()), 6),
-        "by_pool": {p: {"gpu_seconds": round(v["gpu_seconds"], 3), "cost": round(v["cost"], 6)}
-                    for p, v in sorted(by_pool.items())},
-    }
+    return {"jobs": jobs, **_totals(dict(sorted(by_pool.items())))}
 
 
-def recent_gpu_seconds(session: Session, since: float, *, now: float) -> dict[tuple[str, str], float]:
-    """GPU-seconds per (tenant, pool) since ``since`` (the fair-share window)."""
-    from api.db.models import Job
-
+def gpu_seconds_since(rows: Iterable[tuple[str, dict[str, Any] | None]], since: float,
+                      *, now: float) -> dict[tuple[str, str], float]:
+    """GPU-seconds per (tenant, pool) since ``since`` from (tenant, usage) rows (the
+    fair-share window)."""
     out: dict[tuple[str, str], float] = defaultdict(float)
-    q = select(Job.tenant_id, Job.usage).where(Job.usage.is_not(None)).where(
-        or_(Job.finished_at.is_(None), Job.finished_at >= dt.datetime.fromtimestamp(since, dt.UTC)))
-    for tenant, usage in session.execute(q):
+    for tenant, usage in rows:
         for seg in (usage or {}).get("segments", []):
             gs = _clip(seg, since, None, now)
             if gs:

@@ -15,11 +15,12 @@ per pool (a gang lookup costs O(GPUs per node), not O(nodes)), and GPUs held per
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.scheduler.pools import NodePool
+    from scheduling.pools import NodePool
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class RunningJob:
         return sum(n for _, n in self.nodes)
 
 
+@dataclass(frozen=True)
+class HeldGpus:
+    """A running job as the database records it: its pool and GPU count, no node names."""
+
+    id: str
+    tenant_id: str
+    priority: int
+    pool: str | None
+    gpus: int | None
+    started_at: float | None
+
+
 @dataclass
 class CapacitySnapshot:
     """Pools, their nodes, and the jobs that hold GPUs on them.
@@ -86,6 +99,34 @@ class CapacitySnapshot:
             snap.nodes.setdefault(p.name, {})
             for i in range(p.nodes):
                 snap.add_node(NodeCapacity(f"{p.name}-{i}", p.name, p.gpus_per_node, p.gpus_per_node))
+        return snap
+
+    @classmethod
+    def packed(cls, pools: list[NodePool], running: Iterable[HeldGpus]) -> CapacitySnapshot:
+        """Configured nodes minus the GPUs that ``running`` jobs hold, packed first-fit.
+
+        For a view built from database rows, which record each running job's pool and
+        GPU count but not its nodes: jobs are packed onto the pool's nodes in the order
+        given (callers pass start order, as the local executor fills its slots). Jobs of
+        pools not in ``pools`` are skipped.
+        """
+        snap = cls.from_pools(pools)
+        for row in running:
+            if row.pool not in snap.nodes:
+                continue
+            need = max(1, row.gpus or 1)
+            held: list[tuple[str, int]] = []
+            for name, node in snap.nodes[row.pool].items():
+                take = min(node.gpus_free, need)
+                if take:
+                    held.append((name, take))
+                    need -= take
+                if not need:
+                    break
+            if held:
+                snap.allocate(RunningJob(
+                    job_id=row.id, tenant=row.tenant_id, pool=row.pool, priority=int(row.priority or 0),
+                    started_at=row.started_at or 0.0, nodes=tuple(held)))
         return snap
 
     @classmethod

@@ -17,8 +17,8 @@ import heapq
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Mapping
 
-from worker.scheduler.capacity import CapacitySnapshot
-from worker.scheduler.request import JobRequest
+from scheduling.capacity import CapacitySnapshot
+from scheduling.request import JobRequest
 
 
 def dominant_shares(snapshot: CapacitySnapshot, recent_gpu_seconds: Mapping[tuple[str, str], float],

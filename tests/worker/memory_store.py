@@ -1,9 +1,8 @@
 """An in-memory ``SchedulerStore`` and ``Executor``: the cycle without a DB or a cluster.
 
-Used by the benchmarks (10,000 queued jobs, trace simulation) and by tests of the
-cycle's I/O (lock, preemption flow). Jobs "run" until ``finish(job_id)`` is called
-(or a simulation's clock passes their end); capacity comes from the configured pools.
-Real deployments use ``worker.scheduler.store`` (the DB) and a real executor.
+Used by the tests of the cycle's I/O (lock, preemption flow, refused admissions). Jobs
+"run" until ``finish(job_id)`` is called; capacity comes from the configured pools. The
+service uses ``worker.scheduler.store`` (the DB) and a real executor.
 """
 
 from __future__ import annotations
@@ -13,12 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from scheduling.capacity import CapacitySnapshot, RunningJob
+from scheduling.placement import Placement
+from scheduling.pools import NodePool
+from scheduling.request import JobRequest
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
-from worker.scheduler.capacity import CapacitySnapshot, RunningJob
 from worker.scheduler.cycle import Admission, Admitted, Waiting
-from worker.scheduler.placement import Placement
-from worker.scheduler.pools import NodePool
-from worker.scheduler.request import JobRequest
 
 
 @dataclass
