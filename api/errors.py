@@ -30,6 +30,7 @@ file_in_use                    409   deleting a file that a live job still needs
 empty_file                     400   an upload with zero bytes
 not_utf8                       400   an upload that is not UTF-8 text
 file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES``
+request_too_large              413   any other body over ``TUNEFLEET_MAX_REQUEST_BYTES`` (before auth)
 idempotency_conflict           409   an ``Idempotency-Key`` reused with another body
 invalid_state_transition       409   e.g. cancelling a succeeded job
 invalid_artifact_path          400   an artifact name escaping the job's output

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from api import fleet, observability, webhooks
 from api.artifacts import artifact_store, file_store
 from api.base_models import load_base_models
+from api.body_limit import BodySizeLimitMiddleware
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.job_pages import CachedJobListMiddleware, JobPageCache
@@ -64,4 +65,12 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.add_middleware(CachedJobListMiddleware, route=jobs.list_route())
     observability.install(app)
     mount_ui(app)
+    # Outermost, so an oversized body is refused before routing and authentication.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       exempt=_is_file_upload)
     return app
+
+
+def _is_file_upload(scope: dict) -> bool:
+    """``POST /v1/files`` streams its body to disk under its own limit (api/uploads.py)."""
+    return scope.get("method") == "POST" and scope.get("path") == "/v1/files"

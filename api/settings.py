@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     node_pools_file: Path | None = None
     base_models_file: Path | None = None
     max_upload_bytes: int = Field(default=512 * MiB, ge=1)
+    # Every other request body (JSON, forms, trainer reports), checked before routing.
+    max_request_bytes: int = Field(default=8 * MiB, ge=1024)
     # Used by the Kubernetes executor (worker/executors/kubernetes.py).
     k8s_namespace: str = "tunefleet-training"
     kueue_queue: str | None = None

@@ -23,6 +23,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from api.errors import APIError
 
 MAX_FIELD_BYTES = 4096
+# A file and a purpose are all an upload carries; more parts are refused before parsing them.
+MAX_FORM_PARTS = 8
 # Multipart framing (boundaries, part headers) on top of the file's own bytes.
 ENVELOPE_SLACK = 64 * 1024
 
@@ -66,6 +68,7 @@ class _PartCollector:
         self._decoder = codecs.getincrementaldecoder("utf-8")()
         self.not_utf8_at: int | None = None
         self.error: APIError | None = None
+        self._parts = 0
 
     def callbacks(self) -> dict:
         return {
@@ -82,6 +85,10 @@ class _PartCollector:
         setattr(self, attr, getattr(self, attr) + data)
 
     def on_part_begin(self) -> None:
+        self._parts += 1
+        if self._parts > MAX_FORM_PARTS:
+            raise APIError(400, "invalid_request",
+                           f"An upload has at most {MAX_FORM_PARTS} form parts (a file and 'purpose').")
         self._headers = {}
         self._name = None
         self._is_file = False

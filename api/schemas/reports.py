@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import json
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 Finite = Annotated[float, Field(allow_inf_nan=True)]
+
+# Event data is free-form JSON from the trainer; it is stored with the event and shown to
+# the tenant, so one item may not grow without bound.
+MAX_EVENT_DATA_BYTES = 16 * 1024
+
+
+def _small_json(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None and len(json.dumps(value, default=str)) > MAX_EVENT_DATA_BYTES:
+        raise ValueError(f"event data must be at most {MAX_EVENT_DATA_BYTES} bytes as JSON")
+    return value
 
 
 class _Item(BaseModel):
@@ -39,14 +51,14 @@ class EventItem(_Item):
     type: Literal["event"]
     level: Literal["debug", "info", "warn", "warning", "error"] = "info"
     message: Annotated[str, Field(max_length=4000)]
-    data: dict[str, Any] | None = None
+    data: Annotated[dict[str, Any] | None, AfterValidator(_small_json)] = None
 
 
 class CheckpointItem(_Item):
     type: Literal["checkpoint"]
     step: Step
     location: Annotated[str, Field(min_length=1, max_length=1024)]
-    metrics: dict[str, float | None] = Field(default_factory=dict)
+    metrics: dict[str, float | None] = Field(default_factory=dict, max_length=100)
 
 
 class ArtifactFile(_Item):
@@ -58,7 +70,7 @@ class ArtifactFile(_Item):
 class ArtifactsItem(_Item):
     type: Literal["artifacts"]
     location: Annotated[str, Field(min_length=1, max_length=1024)]
-    files: list[ArtifactFile]
+    files: Annotated[list[ArtifactFile], Field(max_length=10_000)]
 
 
 class ErrorItem(_Item):
