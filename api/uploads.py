@@ -67,6 +67,8 @@ class _PartCollector:
         self._digest = hashlib.sha256()
         self._decoder = codecs.getincrementaldecoder("utf-8")()
         self.not_utf8_at: int | None = None
+        self.not_utf8_line: int | None = None
+        self._newlines = 0
         self.error: APIError | None = None
         self._parts = 0
 
@@ -129,6 +131,9 @@ class _PartCollector:
                 self._decoder.decode(chunk)
             except UnicodeDecodeError as exc:
                 self.not_utf8_at = self.upload.size - len(chunk) + exc.start
+                self.not_utf8_line = self._newlines + chunk.count(b"\n", 0, exc.start) + 1
+            else:
+                self._newlines += chunk.count(b"\n")
         assert self._handle is not None
         self._handle.write(chunk)
 
@@ -140,6 +145,7 @@ class _PartCollector:
                     self._decoder.decode(b"", final=True)
                 except UnicodeDecodeError:
                     self.not_utf8_at = self.upload.size
+                    self.not_utf8_line = self._newlines + 1
             self._handle.close()
             self.upload.sha256 = self._digest.hexdigest()
             self._is_file = False
@@ -191,7 +197,8 @@ async def receive_upload(request: Request, *, tmp_dir: Path, limit: int) -> Uplo
         collector.abort()
         raise APIError(
             400, "not_utf8",
-            f"The file is not UTF-8 text (first bad byte at offset {collector.not_utf8_at}). "
+            f"The file is not UTF-8 text (line {collector.not_utf8_line}, first bad byte at "
+            f"offset {collector.not_utf8_at}). "
             "Save it as UTF-8 JSONL.",
             param="file",
         )

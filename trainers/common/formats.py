@@ -302,6 +302,10 @@ def _decode_line(number: int, raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise FormatError("invalid_json", f"invalid JSON: {exc.msg} (column {exc.colno})", number) from None
+    except RecursionError:
+        # The parser recurses per nesting level: thousands of "[" would otherwise end the
+        # whole validation (the file would stay "uploaded" for good), not just this line.
+        raise FormatError("invalid_json", "invalid JSON: nested too deeply", number) from None
 
 
 def _content_chars(example: Example) -> int:
