@@ -28,6 +28,7 @@ from api.errors import APIError
 from api.jobs import may_open
 from api.ui import session as ui_session
 from api.ui.data import router as data_router
+from api.ui.headers import DashboardHeadersMiddleware
 
 UI_DIR = Path(__file__).parent
 STATIC_DIR = UI_DIR / "static"
@@ -252,4 +253,5 @@ def mount_ui(app: Any) -> None:
     app.include_router(data_router)
     app.mount("/ui/static", StaticFiles(directory=str(STATIC_DIR)), name="ui-static")
     app.add_exception_handler(LoginRequired, login_redirect)
+    app.add_middleware(DashboardHeadersMiddleware)
 

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from api.db.models import ApiKey, Job
-from api.jobs import issue_job_token
+from api.db.models import ApiKey
+from tests.api.conftest import start_running
 
 WORDS = ["able", "acid", "aged", "area", "army", "baby"]
 TRAIN = "".join(
@@ -139,8 +139,7 @@ def test_jobs_table_is_tenant_scoped_and_admins_see_every_tenant(client, tenant_
 def test_jobs_table_carries_the_latest_metric(client, tenant_key, db_session) -> None:
     acme = tenant_key("acme")
     job_id = _job(client, acme.headers, "m")
-    token = issue_job_token(db_session, db_session.get(Job, job_id))
-    db_session.commit()
+    _row, token = start_running(db_session, job_id)  # trainers report while their job runs
     for seq, (step, loss) in enumerate([(1, 3.5), (3, 2.25), (2, 2.75)], start=1):
         answer = client.post(f"/internal/v1/jobs/{job_id}/reports",
                              headers={"Authorization": f"Bearer {token}"},

@@ -215,6 +215,12 @@
 
   const page = () => JSON.parse(document.getElementById("page-data")?.textContent || "{}");
 
+  // Forms that scripts drive (filters, the new-job form) never submit themselves: the
+  // page's Content-Security-Policy allows no inline handlers such as onsubmit="...".
+  document.querySelectorAll("form[data-script-form]").forEach((form) => {
+    form.addEventListener("submit", (event) => event.preventDefault());
+  });
+
   window.tf = { api, apiAll, ApiError, Unreachable, fmt, el, pill, progressBar, emptyState, notice,
     confirmAction, every, page, setBanner, STATUS_LABELS };
 })();
