@@ -368,17 +368,17 @@ def estimate(
     now = place_job(req, snapshot, policy=PreemptionPolicy())
     chosen = None
     if now.mode != "no_fit":
-        chosen = _chosen(now, now.mode, now.reasons)
+        chosen = _chosen(now, now.mode, now.messages())
     else:
         idle = place_job(req, CapacitySnapshot.from_pools(pools))
         if idle.mode == "fit":
-            chosen = _chosen(idle, "no_fit", now.reasons)
+            chosen = _chosen(idle, "no_fit", now.messages())
     return {
         "object": "fine_tuning.estimate",
         "model": {"id": inp.model_id, "params": req.model.params, "shape_source": inp.shape_source},
         "total_tokens": req.total_tokens,
         "mode": now.mode,
-        "reasons": list(now.reasons),
+        "reasons": list(now.messages()),
         "pools": rows,
         "chosen": chosen,
         "notes": list(inp.notes),

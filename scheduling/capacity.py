@@ -58,7 +58,8 @@ class RunningJob:
 
 @dataclass(frozen=True)
 class HeldGpus:
-    """A running job as the database records it: its pool and GPU count, no node names."""
+    """A running job as the database records it: its pool and GPU count, no node names
+    (the executors call it ``worker.executors.base.RunningRow``)."""
 
     id: str
     tenant_id: str

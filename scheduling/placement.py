@@ -8,8 +8,9 @@ jobs). It returns a ``Placement``:
 - ``fit``: the job can start now on ``pool`` with ``nodes``;
 - ``fit_after_preemption``: it can start once the ``victims`` (lower-priority jobs
   allowed by the preemption policy) have checkpointed and released their GPUs;
-- ``no_fit``: it must wait; ``reasons`` say why in words a user understands
-  ("needs 2x nvidia-rtx-4090, 0 free").
+- ``no_fit``: it must wait; ``reasons`` say why, each with a stable code
+  (``scheduling.reasons``: ``insufficient_gpus``, ``memory_does_not_fit``, ...) and words a
+  user understands ("needs 2x nvidia-rtx-4090, 0 free").
 
 Heterogeneity: among pools where the job fits now, the ``objective`` picks: ``cost``
 (default: lowest estimated GPU-hour cost, ties by earliest finish) keeps a 7B QLoRA job
@@ -27,6 +28,7 @@ from typing import Literal
 from scheduling.capacity import CapacitySnapshot, NodeCapacity, RunningJob
 from scheduling.estimator import PoolEstimate, TrainingShape, estimate_on_pool
 from scheduling.pools import NodePool
+from scheduling.reasons import Reason, ReasonCode, messages
 from scheduling.request import JobRequest
 from trainers.spec import trains_base
 
@@ -56,7 +58,7 @@ class Placement:
     nodes: tuple[tuple[str, int], ...] = ()
     trainer: str | None = None
     victims: tuple[str, ...] = ()
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[Reason, ...] = ()
     estimate: PoolEstimate | None = None
     borrowing: bool = False
     """The tenant exceeds its quota in this pool (its job may be preempted by the owner)."""
@@ -65,8 +67,16 @@ class Placement:
     def offload(self) -> bool:
         return bool(self.estimate and self.estimate.offload)
 
+    @property
+    def codes(self) -> tuple[ReasonCode, ...]:
+        return tuple(r.code for r in self.reasons)
+
+    def messages(self) -> tuple[str, ...]:
+        """The reasons in the user's words (``scheduling.reasons.messages``)."""
+        return messages(self.reasons)
+
     def reason_text(self) -> str:
-        return "; ".join(self.reasons)
+        return "; ".join(self.messages())
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,14 @@ _PER_JOB: dict[tuple, PoolEstimate] = {}  # ... -> with the job's ETA/cost
 
 def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
     """``estimate_on_pool`` memoised: the same job shape on the same pool is asked every
-    cycle, and thousands of queued jobs share a few shapes (only their length differs)."""
+    cycle, and thousands of queued jobs share a few shapes (only their length differs).
+
+    The key is every input the estimate reads: the job's frozen ``ModelShape`` and
+    ``TrainingShape``, its pinned GPU count and token count, the trainer, and each pool
+    number the estimator uses (not just the pool's name). A hit therefore returns exactly
+    what computing would, and ``place_job`` stays a function of (job, snapshot) however
+    the pools file changes between cycles.
+    """
     key = (job.model, job.training, job.gpus, trainer, pool.name,
            pool.gpu_memory_bytes, pool.gpus_per_node, pool.max_nodes_per_job,
            pool.peak_tflops, pool.price_per_gpu_hour, pool.accelerator)
@@ -135,25 +152,28 @@ def trainer_refusal(job: JobRequest, pool: NodePool) -> str:
     return f"{runs}, job needs {job.trainer}"
 
 
-def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_Candidate], list[str]]:
+def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_Candidate], list[Reason]]:
     """Pools whose family and memory can hold the job at all, and reasons for the rest."""
     out: list[_Candidate] = []
-    reasons: list[str] = []
+    reasons: list[Reason] = []
     if job.pool is not None and job.pool not in snapshot.pools:
-        return [], [f"pool {job.pool!r} does not exist"]
+        return [], [Reason(ReasonCode.POOL_PINNED_MISSING, f"pool {job.pool!r} does not exist", job.pool)]
     for pool in snapshot.pools.values():
         if job.pool is not None and pool.name != job.pool:
             continue
         trainer = trainer_for(job, pool)
         if trainer is None:
-            reasons.append(f"{pool.name}: {trainer_refusal(job, pool)}")
+            reasons.append(Reason(ReasonCode.TRAINER_CANNOT_TRAIN, f"{pool.name}: {trainer_refusal(job, pool)}",
+                                  pool.name))
             continue
         if job.gpus is not None and job.gpus > pool.gpus_per_node * pool.max_nodes_per_job:
-            reasons.append(f"{pool.name}: at most {pool.gpus_per_node * pool.max_nodes_per_job} GPUs per job")
+            reasons.append(Reason(ReasonCode.GPUS_ABOVE_POOL_LIMIT,
+                                  f"{pool.name}: at most {pool.gpus_per_node * pool.max_nodes_per_job} GPUs per job",
+                                  pool.name))
             continue
         est = estimate_for(job, pool, trainer)
         if not est.fits:
-            reasons.append(f"{pool.name}: {est.reasons[0]}")
+            reasons.append(Reason(ReasonCode.MEMORY_DOES_NOT_FIT, f"{pool.name}: {est.reasons[0]}", pool.name))
             continue
         out.append(_Candidate(pool, trainer, est))
     return out, reasons
@@ -184,7 +204,8 @@ def gang_nodes(pool: NodePool, snapshot: CapacitySnapshot, gpus: int,
     return None
 
 
-def _quota_check(job: JobRequest, pool: NodePool, snapshot: CapacitySnapshot, gpus: int) -> tuple[bool, bool, str | None]:
+def _quota_check(job: JobRequest, pool: NodePool, snapshot: CapacitySnapshot,
+                 gpus: int) -> tuple[bool, bool, Reason | None]:
     """(allowed, borrowing, reason) for the tenant taking ``gpus`` more GPUs of the pool."""
     quota = pool.quota_for(job.tenant)
     if quota is None:
@@ -194,7 +215,8 @@ def _quota_check(job: JobRequest, pool: NodePool, snapshot: CapacitySnapshot, gp
         return True, False, None
     if pool.quota_borrowing:
         return True, True, None
-    return False, False, (f"{pool.name}: tenant quota {quota} GPUs, {used} in use, needs {gpus} more")
+    return False, False, Reason(ReasonCode.QUOTA_EXCEEDED,
+                                f"{pool.name}: tenant quota {quota} GPUs, {used} in use, needs {gpus} more", pool.name)
 
 
 def _free_text(pool: NodePool, snapshot: CapacitySnapshot, gpus: int) -> str:
@@ -227,23 +249,27 @@ def place_job(job: JobRequest, snapshot: CapacitySnapshot, *, policy: Preemption
     """
     candidates, reasons = candidate_pools(job, snapshot)
     if not candidates:
-        return Placement("no_fit", reasons=tuple(reasons) or ("no pool can run this job",))
+        return Placement("no_fit", reasons=tuple(reasons) or (Reason(ReasonCode.NO_POOL, "no pool can run this job"),))
     fits: list[tuple[_Candidate, tuple[tuple[str, int], ...], bool]] = []
-    waiting: list[str] = []
+    waiting: list[Reason] = []
     for cand in candidates:
         ok, borrowing, why = _quota_check(job, cand.pool, snapshot, cand.estimate.gpus)
         if not ok:
-            waiting.append(why or "")
+            assert why is not None  # refused quotas always say why
+            waiting.append(why)
             continue
         nodes = gang_nodes(cand.pool, snapshot, cand.estimate.gpus, blocked_nodes)
         if nodes is None:
-            waiting.append(f"{cand.pool.name}: {_free_text(cand.pool, snapshot, cand.estimate.gpus)}")
+            waiting.append(Reason(ReasonCode.INSUFFICIENT_GPUS,
+                                  f"{cand.pool.name}: {_free_text(cand.pool, snapshot, cand.estimate.gpus)}",
+                                  cand.pool.name))
             continue
         fits.append((cand, nodes, borrowing))
     if fits:
         cand, nodes, borrowing = min(fits, key=lambda f: _rank(f[0], objective))
         return Placement("fit", pool=cand.pool.name, gpus=cand.estimate.gpus, nodes=nodes,
-                         trainer=cand.trainer, reasons=cand.estimate.reasons, estimate=cand.estimate,
+                         trainer=cand.trainer, estimate=cand.estimate,
+                         reasons=tuple(Reason(ReasonCode.FITS, r, cand.pool.name) for r in cand.estimate.reasons),
                          borrowing=borrowing)
     if policy is not None and policy.enabled and job.priority > 0:
         options = []
@@ -256,11 +282,14 @@ def place_job(job: JobRequest, snapshot: CapacitySnapshot, *, policy: Preemption
             return Placement(
                 "fit_after_preemption", pool=cand.pool.name, gpus=cand.estimate.gpus, nodes=nodes,
                 trainer=cand.trainer, victims=tuple(v.job_id for v in victims),
-                reasons=((f"preempting {len(victims)} lower-priority job(s) on {cand.pool.name}",) if victims
-                         else (f"waiting for stopping job(s) on {cand.pool.name} to release their GPUs",)),
+                reasons=((Reason(ReasonCode.PREEMPTING,
+                                 f"preempting {len(victims)} lower-priority job(s) on {cand.pool.name}", cand.pool.name),)
+                         if victims else
+                         (Reason(ReasonCode.WAITING_FOR_RELEASE,
+                                 f"waiting for stopping job(s) on {cand.pool.name} to release their GPUs", cand.pool.name),)),
                 estimate=cand.estimate,
             )
-    return Placement("no_fit", reasons=tuple(["waiting: " + "; ".join(waiting)] + reasons))
+    return Placement("no_fit", reasons=tuple(waiting + reasons))
 
 
 def _may_preempt(job: JobRequest, victim: RunningJob, pool: NodePool, snapshot: CapacitySnapshot,

@@ -19,6 +19,28 @@ from scheduling.request import JobRequest
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.scheduler.cycle import Admission, Admitted, Waiting
 
+# The moves the cycle makes, as ``api.lifecycle`` allows them: admission, a failed
+# launch or a preemption back to the queue, and a run's end.
+TRANSITIONS = {
+    "queued": {"running"},
+    "running": {"queued", "succeeded", "failed"},
+}
+
+
+class TransitionRefused(RuntimeError):
+    """A status change the lifecycle would refuse (409 in the service)."""
+
+
+def transition(row: MemoryJob, to: str, event: str, **changes: Any) -> None:
+    """The only writer of ``row.status``: checks the move, applies ``changes``, records
+    ``event``. The caller holds the store's lock."""
+    if to not in TRANSITIONS.get(row.status, set()):
+        raise TransitionRefused(f"{row.id}: {row.status} -> {to} is not allowed")
+    row.status = to
+    for name, value in changes.items():
+        setattr(row, name, value)
+    row.events.append(event)
+
 
 @dataclass
 class MemoryJob:
@@ -65,17 +87,14 @@ class MemoryStore:
                 if row.status != "queued":  # the transition function would refuse this (409)
                     self.refused.append(adm.job.job_id)
                     continue
-                row.status, row.placement, row.queue_reason = "running", adm.placement, None
-                row.queue_position = None
-                row.events.append(f"admitted on {adm.placement.pool} ({adm.placement.gpus} GPUs)")
+                transition(row, "running", f"admitted on {adm.placement.pool} ({adm.placement.gpus} GPUs)",
+                           placement=adm.placement, queue_reason=None, queue_position=None)
                 out.append(Admitted(adm, row, {"job_id": row.id, "resume_from": row.resume_from}))
         return out
 
     def launch_failed(self, job: JobRequest, error: Exception) -> None:
         with self._lock:
-            row = self.jobs[job.job_id]
-            row.status = "queued"
-            row.events.append(f"launch failed: {error}")
+            transition(self.jobs[job.job_id], "queued", f"launch failed: {error}")
 
     def preempting(self, victim_id: str, for_job: str) -> MemoryJob | None:
         with self._lock:
@@ -99,12 +118,11 @@ class MemoryStore:
             for ch in changes:
                 row = self.jobs[ch.job_id]
                 if ch.kind == ObservedKind.STOPPED and ch.stop_reason == StopReason.PREEMPT:
-                    row.status, row.resume_from = "queued", ch.checkpoint
-                    row.events.append(f"requeued from {ch.checkpoint}")
+                    transition(row, "queued", f"requeued from {ch.checkpoint}", resume_from=ch.checkpoint)
                 elif ch.kind == ObservedKind.SUCCEEDED:
-                    row.status = "succeeded"
+                    transition(row, "succeeded", "the trainer finished")
                 elif ch.kind == ObservedKind.FAILED:
-                    row.status = "failed"
+                    transition(row, "failed", ch.message or "the trainer failed")
 
 
 class MemoryExecutor:

@@ -3,10 +3,18 @@
 import itertools
 import threading
 
+import pytest
+
 from scheduling.capacity import CapacitySnapshot
 from scheduling.ordering import FairQueue, dominant_shares
 from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
-from tests.worker.memory_store import MemoryExecutor, MemoryStore
+from tests.worker.memory_store import (
+    MemoryExecutor,
+    MemoryJob,
+    MemoryStore,
+    TransitionRefused,
+    transition,
+)
 from worker.executors.base import StopReason
 from worker.scheduler.cycle import CycleConfig, plan_cycle, run_cycle
 from worker.scheduler.lock import FileLock, InProcessLock
@@ -211,3 +219,14 @@ def test_capacity_snapshot_indexes_stay_consistent():
     snap.release("x")
     assert list(snap.nodes_with_free("rtx4090", 2)) == ["rtx4090-0", "rtx4090-2", "rtx4090-1"]
     assert snap.pool_free("rtx4090") == 6
+
+
+def test_the_memory_store_moves_status_only_through_its_transition_rules():
+    row = MemoryJob(make_job().build(), "ftjob-x")
+    transition(row, "running", "admitted")
+    with pytest.raises(TransitionRefused):
+        transition(row, "running", "admitted twice")
+    transition(row, "succeeded", "the trainer finished")
+    with pytest.raises(TransitionRefused):
+        transition(row, "queued", "requeued after the end")
+    assert row.status == "succeeded" and row.events == ["admitted", "the trainer finished"]

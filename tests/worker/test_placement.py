@@ -3,6 +3,7 @@
 import pytest
 
 from scheduling.placement import PreemptionPolicy, place_job, trainer_for
+from scheduling.pools import GIB
 from tests.worker.builders import cluster, make_job, mi300x, rtx4090, running
 
 POLICY = PreemptionPolicy()
@@ -166,3 +167,45 @@ def test_multi_node_preemption_frees_whole_nodes():
     p = place_job(make_job().qlora("70b").gpus(4).priority("high").build(), cluster(pool, running=jobs), policy=POLICY)
     assert p.mode == "fit_after_preemption" and len(p.victims) == 2
     assert {n for n, _ in p.nodes} == {n for v in p.victims for n, _ in jobs[int(v[1:])].nodes}
+
+
+CODE_CASES = [
+    # name, job, pools, running, expected codes (in order), full text users see
+    ("unknown pool", make_job().qlora("7b").pool("tpu"), [rtx4090(2)], [],
+     ["pool_pinned_missing"], "pool 'tpu' does not exist"),
+    ("no family for the base", make_job().qlora("7b", "hqq4"), [mi300x(1)], [],
+     ["trainer_cannot_train"], "mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"),
+    ("too many pinned GPUs", make_job().qlora("7b").gpus(16), [rtx4090(4)], [],
+     ["gpus_above_pool_limit"], "rtx4090: at most 8 GPUs per job"),
+    ("memory never fits", make_job().lora("405b"), [rtx4090(4)], [], ["memory_does_not_fit"], None),
+    ("busy pool, other pool refuses", make_job().qlora("7b", "hqq4").priority("low"),
+     [mi300x(1), rtx4090(1)], [running("x", "rtx4090", [("rtx4090-0", 2)])],
+     ["insufficient_gpus", "trainer_cannot_train"],
+     "waiting: rtx4090: needs 1x nvidia-rtx-4090, 0 free; mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)"),
+    ("quota used up", make_job().qlora("7b").tenant("org-b"), [rtx4090(2, max_gpus_per_tenant={"org-b": 1})],
+     [running("x", "rtx4090", [("rtx4090-0", 1)], tenant="org-b")],
+     ["quota_exceeded"], "waiting: rtx4090: tenant quota 1 GPUs, 1 in use, needs 1 more"),
+    ("preempts a lower-priority job", make_job().qlora("7b").priority("high"), [rtx4090(1)],
+     [running("x", "rtx4090", [("rtx4090-0", 2)], priority="low")],
+     ["preempting"], "preempting 1 lower-priority job(s) on rtx4090"),
+]
+
+
+@pytest.mark.parametrize("name, builder, pools, jobs, codes, text", CODE_CASES, ids=[c[0] for c in CODE_CASES])
+def test_reasons_carry_stable_codes_next_to_the_words_users_read(name, builder, pools, jobs, codes, text):
+    p = place_job(builder.build(), cluster(*pools, running=jobs), policy=POLICY)
+    assert [c.value for c in p.codes] == codes
+    if text is not None:
+        assert p.reason_text() == text
+    assert all(r.message for r in p.reasons)
+
+
+def test_the_estimate_memo_answers_for_the_pool_it_is_given():
+    """The memo behind place_job is keyed on every pool number the estimate reads, so a
+    pool of the same name with other numbers (a changed pools file) gets its own answer."""
+    job = make_job().qlora("70b").build()
+    small = place_job(job, cluster(rtx4090(4)))
+    big = place_job(job, cluster(rtx4090(4).model_copy(update={"gpu_memory_bytes": 48 * GIB})))
+    again = place_job(job, cluster(rtx4090(4)))
+    assert "of 24 GiB per GPU" in small.reason_text() and "of 48 GiB per GPU" in big.reason_text()
+    assert again == small

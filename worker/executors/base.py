@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from scheduling.capacity import CapacitySnapshot
+from scheduling.capacity import CapacitySnapshot, HeldGpus
 
 if TYPE_CHECKING:
     from scheduling.placement import Placement
@@ -93,14 +93,7 @@ class Executor(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class RunningRow:
-    """A job the database has ``running`` (``DbStore.running_jobs``): what an executor
-    that outlives its launches (Kubernetes) matches its cluster objects against."""
-
-    id: str
-    tenant_id: str
-    priority: int
-    pool: str | None
-    gpus: int | None
-    started_at: float | None
+# A job the database has ``running`` (``DbStore.running_jobs``): what an executor that
+# outlives its launches (Kubernetes) matches its cluster objects against. The same value
+# the capacity views pack onto nodes (``CapacitySnapshot.packed``).
+RunningRow = HeldGpus

@@ -1,8 +1,24 @@
 """The scheduling cycle (kueue-style): a short function of numbered steps.
 
+``run_cycle`` takes these steps, numbered the same in the code's comments:
+
+1. observe: what the executor saw since the last cycle (exits, pod problems) becomes job
+   transitions;
+2. snapshot: the queued jobs, the capacity snapshot (published when it came from the
+   cluster) and the tenants' recent GPU-seconds;
+3. plan (``plan_cycle``, pure): 3a. order the heads (priority, tenant dominant share,
+   age); 3b. place each head on a working copy of the snapshot; 3c. admit it when it
+   fits, consuming the working copy; 3d. otherwise it waits, with a reason and a
+   position (and preempts, or holds a reservation for backfill);
+4. admit: the admissions' transitions are committed, then each job is launched with all
+   its GPUs at once;
+5. preempt: the victims get SIGTERM (checkpoint, then requeued by step 1 of a later
+   cycle, resuming from the checkpoint);
+6. requeue: the waiting jobs' reasons and positions are written.
+
 ``plan_cycle`` is pure: (queued jobs, capacity snapshot, recent usage, clock) -> what to
 admit, whom to preempt, and why everyone else waits. ``run_cycle`` does the I/O around
-it through injected parts: a ``SchedulerStore`` (the DB, or memory in benchmarks), an
+it through injected parts: a ``SchedulerStore`` (the DB, or memory in tests), an
 ``Executor`` (local processes or Kubernetes), a lock (one active scheduler) and a clock.
 
 Backfill without starvation: the first waiting job that could run on a pool (memory-
@@ -132,22 +148,22 @@ def plan_cycle(queued: Iterable[JobRequest], snapshot: CapacitySnapshot, *, now:
     """Decide one cycle. Pure: ``snapshot`` is not modified."""
     plan = CyclePlan()
     jobs = list(queued)
-    # (1) heads in order: priority, tenant dominant share, age.
+    # (3a) heads in order: priority, tenant dominant share, age.
     shares = dominant_shares(snapshot, recent_gpu_seconds or {}, config.fair_share_window_s,
                              {j.tenant for j in jobs}, config.tenant_weights)
     queue = FairQueue(jobs, shares, {p: snapshot.pool_total(p) for p in snapshot.pools}, config.tenant_weights)
-    # (2) a working copy of the snapshot that admissions consume.
+    # The working copy of the snapshot that admissions consume.
     working = snapshot.copy()
     reserved: dict[str, tuple[str, float]] = {}  # node -> (job id, expected start)
     reservations_used: dict[str, int] = {}
     position = 0
     for job in queue:
-        # (3) place the head; reserved nodes are closed unless it ends before they start.
+        # (3b) place the head; reserved nodes are closed unless it ends before they start.
         blocked = frozenset(_blocked_for(job, working, reserved, now)) if reserved else frozenset()
         placement = place_job(job, working, policy=config.preemption, blocked_nodes=blocked,
                               objective=config.objective)
         if placement.mode == "fit":
-            # (4) admit: the whole gang at once.
+            # (3c) admit: the whole gang at once.
             est = placement.estimate
             working.allocate(RunningJob(
                 job_id=job.job_id, tenant=job.tenant, pool=placement.pool or "", priority=job.priority,
@@ -156,7 +172,7 @@ def plan_cycle(queued: Iterable[JobRequest], snapshot: CapacitySnapshot, *, now:
             queue.charge(job.tenant, placement.pool or "", placement.gpus)
             plan.admissions.append(Admission(job, placement))
             continue
-        # (5) the rest wait, with a reason and a position.
+        # (3d) the rest wait, with a reason and a position.
         position += 1
         if placement.mode == "fit_after_preemption":
             for victim_id in placement.victims:
@@ -262,23 +278,24 @@ class CycleResult:
 
 def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.time,
               lock: SchedulerLock | None = None, config: CycleConfig = CycleConfig()) -> CycleResult:
-    """One cycle with I/O: reconcile, snapshot, plan, admit, preempt, requeue."""
+    """One cycle with I/O: steps 1-6 of the module docstring (observe, snapshot, plan,
+    admit, preempt, requeue)."""
     if lock is not None and not lock.acquire():
         return CycleResult(ran=False)
     t0 = time.perf_counter()
     try:
-        # (0) what happened since the last cycle (exits, pod problems) -> job transitions.
+        # (1) observe: what happened since the last cycle (exits, pod problems) -> job transitions.
         changes = executor.reconcile()
         if changes:
             store.apply_observed(changes)
-        # (1)+(2) heads and a capacity snapshot.
+        # (2) snapshot: the queued jobs, capacity and recent usage.
         now = clock()
         queued = store.queued()
         snapshot = executor.snapshot()
         if snapshot.observed:
             store.publish_capacity(snapshot)
         usage = store.recent_gpu_seconds(now - config.fair_share_window_s)
-        # (3) place every head (pure).
+        # (3) plan: order and place every head (pure).
         plan = plan_cycle(queued, snapshot, now=now, config=config, recent_gpu_seconds=usage)
         # (4) admit (the transitions, committed) then launch, all GPUs of a job at once.
         for done in store.admit(plan.admissions):
@@ -287,12 +304,12 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
             except Exception as exc:
                 log.exception("launch of %s failed", done.admission.job.job_id)
                 store.launch_failed(done.admission.job, exc)
-        # preemption: SIGTERM -> checkpoint -> requeued by apply_observed with resume_from.
+        # (5) preempt: SIGTERM -> checkpoint -> requeued by apply_observed with resume_from.
         for pre in plan.preemptions:
             victim = store.preempting(pre.victim_id, pre.for_job)
             if victim is not None:
                 executor.stop(victim, StopReason.PREEMPT)
-        # (5) requeue the rest with their reasons.
+        # (6) requeue the rest with their reasons and positions.
         store.set_waiting(plan.waiting)
         return CycleResult(ran=True, plan=plan, observed=len(changes), seconds=time.perf_counter() - t0)
     finally:
