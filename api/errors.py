@@ -18,7 +18,7 @@ job_token_expired              401   report endpoint: the job stopped running ov
 permission_denied              403   an admin-only route with a tenant key
 not_found                      404   unknown route, or an object of another tenant
 method_not_allowed             405   wrong HTTP method
-invalid_json                   400   the body is not valid JSON
+invalid_json                   400   the body is not valid JSON (or not UTF-8)
 invalid_request                400   a field has the wrong type/value (``param`` = path),
                                      or a value the database cannot store
 invalid_cursor                 400   ``after`` does not name an object of this list
@@ -59,8 +59,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.schemas.errors import ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,25 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# What each error status means on any route; routes list theirs with ``error_responses``.
+_MEANINGS = {
+    400: "Invalid request: a parameter or the body is malformed or refused "
+         "(`code` says why, `param` says where).",
+    401: "Missing, malformed or revoked credentials.",
+    403: "The credentials may not do this.",
+    404: "No such object, or it belongs to another tenant.",
+    409: "The request conflicts with the object's current state.",
+    413: "The body (or upload) is larger than the service accepts.",
+    502: "An upstream service refused the request.",
+    503: "A dependency of the service is unavailable.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route decorator: each status answers the error envelope."""
+    return {status: {"model": ErrorResponse, "description": _MEANINGS[status]} for status in statuses}
+
+
 def not_found(kind: str, object_id: str, *, param: str | None = None) -> APIError:
     """The 404 for a missing object (also for another tenant's: isolation, not 403)."""
     return APIError(404, "not_found", f"No {kind} found with id '{object_id}'.", param=param)
@@ -156,26 +178,53 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, "invalid_request", message, param=param)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path.
+
+    FastAPI registers one route per method, and Starlette's 405 names only the methods of
+    the first route whose path matched; ``Allow`` must list them all (RFC 9110).
+    """
+    methods: set[str] = set()
+    for route in iter_route_contexts(request.app.routes):
+        pattern = getattr(route, "path_regex", None)
+        if route.methods and pattern is not None and pattern.match(request.url.path):
+            methods |= route.methods
+    return sorted(methods)
+
+
+def _unreadable_body(exc: StarletteHTTPException) -> bool:
+    """FastAPI's 400 for a body ``json.loads`` could not even decode (not UTF-8)."""
+    return exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error through the OpenAI error envelope."""
+    from api.route_auth import authenticate_route  # it needs the dependencies, which need us
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        await authenticate_route(request)  # a 401 comes before anything about the body
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers) if exc.headers else {}
         if exc.status_code == 404:
             error = APIError(404, "not_found", "Unknown route.")
         elif exc.status_code == 405:
             error = APIError(405, "method_not_allowed", "Method not allowed for this route.")
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        elif _unreadable_body(exc):
+            await authenticate_route(request)
+            error = APIError(400, "invalid_json", "The request body is not valid JSON: "
+                             "it must be UTF-8 encoded.")
         else:
             error = APIError(exc.status_code, "http_error", str(exc.detail))
-        error.headers = dict(exc.headers) if exc.headers else None
+        error.headers = headers or None
         return error.response()
 
     @app.exception_handler(DataError)

@@ -20,6 +20,7 @@ from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.job_pages import CachedJobListMiddleware, JobPageCache
 from api.logs import kubernetes_log, register_log_reader
+from api.openapi import install_openapi
 from api.queue import CeleryQueue, TaskQueue
 from api.routes import admin, files, health, jobs, models, outputs, reports
 from api.routes import fleet as fleet_routes
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.add_middleware(CachedJobListMiddleware, route=jobs.list_route())
     observability.install(app)
     mount_ui(app)
+    install_openapi(app)  # 400 (not 422) and the auth errors, as answered
     # Outermost, so an oversized body is refused before routing and authentication.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes,
                        exempt=_is_file_upload)

@@ -7,15 +7,23 @@ acknowledged after they finish (``acks_late``) and given back when a worker dies
 loses nothing. Every task is therefore idempotent by its job/file id.
 
 Start a worker with ``tunefleet worker`` (or ``celery -A worker.celery_app worker``).
+While its consumer runs, the worker writes a heartbeat that ``/readyz`` checks
+(``api.worker_heartbeat``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
+from celery.worker.consumer.tasks import Tasks
 
+from api import worker_heartbeat
 from api.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 # Task modules under worker/tasks/; a module listed here but not (yet) written is skipped.
 TASK_MODULES = (
@@ -28,6 +36,38 @@ TASK_MODULES = (
 
 def _existing(modules: tuple[str, ...]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is not None]
+
+
+class WorkerHeartbeat(bootsteps.StartStopStep):
+    """A consumer step: beats on the consumer's timer, so beats stop when consuming does
+    (a lost broker connection restarts the consumer; an unrecoverable error ends it)."""
+
+    requires = (Tasks,)
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        super().__init__(consumer, **kwargs)
+        self.timer_entry: Any = None
+
+    def start(self, consumer: Any) -> None:
+        settings = consumer.app.tunefleet_settings
+        self._beat(settings)
+        self.timer_entry = consumer.timer.call_repeatedly(
+            worker_heartbeat.BEAT_INTERVAL_S, self._beat, (settings,), priority=10,
+        )
+
+    def stop(self, consumer: Any) -> None:
+        if self.timer_entry is not None:
+            self.timer_entry.cancel()
+            self.timer_entry = None
+
+    shutdown = stop
+
+    @staticmethod
+    def _beat(settings: Settings) -> None:
+        try:
+            worker_heartbeat.beat(settings)
+        except Exception:  # a missed beat shows in /readyz; never stop consuming for it
+            log.warning("could not write the worker heartbeat", exc_info=True)
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -48,6 +88,12 @@ def make_celery(settings: Settings) -> Celery:
         # A task not acknowledged within this time is delivered again: longer than any
         # task runs (run_local_job supervises a trainer for hours).
         app.conf.broker_transport_options = {"visibility_timeout": 24 * 3600}
+    # Tasks keep running through a broker reconnect (a supervised trainer is not killed
+    # by a Redis restart) and acknowledge when done. Celery's default today, set because
+    # Celery announces it will change.
+    app.conf.worker_cancel_long_running_tasks_on_connection_loss = False
+    app.tunefleet_settings = settings  # type: ignore[attr-defined]  # read by WorkerHeartbeat
+    app.steps["consumer"].add(WorkerHeartbeat)
     return app
 
 

@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from api import files as queries
 from api.deps import CurrentTenant, QueueDep, SessionDep, SettingsDep
+from api.errors import error_responses
+from api.responses import body_content
+from api.schemas.common import PageAfter, PageLimit
 from api.schemas.files import FileDeleted, FilePublic, FilesPublic
 from api.uploads import receive_upload
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
+# The body is read by api.uploads (streamed to disk with a size limit), not by FastAPI,
+# so the route declares it here.
+UPLOAD_BODY = {
+    "required": True,
+    "content": {"multipart/form-data": {"schema": {
+        "type": "object",
+        "required": ["purpose", "file"],
+        "properties": {
+            "purpose": {"type": "string", "enum": list(queries.PURPOSES)},
+            "file": {"type": "string", "format": "binary",
+                     "description": "JSONL training data, UTF-8, one example per line."},
+        },
+    }}},
+}
 
-@router.post("", response_model=FilePublic)
+
+@router.post("", response_model=FilePublic, openapi_extra={"requestBody": UPLOAD_BODY},
+             responses=error_responses(400, 401, 413))
 async def upload_file(
     request: Request, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
     queue: QueueDep,
@@ -38,8 +55,8 @@ async def upload_file(
 def list_files(
     session: SessionDep, tenant: CurrentTenant,
     purpose: str | None = None,
-    after: str | None = None,
-    limit: Annotated[int, Query()] = 20,
+    after: PageAfter = None,
+    limit: PageLimit = 20,
 ) -> FilesPublic:
     rows, has_more = queries.list_files(session, tenant, purpose=purpose, after=after, limit=limit)
     data = [FilePublic.of(r) for r in rows]
@@ -47,12 +64,16 @@ def list_files(
                        last_id=data[-1].id if data else None)
 
 
-@router.get("/{file_id}", response_model=FilePublic)
+@router.get("/{file_id}", response_model=FilePublic, responses=error_responses(404))
 def retrieve_file(file_id: str, session: SessionDep, tenant: CurrentTenant) -> FilePublic:
     return FilePublic.of(queries.get_file(session, tenant, file_id))
 
 
-@router.get("/{file_id}/content")
+@router.get("/{file_id}/content", response_class=Response, responses={
+    **body_content("application/jsonl", "text/csv",
+                   description="The file's bytes: an upload (JSONL) or a job's results (CSV)."),
+    **error_responses(404),
+})
 def file_content(
     file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
 ) -> StreamingResponse:
@@ -67,7 +88,7 @@ def file_content(
     )
 
 
-@router.delete("/{file_id}", response_model=FileDeleted)
+@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
 def delete_file(file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant) -> FileDeleted:
     queries.delete_file(session, tenant, file_id, store=request.app.state.file_store)
     return FileDeleted(id=file_id)

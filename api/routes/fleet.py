@@ -5,11 +5,14 @@ Thin wrappers over ``api.fleet`` (pools, estimates) and ``api.usage``.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from api import fleet
 from api import usage as usage_queries
 from api.deps import CurrentKey, CurrentTenant, SessionDep
+from api.errors import error_responses
 from api.schemas.fleet import (
     EstimatePublic,
     EstimateRequest,
@@ -19,6 +22,19 @@ from api.schemas.fleet import (
 )
 
 router = APIRouter(tags=["fleet"])
+
+# What api.usage.parse_time reads: Unix seconds (a decimal number) or an ISO 8601 date or
+# date-time (UTC without a zone). The pattern is checked before parsing, so the document
+# and the server agree on the syntax; a well-formed but impossible date is still a 400.
+TIME_PATTERN = (
+    r"^(?:[0-9]{1,12}(?:\.[0-9]{1,9})?"
+    r"|[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    r"(?:[T ][0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]{1,6})?)?(?:Z|[+-][0-9]{2}:[0-9]{2})?)?)$"
+)
+Time = Annotated[str | None, Query(
+    pattern=TIME_PATTERN, max_length=40,
+    description="Unix seconds (e.g. 1764423123) or ISO 8601 (2026-12-01, 2026-12-01T10:00:00Z).",
+)]
 
 
 @router.get("/v1/node_pools", response_model=NodePoolsPublic)
@@ -46,13 +62,15 @@ def estimate(
     return EstimatePublic.model_validate(result)
 
 
-@router.get("/v1/usage", response_model=UsagePublic)
+@router.get("/v1/usage", response_model=UsagePublic, responses=error_responses(403, 404))
 def usage(
     session: SessionDep,
     key: CurrentKey,
-    start: str | None = None,
-    end: str | None = None,
-    tenant: str | None = None,
+    start: Time = None,
+    end: Time = None,
+    tenant: Annotated[str | None, Query(
+        description="Admin keys: one tenant's usage (a tenant key may only name its own).",
+    )] = None,
 ) -> UsagePublic:
     """GPU-seconds and cost per pool in [start, end) (Unix seconds or ISO 8601); admins may pass
     ``tenant`` or get every tenant."""

@@ -1,4 +1,5 @@
-"""``/healthz`` (the process answers) and ``/readyz`` (database and broker reachable)."""
+"""``/healthz`` (the process answers) and ``/readyz`` (database and broker reachable, and a
+worker consuming: its heartbeat is fresh, see ``api.worker_heartbeat``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from api.schemas.health import HealthPublic, ReadinessPublic
+from api.settings import Settings
+from api.worker_heartbeat import check_worker
+
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=HealthPublic)
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
@@ -37,12 +42,24 @@ def _check_broker(url: str) -> str | None:
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-@router.get("/readyz")
+def _check_worker(settings: Settings) -> str | None:
+    try:
+        return check_worker(settings)
+    except Exception as exc:  # noqa: BLE001 - an unreadable heartbeat is a missing one
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+@router.get("/readyz", response_model=ReadinessPublic, responses={
+    503: {"model": ReadinessPublic, "description": "A dependency is unreachable (see checks)."},
+})
 async def readyz(request: Request) -> JSONResponse:
     settings = request.app.state.settings
     database = await run_in_threadpool(_check_database, request)
     broker = await run_in_threadpool(_check_broker, settings.resolved_broker_url)
-    checks: dict[str, Any] = {"database": database or "ok", "broker": broker or "ok"}
-    ready = database is None and broker is None
+    worker = await run_in_threadpool(_check_worker, settings) if broker is None else (
+        "not checked: the broker is unreachable")
+    checks: dict[str, Any] = {"database": database or "ok", "broker": broker or "ok",
+                              "worker": worker or "ok"}
+    ready = database is None and broker is None and worker is None
     return JSONResponse({"status": "ok" if ready else "unavailable", "checks": checks},
                         status_code=200 if ready else 503)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.routing import APIRoute
 
 from api import fleet
 from api import jobs as queries
 from api.deps import CurrentKey, CurrentTenant, QueueDep, SessionDep
-from api.errors import APIError
+from api.errors import APIError, error_responses
+from api.schemas.common import PageAfter, PageLimit
 from api.schemas.jobs import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -28,7 +29,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
 
 
-@router.post("", response_model=JobPublic)
+@router.post("", response_model=JobPublic, responses=error_responses(409))
 def create_job(
     body: JobCreate, request: Request, session: SessionDep, tenant: CurrentTenant,
     queue: QueueDep,
@@ -48,7 +49,8 @@ def create_job(
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     request: Request, session: SessionDep, tenant: CurrentTenant,
-    after: str | None = None, limit: int = 20, status: str | None = None,
+    after: PageAfter = None, limit: PageLimit = 20,
+    status: Annotated[str | None, Query(description="Only jobs in this status.")] = None,
 ) -> Response:
     """List jobs newest first; filter with ``metadata[key]=value`` (repeatable) and ``status``."""
     metadata: dict[str, str] = {}
@@ -75,30 +77,30 @@ def list_route() -> APIRoute:
     return next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is list_jobs)
 
 
-@router.get("/{job_id}", response_model=JobPublic)
+@router.get("/{job_id}", response_model=JobPublic, responses=error_responses(404))
 def retrieve_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobPublic:
     return JobPublic.of(queries.get_job(session, key, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=error_responses(404, 409))
 def cancel_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
     return JobPublic.of(queries.cancel_job(session, key, job_id, queue=queue))
 
 
-@router.post("/{job_id}/pause", response_model=JobPublic)
+@router.post("/{job_id}/pause", response_model=JobPublic, responses=error_responses(404, 409))
 def pause_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
     return JobPublic.of(queries.pause_job(session, key, job_id, queue=queue))
 
 
-@router.post("/{job_id}/resume", response_model=JobPublic)
+@router.post("/{job_id}/resume", response_model=JobPublic, responses=error_responses(404, 409))
 def resume_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
     return JobPublic.of(queries.resume_job(session, key, job_id, queue=queue))
 
 
-@router.get("/{job_id}/events", response_model=JobEventsPublic)
+@router.get("/{job_id}/events", response_model=JobEventsPublic, responses=error_responses(404))
 def list_events(
-    job_id: str, session: SessionDep, key: CurrentKey, after: str | None = None,
-    limit: int = 20,
+    job_id: str, session: SessionDep, key: CurrentKey, after: PageAfter = None,
+    limit: PageLimit = 20,
 ) -> JobEventsPublic:
     job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_events(session, job, after=after, limit=limit)
@@ -107,10 +109,11 @@ def list_events(
                            last_id=data[-1].id if data else None)
 
 
-@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
+@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic,
+            responses=error_responses(404))
 def list_checkpoints(
-    job_id: str, session: SessionDep, key: CurrentKey, after: str | None = None,
-    limit: int = 10,
+    job_id: str, session: SessionDep, key: CurrentKey, after: PageAfter = None,
+    limit: PageLimit = 10,
 ) -> CheckpointsPublic:
     job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_checkpoints(session, job, after=after, limit=limit)

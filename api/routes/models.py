@@ -11,7 +11,8 @@ from api.base_models import BaseModelEntry
 from api.db.base import to_unix
 from api.db.models import Job
 from api.deps import CurrentTenant, SessionDep
-from api.errors import not_found
+from api.errors import error_responses, not_found
+from api.schemas.models import ModelPublic, ModelsPublic
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -33,7 +34,7 @@ def _tenant_adapters(tenant_id: str):
     )
 
 
-@router.get("")
+@router.get("", response_model=ModelsPublic)
 def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
     started = request.app.state.started_at
     data = [_base(e, started) for e in request.app.state.base_models.values()]
@@ -41,7 +42,7 @@ def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) ->
     return {"object": "list", "data": data}
 
 
-@router.get("/{model_id:path}")
+@router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
 def retrieve_model(
     model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
 ) -> dict[str, Any]:

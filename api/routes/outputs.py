@@ -24,11 +24,13 @@ from sqlalchemy.orm import Session
 from api.artifacts import safe_key, store_for
 from api.db.models import Artifact, Job, JobEvent, JobMetric
 from api.deps import CurrentKey, SessionDep, SettingsDep
-from api.errors import APIError
+from api.errors import APIError, error_responses
 from api.jobs import get_job
 from api.logs import read_job_log
 from api.reports import is_inside, job_storage
+from api.responses import EventStreamResponse, OctetStreamResponse
 from api.schemas.jobs import JobEventPublic
+from api.schemas.outputs import ArtifactsPublic, MetricsPublic
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ def metric_dict(row: JobMetric) -> dict[str, Any]:
     return {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
 
 
-@router.get("/{job_id}/metrics")
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=error_responses(404))
 def list_metrics(
     job_id: str, session: SessionDep, key: CurrentKey,
     after: Annotated[int | None, Query(ge=-1, description="Last step already seen.")] = None,
@@ -61,7 +63,8 @@ def list_metrics(
             "last_step": data[-1]["step"] if data else None}
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+@router.get("/{job_id}/logs", response_class=PlainTextResponse,
+            responses=error_responses(404, 502))
 def job_logs(
     job_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep,
     tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
@@ -75,7 +78,8 @@ def _artifact_dict(row: Artifact) -> dict[str, Any]:
             "sha256": row.sha256}
 
 
-@router.get("/{job_id}/artifacts")
+@router.get("/{job_id}/artifacts", response_model=ArtifactsPublic,
+            responses=error_responses(404))
 def list_artifacts(job_id: str, session: SessionDep, key: CurrentKey) -> dict[str, Any]:
     job = get_job(session, key, job_id)
     rows = session.scalars(select(Artifact).where(Artifact.job_id == job.id).order_by(Artifact.name))
@@ -83,7 +87,10 @@ def list_artifacts(job_id: str, session: SessionDep, key: CurrentKey) -> dict[st
     return {"object": "list", "data": data, "has_more": False}
 
 
-@router.get("/{job_id}/artifacts/{name:path}")
+@router.get("/{job_id}/artifacts/{name:path}", response_class=OctetStreamResponse, responses={
+    307: {"description": "The artifact lives in S3: a presigned URL in `Location` (15 min)."},
+    **error_responses(404),
+})
 def download_artifact(
     job_id: str, name: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
 ) -> Response:
@@ -167,7 +174,8 @@ def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
     return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-@router.get("/{job_id}/stream")
+@router.get("/{job_id}/stream", response_class=EventStreamResponse,
+            responses=error_responses(404))
 async def stream_job(
     job_id: str, request: Request, session: SessionDep, key: CurrentKey,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,

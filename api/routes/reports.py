@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Depends, Header
 
 from api.deps import SessionDep, SettingsDep
 from api.reports import apply_report, authenticate_job
+from api.route_auth import job_token
 from api.schemas.reports import ReportAck, ReportBatchIn
 
 router = APIRouter(prefix="/internal/v1/jobs", tags=["internal"])
 
 
-@router.post("/{job_id}/reports", response_model=ReportAck)
+# job_token authenticates before the batch is validated (a 401 before any 400).
+@router.post("/{job_id}/reports", response_model=ReportAck, dependencies=[Depends(job_token)])
 def post_reports(
     job_id: str, batch: ReportBatchIn, session: SessionDep, settings: SettingsDep,
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,

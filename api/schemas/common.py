@@ -1,12 +1,25 @@
-"""Shapes shared by every entity: the OpenAI list envelope."""
+"""Shapes shared by every entity: the OpenAI list envelope and its query parameters."""
 
 from __future__ import annotations
 
-from typing import Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from fastapi import Query
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+from api.pagination import MAX_LIMIT
 
 T = TypeVar("T")
+
+
+def _whole_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# After ``Field(strict=True, ...)`` on an int: JSON has one number type and JSON Schema
+# counts 1.0 as an integer, so a strict integer field takes a whole float; strings and
+# booleans stay errors (strict), and so do 1.5, NaN and infinities.
+AcceptWholeFloats = BeforeValidator(_whole_number)
 
 
 class Strict(BaseModel):
@@ -23,3 +36,11 @@ class ListPublic(BaseModel, Generic[T]):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+
+# The query parameters of the newest-first lists (api.pagination.page_newest_first).
+PageLimit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Page size.")]
+PageAfter = Annotated[str | None, Query(
+    description="The id of the last object of the previous page; an id that is not in "
+    "this list is a 400 invalid_cursor.",
+)]

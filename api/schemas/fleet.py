@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from api.schemas.common import ListPublic
+from api.schemas.common import AcceptWholeFloats, ListPublic
 from api.schemas.jobs import JobCreate
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -21,8 +21,8 @@ class EstimateRequest(JobCreate):
     """The job-creation body; ``training_file`` optional, plus ``n_examples``/``total_tokens``."""
 
     training_file: FileId | None = None  # type: ignore[assignment]
-    n_examples: Annotated[int, Field(strict=True, ge=1, le=100_000_000)] | None = None
-    total_tokens: Annotated[int, Field(strict=True, ge=1, le=10**15)] | None = None
+    n_examples: Annotated[int, Field(strict=True, ge=1, le=100_000_000), AcceptWholeFloats] | None = None
+    total_tokens: Annotated[int, Field(strict=True, ge=1, le=10**15), AcceptWholeFloats] | None = None
 
 
 class NodeView(BaseModel):

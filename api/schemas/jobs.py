@@ -19,26 +19,26 @@ from pydantic_core import to_json
 
 from api.db.base import to_unix
 from api.db.models import Checkpoint, Job, JobEvent
-from api.schemas.common import ListPublic, Strict
+from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
 from scheduling.priorities import priority_value
 from trainers.spec import DEFAULT_TARGET_MODULES
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Auto = Literal["auto"]
-PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1), AcceptWholeFloats]
 
 
 class Hyperparameters(Strict):
     """OpenAI's three (each a value or "auto") plus optional expert settings."""
 
-    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50)] = "auto"
-    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=1024)] = "auto"
+    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), AcceptWholeFloats] = "auto"
+    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = "auto"
     learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=50)] = "auto"
     learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
     micro_batch_size: PositiveInt | None = None
     lr_scheduler: Literal["cosine", "linear", "constant"] | None = None
-    warmup_steps: Annotated[int, Field(strict=True, ge=0)] | None = None
+    warmup_steps: Annotated[int, Field(strict=True, ge=0), AcceptWholeFloats] | None = None
     weight_decay: Annotated[float, Field(ge=0, le=1)] | None = None
     max_grad_norm: Annotated[float, Field(gt=0)] | None = None
     max_steps: PositiveInt | None = None
@@ -67,7 +67,7 @@ class Adapter(Strict):
     """LoRA adapter; QLoRA = LoRA on a 4-bit base (``quantization`` nf4 or hqq4)."""
 
     method: Literal["lora", "qlora"] = "lora"
-    r: Annotated[int, Field(strict=True, ge=1, le=1024)] = 8
+    r: Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = 8
     alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[Literal[TARGET_MODULES]] = Field(  # type: ignore[valid-type]
@@ -96,7 +96,7 @@ class Adapter(Strict):
 
 class Placement(Strict):
     pool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
-    gpus: Annotated[int, Field(strict=True, ge=1, le=4096)] | None = None
+    gpus: Annotated[int, Field(strict=True, ge=1, le=4096), AcceptWholeFloats] | None = None
 
 
 class EvalSettings(Strict):
@@ -142,17 +142,17 @@ class JobCreate(Strict):
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
     suffix: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
-    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1), AcceptWholeFloats] | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     integrations: list[Integration] | None = Field(default=None, max_length=5)
     # extensions
     adapter: Adapter = Adapter()
     trainer: Literal["auto", "jax", "jax_lora", "fsdp_qlora"] = "auto"
     placement: Placement = Placement()
-    priority: Literal["low", "normal", "high"] | Annotated[int, Field(strict=True, ge=0, le=100)] = (
+    priority: Literal["low", "normal", "high"] | Annotated[int, Field(strict=True, ge=0, le=100), AcceptWholeFloats] = (
         "normal"
     )
-    max_seq_len: Annotated[int, Field(strict=True, ge=8, le=1_048_576)] | None = None
+    max_seq_len: Annotated[int, Field(strict=True, ge=8, le=1_048_576), AcceptWholeFloats] | None = None
     packing: Annotated[bool, Field(strict=True)] = False
     eval: EvalSettings = EvalSettings()
 

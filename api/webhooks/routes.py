@@ -15,9 +15,10 @@ from sqlalchemy import select
 
 from api.db.base import utcnow
 from api.deps import CurrentTenant, SessionDep, SettingsDep
-from api.errors import APIError, not_found
+from api.errors import APIError, error_responses, not_found
 from api.ids import new_id
 from api.pagination import page_newest_first
+from api.schemas.common import PageAfter, PageLimit
 from api.webhooks.config import get_webhook_settings
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 from api.webhooks.schemas import (
@@ -66,8 +67,8 @@ def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTena
 
 
 @router.get("", response_model=WebhooksPublic)
-def list_webhooks(session: SessionDep, tenant: CurrentTenant, limit: int = 20,
-                  after: str | None = None) -> WebhooksPublic:
+def list_webhooks(session: SessionDep, tenant: CurrentTenant, limit: PageLimit = 20,
+                  after: PageAfter = None) -> WebhooksPublic:
     query = select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant.id,
                                           WebhookEndpoint.deleted_at.is_(None))
     rows, has_more = page_newest_first(session, query, WebhookEndpoint, after=after, limit=limit)
@@ -76,12 +77,12 @@ def list_webhooks(session: SessionDep, tenant: CurrentTenant, limit: int = 20,
                           last_id=data[-1].id if data else None)
 
 
-@router.get("/{endpoint_id}", response_model=WebhookPublic)
+@router.get("/{endpoint_id}", response_model=WebhookPublic, responses=error_responses(404))
 def get_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookPublic:
     return WebhookPublic.of(_get_endpoint(session, tenant.id, endpoint_id))
 
 
-@router.patch("/{endpoint_id}", response_model=WebhookPublic)
+@router.patch("/{endpoint_id}", response_model=WebhookPublic, responses=error_responses(404))
 def update_webhook(endpoint_id: str, body: WebhookUpdate, session: SessionDep,
                    tenant: CurrentTenant) -> WebhookPublic:
     row = _get_endpoint(session, tenant.id, endpoint_id)
@@ -97,7 +98,7 @@ def update_webhook(endpoint_id: str, body: WebhookUpdate, session: SessionDep,
     return WebhookPublic.of(row)
 
 
-@router.delete("/{endpoint_id}", response_model=WebhookDeleted)
+@router.delete("/{endpoint_id}", response_model=WebhookDeleted, responses=error_responses(404))
 def delete_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookDeleted:
     row = _get_endpoint(session, tenant.id, endpoint_id)
     # Soft delete: the delivery log stays readable to operators; pending ones stop.
@@ -107,7 +108,7 @@ def delete_webhook(endpoint_id: str, session: SessionDep, tenant: CurrentTenant)
     return WebhookDeleted(id=row.id)
 
 
-@router.post("/{endpoint_id}/rotate_secret", response_model=WebhookPublic)
+@router.post("/{endpoint_id}/rotate_secret", response_model=WebhookPublic, responses=error_responses(404))
 def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
                   body: RotateSecret | None = None) -> WebhookPublic:
     """New secret now; the old one keeps signing (a second signature) for the grace period,
@@ -124,9 +125,9 @@ def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, 
     return WebhookPublic.of(row, secret=secret)
 
 
-@router.get("/{endpoint_id}/deliveries", response_model=DeliveriesPublic)
-def list_deliveries(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, limit: int = 20,
-                    after: str | None = None) -> DeliveriesPublic:
+@router.get("/{endpoint_id}/deliveries", response_model=DeliveriesPublic, responses=error_responses(404))
+def list_deliveries(endpoint_id: str, session: SessionDep, tenant: CurrentTenant,
+                    limit: PageLimit = 20, after: PageAfter = None) -> DeliveriesPublic:
     _get_endpoint(session, tenant.id, endpoint_id)
     query = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)
     rows, has_more = page_newest_first(session, query, WebhookDelivery, after=after, limit=limit)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, Field, StrictBool, StringConstraints
 
 from api.db.base import to_unix
-from api.schemas.common import ListPublic, Strict
+from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
 from api.webhooks.events import EVENT_TYPES
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 
@@ -21,18 +21,18 @@ class WebhookCreate(Strict):
     events: list[EventType] = Field(default_factory=list, max_length=len(EVENT_TYPES),
                                     description="Event types to receive; empty = all.")
     description: Description | None = None
-    enabled: bool = True
+    enabled: StrictBool = True
 
 
 class WebhookUpdate(Strict):
     url: Url | None = None
     events: list[EventType] | None = None
     description: Description | None = None
-    enabled: bool | None = None
+    enabled: StrictBool | None = None
 
 
 class RotateSecret(Strict):
-    grace_period_s: Annotated[int, Field(strict=True, ge=0, le=7 * 86400)] | None = Field(
+    grace_period_s: Annotated[int, Field(strict=True, ge=0, le=7 * 86400), AcceptWholeFloats] | None = Field(
         default=None, description="Seconds the old secret keeps signing (default 24 h)."
     )
 

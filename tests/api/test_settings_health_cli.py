@@ -60,10 +60,27 @@ def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:
 
 
 def test_health(client, settings) -> None:
+    from api.worker_heartbeat import beat
+
     assert client.get("/healthz").json() == {"status": "ok"}
+    beat(settings)  # what a running worker's consumer does every 10 s
     ready = client.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"database": "ok", "broker": "ok", "worker": "ok"}
     assert client.get("/openapi.json").json()["info"]["title"] == "tunefleet"
+
+
+def test_readyz_503_without_a_live_worker(client, settings) -> None:
+    import time
+
+    from api.worker_heartbeat import STALE_AFTER_S, beat
+
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["worker"].startswith("no worker")
+    beat(settings, now=time.time() - STALE_AFTER_S - 5)  # the worker stopped a while ago
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and "no worker heartbeat for" in ready.json()["checks"]["worker"]
+    assert ready.json()["checks"]["database"] == "ok"
 
 
 def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:

@@ -1,0 +1,44 @@
+"""Schemas of what a job produces: metric rows and output files (``api/routes/outputs.py``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class MetricPublic(BaseModel):
+    object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
+    step: int
+    total_steps: int | None
+    epoch: float | None
+    train_loss: float | None
+    valid_loss: float | None
+    token_accuracy: float | None
+    valid_token_accuracy: float | None
+    learning_rate: float | None
+    grad_norm: float | None
+    tokens_per_s: float | None
+    tokens_seen: int | None
+    memory_bytes: int | None
+    time: float | None
+
+
+class MetricsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MetricPublic]
+    has_more: bool
+    last_step: int | None = Field(description="The cursor for the next page (``after``).")
+
+
+class ArtifactPublic(BaseModel):
+    object: Literal["fine_tuning.job.artifact"] = "fine_tuning.job.artifact"
+    name: str
+    bytes: int
+    sha256: str
+
+
+class ArtifactsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ArtifactPublic]
+    has_more: bool = False
