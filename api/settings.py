@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     secret_key: SecretStr | None = Field(default=None, description="Default: generated file.")
     admin_api_key: SecretStr | None = None
+    # Bearer token Prometheus sends to GET /metrics (api/observability/metrics.py reads the
+    # same variable); unset leaves /metrics open, which production refuses.
+    metrics_token: SecretStr | None = None
     public_url: str = "http://127.0.0.1:8000"
     executor: Literal["local", "kubernetes"] = "local"
     node_pools_file: Path | None = None
@@ -151,6 +154,11 @@ class Settings(BaseSettings):
             problems.append(
                 "TUNEFLEET_ADMIN_API_KEY must look like tf_<8 characters>_<32 characters> "
                 "(`tunefleet admin create-key` prints one)"
+            )
+        if self.metrics_token is None or len(self.metrics_token.get_secret_value()) < 16:
+            problems.append(
+                "TUNEFLEET_METRICS_TOKEN must be set in production (at least 16 characters): "
+                "/metrics names every job and tenant"
             )
         if _webhooks_allow_private():
             problems.append(

@@ -16,6 +16,7 @@ SAFE = {
     "database_url": "postgresql://tf:pw@db:5432/tunefleet",
     "broker_url": "redis://redis:6379/0",
     "secret_key": "kG3v9QzL1pW7xR2tY8uN4mB6cD0fH5jS",
+    "metrics_token": "scrape-token-9Qz2Lp7W",
     "public_url": "https://tunefleet.example.com",
     "executor": "kubernetes",
 }

@@ -275,6 +275,7 @@ def test_secret_values_are_stored_and_the_secret_key_is_generated():
     assert data["database-url"] == values["database"]["url"]
     assert data["broker-url"] == values["broker"]["url"]
     assert len(data["secret-key"]) == 64 and data["secret-key"].isalnum()
+    assert len(data["metrics-token"]) == 48 and data["metrics-token"].isalnum()  # production needs it
     s3 = one(docs, "Secret", f"{FULL}-s3")["data"]
     assert (
         base64.b64decode(s3["AWS_ACCESS_KEY_ID"]).decode()
@@ -304,7 +305,7 @@ def test_external_s3_and_existing_secrets():
         "@sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"
     )
     # Only the auth keys given by value are in the chart's Secret.
-    assert set(one(docs, "Secret", FULL)["data"]) == {"secret-key", "admin-api-key"}
+    assert set(one(docs, "Secret", FULL)["data"]) == {"secret-key", "metrics-token", "admin-api-key"}
     ingress = one(docs, "Ingress", f"{FULL}-api")
     assert ingress["spec"]["tls"][0]["secretName"] == "tunefleet-tls"
 

@@ -2,7 +2,8 @@
 
 The probe: a 32-character secret of ``changeme`` four times passed; a public URL on
 127.0.0.2 was not seen as loopback; ``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true`` passed; an
-admin key that is not shaped ``tf_<8>_<32>`` was accepted but could never authenticate.
+admin key that is not shaped ``tf_<8>_<32>`` was accepted but could never authenticate;
+``/metrics`` was open in production (no scrape token required).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SAFE = {
     "public_url": "https://tunefleet.example.com",
     "executor": "kubernetes",
     "admin_api_key": f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}",
+    "metrics_token": secrets.token_urlsafe(24),
 }
 
 
@@ -45,6 +47,8 @@ def test_real_production_settings_pass() -> None:
     ({"public_url": "http://api.localhost:8000"}, "TUNEFLEET_PUBLIC_URL"),
     ({"admin_api_key": "x" * 40}, "TUNEFLEET_ADMIN_API_KEY"),
     ({"admin_api_key": f"tf_{secrets.token_hex(4)}_{secrets.token_hex(8)}"}, "TUNEFLEET_ADMIN_API_KEY"),
+    ({"metrics_token": None}, "TUNEFLEET_METRICS_TOKEN"),  # /metrics would be open
+    ({"metrics_token": "short"}, "TUNEFLEET_METRICS_TOKEN"),
 ])
 def test_production_refuses(change: dict, needle: str) -> None:
     with pytest.raises(ValidationError, match=needle):

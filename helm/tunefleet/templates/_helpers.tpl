@@ -156,6 +156,12 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
       name: {{ include "tunefleet.authSecret" . }}
       key: admin-api-key
       optional: true
+- name: TUNEFLEET_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tunefleet.authSecret" . }}
+      key: metrics-token
+      optional: true
 {{- with include "tunefleet.s3Secret" . }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
