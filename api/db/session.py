@@ -4,7 +4,7 @@ SQLite is tuned for several processes (API, worker, scheduler) sharing one file:
 journal, a busy timeout instead of immediate "database is locked" errors, and foreign
 keys on (SQLite leaves them off by default).
 
-PostgreSQL connections are pooled without a "pre-ping" per checkout (see ``get_engine``).
+Every engine "pre-pings" a pooled connection when it is checked out (see ``get_engine``).
 JSON columns are parsed by pydantic-core's parser on both databases (``_json_loads``):
 the stdlib parser dominated the CPU time of listing jobs.
 """
@@ -60,17 +60,16 @@ def get_engine(url: str) -> Engine:
     with _lock:
         engine = _engines.get(url)
         if engine is None:
+            # pool_pre_ping: a pooled connection is tested (a trivial round trip) when it
+            # is checked out and replaced if the server closed it. Without it the first
+            # requests after a database restart (or a proxy dropping idle connections)
+            # got a dead connection and answered 500; recycling alone cannot know.
             if url.startswith("sqlite"):
                 engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 15},
-                                       json_deserializer=_json_loads)
+                                       json_deserializer=_json_loads, pool_pre_ping=True)
                 event.listen(engine, "connect", _sqlite_pragmas)
             else:
-                # No pool_pre_ping: it costs a round trip on every checkout, i.e. on every
-                # request. Connections are recycled before server/proxy idle timeouts
-                # instead, and a connection found dead mid-request invalidates the whole
-                # pool (SQLAlchemy's disconnect handling), so after a database restart
-                # only the requests already holding a stale connection fail (once).
-                engine = create_engine(url, pool_size=10, max_overflow=20,
+                engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True,
                                        pool_recycle=POOL_RECYCLE_S, pool_use_lifo=True)
                 if engine.dialect.driver == "psycopg":
                     event.listen(engine, "connect", _psycopg_fast_json)
