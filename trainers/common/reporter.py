@@ -18,6 +18,11 @@ Delivery guarantees, and how:
 - Transport errors and 5xx/408/429 answers are retried with exponential backoff (capped).
   Other 4xx (wrong token, job gone) cannot succeed by retrying: the reporter stops
   sending, keeps the spool, and exposes the answer in ``rejected``.
+- ``checkpoint()`` spools its item, and every item queued before it, before it returns:
+  a trainer killed right after saving a checkpoint (it resumes from it) must not lose
+  the checkpoint's listing or the metric steps that led to it, which otherwise wait in
+  memory for the next tick. The resumed run's reporter finds them in the spool and
+  sends them first.
 - ``close()`` forms a last batch and tries to deliver everything within a deadline;
   what is left stays spooled.
 
@@ -107,6 +112,8 @@ class Reporter:
             self._local_path.parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="reporter", daemon=True)
         self._thread.start()
+        if self._has_undelivered():
+            self._wake.set()  # a previous run's batches (e.g. killed after a checkpoint)
 
     # ---- items -------------------------------------------------------------------------
 
@@ -128,7 +135,15 @@ class Reporter:
         self.add({"type": "event", "level": level, "message": message, "data": data or {}})
 
     def checkpoint(self, step: int, location: str, metrics: dict[str, Any]) -> None:
+        """Report a saved checkpoint; returns once it and everything before it is spooled.
+
+        Raises:
+            OSError: the spool could not be written; training must not go on past a
+                checkpoint whose report could be lost.
+        """
         self.add({"type": "checkpoint", "step": step, "location": location, "metrics": metrics})
+        self._form_batches()  # on disk (fsynced) now, not at the next tick
+        self._wake.set()  # and sent now, not at the next tick
 
     def artifacts(self, location: str, files: list[dict[str, Any]]) -> None:
         self.add({"type": "artifacts", "location": location, "files": files})
