@@ -19,10 +19,8 @@ observation while it is fresh (``capacity_source: "cluster"``, with ``observed_a
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -40,7 +38,7 @@ from api.schemas.fleet import EstimateRequest
 from api.settings import Settings
 from api.usage import to_timestamp
 from scheduling.capacity import CapacitySnapshot, HeldGpus
-from scheduling.estimator import HEADROOM, KNOWN_MODELS, EstimateError, ModelShape, PoolEstimate
+from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate, base_model_shape
 from scheduling.placement import (
     Placement,
     PreemptionPolicy,
@@ -172,31 +170,6 @@ def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dic
 # ---- from a job (or a job-shaped body) to what the scheduler sees ----------------------
 
 
-def model_shape(entry: BaseModelEntry) -> tuple[ModelShape, str]:
-    """The base model's shape and where it came from.
-
-    Same rule as the scheduler (``worker.scheduler.store.model_shape``): the local
-    ``config.json`` when there is one, else the known model nearest in ``params_b``.
-    """
-    config = Path(entry.path) / "config.json"
-    if not entry.path.startswith("s3://") and config.is_file():
-        try:
-            data = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise EstimateError(f"cannot read {config}: {exc}", "model_config_unavailable") from exc
-        return ModelShape.from_hf_config(data), "config.json"
-    if entry.params_b:
-        name, shape = min(
-            KNOWN_MODELS.items(), key=lambda kv: abs(kv[1].params / 1e9 - entry.params_b)
-        )
-        return shape, f"nearest known model {name} (params_b {entry.params_b:g})"
-    raise EstimateError(
-        f"cannot read the config of base model {entry.id!r} at {entry.path}, "
-        "and it declares no params_b",
-        "model_config_unavailable",
-    )
-
-
 def _estimable(hyperparameters: dict[str, Any]) -> dict[str, Any]:
     """The hyperparameters with the micro batch a given batch size resolves to (the
     ``"auto"`` rule of ``api.hyperparameters``), so an estimate before the training file
@@ -230,7 +203,7 @@ def job_request(
     priority: int,
     total_tokens: int | None,
 ) -> EstimateInput:
-    shape, source = model_shape(entry)
+    shape, source = base_model_shape(entry.path, entry.params_b, model_id=entry.id)
     # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
     # scheduler does for the queued job.
     req = request_from_job(

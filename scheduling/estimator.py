@@ -424,6 +424,31 @@ def tokens_per_second(m: ModelShape, t: TrainingShape, pool: NodePool, gpus: int
     return gpus * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t)
 
 
+def base_model_shape(path: str, params_b: float | None, *, model_id: str) -> tuple[ModelShape, str]:
+    """A base model's shape and where it came from: its local ``config.json``, else (an
+    ``s3://`` model, or one not downloaded here) the known model nearest in ``params_b``.
+
+    The API's estimates and the scheduler's placements both ask here. A config that cannot
+    be read is an ``EstimateError`` (``model_config_unavailable``), so one broken model
+    makes its jobs wait with that reason and never stops a cycle for the others.
+    """
+    config = Path(path) / "config.json"
+    if not path.startswith("s3://") and config.is_file():
+        try:
+            return ModelShape.from_hf_config(json.loads(config.read_text(encoding="utf-8"))), "config.json"
+        except EstimateError:
+            raise
+        except (OSError, ValueError, TypeError) as exc:
+            raise EstimateError(f"cannot read {config}: {exc}", "model_config_unavailable") from exc
+    if params_b:
+        name, shape = min(KNOWN_MODELS.items(), key=lambda kv: abs(kv[1].params / 1e9 - params_b))
+        return shape, f"nearest known model {name} (params_b {params_b:g})"
+    raise EstimateError(
+        f"cannot read the config of base model {model_id!r} at {path}, and it declares no params_b",
+        "model_config_unavailable",
+    )
+
+
 def candidate_gpu_counts(pool: NodePool) -> list[int]:
     """GPU counts a gang may have on a pool: powers of two within a node, then whole nodes."""
     counts: list[int] = []

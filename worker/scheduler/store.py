@@ -22,8 +22,6 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import bindparam, insert, or_, select, update
@@ -40,7 +38,7 @@ from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, event_values, lock_job, transition
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot
-from scheduling.estimator import KNOWN_MODELS, EstimateError, ModelShape, candidate_gpu_counts
+from scheduling.estimator import EstimateError, ModelShape, base_model_shape, candidate_gpu_counts
 from scheduling.pools import NodePool
 from scheduling.request import JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment
@@ -66,26 +64,6 @@ class JobHandle:
     id: str
     tenant_id: str
     priority: int
-
-
-@lru_cache(maxsize=256)
-def _shape_from_dir(path: str) -> ModelShape:
-    return ModelShape.from_pretrained_dir(path)
-
-
-def model_shape(path: str, params_b: float | None) -> ModelShape:
-    """The base model's shape: its local config.json, else the known model nearest in size."""
-    if not path.startswith("s3://") and (Path(path) / "config.json").is_file():
-        try:
-            return _shape_from_dir(path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # A broken config must make this one job wait with a reason, never stop the
-            # cycle for every other job.
-            raise EstimateError(f"cannot read the base model config at {path}: {exc}",
-                                "model_config_unavailable") from exc
-    if params_b:
-        return min(KNOWN_MODELS.values(), key=lambda m: abs(m.params / 1e9 - params_b))
-    raise EstimateError(f"cannot read the base model config at {path}", "model_config_unavailable")
 
 
 class DbStore:
@@ -130,7 +108,7 @@ class DbStore:
             raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
         if job.model not in shapes:
             try:
-                shapes[job.model] = model_shape(entry.path, entry.params_b)
+                shapes[job.model] = base_model_shape(entry.path, entry.params_b, model_id=job.model)[0]
             except EstimateError as exc:
                 shapes[job.model] = exc
         shape = shapes[job.model]
