@@ -70,6 +70,9 @@ def settings(settings, tmp_path: Path):
     llama8 = tmp_path / "models" / "llama-8b"
     llama8.mkdir(parents=True)
     (llama8 / "config.json").write_text(json.dumps(LLAMA_8B_CONFIG))
+    broken = tmp_path / "models" / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[]")  # valid JSON, not a config
     pools = tmp_path / "node_pools.yaml"
     pools.write_text(POOLS_YAML)
     models = tmp_path / "base_models.yaml"
@@ -80,6 +83,7 @@ def settings(settings, tmp_path: Path):
         "  - {id: llama-70b, path: 's3://models/llama-3.1-70b', params_b: 70.6, max_seq_len: 8192}\n"
         "  - {id: llama-405b, path: 's3://models/llama-3.1-405b', params_b: 405, max_seq_len: 8192}\n"
         "  - {id: mystery, path: 's3://models/mystery', max_seq_len: 2048}\n"
+        f"  - {{id: broken, path: '{broken}', params_b: 8.0, max_seq_len: 2048}}\n"
     )
     return make_settings(
         settings.data_path,
@@ -320,6 +324,7 @@ def test_bad_input_is_400_with_the_param(client, tenant_key, processed_file) -> 
     cases = [
         ({"model": "nope"}, "invalid_model", "model"),
         ({"model": "mystery"}, "model_config_unavailable", "model"),
+        ({"model": "broken"}, "model_config_unavailable", "model"),
         ({"model": "llama-8b", "adapter": {"r": 0}}, "invalid_request", "adapter.r"),
         ({"model": "llama-8b", "n_examples": 0}, "invalid_request", "n_examples"),
         ({"model": "llama-8b", "max_seq_len": 9000}, "invalid_request", "max_seq_len"),
