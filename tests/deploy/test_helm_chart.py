@@ -372,6 +372,23 @@ def test_pdbs_and_network_policies():
     assert control["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in control["spec"]
 
 
+def test_trainer_pods_connect_out_only_to_the_api_dns_their_gang_and_the_store():
+    docs = rendered_docs("external-s3")
+    trainers = one(docs, "NetworkPolicy", f"{FULL}-trainers")["spec"]
+    assert trainers["policyTypes"] == ["Ingress", "Egress"]
+    egress = trainers["egress"]
+    to_api, to_dns, to_gang, to_public = egress[0], egress[1], egress[2], egress[3]
+    assert to_api["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "api"
+    assert to_api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert to_dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert {p["port"] for p in to_dns["ports"]} == {53}
+    assert to_gang == {"to": [{"podSelector": {}}]}
+    block = to_public["to"][0]["ipBlock"]
+    assert block["cidr"] == "0.0.0.0/0" and {"169.254.0.0/16", "10.0.0.0/8", "100.64.0.0/10"} <= set(block["except"])
+    assert to_public["ports"] == [{"port": 443, "protocol": "TCP"}]
+    assert len(egress) == 4  # nothing else: no database, broker or metadata address
+
+
 def test_notes_warn_when_the_database_is_missing():
     notes = render({})["tunefleet/templates/NOTES.txt"]
     assert "ACTION NEEDED: no database is configured" in notes

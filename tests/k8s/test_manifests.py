@@ -78,3 +78,16 @@ def test_names_are_dns_labels_and_distinct_per_case_and_attempt():
     a, b = resource_name("ftjob-AbC"), resource_name("ftjob-abc")
     assert a != b and a == a.lower() and len(resource_name("ftjob-" + "Z" * 60, 999)) <= 50
     assert resource_name("ftjob-AbC", 2) != a
+
+
+def test_trainer_pods_hold_no_cluster_credentials_and_no_privileges():
+    m = _all(rtx4090(), "fsdp_qlora", 1, 1)
+    pod = m.job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                            "capabilities": {"drop": ["ALL"]}}
+    other = _all(rtx4090(), "fsdp_qlora", 1, 1).job
+    other["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] = False
+    assert pod["securityContext"]["runAsNonRoot"] is True  # each render gets its own copy

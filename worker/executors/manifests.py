@@ -17,6 +17,7 @@ and watch them by selector. Rendered dicts are validated against the Kubernetes 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -40,6 +41,13 @@ SPEC_FILE = f"{SPEC_MOUNT}/spec.json"
 TERMINATION_LOG = "/dev/termination-log"
 TOKEN_ENV = "TUNEFLEET_REPORT_TOKEN"
 JAX_PORT = 8476
+# Trainers run tenant data through third-party libraries: as a non-root user (the trainer
+# images' USER 10001), without privilege escalation or Linux capabilities, under the
+# runtime's default seccomp profile. GPUs come through the device plugin, which needs none.
+POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
+}
 TORCH_PORT = 29500
 
 
@@ -174,6 +182,7 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
         ],
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -184,6 +193,9 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}},
         ],
         "terminationGracePeriodSeconds": opts.termination_grace_period_s,
+        # The trainer talks to the API with its job token only: no Kubernetes credentials.
+        "automountServiceAccountToken": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
