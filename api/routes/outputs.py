@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -170,6 +171,18 @@ def _poll(session_factory: Any, job_id: str, cursor: tuple[int, int]) -> tuple[l
         session.close()
 
 
+async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:
+    """Set ``gone`` once the client disconnects, by reading the ASGI channel until it says so.
+
+    ``request.is_disconnected()`` only peeks (it cancels its read at once), so on a server
+    whose disconnect message takes a moment to arrive it never saw one and the stream
+    kept polling and writing for a client that had left, until its job ended.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
 def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
     return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -190,21 +203,27 @@ async def stream_job(
     async def messages() -> AsyncIterator[str]:
         cursor = _parse_cursor(last_event_id)
         idle = 0.0
-        yield "retry: 2000\n\n"
-        while True:
-            batch, cursor, done = await run_in_threadpool(_poll, factory, job.id, cursor)
-            for message in batch:
-                yield message
-            if done:
-                yield _sse("end", {"id": job.id}, f"{cursor[0]}.{cursor[1]}")
-                return
-            if await request.is_disconnected():
-                return
-            idle = 0.0 if batch else idle + POLL_S
-            if idle >= HEARTBEAT_S:
-                idle = 0.0
-                yield ": keep-alive\n\n"
-            await asyncio.sleep(POLL_S)
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            yield "retry: 2000\n\n"
+            while not gone.is_set():
+                batch, cursor, done = await run_in_threadpool(_poll, factory, job.id, cursor)
+                if gone.is_set():
+                    return
+                for message in batch:
+                    yield message
+                if done:
+                    yield _sse("end", {"id": job.id}, f"{cursor[0]}.{cursor[1]}")
+                    return
+                idle = 0.0 if batch else idle + POLL_S
+                if idle >= HEARTBEAT_S:
+                    idle = 0.0
+                    yield ": keep-alive\n\n"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gone.wait(), POLL_S)  # the poll interval, or less
+        finally:
+            watcher.cancel()
 
     return StreamingResponse(messages(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
