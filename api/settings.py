@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=512 * MiB, ge=1)
     # Every other request body (JSON, forms, trainer reports), checked before routing.
     max_request_bytes: int = Field(default=8 * MiB, ge=1024)
+    # An upload still not validated this long after it arrived (its task was lost or keeps
+    # failing) is failed with validation_failed, and so are the jobs waiting for it.
+    file_validation_deadline_s: float = Field(default=15 * 60, gt=0)
     # Used by the Kubernetes executor (worker/executors/kubernetes.py).
     k8s_namespace: str = "tunefleet-training"
     kueue_queue: str | None = None

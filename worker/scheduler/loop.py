@@ -121,6 +121,8 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
         if started - last_sweep >= WEBHOOK_SWEEP_INTERVAL_S:
             # Re-send webhook deliveries left pending by a lost task (at-least-once delivery).
             queue.send("tunefleet.sweep_webhooks")
+            # Fail uploads whose validation never finished, and the jobs waiting for them.
+            queue.send("tunefleet.sweep_stale_validations")
             last_sweep = started
         try:
             result = run_once(components)
