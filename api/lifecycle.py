@@ -35,6 +35,7 @@ from api.db.models import TERMINAL_STATUSES, Job, JobEvent
 from api.db.session import begin_write
 from api.errors import APIError
 from api.ids import new_id
+from scheduling.usage import close_segment
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,11 @@ def transition(
         if not hasattr(Job, name):
             raise TypeError(f"Job has no column {name!r}")
         setattr(job, name, value)
+    if from_status == "running" and to != "running" and "usage" not in changes and job.usage:
+        # GPUs are held only while running: whoever moves the job out (a cancel or pause
+        # through the API, a report, an executor) ends its usage segment here, so none
+        # stays open and every run is billed.
+        job.usage = close_segment(job.usage, now=now.timestamp())
     job.status = to
     if to == "running" and job.started_at is None:
         job.started_at = now

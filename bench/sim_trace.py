@@ -27,7 +27,7 @@ on MI300X, fsdp_qlora on RTX 4090); an HQQ or double-quantized base would be 409
 - ours: ``plan_cycle`` every simulated minute (priority, fair share, estimator-sized
   gangs, cost-aware pool choice, backfill with a reservation, preemption with a 60 s
   checkpoint); after an OOM the job is pinned to the next larger GPU count of its pool,
-  as the service does (``worker.scheduler.store.requeue_after_oom``).
+  as the service does (``worker.outcomes.requeue_after_oom``).
 - FIFO first-fit: strict arrival order, the head blocks the queue; the first pool (in
   config order) with a trainer that can run the job (``trainer_for``, as for ours) and a
   free gang of the *naive* size (weights only: parameters x bytes per parameter / GPU

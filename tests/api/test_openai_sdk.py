@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
-from types import SimpleNamespace
 
 import openai
 import pytest
 from openai import OpenAI
 
-from api.artifacts import file_store
 from tests.api.conftest import chat_lines, start_running
 from worker.executors.local_process import TrainerOutcome
-from worker.tasks.jobs import _finish
+from worker.tasks.jobs import finish
 
 
 @pytest.fixture
@@ -85,8 +83,7 @@ def test_openai_sdk_reads_the_results_file_of_a_succeeded_job(sdk, client, db_se
     client.post(f"/internal/v1/jobs/{job.id}/reports", headers={"Authorization": f"Bearer {token}"},
                 json={"seq": 1, "items": metrics})
     # The local executor's task records the trainer's success.
-    assert _finish(settings.resolved_database_url, job.id, SimpleNamespace(output_dir=str(tmp_path)),
-                   TrainerOutcome(0), None, files=file_store(settings)) == "succeeded"
+    assert finish(settings, job.id, str(tmp_path), TrainerOutcome(0), None) == "succeeded"
 
     done = oai.fine_tuning.jobs.retrieve(job.id)
     assert done.status == "succeeded" and len(done.result_files) == 1

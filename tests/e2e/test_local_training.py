@@ -178,6 +178,12 @@ def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path,
         events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
         assert any("succeeded" in m.lower() for m in events)
 
+        # The run held its slot from admission to its end: one closed usage segment, billed.
+        segments = job["usage"]["segments"]
+        assert len(segments) == 1 and segments[0]["end"] is not None, job["usage"]
+        assert job["usage"]["gpu_seconds"] > 0, job["usage"]
+        assert http.get("/usage").json()["gpu_seconds"] >= job["usage"]["gpu_seconds"]
+
         adapter_dir = tmp_path / "adapter"
         adapter_dir.mkdir()
         download_adapter(http, job["id"], adapter_dir)
@@ -294,3 +300,39 @@ def test_cancel_a_running_job_keeps_its_checkpoint_and_ends_the_process(service)
     ckpt_dir = svc.data_dir / "jobs" / job["id"] / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.iterdir() if (p / "trainer_state.json").exists())
     assert f"step-{ckpts[0]['step_number']}" in kept, (kept, ckpts[0])
+
+
+def _events(http: httpx.Client, job_id: str) -> list[str]:
+    data = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+    return [e["message"] for e in reversed(data)]
+
+
+@pytest.mark.parametrize("phase", ["loading", "stepping"])
+def test_pause_then_resume_at_once_trains_every_step_once(service, phase: str) -> None:
+    """Pause and resume 50 ms apart: the old run stops and the job finishes on the new one.
+
+    The old run's exit must not end the new run (it once marked the job succeeded with a
+    quarter of its steps): the scheduler starts the new attempt only after the old trainer
+    stopped, and every outcome names its attempt.
+    """
+    svc = service("embedded")
+    with svc.http() as http:
+        file_id = upload(http, demo_examples(32, seed=5))
+        job = create_job(http, file_id, n_epochs=8, batch_size=4)
+        if phase == "loading":
+            wait_status(http, job["id"], {"running"}, timeout=120)
+        else:
+            wait_for(lambda: http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"], 180,
+                     "a first checkpoint")
+        assert http.post(f"/fine_tuning/jobs/{job['id']}/pause").status_code == 200
+        time.sleep(0.05)
+        resumed = http.post(f"/fine_tuning/jobs/{job['id']}/resume")
+        assert resumed.status_code == 200, resumed.text
+        done = wait_status(http, job["id"], TERMINAL, timeout=300)
+        assert done["status"] == "succeeded", svc.dump_logs()
+        rows = all_metrics(http, job["id"])
+        assert_contiguous(rows, done["total_steps"])
+        events = _events(http, job["id"])
+        assert sum(m.startswith("Admitted on pool") for m in events) == 2, events
+        segments = done["usage"]["segments"]
+        assert len(segments) == 2 and all(s["end"] is not None for s in segments), done["usage"]

@@ -159,7 +159,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_job_with_a_clear_error(service
             assert "the trainer image tunefleet-trainer:test could not be pulled (ImagePullBackOff)" in message
             assert "check the pool's trainer_image and the registry credentials" in message
             errors = [e for e in _events(http, job["id"]) if e["level"] == "error"]
-            assert [e["message"] for e in errors] == [message], errors
+            assert [e["message"] for e in errors] == [f"Job failed: image_pull_failed: {message}"], errors
         created = [o for _, r, _, t, o in c.history if r == "jobs" and t == "ADDED"]
         assert len(created) == 1  # failed, not requeued into another pull
         api.wait_for(lambda: not c.list("jobs", NS), timeout=10)

@@ -6,24 +6,22 @@
 
 The trainer is a stand-in interpreter (``supervise_trainer(python=...)`` runs it as
 ``<python> -m trainers --spec <spec>``); the job transitions go through the real task
-code (``worker.tasks.jobs._finish``) on the test database.
+code (``worker.tasks.jobs.finish``) on the test database.
 """
 
 import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from api.artifacts import file_store
 from api.db.models import Job
 from api.lifecycle import transition
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from trainers.exit_codes import ExitCode
 from worker.executors.local_process import supervise_trainer
-from worker.tasks.jobs import _finish
+from worker.tasks.jobs import finish
 
 
 def stand_in(tmp_path: Path, body: str) -> str:
@@ -69,8 +67,7 @@ def test_a_trainer_that_always_crashes_fails_the_job_after_max_restarts(
     assert outcome.error is not None and outcome.error["code"] == "trainer_crashed"
     assert described in outcome.error["message"] and "max_restarts=2" in outcome.error["message"]
 
-    status = _finish(settings.resolved_database_url, job["id"], SimpleNamespace(output_dir=str(tmp_path)),
-                     outcome, None, files=file_store(settings))
+    status = finish(settings, job["id"], str(tmp_path), outcome, None)
     assert status == "failed"
     failed = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=tenant.headers).json()
     assert failed["status"] == "failed"

@@ -1,7 +1,7 @@
 """A succeeded job gets ``result_files``: its per-step metrics as OpenAI's results CSV.
 
-Both places that record success write it, in the same transaction as the status: the
-local executor's task (``worker.tasks.jobs._finish``) and the scheduler's store
+Both executors' outcomes write it (``worker.outcomes.apply_outcome``), in the same
+transaction as the status: the local executor's task (``worker.tasks.jobs.finish``) and the scheduler's store
 (``DbStore``, for cluster executors). The metrics arrive through the real report
 endpoint; the CSV is read back through the files API.
 """
@@ -13,13 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from api.artifacts import file_store
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, start_running, upload  # noqa: F401 (fixtures)
 from worker.executors.base import ObservedChange, ObservedKind
 from worker.executors.local_process import TrainerOutcome
 from worker.scheduler.store import DbStore
-from worker.tasks.jobs import _finish
+from worker.tasks.jobs import finish
 
 JOBS = "/v1/fine_tuning/jobs"
 METRICS = [
@@ -78,9 +77,7 @@ def assert_results_match_metrics(client, job_id: str, headers: dict) -> None:
 
 
 def test_local_executor_success_writes_the_results_file(client, running_job, settings, tmp_path: Path) -> None:
-    spec = SimpleNamespace(output_dir=str(tmp_path / "no-manifest"))
-    status = _finish(settings.resolved_database_url, running_job.id, spec, TrainerOutcome(0), None,
-                     files=file_store(settings))
+    status = finish(settings, running_job.id, str(tmp_path / "no-manifest"), TrainerOutcome(0), None)
     assert status == "succeeded"
     assert_results_match_metrics(client, running_job.id, running_job.headers)
 
@@ -92,10 +89,8 @@ def test_cluster_success_writes_the_results_file(client, running_job, settings) 
 
 
 def test_a_failed_job_has_no_result_files(client, running_job, settings, tmp_path: Path) -> None:
-    spec = SimpleNamespace(output_dir=str(tmp_path))
     outcome = TrainerOutcome(10, error={"code": "invalid_dataset", "message": "line 3 is not JSON"})
-    assert _finish(settings.resolved_database_url, running_job.id, spec, outcome, None,
-                   files=file_store(settings)) == "failed"
+    assert finish(settings, running_job.id, str(tmp_path), outcome, None) == "failed"
     job = client.get(f"{JOBS}/{running_job.id}", headers=running_job.headers).json()
     assert job["result_files"] == []
     assert client.get("/v1/files", params={"purpose": "fine-tune-results"},

@@ -63,6 +63,9 @@ class ObservedChange:
     stop_reason: StopReason | None = None
     checkpoint: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    attempt: int | None = None
+    """The run attempt (``jobs.attempt``) this change is about; a change of an older attempt
+    than the job's current one never moves the job. None: the executor cannot tell."""
 
 
 @runtime_checkable

@@ -8,23 +8,10 @@ like any pod does.
 
 Two informers (list + watch with resourceVersion resumption; a 410 Gone means "relist")
 keep a cache of our Jobs and Pods; ``reconcile`` turns what changed into
-``ObservedChange`` values with reasons a user can act on:
-
-=================================  ==========================================================
-observed                           change
-=================================  ==========================================================
-pod Running                        STARTED
-Pending, PodScheduled=False        WAITING (the scheduler's message); REQUEUE after
-                                   ``max_pending_s`` (the Job is deleted, the job requeued)
-ImagePullBackOff / ErrImagePull    FAILED ``image_pull_failed``
-container OOMKilled                FAILED ``out_of_memory``
-pod Evicted / node lost            REQUEUE (from its last checkpoint)
-exit 0 on every pod                SUCCEEDED
-exit 10 / 11                       FAILED with the trainer's termination message
-exit 12                            STOPPED (after ``stop``) -- else REQUEUE (the cluster
-                                   sent SIGTERM, e.g. a node drain)
-other exit codes / signals         REQUEUE ``trainer_crashed``  (the store caps restarts)
-=================================  ==========================================================
+``ObservedChange`` values with reasons a user can act on, through the pure
+``worker.executors.pod_outcomes.observe`` (its table lists every pod state), and deletes
+the Job of a run that ended other than by success. Every object carries the job's run
+attempt (label ``tunefleet.io/run``), which each change names.
 
 ``stop`` first records *why* on the Job (annotation ``tunefleet.io/stop-reason``), then
 deletes it with foreground propagation: Kubernetes sends SIGTERM to the pods, the trainer
@@ -52,12 +39,11 @@ the pools dedicated nodes (taints) so nothing else takes their GPUs.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, watch
@@ -76,18 +62,15 @@ from kube.labels import attempt_of as _attempt
 from kube.pod_logs import read_pod_log
 from scheduling.capacity import CapacitySnapshot, NodeCapacity, RunningJob
 from scheduling.pools import NodePool
-from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, RunningRow, StopReason
 from worker.executors.manifests import TERMINATION_LOG, ManifestOptions, owner_reference, render_all
+from worker.executors.pod_outcomes import TrackedRun, job_condition, observe
 
 log = logging.getLogger(__name__)
 
+LABEL_RUN = "tunefleet.io/run"  # the job's run attempt in the database (``jobs.attempt``)
 JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
-# Pod-level reasons for a run lost through no fault of the trainer -> requeue.
-POD_LOST = {"Evicted": "was evicted", "NodeLost": "lost its node", "Preempting": "was preempted by the cluster",
-            "Terminated": "was terminated"}
-IMAGE_ERRORS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 
 
 class Informer:
@@ -153,23 +136,6 @@ class Informer:
             return list(self.items.values())
 
 
-@dataclass
-class _Tracked:
-    """What the executor knows about one launched job."""
-
-    job_id: str
-    pool: str
-    tenant: str
-    priority: int
-    nodes: tuple[tuple[str, int], ...]
-    launched_at: float
-    stop_reason: StopReason | None = None
-    reported: set[str] = field(default_factory=set)
-    done: bool = False
-    attempt: int | None = None
-    """The launch (``tunefleet.io/attempt``) observed; None: whichever exists."""
-
-
 class KubernetesExecutor:
     """Runs trainers as Kubernetes Jobs; implements ``worker.executors.base.Executor``."""
 
@@ -198,7 +164,7 @@ class KubernetesExecutor:
         self._orphan_since: dict[str, float] = {}
         self.jobs = Informer(self.batch.list_namespaced_job, self.ns, MANAGED)
         self.pods = Informer(self.core.list_namespaced_pod, self.ns, MANAGED)
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, TrackedRun] = {}
         self._lock = threading.Lock()
         self._stop_watching = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -242,6 +208,9 @@ class KubernetesExecutor:
             log.info("job %s already has Kubernetes Job %s: launch is a no-op", job.id, live[0].metadata.name)
             return
         attempt = 1 + max((int((j.metadata.labels or {}).get(LABEL_ATTEMPT, "0")) for j in existing), default=0)
+        # The database's run attempt rides on every object too: each change observed on
+        # this launch names it, so an old launch's exit never moves a newer run.
+        run = getattr(job, "attempt", None)
         token = spec.report.token or ""
         spec_json = spec.model_dump(mode="json")
         spec_json["report"]["token"] = None  # the token travels in the Secret only
@@ -252,8 +221,12 @@ class KubernetesExecutor:
         for doc in m.all():
             doc["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
             doc["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
+            if run is not None:
+                doc["metadata"]["labels"][LABEL_RUN] = str(run)
         m.job["spec"]["template"]["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
         m.job["spec"]["template"]["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
+        if run is not None:
+            m.job["spec"]["template"]["metadata"]["labels"][LABEL_RUN] = str(run)
         created = self.batch.create_namespaced_job(self.ns, client.V1Job.from_dict(m.job), _headers=JSON)
         owner = owner_reference({"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}})
         for doc, create, model in (
@@ -270,8 +243,8 @@ class KubernetesExecutor:
                 if exc.status != 409:
                     raise
         with self._lock:
-            self.tracked[job.id] = _Tracked(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock(),
-                                            attempt=attempt)
+            self.tracked[job.id] = TrackedRun(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock(),
+                                            attempt=attempt, run=run)
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
         with self._lock:
@@ -364,7 +337,8 @@ class KubernetesExecutor:
             job = _of_attempt(jobs_by_id.get(t.job_id, []), t.attempt)
             if t.stop_reason is None and job is not None:
                 t.stop_reason = _stop_reason_of(job)  # stopped by another process
-            change = self._observe(t, job, _all_of_attempt(pods_by_job.get(t.job_id, []), t.attempt))
+            change = observe(t, job, _all_of_attempt(pods_by_job.get(t.job_id, []), t.attempt), self.clock(),
+                             max_pending_s=self.max_pending_s)
             for ch in change:
                 key = f"{ch.kind.value}:{ch.message}"
                 if key in t.reported:
@@ -417,97 +391,25 @@ class KubernetesExecutor:
                     self.tracked[jid] = self._adopted(None, newest[jid], job_id=jid)
             self.stop(_Ref(jid), StopReason.CANCEL)
 
-    def _adopted(self, row: RunningRow | None, job: Any, job_id: str = "") -> _Tracked:
+    def _adopted(self, row: RunningRow | None, job: Any, job_id: str = "") -> TrackedRun:
         """What to track for a job launched by another process (or before a restart)."""
-        if job is None:  # running, but its Job is gone: ``_observe`` reports it lost
+        if job is None:  # running, but its Job is gone: ``observe`` reports it lost
             assert row is not None
-            return _Tracked(row.id, row.pool or "", row.tenant_id, int(row.priority or 0),
+            return TrackedRun(row.id, row.pool or "", row.tenant_id, int(row.priority or 0),
                             (("", int(row.gpus or 0)),),
                             self.clock() if row.started_at is None else float(row.started_at))
         labels = job.metadata.labels or {}
         created = job.metadata.creation_timestamp
-        return _Tracked(
+        return TrackedRun(
             row.id if row is not None else job_id, labels.get(LABEL_POOL, ""), labels.get(LABEL_TENANT, ""),
             int(labels.get(LABEL_PRIORITY, "0")), (("", int(row.gpus or 0) if row is not None else 0),),
             created.timestamp() if created is not None else self.clock(),
-            stop_reason=_stop_reason_of(job), attempt=_attempt(job) if LABEL_ATTEMPT in labels else None)
+            stop_reason=_stop_reason_of(job), attempt=_attempt(job) if LABEL_ATTEMPT in labels else None,
+            run=int(labels[LABEL_RUN]) if labels.get(LABEL_RUN, "").isdigit() else None)
 
     def logs(self, job_id: str, tail_lines: int | None = 200) -> str:
         """The trainer log of the job's newest launch, rank 0."""
         return read_pod_log(self.core, self.ns, job_id, tail_lines) or ""
-
-    # --- reconciliation rules ----------------------------------------------------------
-    def _observe(self, t: _Tracked, job: Any, pods: list[Any]) -> list[ObservedChange]:
-        jid = t.job_id
-        out: list[ObservedChange] = []
-        terminated = []
-        for pod in sorted(pods, key=_index):
-            st = pod.status
-            cs = (st.container_statuses or [None])[0] if st else None
-            waiting = cs.state.waiting if cs and cs.state else None
-            if waiting and waiting.reason in IMAGE_ERRORS:
-                image = pod.spec.containers[0].image
-                return [ObservedChange(jid, ObservedKind.FAILED, error_code="image_pull_failed", message=(
-                    f"the trainer image {image} could not be pulled ({waiting.reason}): {waiting.message or ''}".strip()
-                    + "; check the pool's trainer_image and the registry credentials"))]
-            if st and st.reason in POD_LOST:
-                return [ObservedChange(jid, ObservedKind.REQUEUE, error_code=_snake(st.reason),
-                                       message=f"pod {pod.metadata.name} {POD_LOST[st.reason]}: {st.message or ''}"
-                                       .strip() + "; requeued from its last checkpoint")]
-            term = cs.state.terminated if cs and cs.state else None
-            if term is not None:
-                terminated.append((pod, term))
-            if st and st.phase == "Pending" and not pod.spec.node_name:
-                cond = next((c for c in st.conditions or [] if c.type == "PodScheduled" and c.status == "False"), None)
-                if cond is not None:
-                    if self.clock() - t.launched_at > self.max_pending_s:
-                        return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="unschedulable", message=(
-                            f"pods could not be scheduled for {self.max_pending_s:.0f} s ({cond.message}); requeued"))]
-                    out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"pod pending: {cond.message}"))
-        failed = [(p, term) for p, term in terminated if term.exit_code != 0]
-        if failed:
-            pod, term = failed[0]
-            return [self._exit_change(t, pod, term)]
-        n_pods = (job.spec.completions or 1) if job is not None else len(pods)
-        if terminated and len(terminated) >= n_pods or (job is not None and _job_condition(job) == "Complete"):
-            return [ObservedChange(jid, ObservedKind.SUCCEEDED, exit_code=0, message="trainer finished")]
-        if job is None and not pods and self.clock() - t.launched_at > 5:
-            if t.stop_reason is not None:
-                # Deleting the Job removes its pods; the watch may never have shown the
-                # pod's terminated state, so the exit code is unknown here.
-                return [ObservedChange(jid, ObservedKind.STOPPED, stop_reason=t.stop_reason,
-                                       message=f"stopped ({t.stop_reason.value}); its pods are gone")]
-            return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="job_lost",
-                                   message="the Kubernetes Job disappeared; requeued")]
-        if any(p.status and p.status.phase == "Running" for p in pods):
-            out.append(ObservedChange(jid, ObservedKind.STARTED, message="trainer running"))
-        return out
-
-    def _exit_change(self, t: _Tracked, pod: Any, term: Any) -> ObservedChange:
-        jid, code = t.job_id, term.exit_code
-        error = _termination_error(term.message)
-        where = f"pod {pod.metadata.name}"
-        if term.reason == "OOMKilled":
-            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code, error_code="out_of_memory", message=(
-                f"{where} was OOM-killed (host memory limit); use a smaller micro_batch_size or max_seq_len"))
-        if code == ExitCode.USER_ERROR:
-            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code,
-                                  error_code=error.get("code", "user_error"),
-                                  message=error.get("message", f"{where}: the trainer reported a user error"))
-        if code == ExitCode.OUT_OF_MEMORY:
-            return ObservedChange(jid, ObservedKind.FAILED, exit_code=code, error_code=error.get("code", "out_of_memory"),
-                                  message=error.get("message", f"{where}: the GPU ran out of memory"))
-        if code == ExitCode.PREEMPTED:
-            if t.stop_reason is not None:
-                return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
-                                      message=f"trainer checkpointed and stopped ({t.stop_reason.value})")
-            return ObservedChange(jid, ObservedKind.REQUEUE, exit_code=code, error_code="preempted_by_cluster",
-                                  message=f"{where} received SIGTERM from the cluster; requeued from its checkpoint")
-        if t.stop_reason is not None:  # killed after the grace period while stopping
-            return ObservedChange(jid, ObservedKind.STOPPED, exit_code=code, stop_reason=t.stop_reason,
-                                  message=f"trainer stopped ({t.stop_reason.value}) with exit code {code}")
-        return ObservedChange(jid, ObservedKind.REQUEUE, exit_code=code, error_code=error.get("code", "trainer_crashed"),
-                              message=error.get("message") or f"{where} exited with code {code} ({term.reason})")
 
     # --- helpers -----------------------------------------------------------------------
     def _annotate_stop(self, name: str, reason: StopReason) -> None:
@@ -556,15 +458,10 @@ def _stop_reason_of(job: Any) -> StopReason | None:
         return None
 
 
-def _job_condition(job: Any) -> str | None:
-    for cond in (job.status.conditions or []) if job.status else []:
-        if cond.status == "True" and cond.type in ("Complete", "Failed"):
-            return cond.type
-    return None
 
 
 def _job_finished(job: Any) -> bool:
-    return _job_condition(job) is not None
+    return job_condition(job) is not None
 
 
 def _ready(node: Any) -> bool:
@@ -583,23 +480,7 @@ def _gpu_request(pod: Any, resource_name: str | None) -> int:
     return total
 
 
-def _index(pod: Any) -> int:
-    ann = (pod.metadata.annotations or {}) if pod.metadata else {}
-    try:
-        return int(ann.get("batch.kubernetes.io/job-completion-index", "0"))
-    except ValueError:
-        return 0
 
 
-def _termination_error(message: str | None) -> dict[str, str]:
-    if not message:
-        return {}
-    try:
-        data = json.loads(message.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"message": message.strip()[-500:]}
-    return {k: str(v) for k, v in data.items() if k in ("code", "message")} if isinstance(data, dict) else {}
 
 
-def _snake(text: str) -> str:
-    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in text).lstrip("_")

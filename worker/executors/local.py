@@ -67,7 +67,7 @@ class LocalExecutor:
         job_dir.mkdir(parents=True, exist_ok=True)
         stop_path(self.settings, job.id).unlink(missing_ok=True)
         write_spec(spec, spec_path(self.settings, job.id))
-        if not self.queue.send(RUN_LOCAL_JOB, job.id):
+        if not self.queue.send(RUN_LOCAL_JOB, job.id, getattr(job, "attempt", None)):
             raise RuntimeError("the task queue did not accept the trainer task")
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
@@ -101,10 +101,10 @@ class LocalExecutor:
         now = time.time()
         with session_scope(self.settings.resolved_database_url) as session:
             rows = session.execute(
-                select(Job.id, Job.started_at)
+                select(Job.id, Job.started_at, Job.attempt)
                 .where(Job.status == "running", Job.pool.in_(list(self.pools)))
             ).all()
-        for job_id, started_at in rows:
+        for job_id, started_at, attempt in rows:
             job_dir = self.settings.job_dir(job_id)
             if not (job_dir / SPEC_FILE).exists():
                 continue
@@ -113,7 +113,7 @@ class LocalExecutor:
                 started_at.timestamp() if started_at else now)
             if now - last > STALE_HEARTBEAT_S:
                 heartbeat.touch()  # one re-send per stale period
-                if self.queue.send(RUN_LOCAL_JOB, job_id):
+                if self.queue.send(RUN_LOCAL_JOB, job_id, attempt):
                     changes.append(ObservedChange(
                         job_id=job_id, kind=ObservedKind.RETRYING,
                         message="the worker supervising the trainer stopped; supervising it again "

@@ -32,29 +32,32 @@ from api.db.base import utcnow
 from api.db.models import File, Job, JobEvent, PoolCapacity
 from api.db.session import begin_write, session_scope
 from api.errors import APIError
-from api.files import create_result_file
 from api.ids import hash_secret, new_job_token
-from api.jobs import latest_checkpoint
 from api.lifecycle import add_event, event_values, lock_job, transition
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot
-from scheduling.estimator import EstimateError, ModelShape, base_model_shape, candidate_gpu_counts
+from scheduling.estimator import EstimateError, ModelShape, base_model_shape
 from scheduling.pools import NodePool
 from scheduling.request import JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment
-from trainers.exit_codes import ExitCode
-from worker.executors.base import ObservedChange, ObservedKind, RunningRow, StopReason
+from worker.executors.base import ObservedChange, RunningRow
+from worker.outcomes import apply_outcome
 from worker.scheduler.cycle import Admission, Admitted, Waiting
 
 log = logging.getLogger(__name__)
 
+# How long after a job left ``running`` the scheduler waits, beyond the stop grace, for
+# the old run's outcome before it starts the next attempt anyway (the outcome may never
+# come, e.g. the executor restarted and the Job was already gone).
+STOP_MARGIN_S = 60.0
 ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a second
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
 # What a queued job's placement needs (the JobRequest), and its current reason/position.
 _QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.hyperparameters, Job.placement,
                   Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
-                  Job.queue_reason, Job.queue_position, Job.retry_placement)
+                  Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
+                  Job.exited_attempt)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class JobHandle:
     id: str
     tenant_id: str
     priority: int
+    attempt: int | None = None  # the run attempt this launch is (labels, the local task)
 
 
 class DbStore:
@@ -94,13 +98,30 @@ class DbStore:
         self._reasons = {j.id: j.queue_reason for j in rows}
         self._positions = {j.id: j.queue_position for j in rows}
         shapes: dict[str, ModelShape | EstimateError] = {}  # per base model, read once per cycle
+        now = self.clock()
         for job in rows:
+            if self._previous_run_may_live(job, now):
+                unplaceable.append((job.id, "waiting: its previous run is still stopping (writing its checkpoint)",
+                                    None))
+                continue
             try:
                 out.append(self._request(job, models, shapes))
             except EstimateError as exc:
                 unplaceable.append((job.id, f"waiting: {exc}", None))
         self._write_waiting(unplaceable)
         return out
+
+    def _previous_run_may_live(self, job: Any, now: float) -> bool:
+        """True while the trainer of the job's last attempt may still run: no outcome of it
+        yet, and its stop began less than the stop grace (plus a margin) ago. Starting the
+        next attempt then would put two trainers on one job's checkpoints."""
+        if (job.exited_attempt or 0) >= (job.attempt or 0):
+            return False
+        segments = (job.usage or {}).get("segments") or []
+        left_running = segments[-1].get("end") if segments else None
+        if left_running is None:
+            return False
+        return now - float(left_running) < self.settings.stop_grace_s + STOP_MARGIN_S
 
     def _request(self, job: Any, models: dict[str, Any], shapes: dict[str, ModelShape | EstimateError]) -> JobRequest:
         entry = models.get(job.model)
@@ -201,12 +222,13 @@ class DbStore:
                             f"({placement.trainer}).",
                     data={"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
                     pool=pool.name, gpus=placement.gpus, queue_reason=None, job_token_hash=hash_secret(token),
+                    attempt=(job.attempt or 0) + 1,
                     # Keep the estimate shown at creation; add the one this admission used.
                     estimate={**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate,
                     usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
                                        price_per_gpu_hour=pool.price_per_gpu_hour, trainer=placement.trainer),
                 )
-                out.append(Admitted(adm, JobHandle(job.id, job.tenant_id, int(job.priority or 0)), spec))
+                out.append(Admitted(adm, JobHandle(job.id, job.tenant_id, int(job.priority or 0), job.attempt), spec))
         return out
 
     def launch_failed(self, req: JobRequest, error: Exception) -> None:
@@ -215,7 +237,7 @@ class DbStore:
             if job is not None and job.status == "running":
                 transition(session, job, "queued", actor="scheduler",
                            message=f"Launch failed ({error}); requeued.", level="warn",
-                           usage=close_segment(job.usage, now=self.clock()))
+                           usage=close_segment(job.usage, now=self.clock()), exited_attempt=job.attempt)
 
     def preempting(self, victim_id: str, for_job: str) -> JobHandle | None:
         with session_scope(self.url) as session:
@@ -280,73 +302,8 @@ class DbStore:
                 log.info("observed %s for %s not applied: %s", ch.kind.value, ch.job_id, exc)
 
     def _apply(self, session: Any, job: Job, ch: ObservedChange) -> None:
-        now = self.clock()
-        if ch.kind in (ObservedKind.STARTED, ObservedKind.WAITING, ObservedKind.RETRYING):
-            add_event(session, job, ch.message or ch.kind.value,
-                      level="warn" if ch.kind != ObservedKind.STARTED else "info")
-            return
-        if job.status != "running":
-            # the API already moved it (cancel/pause) or the trainer reported its end
-            if job.status in ("paused", "cancelled", "succeeded", "failed") and job.usage:
-                job.usage = close_segment(job.usage, now=now)
-            return
-        usage = close_segment(job.usage, now=now)
-        if ch.kind == ObservedKind.SUCCEEDED:
-            results = create_result_file(session, job, store=file_store(self.settings))
-            transition(session, job, "succeeded", actor="executor", message="The trainer finished.", usage=usage,
-                       result_files=[results.id])
-        elif ch.kind == ObservedKind.FAILED:
-            if ch.exit_code == ExitCode.OUT_OF_MEMORY and requeue_after_oom(
-                    session, job, self.pools.get(job.pool or ""), max_restarts=self.max_restarts,
-                    reason=ch.message, usage=usage):
-                return
-            transition(session, job, "failed", actor="executor", message=ch.message, level="error",
-                       error={"code": ch.error_code or "trainer_failed", "message": ch.message}, usage=usage)
-        elif ch.kind == ObservedKind.STOPPED:
-            resume = ch.checkpoint or _latest_checkpoint(session, job.id)
-            if ch.stop_reason == StopReason.PAUSE:
-                transition(session, job, "paused", actor="system", message=ch.message, resume_from=resume, usage=usage)
-            elif ch.stop_reason == StopReason.CANCEL:
-                transition(session, job, "cancelled", actor="system", message=ch.message, usage=usage)
-            else:
-                transition(session, job, "queued", actor="scheduler", resume_from=resume, usage=usage,
-                           message=f"Preempted and requeued; resumes from {resume or 'the start'}.")
-        elif ch.kind == ObservedKind.REQUEUE:
-            resume = _latest_checkpoint(session, job.id)
-            if (job.restarts or 0) >= self.max_restarts:
-                transition(session, job, "failed", actor="executor", level="error", usage=usage,
-                           message=f"{ch.message} (gave up after {job.restarts} restarts)",
-                           error={"code": ch.error_code or "trainer_crashed", "message": ch.message})
-            else:
-                transition(session, job, "queued", actor="executor", level="warn", usage=usage,
-                           resume_from=resume, restarts=(job.restarts or 0) + 1,
-                           message=f"{ch.message} (restart {(job.restarts or 0) + 1} of {self.max_restarts})")
-
-
-def requeue_after_oom(session: Any, job: Job, pool: NodePool | None, *, max_restarts: int, reason: str,
-                      **changes: Any) -> bool:
-    """Requeue a job whose trainer ran out of GPU memory on the next larger gang of its pool.
-
-    The GPU count was the estimator's guess (the user pinned none), so running out of
-    memory is the estimate's error, not the job's: the job resumes from its latest
-    checkpoint on the pool's next valid GPU count (``retry_placement``), as
-    ``bench/sim_trace.py`` models it. Not on CPU pools (more host devices share the same
-    RAM), not past ``max_restarts``, not when the pool has no larger gang. Returns False
-    when it does not apply; the caller then fails the job as before.
-    """
-    if pool is None or pool.is_cpu or job.gpus is None or (job.placement or {}).get("gpus"):
-        return False
-    bigger = [n for n in candidate_gpu_counts(pool) if n > job.gpus]
-    if not bigger or (job.restarts or 0) >= max_restarts:
-        return False
-    resume = resume_point(session, job)
-    transition(session, job, "queued", actor="executor", level="warn", resume_from=resume,
-               restarts=(job.restarts or 0) + 1, retry_placement={"pool": pool.name, "gpus": bigger[0]},
-               message=(f"Out of GPU memory on {job.gpus}x {pool.accelerator} ({reason}); requeued for "
-                        f"{bigger[0]} GPUs of pool {pool.name}, resuming from {resume or 'the start'} "
-                        f"(restart {(job.restarts or 0) + 1} of {max_restarts})."),
-               **changes)
-    return True
+        apply_outcome(session, job, ch, files=file_store(self.settings), pools=self.pools,
+                      max_restarts=self.max_restarts, now=self.clock())
 
 
 def reason_event(job_id: str, reason: str, now: dt.datetime) -> dict[str, Any]:
@@ -359,18 +316,6 @@ def _timestamp(value: dt.datetime | None) -> float | None:
     if value is None:
         return None
     return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()  # SQLite drops the zone
-
-
-def resume_point(session: Any, job: Job) -> str | None:
-    """Where a requeued or paused run resumes: its latest checkpoint, else where it resumed from."""
-    row = latest_checkpoint(session, job)
-    return row.location if row else job.resume_from
-
-
-def _latest_checkpoint(session: Any, job_id: str) -> str | None:
-    job = session.get(Job, job_id)
-    row = latest_checkpoint(session, job) if job is not None else None
-    return row.location if row else None
 
 
 def describe(req: JobRequest) -> str:  # for logs

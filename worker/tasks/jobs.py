@@ -1,92 +1,123 @@
 """Celery task ``tunefleet.run_local_job``: run and supervise one trainer on this machine.
 
-Idempotent by job id and safe to deliver twice (``acks_late``): it does nothing unless
-the job is ``running`` on a local pool and no live supervisor holds the job's lock, and
-it first stops a trainer orphaned by a worker that died. The outcome of the trainer becomes one transition:
+Idempotent by job id and run attempt, and safe to deliver twice (``acks_late``): it does
+nothing unless the job is ``running`` at the task's attempt on a local pool and no live
+supervisor holds the job's lock, and it first stops a trainer orphaned by a worker that
+died. The supervisor stops the trainer (SIGTERM: it checkpoints) as soon as the job is no
+longer ``running`` at this attempt -- cancelled, paused, preempted, or already admitted
+again. How the trainer ended becomes an ``ObservedChange`` of this attempt, and
+``worker.outcomes.apply_outcome`` (the one outcome path of both executors) makes the
+transition; only the outputs' manifest is registered here first, in case the trainer's
+last report was lost.
 
-=========================  =====================================================
-trainer outcome            job
-=========================  =====================================================
-SUCCESS                    succeeded (artifacts registered from the manifest, the
-                           metrics stored as its ``result_files`` CSV)
-USER_ERROR / OUT_OF_MEMORY failed with the trainer's error code and message; out of
-                           GPU memory on a GPU count the scheduler chose: queued
-                           for the pool's next larger gang (``requeue_after_oom``)
-crashed too often          failed with ``trainer_crashed``
-stopped (cancel)           cancelled (already, by the API)
-stopped (pause)            paused, resume_from = the latest checkpoint
-stopped (preempt)          queued, resume_from = the latest checkpoint
-=========================  =====================================================
+A database that restarts under a running job costs the supervisor nothing: the checks
+it makes while the trainer runs log the error and try again at the next poll, and the
+final outcome is written with retries, so the trainer is never left unsupervised.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError, OperationalError
 
-from api.artifacts import ArtifactStore, file_store
+from api.artifacts import file_store
 from api.db.models import Job
 from api.db.session import session_scope
-from api.files import create_result_file
-from api.lifecycle import add_event, lock_job, transition
+from api.lifecycle import add_event, lock_job
 from api.queue import SCHEDULE, CeleryQueue
 from api.reports import apply_artifacts
 from api.schemas.reports import ArtifactsItem
-from api.settings import get_settings
-from scheduling.pools import NodePool, load_pools
+from api.settings import Settings, get_settings
+from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.celery_app import app
-from worker.executors.base import StopReason
+from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
-from worker.executors.local_process import kill_orphan, supervise_trainer, supervision_lock
-from worker.scheduler.store import requeue_after_oom, resume_point
+from worker.executors.local_process import (
+    TrainerOutcome,
+    kill_orphan,
+    supervise_trainer,
+    supervision_lock,
+)
+from worker.outcomes import apply_outcome
 from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
 
 
-def _job_status(db_url: str, job_id: str) -> str | None:
+T = TypeVar("T")
+# Transient database errors (a restart, a failover, a dropped connection).
+TRANSIENT_DB_ERRORS = (OperationalError, DBAPIError)
+FINISH_RETRIES = 30  # ~1 min of retries for the final write: a database restart takes seconds
+
+
+def _job_state(db_url: str, job_id: str) -> tuple[str, int] | None:
+    """(status, attempt) of the job, or None when it is gone."""
     with session_scope(db_url) as session:
-        return session.scalar(select(Job.status).where(Job.id == job_id))
+        row = session.execute(select(Job.status, Job.attempt).where(Job.id == job_id)).first()
+    return (row[0], int(row[1] or 0)) if row else None
+
+
+def _tolerant(what: str, fn: Callable[[], T], fallback: T) -> T:
+    """``fn()``, or ``fallback`` when the database is unreachable right now (logged)."""
+    try:
+        return fn()
+    except TRANSIENT_DB_ERRORS as exc:
+        log.warning("%s: the database is unreachable (%s); trying again at the next poll", what, type(exc).__name__)
+        return fallback
 
 
 @app.task(name="tunefleet.run_local_job", acks_late=True, reject_on_worker_lost=True)
-def run_local_job(job_id: str) -> str:
-    """Supervise the trainer of ``job_id`` until it ends; returns the job's final status."""
+def run_local_job(job_id: str, attempt: int | None = None) -> str:
+    """Supervise the trainer of ``job_id``'s run ``attempt`` until it ends; returns the job's
+    final status. ``attempt`` None (a task sent before attempts were numbered): the current one."""
     settings = get_settings()
     db_url = settings.resolved_database_url
     job_dir = settings.job_dir(job_id)
     path = spec_path(settings, job_id)
-    if _job_status(db_url, job_id) != "running" or not path.exists():
+    state = _job_state(db_url, job_id)
+    if state is None:
+        return "skipped"
+    if attempt is None:
+        attempt = state[1]
+    if state != ("running", attempt) or not path.exists():
+        # Paused, cancelled or admitted again before this task ran: its run never starts.
+        log.info("%s: the job is %s at attempt %s; the task of attempt %s has nothing to run", job_id, *state,
+                 attempt)
+        if _release_attempt(db_url, job_id, attempt, job_dir):
+            CeleryQueue(settings).send(SCHEDULE)  # the next attempt may start now
         return "skipped"
     with supervision_lock(job_dir) as mine:
         if not mine:
             log.info("%s is supervised by another worker already", job_id)
             return "skipped"
-        return _supervise(settings, db_url, job_id, job_dir, path)
+        return _supervise(settings, db_url, job_id, attempt, job_dir, path)
 
 
-def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) -> str:
+def _supervise(settings: Settings, db_url: str, job_id: str, attempt: int, job_dir: Path, path: Path) -> str:
     if kill_orphan(job_dir / "trainer.pid"):
         _event(db_url, job_id, "warn", "found the trainer of a worker that died; restarting it")
     spec = TrainerSpec.load(path)
 
     def should_stop() -> bool:
-        return read_stop_reason(settings, job_id) is not None or _job_status(db_url, job_id) != "running"
+        if read_stop_reason(settings, job_id) is not None:
+            return True
+        state = _tolerant(f"{job_id}: status check", lambda: _job_state(db_url, job_id), ("running", attempt))
+        return state is None or state != ("running", attempt)
 
     def on_event(level: str, message: str) -> None:
         _event(db_url, job_id, level, message)
 
-    def on_restart(attempt: int) -> None:
-        with session_scope(db_url) as session:
-            job = lock_job(session, job_id)
-            if job is not None:
-                job.restarts = (job.restarts or 0) + 1
+    def on_restart(restart: int) -> None:
+        _tolerant(f"{job_id}: restart count", lambda: _count_restart(db_url, job_id, attempt), None)
 
     outcome = supervise_trainer(
         path,
@@ -101,18 +132,77 @@ def _supervise(settings, db_url: str, job_id: str, job_dir: Path, path: Path) ->
         grace_s=settings.stop_grace_s,
         env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
-    status = _finish(db_url, job_id, spec, outcome, read_stop_reason(settings, job_id),
-                     files=file_store(settings), pools=load_pools(settings.node_pools_file),
-                     max_restarts=settings.max_restarts)
+    status = _with_retries(f"{job_id}: outcome", lambda: finish(
+        settings, job_id, spec.output_dir, outcome, read_stop_reason(settings, job_id), attempt=attempt))
     CeleryQueue(settings).send(SCHEDULE)  # a slot is free again
     return status
 
 
-def _event(db_url: str, job_id: str, level: str, message: str) -> None:
+def _with_retries(what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, retried every 2 s while the database is unreachable (``FINISH_RETRIES`` times)."""
+    tries = 1
+    while True:
+        try:
+            return fn()
+        except TRANSIENT_DB_ERRORS as exc:
+            if tries >= FINISH_RETRIES:
+                raise
+            log.warning("%s: the database is unreachable (%s); retry %d of %d in 2 s", what, type(exc).__name__,
+                        tries, FINISH_RETRIES)
+            tries += 1
+            time.sleep(2.0)
+
+
+def _release_attempt(db_url: str, job_id: str, attempt: int, job_dir: Path) -> bool:
+    """Record that no trainer of ``attempt`` runs, when no live supervisor watches one (a
+    duplicate delivery of the task may be supervising it right now: that one records its
+    own outcome). A trainer orphaned by a dead worker is stopped first. Returns True when
+    recorded."""
+    with supervision_lock(job_dir, wait_s=0) as mine:
+        if not mine:
+            return False
+        kill_orphan(job_dir / "trainer.pid")
+        with session_scope(db_url) as session:
+            job = lock_job(session, job_id)
+            if job is None or attempt > (job.attempt or 0) or attempt <= (job.exited_attempt or 0):
+                return False
+            job.exited_attempt = attempt
+            return True
+
+
+def _count_restart(db_url: str, job_id: str, attempt: int) -> None:
+    """The supervisor restarted a crashed trainer itself: count it on the job (its run)."""
     with session_scope(db_url) as session:
-        job = session.get(Job, job_id)
-        if job is not None:
-            add_event(session, job, message, level=level)
+        job = lock_job(session, job_id)
+        if job is not None and job.status == "running" and (job.attempt or 0) == attempt:
+            job.restarts = (job.restarts or 0) + 1
+
+
+def _event(db_url: str, job_id: str, level: str, message: str) -> None:
+    def write() -> None:
+        with session_scope(db_url) as session:
+            job = session.get(Job, job_id)
+            if job is not None:
+                add_event(session, job, message, level=level)
+
+    _tolerant(f"{job_id}: event", write, None)
+
+
+def observed_change(job_id: str, attempt: int, outcome: TrainerOutcome,
+                    stop_reason: StopReason | None) -> ObservedChange:
+    """How the supervised run of ``attempt`` ended, as the change both executors report."""
+    code = outcome.returncode
+    if outcome.stopped or code == ExitCode.PREEMPTED:
+        # A stop nobody here asked for (no stop request, e.g. the worker shutting down)
+        # has no reason: the job is requeued, not counted as a preemption.
+        return ObservedChange(job_id, ObservedKind.STOPPED, exit_code=code, stop_reason=stop_reason,
+                              message=f"trainer stopped ({_code_text(code)})", attempt=attempt)
+    if outcome.succeeded:
+        return ObservedChange(job_id, ObservedKind.SUCCEEDED, exit_code=code, message="trainer finished",
+                              attempt=attempt)
+    error = outcome.error or {"code": "trainer_failed", "message": f"the trainer ended with {_code_text(code)}"}
+    return ObservedChange(job_id, ObservedKind.FAILED, exit_code=code, error_code=error["code"],
+                          message=error["message"], attempt=attempt)
 
 
 def _register_manifest(session, job: Job, output_dir: str) -> None:
@@ -125,44 +215,20 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:
     apply_artifacts(session, job, item)
 
 
-def _finish(db_url: str, job_id: str, spec: TrainerSpec, outcome, stop_reason: StopReason | None,
-            *, files: ArtifactStore, pools: Sequence[NodePool] = (), max_restarts: int = 0) -> str:
-    with session_scope(db_url) as session:
+def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOutcome,
+           stop_reason: StopReason | None, *, attempt: int | None = None) -> str:
+    """Record how the supervised run of ``attempt`` (None: the job's current one) ended;
+    returns the job's status afterwards."""
+    with session_scope(settings.resolved_database_url) as session:
         job = lock_job(session, job_id)
         if job is None:
             return "deleted"
-        if job.status != "running":
-            # Cancelled or paused through the API (or preempted by the scheduler): the
-            # transition happened already; the trainer is gone and its checkpoint kept.
-            add_event(session, job, f"trainer stopped ({_code_text(outcome.returncode)})")
-            return job.status
-        if outcome.stopped or outcome.returncode == ExitCode.PREEMPTED:
-            resume = resume_point(session, job)
-            if stop_reason == StopReason.PAUSE:
-                transition(session, job, "paused", actor="system", resume_from=resume,
-                           message="Job paused; it resumes from its last checkpoint.")
-            elif stop_reason == StopReason.CANCEL:
-                transition(session, job, "cancelled", actor="system", message="Job cancelled.")
-            else:
-                transition(session, job, "queued", actor="executor", resume_from=resume,
-                           message="Job preempted; requeued to resume from its last checkpoint.")
-            return job.status
-        if outcome.succeeded:
-            _register_manifest(session, job, spec.output_dir)
-            results = create_result_file(session, job, store=files)
-            transition(session, job, "succeeded", actor="executor", result_files=[results.id],
-                       message="Job succeeded: the adapter is ready.")
-            return job.status
-        error = outcome.error or {"code": "trainer_failed",
-                                  "message": f"the trainer ended with {_code_text(outcome.returncode)}"}
-        pool = next((p for p in pools if p.name == job.pool), None)
-        if outcome.returncode == ExitCode.OUT_OF_MEMORY and requeue_after_oom(
-                session, job, pool, max_restarts=max_restarts, reason=error["message"]):
-            return job.status
-        transition(session, job, "failed", actor="executor", level="error",
-                   message=f"Job failed: {error['code']}: {error['message']}",
-                   error={"code": error["code"], "message": error["message"], "param": None})
-        return job.status
+        change = observed_change(job_id, job.attempt or 0 if attempt is None else attempt, outcome, stop_reason)
+        if job.status == "running" and (job.attempt or 0) == change.attempt and change.kind == ObservedKind.SUCCEEDED:
+            _register_manifest(session, job, output_dir)
+        pools = {p.name: p for p in load_pools(settings.node_pools_file)}
+        return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
+                             max_restarts=settings.max_restarts, now=time.time())
 
 
 def _code_text(returncode: int) -> str:
