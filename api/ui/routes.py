@@ -187,12 +187,13 @@ def login(
 
 
 @router.post("/logout")
-def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> Response:
+def logout(request: Request, db: SessionDep, csrf_token: Annotated[str, Form()] = "") -> Response:
     state = ui_session.read_session(request)
     if state is not None:
         ui_session.check_csrf(request, state, form_token=csrf_token)
     response = RedirectResponse("/ui/login", status_code=303)
-    ui_session.end_session(response)
+    ui_session.end_session(response, db, state)
+    db.commit()
     return response
 
 

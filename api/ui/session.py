@@ -16,12 +16,17 @@ token is bound to the signed session, so a cookie planted by a sibling subdomain
 forge it. The page receives the token in a ``<meta>`` tag rendered by the server.
 Bearer-authenticated API calls carry no ambient credentials and need no token.
 
-``session_key_id(request)`` is the one function the JSON API's auth dependency
-(``api/deps.py``) calls to accept the cookie in place of a Bearer key.
+``session_api_key(db, request)`` is the one function the JSON API's auth dependency
+(``api/deps.py``) and the pages call to accept the cookie in place of a Bearer key.
+
+Logout ends the session on the server too: each cookie carries a random session id, and
+logout records it (``api/ui/models.py``) until the cookie would have expired, so a copied
+cookie stops working at once.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import secrets
 from dataclasses import dataclass
@@ -29,11 +34,14 @@ from urllib.parse import urlsplit
 
 from fastapi import Request, Response
 from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
+from api.db.base import utcnow
 from api.db.models import ApiKey
 from api.errors import APIError
 from api.settings import Settings, get_settings
+from api.ui.models import RevokedUiSession
 
 SESSION_COOKIE = "tf_session"
 LOGIN_CSRF_COOKIE = "tf_login_csrf"
@@ -60,6 +68,7 @@ class UiSession:
 
     key_id: str
     csrf_token: str
+    session_id: str  # what logout revokes (api/ui/models.py)
 
 
 def _settings(request: Request) -> Settings:
@@ -84,8 +93,10 @@ def start_session(response: Response, request: Request, key_id: str) -> UiSessio
 
     A fresh CSRF token is drawn for every login, so tokens never survive a re-login.
     """
-    session = UiSession(key_id=key_id, csrf_token=secrets.token_urlsafe(32))
-    value = _serializer(request, _SESSION_SALT).dumps({"kid": session.key_id, "csrf": session.csrf_token})
+    session = UiSession(key_id=key_id, csrf_token=secrets.token_urlsafe(32),
+                        session_id=secrets.token_urlsafe(24))
+    value = _serializer(request, _SESSION_SALT).dumps(
+        {"kid": session.key_id, "csrf": session.csrf_token, "sid": session.session_id})
     response.set_cookie(
         SESSION_COOKIE,
         value,
@@ -98,8 +109,15 @@ def start_session(response: Response, request: Request, key_id: str) -> UiSessio
     return session
 
 
-def end_session(response: Response) -> None:
-    """Remove the session cookie (logout)."""
+def end_session(response: Response, db: Session, session: UiSession | None) -> None:
+    """Log out: record ``session`` as revoked (every copy of its cookie stops working at
+    once) and remove the cookie from this browser. The caller commits."""
+    if session is not None:
+        now = utcnow()
+        db.execute(delete(RevokedUiSession).where(RevokedUiSession.expires_at < now))
+        if db.get(RevokedUiSession, session.session_id) is None:
+            db.add(RevokedUiSession(session_id=session.session_id,
+                                    expires_at=now + dt.timedelta(seconds=SESSION_MAX_AGE_S)))
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
 
 
@@ -114,10 +132,10 @@ def read_session(request: Request) -> UiSession | None:
         return None
     if not isinstance(data, dict):
         return None
-    key_id, csrf = data.get("kid"), data.get("csrf")
-    if not isinstance(key_id, str) or not isinstance(csrf, str) or not key_id or not csrf:
-        return None
-    return UiSession(key_id=key_id, csrf_token=csrf)
+    key_id, csrf, sid = data.get("kid"), data.get("csrf"), data.get("sid")
+    if not all(isinstance(v, str) and v for v in (key_id, csrf, sid)):
+        return None  # also a cookie from before sessions had ids: it cannot be revoked
+    return UiSession(key_id=key_id, csrf_token=csrf, session_id=sid)
 
 
 def tokens_match(expected: str, given: str | None) -> bool:
@@ -158,12 +176,12 @@ def check_csrf(request: Request, session: UiSession, form_token: str | None = No
 
 
 def session_key_id(request: Request) -> str | None:
-    """The API key row id behind this request's dashboard session, or None.
+    """The API key row id in this request's signed session cookie, or None.
 
-    Called by the JSON API's auth dependency when a request has no Bearer key. It checks
-    the cookie's signature and age and, for unsafe methods, the CSRF token (raises
-    ``CsrfError``, a 403). The caller still loads the key row by this id and refuses it
-    when the key was revoked or does not exist.
+    Checks the cookie's signature and age and, for unsafe methods, the CSRF token (raises
+    ``CsrfError``, a 403). It does not consult the database: whoever authenticates with
+    the cookie calls ``session_api_key``, which also refuses logged-out sessions and
+    revoked keys.
     """
     session = read_session(request)
     if session is None:
@@ -214,15 +232,18 @@ def check_login_token(request: Request, form_token: str | None) -> bool:
 def session_api_key(db: Session, request: Request) -> ApiKey | None:
     """The live API key row behind this request's dashboard session, or None.
 
-    None when there is no valid cookie, or the key was deleted or revoked since login
-    (revocation ends dashboard sessions at once). Raises ``CsrfError`` for an unsafe
+    None when there is no valid cookie, the session was logged out, or the key was
+    deleted or revoked since login (revocation ends dashboard sessions at once). Raises ``CsrfError`` for an unsafe
     request without the session's CSRF token. This is what ``api/deps.py`` calls when a
     request carries no ``Authorization`` header.
     """
-    key_id = session_key_id(request)
-    if key_id is None:
+    session = read_session(request)
+    if session is None:
         return None
-    key = db.get(ApiKey, key_id)
+    check_csrf(request, session)
+    if db.get(RevokedUiSession, session.session_id) is not None:
+        return None  # logged out: this cookie is a leftover copy
+    key = db.get(ApiKey, session.key_id)
     if key is None or key.revoked_at is not None:
         return None
     return key

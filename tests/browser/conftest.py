@@ -174,7 +174,11 @@ def page_for(browser, service: Service) -> Iterator[Callable[[str], object]]:
     contexts = []
 
     def login(key: str) -> object:
-        context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True)
+        # bypass_csp: Playwright evaluates the tests' wait_for_function expressions inside
+        # the page, which the dashboard's script-src 'self' forbids; the policy itself is
+        # checked in tests/security/test_dashboard.py.
+        context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True,
+                                      bypass_csp=True)
         contexts.append(context)
         page = context.new_page()
         page.set_default_timeout(15_000)

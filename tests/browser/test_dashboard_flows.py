@@ -124,7 +124,7 @@ def _wait_js(page, service, expression: str, *, timeout_ms: int, what: str) -> N
 
 
 def test_login_rejects_a_wrong_key(service, browser, screenshots: Path) -> None:
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, bypass_csp=True)
     page = context.new_page()
     page.goto(f"{service.url}/ui/jobs/ftjob-x")
     assert "/ui/login" in page.url
