@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kube.labels import completion_index
 from trainers.exit_codes import ExitCode
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
 
@@ -155,15 +156,6 @@ def job_condition(job: Any) -> str | None:
         if cond.status == "True" and cond.type in ("Complete", "Failed"):
             return cond.type
     return None
-
-
-def completion_index(pod: Any) -> int:
-    """The pod's rank in an Indexed Job (0 when not indexed)."""
-    ann = (pod.metadata.annotations or {}) if pod.metadata else {}
-    try:
-        return int(ann.get("batch.kubernetes.io/job-completion-index", "0"))
-    except ValueError:
-        return 0
 
 
 def termination_error(message: str | None) -> dict[str, str]:
