@@ -55,6 +55,7 @@ from kube.labels import (
     LABEL_JOB,
     LABEL_POOL,
     LABEL_PRIORITY,
+    LABEL_RUN,
     LABEL_TENANT,
     MANAGED,
 )
@@ -69,7 +70,6 @@ from worker.executors.pod_outcomes import TrackedRun, job_condition, observe
 
 log = logging.getLogger(__name__)
 
-LABEL_RUN = "tunefleet.io/run"  # the job's run attempt in the database (``jobs.attempt``)
 JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
 
 
