@@ -10,7 +10,6 @@ The file upload route keeps its own, larger streaming limit (``TUNEFLEET_MAX_UPL
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -70,14 +69,11 @@ class BodySizeLimitMiddleware:
                 await self._refuse(send)
 
     async def _refuse(self, send: Callable[..., Any]) -> None:
-        body = json.dumps(APIError(
+        await APIError(
             413, "request_too_large",
             f"The request body is larger than {self.max_bytes} bytes; send less per request.",
-        ).body()).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+            headers={"Connection": "close"},
+        ).send_asgi(send)
 
 
 def _content_length(scope: Scope) -> int | None:

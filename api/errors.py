@@ -46,6 +46,8 @@ invalid_metrics_token          401   ``/metrics`` with a wrong scrape token
 csrf_failed                    403   a cookie-authenticated unsafe request without the
                                      session's CSRF token (or cross-origin)
 tenant_exists                  409   creating a tenant whose name is taken
+rate_limited                   429   too many failed authentications from this IP, or too
+                                     many requests for this key / job / IP (``Retry-After``)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
@@ -53,7 +55,9 @@ internal_error                 500   a bug; the message holds no details
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,6 +80,7 @@ _TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
 }
 
@@ -117,6 +122,15 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    async def send_asgi(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Answer this error through a raw ASGI ``send`` (pure ASGI middlewares, outside
+        FastAPI's exception handlers)."""
+        body = json.dumps(self.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(name.lower().encode(), value.encode()) for name, value in (self.headers or {}).items()]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
 
 # What each error status means on any route; routes list theirs with ``error_responses``.
 _MEANINGS = {
@@ -127,6 +141,7 @@ _MEANINGS = {
     404: "No such object, or it belongs to another tenant.",
     409: "The request conflicts with the object's current state.",
     413: "The body (or upload) is larger than the service accepts.",
+    429: "Too many requests (or failed authentications): retry after `Retry-After` seconds.",
     502: "An upstream service refused the request.",
     503: "A dependency of the service is unavailable.",
 }

@@ -12,7 +12,7 @@ import time
 
 from fastapi import FastAPI
 
-from api import fleet, observability, webhooks
+from api import fleet, observability, rate_limits, webhooks
 from api.artifacts import artifact_store, file_store
 from api.base_models import load_base_models
 from api.body_limit import BodySizeLimitMiddleware
@@ -70,6 +70,9 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     # Outermost, so an oversized body is refused before routing and authentication.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes,
                        exempt=_is_file_upload)
+    # Outside even that: a client over its rate limit is refused before anything reads its
+    # request (api/rate_limits.py).
+    rate_limits.install(app, settings)
     return app
 
 

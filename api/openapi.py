@@ -8,6 +8,7 @@ generated document (in place, idempotently: FastAPI caches it) whenever it is se
 - the 422 becomes the 400 the handlers really send (``ErrorResponse``), and FastAPI's
   ``HTTPValidationError`` schemas go;
 - a route that takes a body documents the 413 of ``api.body_limit``;
+- a route under the rate limits (``api.rate_limits``) documents their 429;
 - a route that depends on an authenticator (``api.route_auth.AUTHENTICATORS``)
   documents the statuses that authenticator answers;
 - integer bounds stay integers: FastAPI's OpenAPI models store ``maximum`` and friends
@@ -25,10 +26,13 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute, RouteContext, iter_route_contexts
 
 from api.errors import error_responses
+from api.rate_limits import is_rate_limited
 from api.route_auth import AUTHENTICATORS, route_authenticators
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
+_RETRY_AFTER = {"description": "Seconds to wait before the next request.",
+                "schema": {"type": "integer", "minimum": 1}}
 
 
 def _error_statuses(route: RouteContext, operation: dict[str, Any]) -> list[int]:
@@ -39,6 +43,8 @@ def _error_statuses(route: RouteContext, operation: dict[str, Any]) -> list[int]
         statuses.add(413)  # api.body_limit refuses an oversized body before routing
     for check in route_authenticators(route.dependant):
         statuses.update(AUTHENTICATORS[check])
+    if is_rate_limited(route.path_format):
+        statuses.add(429)  # api.rate_limits, before routing
     return sorted(statuses)
 
 
@@ -72,7 +78,9 @@ def rewrite_openapi(app: FastAPI, document: dict[str, Any]) -> dict[str, Any]:
             responses = operation["responses"]
             responses.pop("422", None)
             for status, response in error_responses(*statuses).items():
-                responses.setdefault(str(status), {"description": response["description"]})
+                documented = responses.setdefault(str(status), {"description": response["description"]})
+                if status == 429:
+                    documented.setdefault("headers", {"Retry-After": _RETRY_AFTER})
             for status, response in responses.items():
                 own = response.get("content", {}).get("application/json", {}).get("schema")
                 if status[0] in "45" and own in (None, {}, ref):

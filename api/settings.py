@@ -98,6 +98,34 @@ class Settings(BaseSettings):
     # private addresses: ``host`` or ``host:port``, comma-separated. Everything else must be
     # a public http(s) address (the webhooks' rule). Trainers read the same variable.
     tracker_allowed_hosts: str | None = None
+    # Rate limits on /v1/*, /internal/* and /ui/login (api/rate_limits.py), per minute.
+    # Counters are shared through Redis when the broker is Redis, else kept in memory.
+    rate_limit_enabled: bool | None = Field(
+        default=None, description="Default: on, except with TUNEFLEET_ENV=test."
+    )
+    rate_limit_failed_auth_per_min: int = Field(
+        default=20, ge=1, description="Failed authentications (401s) per client IP."
+    )
+    rate_limit_requests_per_min: int = Field(
+        default=1200, ge=1, description="Requests per API key (per client IP without one)."
+    )
+    rate_limit_reports_per_min: int = Field(default=600, ge=1, description="Trainer reports per job.")
+    # Peers whose X-Forwarded-For names the client (IPs or networks, comma-separated);
+    # unset: the connection's peer address is the client.
+    rate_limit_trusted_proxies: str | None = None
+    rate_limit_key_prefix: str = Field(default="tunefleet-rate-limits", min_length=1)
+
+    @field_validator("rate_limit_trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: str | None) -> str | None:
+        try:
+            _networks(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"TUNEFLEET_RATE_LIMIT_TRUSTED_PROXIES: {exc} (expected IP addresses or networks, "
+                "comma-separated, e.g. 10.0.0.7,10.1.0.0/16)"
+            ) from exc
+        return value
 
     @field_validator("public_url")
     @classmethod
@@ -191,6 +219,21 @@ class Settings(BaseSettings):
         return self.artifact_url or str(self.data_path / "artifacts")
 
     @property
+    def rate_limiting(self) -> bool:
+        """Whether the rate limits apply (``rate_limit_enabled``, else not in tests)."""
+        return self.env != "test" if self.rate_limit_enabled is None else self.rate_limit_enabled
+
+    @property
+    def trusted_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return _networks(self.rate_limit_trusted_proxies)
+
+    @property
+    def rate_limit_storage_url(self) -> str:
+        """The ``limits`` storage: the broker's Redis (shared by every replica), else memory."""
+        broker = self.resolved_broker_url
+        return f"async+{broker}" if broker.startswith(("redis://", "rediss://")) else "async+memory://"
+
+    @property
     def is_sqlite(self) -> bool:
         return self.resolved_database_url.startswith("sqlite")
 
@@ -271,6 +314,12 @@ def _is_loopback(url: str) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback or address.is_unspecified
+
+
+def _networks(value: str | None) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``10.0.0.7, 10.1.0.0/16`` as networks (a lone address is a /32 or /128)."""
+    entries = (value or "").split(",")
+    return tuple(ipaddress.ip_network(e.strip(), strict=False) for e in entries if e.strip())
 
 
 def looks_random(secret: str) -> bool:
