@@ -276,7 +276,12 @@ def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
 
 
 def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
-    """Record a job's output files (from a report, or from the manifest by the executor)."""
+    """Record a job's output files (from a report, or from the manifest by the executor).
+
+    Idempotent: the executor registers the manifest again in case the trainer's last report
+    was lost, and the job's events say "Uploaded" only for files that changed.
+    """
+    changed: list[str] = []
     for file in item.files:
         row = session.scalar(
             select(Artifact).where(Artifact.job_id == job.id, Artifact.name == file.name)
@@ -284,9 +289,13 @@ def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
         if row is None:
             session.add(Artifact(job_id=job.id, name=file.name, bytes=file.bytes,
                                  sha256=file.sha256, location=item.location))
+        elif (row.bytes, row.sha256, row.location) == (file.bytes, file.sha256, item.location):
+            continue
         else:
             row.bytes, row.sha256, row.location = file.bytes, file.sha256, item.location
+        changed.append(file.name)
     if any(f.name == ADAPTER_WEIGHTS for f in item.files):
         job.fine_tuned_model = fine_tuned_model_id(job)
-    add_event(session, job, f"Uploaded {len(item.files)} output file(s)", type="message",
-              data={"location": item.location, "files": [f.name for f in item.files]})
+    if changed:
+        add_event(session, job, f"Uploaded {len(changed)} output file(s)", type="message",
+                  data={"location": item.location, "files": changed})

@@ -178,6 +178,9 @@ class ReportSpec(_Strict):
     token: str | None = None
     spool_dir: str | None = None
     flush_interval_s: Annotated[float, Field(gt=0)] = 2.0
+    first_seq: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="The lowest report seq this run may use: one past every seq the API has "
+        "applied for the job, so a run whose spool starts empty (a new pod) never reuses a number.")
 
 
 class IntegrationSpec(_Strict):

@@ -20,11 +20,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.artifacts import artifact_store, file_store
 from api.base_models import load_base_models
-from api.db.models import File, Job
+from api.db.models import File, Job, ReportBatch
 from api.settings import Settings
 from trainers.spec import (
     DEFAULT_TARGET_MODULES,
@@ -219,7 +220,7 @@ def build_spec(
     job_dir = settings.job_dir(job.id)
     if in_cluster:
         checkpoint_dir = store.location(f"{job.id}/checkpoints")
-        spool_dir, termination = "/tmp/tunefleet-spool", "/dev/termination-log"
+        spool_dir, termination = f"/tmp/tunefleet-spool/{job.id}", "/dev/termination-log"
     else:
         checkpoint_dir = str(job_dir / "checkpoints") if local_store else store.location(f"{job.id}/checkpoints")
         spool_dir, termination = str(job_dir / "spool"), str(job_dir / "termination.json")
@@ -277,6 +278,7 @@ def build_spec(
             url=f"{settings.public_url}/internal/v1/jobs/{job.id}/reports",
             token=token,
             spool_dir=spool_dir,
+            first_seq=_next_report_seq(session, job.id),
         ),
         integrations=_integrations(job.integrations),
         seed=int(job.seed),
@@ -293,3 +295,11 @@ def write_spec(spec: TrainerSpec, path: Path) -> Path:
     spec.dump(tmp)
     tmp.replace(path)
     return path
+
+
+def _next_report_seq(session: Session, job_id: str) -> int:
+    """One past the highest report seq the API applied for the job: a run that starts with
+    an empty spool (a new pod of a requeued job) must not reuse a seq, which the API would
+    drop as a duplicate (with every metric in it)."""
+    last = session.scalar(select(func.max(ReportBatch.seq)).where(ReportBatch.job_id == job_id))
+    return int(last or 0) + 1

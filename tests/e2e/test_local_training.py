@@ -53,6 +53,14 @@ def create_job(http: httpx.Client, file_id: str, *, n_epochs: int = 1, batch_siz
     return resp.json()
 
 
+def training_job(http: httpx.Client, examples: list[dict[str, Any]], *, n_epochs: int) -> dict:
+    """A job on ``examples`` (batch 4), returned once it has reported its first metrics."""
+    job = create_job(http, upload(http, examples), n_epochs=n_epochs, batch_size=4)
+    wait_for(lambda: http.get(f"/fine_tuning/jobs/{job['id']}").json().get("current_step"), 180,
+             "the first metrics")
+    return job
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -177,6 +185,8 @@ def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path,
 
         events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
         assert any("succeeded" in m.lower() for m in events)
+        # The executor registers the outputs' manifest again; that adds no second upload event.
+        assert sum(m.startswith("Uploaded ") for m in events) == 1, events
 
         # The run held its slot from admission to its end: one closed usage segment, billed.
         segments = job["usage"]["segments"]
@@ -254,10 +264,7 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_continues_the_same_curv
 def test_api_outage_loses_and_duplicates_no_metric(service) -> None:
     svc = service("embedded")
     with svc.http() as http:
-        file_id = upload(http, demo_examples(48, seed=3))
-        job = create_job(http, file_id, n_epochs=2, batch_size=4)
-        wait_for(lambda: http.get(f"/fine_tuning/jobs/{job['id']}").json().get("current_step"), 180,
-                 "the first metrics")
+        job = training_job(http, demo_examples(48, seed=3), n_epochs=2)
     svc.stop("api")
     time.sleep(6)  # the trainer keeps training and spools its reports
     svc.start("api")
@@ -284,10 +291,7 @@ def test_api_outage_loses_and_duplicates_no_metric(service) -> None:
 def test_cancel_a_running_job_keeps_its_checkpoint_and_ends_the_process(service) -> None:
     svc = service("embedded")
     with svc.http() as http:
-        file_id = upload(http, demo_examples(64, seed=4))
-        job = create_job(http, file_id, n_epochs=20, batch_size=4)
-        wait_for(lambda: http.get(f"/fine_tuning/jobs/{job['id']}").json().get("current_step"), 180,
-                 "the first metrics")
+        job = training_job(http, demo_examples(64, seed=4), n_epochs=20)
         pid = wait_for(lambda: _trainer_pid(svc, job["id"]), 30, "the trainer pid")
         resp = http.post(f"/fine_tuning/jobs/{job['id']}/cancel")
         assert resp.status_code == 200, resp.text

@@ -90,3 +90,20 @@ def test_other_pools_and_trainers_get_no_host_devices(client, tenant_key, db_ses
     assert spec.parallelism.host_devices is None
     if spec.trainer == "jax_lora":
         assert (spec.parallelism.mesh.data, spec.parallelism.mesh.fsdp) == (1, 2)
+
+
+@pytest.mark.parametrize("in_cluster", [False, True])
+def test_a_new_run_reports_past_the_seqs_the_api_applied(client, tenant_key, db_session, settings, in_cluster):
+    from api.db.models import ReportBatch
+
+    job = _job_row(client, tenant_key, db_session, trainer="fsdp_qlora", batch_size=8)
+    first = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
+                       gpus=1, token="t", in_cluster=in_cluster)
+    assert first.report.first_seq == 1
+    db_session.add_all([ReportBatch(job_id=job.id, seq=seq, n_items=1) for seq in (1, 2, 5)])
+    db_session.flush()
+    again = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
+                       gpus=1, token="t", in_cluster=in_cluster)
+    assert again.report.first_seq == 6
+    # Each job's spool is its own, also where pods share a node's /tmp.
+    assert job.id in again.report.spool_dir

@@ -62,6 +62,8 @@ class Reporter:
         timeout_s: per-request timeout.
         max_backoff_s: cap of the exponential retry delay.
         clock: monotonic clock (injectable for tests).
+        first_seq: the lowest seq to use (one past what the API has applied for the job),
+            for a run whose spool starts empty, e.g. in a new pod.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Reporter:
         timeout_s: float = 10.0,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        first_seq: int = 1,
     ) -> None:
         if url is None and local_path is None:
             raise ValueError("a Reporter needs a url or a local_path")
@@ -105,9 +108,9 @@ class Reporter:
         if self._spool is not None:
             self._spool.mkdir(parents=True, exist_ok=True)
             spooled = self._spooled_seqs()
-            self._next_seq = max([self._read_next_seq(), *(s + 1 for s in spooled)])
+            self._next_seq = max([first_seq, self._read_next_seq(), *(s + 1 for s in spooled)])
         else:
-            self._next_seq = 1
+            self._next_seq = first_seq
         if self._local_path is not None:
             self._local_path.parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="reporter", daemon=True)
@@ -325,4 +328,5 @@ def reporter_from_spec(report: Any, *, default_spool_dir: str | Path, local_path
         spool_dir=report.spool_dir or (default_spool_dir if report.url else None),
         flush_interval_s=report.flush_interval_s,
         local_path=local_path,
+        first_seq=report.first_seq,
     )

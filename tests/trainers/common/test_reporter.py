@@ -161,3 +161,23 @@ def test_every_queued_item_is_mirrored_to_trackers(tmp_path):
     rep.error("nan_loss", "x")
     assert rep.close()
     assert seen == ["metric", "artifacts", "error"]
+
+
+def test_a_run_in_a_new_pod_starts_past_every_seq_the_api_applied(tmp_path):
+    """A requeued job's new pod has an empty spool: it numbers from ``first_seq`` (which the
+    spec builder sets past the API's last seq), so its batches are not dropped as duplicates."""
+    api = FakeReportAPI().start()
+    try:
+        reporter = Reporter(url=api.url, token="tok", spool_dir=tmp_path / "empty", flush_interval_s=0.02,
+                            first_seq=8)
+        assert reporter.next_seq == 8
+        reporter.event("resumed")
+        assert reporter.close(timeout_s=5)
+        assert [b["seq"] for b in api.applied] == [8]
+        # A spool that already went further wins: seqs never go back.
+        again = Reporter(url=api.url, token="tok", spool_dir=tmp_path / "empty", flush_interval_s=0.02,
+                         first_seq=3)
+        assert again.next_seq == 9
+        assert again.close(timeout_s=5)
+    finally:
+        api.stop()
