@@ -6,7 +6,8 @@ the unique constraint and is answered ``duplicate: true`` without changing anyth
 
 Authentication uses the per-job token (only its sha256 is stored): no or an unknown
 token is a 401; a valid token of another job is a 404 for this job; the token of a job
-that stopped running more than ``REPORT_GRACE_S`` ago is a 401 ``job_token_expired``.
+that stopped running more than ``REPORT_GRACE_S`` ago (``STOPPING_GRACE_S`` while its run
+has no outcome yet) is a 401 ``job_token_expired``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ CHECKPOINT_METRIC_NAMES = {
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
 # How long after a job stopped running its trainer may still deliver its last batches.
 REPORT_GRACE_S = 60.0
+STOPPING_GRACE_S = 600.0  # while the job's run has not ended (no outcome of its attempt yet)
 
 
 def authenticate_job(session: Session, job_id: str, authorization: str | None) -> Job:
@@ -83,13 +85,21 @@ def accepts_reports(session: Session, job: Job, *, now: dt.datetime | None = Non
     """
     if job.status == "running":
         return True
-    last = session.scalar(
+    changes = session.scalars(
         select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.type == "status")
-        .order_by(JobEvent.seq.desc()).limit(1)
-    )
-    if last is None or (last.data or {}).get("from") != "running":
+        .order_by(JobEvent.seq.desc()).limit(3)
+    ).all()
+    # The moment it left running: the last status change, or the one before a resume
+    # (paused -> queued) that came while the stopped trainer was still checkpointing.
+    left = next((c for c in changes if (c.data or {}).get("from") == "running"), None)
+    if left is None or (changes[0] is not left and (changes[0].data or {}).get("to") not in ("queued", "paused")):
         return False
-    return (now or utcnow()) - last.created_at <= dt.timedelta(seconds=REPORT_GRACE_S)
+    # A run with no outcome yet may still be writing its final checkpoint: an executor
+    # stops it only after its own poll (Kubernetes: once the Job is seen orphaned), and
+    # the trainer then has its stop grace to checkpoint and report it.
+    stopped = (job.exited_attempt or 0) >= (job.attempt or 0)
+    grace = REPORT_GRACE_S if stopped else STOPPING_GRACE_S
+    return (now or utcnow()) - left.created_at <= dt.timedelta(seconds=grace)
 
 
 def _finite(value: float | None) -> float | None:

@@ -68,3 +68,35 @@ def test_a_preempted_jobs_old_token_expires_and_never_reports_while_queued(
                            headers={"Authorization": f"Bearer {token}"})
     assert response.status_code == 401 and response.json()["error"]["code"] == "job_token_expired"
     assert db_session.get_one(Job, job_id).status == "queued"
+
+
+def test_a_stopping_run_reports_its_final_checkpoint_until_its_outcome(
+        client, tenant_key, make_job, db_session) -> None:
+    """Paused and at once resumed: the old trainer is still checkpointing when the job is
+    queued again, and it may report until its run's outcome is recorded (exited_attempt),
+    then only for the short grace."""
+    tenant = tenant_key()
+    job_id = make_job(tenant.headers)["id"]
+    row, token = start_running(db_session, job_id)
+    db_session.refresh(row)
+    row.attempt = 1  # admitted once; no outcome of that run yet
+    transition(db_session, row, "paused", actor="user")
+    transition(db_session, row, "queued", actor="user")
+    db_session.commit()
+
+    def post(seq: int) -> int:
+        return client.post(f"/internal/v1/jobs/{job_id}/reports",
+                           json={"seq": seq, "items": [{"type": "event", "message": f"late {seq}"}]},
+                           headers={"Authorization": f"Bearer {token}"}).status_code
+
+    last = db_session.scalar(select(JobEvent.seq).where(JobEvent.job_id == job_id, JobEvent.type == "status")
+                             .order_by(JobEvent.seq.desc()).limit(1))
+    for seq in (last, last - 1):  # both status changes, the pause and the resume, 2 minutes ago
+        created = db_session.scalar(select(JobEvent.created_at).where(JobEvent.seq == seq))
+        db_session.execute(update(JobEvent).where(JobEvent.seq == seq)
+                           .values(created_at=created - dt.timedelta(seconds=120)))
+    db_session.commit()
+    assert post(1) == 200
+    db_session.execute(update(Job).where(Job.id == job_id).values(exited_attempt=1))
+    db_session.commit()
+    assert post(2) == 401
