@@ -30,10 +30,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from api.artifacts import file_store
 from api.db.models import Job
 from api.db.session import session_scope
+from api.errors import APIError
 from api.lifecycle import add_event, lock_job
 from api.queue import SCHEDULE, CeleryQueue
-from api.reports import apply_artifacts
-from api.schemas.reports import ArtifactsItem
+from api.reports import apply_artifacts, apply_report
+from api.schemas.reports import ArtifactsItem, ReportBatchIn
 from api.settings import Settings, get_settings
 from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode
@@ -132,6 +133,9 @@ def _supervise(settings: Settings, db_url: str, job_id: str, attempt: int, job_d
         grace_s=settings.stop_grace_s,
         env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
+    if spec.report.spool_dir:
+        _with_retries(f"{job_id}: spooled reports",
+                      lambda: deliver_spool(settings, job_id, Path(spec.report.spool_dir), attempt=attempt))
     status = _with_retries(f"{job_id}: outcome", lambda: finish(
         settings, job_id, spec.output_dir, outcome, read_stop_reason(settings, job_id), attempt=attempt))
     CeleryQueue(settings).send(SCHEDULE)  # a slot is free again
@@ -213,6 +217,35 @@ def _register_manifest(session, job: Job, output_dir: str) -> None:
     files = json.loads(manifest.read_text(encoding="utf-8")).get("files", [])
     item = ArtifactsItem.model_validate({"type": "artifacts", "location": output_dir, "files": files})
     apply_artifacts(session, job, item)
+
+
+def deliver_spool(settings: Settings, job_id: str, spool_dir: Path, *, attempt: int) -> int:
+    """Apply the report batches the trainer left in its spool (it ended while the API was
+    unreachable and gave up sending them): a batch the API applied already is a duplicate
+    by its seq and changes nothing, so nothing is lost and nothing counted twice. Only
+    while the job is still at this run's attempt. Returns the number of new batches."""
+    applied = 0
+    for path in sorted(spool_dir.glob("*.json")):
+        if not path.stem.isdigit():
+            continue
+        try:
+            batch = ReportBatchIn.model_validate_json(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            log.warning("%s: spooled batch %s unreadable (%s); skipped", job_id, path.name, exc)
+            continue
+        with session_scope(settings.resolved_database_url) as session:
+            job = lock_job(session, job_id)
+            if job is None or (job.attempt or 0) != attempt:
+                return applied
+            try:
+                applied += apply_report(session, job, batch, settings)
+            except APIError as exc:  # the API would have refused it too (e.g. a bad location)
+                log.warning("%s: spooled batch %s refused: %s", job_id, path.name, exc.message)
+                continue
+        path.unlink(missing_ok=True)
+    if applied:
+        log.info("%s: applied %d report batch(es) the trainer could not deliver", job_id, applied)
+    return applied
 
 
 def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOutcome,
