@@ -15,8 +15,8 @@ from alembic.migration import MigrationContext
 def test_migrated_schema_equals_the_models(backend: str, request: pytest.FixtureRequest) -> None:
     from api.db.base import Base
     from api.db.session import get_engine
-    from api.webhooks import models  # noqa: F401 (registers the webhook tables)
     from api.ui import models as ui_models  # noqa: F401 (registers the dashboard's table)
+    from api.webhooks import models  # noqa: F401 (registers the webhook tables)
 
     if backend == "sqlite":
         url = f"sqlite:///{request.getfixturevalue('sqlite_template')}"
