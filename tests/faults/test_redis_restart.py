@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, make_settings, settings_env
+from tests.conftest import REPO, _unavailable, free_port, make_settings, settings_env
 
 pytestmark = pytest.mark.redis
 
@@ -67,7 +67,7 @@ class ThrowawayRedis:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[ThrowawayRedis]:
     if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
+        _unavailable("redis-server (the binary, for a throwaway instance)", "not installed")
     server = ThrowawayRedis(free_port(), tmp_path / "redis.log")
     server.start()
     yield server
