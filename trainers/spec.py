@@ -30,7 +30,9 @@ TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # defaults, the estimate's and the spec's: one value for all of them).
 DEFAULT_TARGET_MODULES: tuple[TargetModule, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DEFAULT_MAX_SEQ_LEN = 2048
-DataFormat = Literal["chat", "prompt_completion", "alpaca"]
+# ``sharegpt`` is converted to chat messages on read; ``preference`` (OpenAI's DPO file
+# format: input / preferred_output / non_preferred_output) is the only format a DPO job reads.
+DataFormat = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference"]
 
 
 def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> bool:
@@ -183,6 +185,21 @@ class ReportSpec(_Strict):
         "applied for the job, so a run whose spool starts empty (a new pod) never reuses a number.")
 
 
+class MethodSpec(_Strict):
+    """What the loss optimizes: supervised next-token loss on assistant tokens, or DPO.
+
+    DPO (sigmoid loss, Rafailov et al. 2023) compares the policy's completion log-probs on
+    a preferred and a rejected answer with those of a reference policy. With LoRA the
+    reference is the same base with the adapter disabled, so no second copy of the model
+    is loaded. ``sft_weight`` > 0 adds that many times the supervised loss on the
+    preferred answer (off by default, as OpenAI's DPO).
+    """
+
+    type: Literal["supervised", "dpo"] = "supervised"
+    beta: Annotated[float, Field(gt=0, le=100)] = 0.1
+    sft_weight: Annotated[float, Field(ge=0)] = 0.0
+
+
 class IntegrationSpec(_Strict):
     type: Literal["wandb", "mlflow"]
     project: str | None = None
@@ -200,6 +217,7 @@ class TrainerSpec(_Strict):
     data: DataSpec
     hyperparameters: HyperparametersSpec
     adapter: AdapterSpec = AdapterSpec()
+    method: MethodSpec = MethodSpec()
     parallelism: ParallelismSpec = ParallelismSpec()
     precision: PrecisionSpec = PrecisionSpec()
     eval: EvalSpec = EvalSpec()
@@ -220,6 +238,11 @@ class TrainerSpec(_Strict):
             raise ValueError(
                 f"hyperparameters.batch_size ({hp.batch_size}) must be a multiple of "
                 f"micro_batch_size ({hp.micro_batch_size})"
+            )
+        if (self.method.type == "dpo") != (self.data.format == "preference"):
+            raise ValueError(
+                f"method.type {self.method.type!r} cannot train data.format {self.data.format!r}: "
+                "a DPO job trains preference data, and preference data trains only with DPO"
             )
         return self
 

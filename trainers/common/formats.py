@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Format = Literal["chat", "prompt_completion", "alpaca"]
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca")
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
@@ -89,19 +89,51 @@ PROBLEM_CODES: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call an assistant turn makes; ``arguments`` is the JSON text as given."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Message:
-    """One turn of the canonical example; ``weight`` 0 masks an assistant turn from the loss."""
+    """One turn of the canonical example; ``weight`` 0 masks an assistant turn from the loss.
+
+    An assistant turn may carry ``tool_calls`` (then ``content`` may be empty); a ``tool``
+    turn answers the call named by ``tool_call_id``.
+    """
 
     role: Role
     content: str
     weight: int = 1
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
 class Example:
-    """The canonical training example every format is converted to."""
+    """The canonical training example every supervised format is converted to.
+
+    ``tools`` holds the file line's tool (function) definitions as given, in OpenAI's
+    ``{"type": "function", "function": {...}}`` shape, for the chat template to render.
+    """
 
     messages: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One DPO example: a prompt conversation and a preferred and a rejected assistant answer."""
+
+    prompt: tuple[Message, ...]
+    chosen: Message
+    rejected: Message
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
