@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.settings import Settings
+from trainers.spec import Architecture
 
 DEMO_MODEL_ID = "tunefleet-tiny-llama"
 
@@ -32,7 +32,7 @@ class BaseModelEntry(BaseModel):
 
     id: str = Field(min_length=1, max_length=256)
     path: str = Field(description="Local directory or s3:// URI of an HF-format checkpoint.")
-    architecture: Literal["llama"] = "llama"
+    architecture: Architecture = "llama"
     params_b: float | None = Field(default=None, gt=0, description="Parameters in billions.")
     max_seq_len: int = Field(default=2048, ge=8)
     owned_by: str = "tunefleet"

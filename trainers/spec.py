@@ -25,6 +25,8 @@ SPEC_VERSION = 1
 
 TrainerName = Literal["fsdp_qlora", "jax_lora"]
 DType = Literal["float32", "bfloat16", "float16"]
+# Decoder families both trainers run (the ``model_type`` of the checkpoint's config.json).
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
 TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # What a job adapts and how long its sequences are when it does not say (the API's job
 # defaults, the estimate's and the spec's: one value for all of them).
@@ -56,7 +58,7 @@ class ModelSpec(_Strict):
     """The base model: a Hugging Face-format checkpoint (config.json + safetensors + tokenizer)."""
 
     path: str = Field(description="Local directory or s3:// prefix of the HF checkpoint.")
-    architecture: Literal["llama"] = "llama"
+    architecture: Architecture = "llama"
 
 
 class DataSpec(_Strict):
