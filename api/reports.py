@@ -31,6 +31,7 @@ from api.ids import hash_secret, new_id
 from api.lifecycle import add_event
 from api.schemas.jobs import checkpoint_model_id, fine_tuned_model_id
 from api.schemas.reports import (
+    PREFERENCE_METRICS,
     ArtifactsItem,
     CheckpointItem,
     ErrorItem,
@@ -51,6 +52,7 @@ CHECKPOINT_METRIC_NAMES = {
     "valid_mean_token_accuracy": "valid_mean_token_accuracy",
     "full_valid_loss": "full_valid_loss",
     "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
+    **{name: name for name in PREFERENCE_METRICS},
 }
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
 # How long after a job stopped running its trainer may still deliver its last batches.
@@ -244,7 +246,7 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
 
 def _apply_metric(session: Session, job: Job, item: MetricItem) -> None:
     values: dict[str, Any] = item.model_dump(exclude={"type"})
-    for name in ("train_loss", "valid_loss", "grad_norm"):
+    for name in ("train_loss", "valid_loss", "grad_norm", *PREFERENCE_METRICS.values()):
         values[name] = _finite(values[name])
     # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
     session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step == item.step))

@@ -208,6 +208,15 @@ class JobMetric(Base):
     tokens_seen: Mapped[int | None] = mapped_column(BigInteger)
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     time: Mapped[float | None] = mapped_column(Float, doc="Unix seconds at the trainer.")
+    # DPO runs only (reported as rewards/chosen, ..., valid_rewards/margin).
+    rewards_chosen: Mapped[float | None] = mapped_column(Float)
+    rewards_rejected: Mapped[float | None] = mapped_column(Float)
+    rewards_accuracy: Mapped[float | None] = mapped_column(Float)
+    rewards_margin: Mapped[float | None] = mapped_column(Float)
+    valid_rewards_chosen: Mapped[float | None] = mapped_column(Float)
+    valid_rewards_rejected: Mapped[float | None] = mapped_column(Float)
+    valid_rewards_accuracy: Mapped[float | None] = mapped_column(Float)
+    valid_rewards_margin: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

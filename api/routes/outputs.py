@@ -32,6 +32,7 @@ from api.reports import is_inside, job_storage
 from api.responses import EventStreamResponse, OctetStreamResponse
 from api.schemas.jobs import JobEventPublic
 from api.schemas.outputs import ArtifactsPublic, MetricsPublic
+from api.schemas.reports import PREFERENCE_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ METRIC_FIELDS = (
 
 
 def metric_dict(row: JobMetric) -> dict[str, Any]:
-    return {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
+    """A metric row as the API shows it; a DPO run's rewards under their reported names."""
+    out = {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
+    out.update({name: getattr(row, column) for name, column in PREFERENCE_METRICS.items()})
+    return out
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=error_responses(404))

@@ -22,6 +22,15 @@ class MetricPublic(BaseModel):
     tokens_seen: int | None
     memory_bytes: int | None
     time: float | None
+    # DPO runs only; null otherwise.
+    rewards_chosen: float | None = Field(None, alias="rewards/chosen")
+    rewards_rejected: float | None = Field(None, alias="rewards/rejected")
+    rewards_accuracy: float | None = Field(None, alias="rewards/accuracy")
+    rewards_margin: float | None = Field(None, alias="rewards/margin")
+    valid_rewards_chosen: float | None = Field(None, alias="valid_rewards/chosen")
+    valid_rewards_rejected: float | None = Field(None, alias="valid_rewards/rejected")
+    valid_rewards_accuracy: float | None = Field(None, alias="valid_rewards/accuracy")
+    valid_rewards_margin: float | None = Field(None, alias="valid_rewards/margin")
 
 
 class MetricsPublic(BaseModel):

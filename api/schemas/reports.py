@@ -28,6 +28,14 @@ class _Item(BaseModel):
 Step = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**62)]
 
+# A DPO run's metrics, under the names TRL and the trainers report them (``rewards/...``,
+# ``valid_rewards/...`` on the validation set), and the field (and column) each is stored in.
+PREFERENCE_METRICS: dict[str, str] = {
+    f"{prefix}rewards/{name}": f"{prefix}rewards_{name}"
+    for prefix in ("", "valid_")
+    for name in ("chosen", "rejected", "accuracy", "margin")
+}
+
 
 class MetricItem(_Item):
     type: Literal["metric"]
@@ -44,6 +52,14 @@ class MetricItem(_Item):
     tokens_seen: Count | None = None
     memory_bytes: Count | None = None
     time: float | None = None
+    rewards_chosen: Finite | None = Field(None, alias="rewards/chosen")
+    rewards_rejected: Finite | None = Field(None, alias="rewards/rejected")
+    rewards_accuracy: Finite | None = Field(None, alias="rewards/accuracy")
+    rewards_margin: Finite | None = Field(None, alias="rewards/margin")
+    valid_rewards_chosen: Finite | None = Field(None, alias="valid_rewards/chosen")
+    valid_rewards_rejected: Finite | None = Field(None, alias="valid_rewards/rejected")
+    valid_rewards_accuracy: Finite | None = Field(None, alias="valid_rewards/accuracy")
+    valid_rewards_margin: Finite | None = Field(None, alias="valid_rewards/margin")
 
 
 class EventItem(_Item):

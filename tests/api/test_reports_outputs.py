@@ -76,6 +76,22 @@ def test_bad_reports(client, running) -> None:
     assert metrics.json()["data"][0]["train_loss"] is None
 
 
+def test_dpo_reward_metrics_are_stored_and_shown(client, running, settings) -> None:
+    post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
+    rewards = {"rewards/chosen": 0.25, "rewards/rejected": -0.5, "rewards/accuracy": 0.75,
+               "rewards/margin": 0.75, "valid_rewards/accuracy": 0.625, "valid_rewards/margin": 0.5}
+    post(0, metric(1, 0.69, **rewards, **{"rewards/unknown": 1.0}))
+    row = client.get(f"{JOBS}/{job_id}/metrics", headers=headers).json()["data"][0]
+    assert {k: row[k] for k in rewards} == rewards
+    assert row["valid_rewards/chosen"] is None and "rewards/unknown" not in row
+    ck = settings.job_dir(job_id) / "checkpoints" / "step-1"
+    post(1, {"type": "checkpoint", "step": 1, "location": str(ck),
+             "metrics": {"train_loss": 0.69, "rewards/accuracy": 0.75, "valid_rewards/margin": 0.5}})
+    checkpoint = client.get(f"{JOBS}/{job_id}/checkpoints", headers=headers).json()["data"][0]
+    assert checkpoint["metrics"] == {"step": 1.0, "train_loss": 0.69, "rewards/accuracy": 0.75,
+                                     "valid_rewards/margin": 0.5}
+
+
 def test_rotated_token_stops_working(client, running, db_session) -> None:
     row = db_session.get_one(Job, running["job"]["id"])
     new = issue_job_token(db_session, row)
