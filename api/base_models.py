@@ -8,6 +8,7 @@
         architecture: llama
         params_b: 8.0                          # billions, for the memory estimator
         max_seq_len: 131072
+        hf_id: meta-llama/Llama-3.1-8B         # optional: the Hub id adapters cite (default: id)
 
 Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
 ``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start).
@@ -36,6 +37,15 @@ class BaseModelEntry(BaseModel):
     params_b: float | None = Field(default=None, gt=0, description="Parameters in billions.")
     max_seq_len: int = Field(default=2048, ge=8)
     owned_by: str = "tunefleet"
+    hf_id: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="The Hugging Face id exported adapters name as their base model; default: id.",
+    )
+
+    @property
+    def public_id(self) -> str:
+        """What an exported adapter's ``base_model_name_or_path`` says."""
+        return self.hf_id or self.id
 
 
 class BaseModelsFile(BaseModel):

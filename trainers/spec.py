@@ -59,6 +59,11 @@ class ModelSpec(_Strict):
 
     path: str = Field(description="Local directory or s3:// prefix of the HF checkpoint.")
     architecture: Architecture = "llama"
+    name: str | None = Field(
+        default=None,
+        description="The model's public id (e.g. meta-llama/Llama-3.1-8B): exported adapters name it as "
+        "their base_model_name_or_path, so they load outside this service. None: the path.",
+    )
 
 
 class DataSpec(_Strict):

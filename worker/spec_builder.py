@@ -258,7 +258,8 @@ def build_spec(
     return TrainerSpec(
         job_id=job.id,
         trainer=trainer,  # type: ignore[arg-type]
-        model=ModelSpec(path=models[job.model].path, architecture=models[job.model].architecture),
+        model=ModelSpec(path=models[job.model].path, architecture=models[job.model].architecture,
+                        name=models[job.model].public_id),
         data=DataSpec(
             train_file=files.location(train.location),
             validation_file=valid_location,

@@ -62,6 +62,7 @@ def _local_jax_spec(client, tenant_key, db_session, settings, monkeypatch, batch
 def test_local_pool_jax_job_gets_one_host_device_per_core(client, tenant_key, db_session, settings, monkeypatch):
     spec = _local_jax_spec(client, tenant_key, db_session, settings, monkeypatch, batch_size=4)
     assert spec.trainer == "jax_lora"
+    assert spec.model.name == "tunefleet-tiny-llama"  # the registry id: what exported adapters cite
     par = spec.parallelism
     assert (par.mesh.data, par.mesh.fsdp, par.mesh.tensor, par.host_devices) == (2, 1, 1, 2)
     # The global batch splits over the 2 data-parallel devices without a remainder.

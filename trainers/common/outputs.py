@@ -3,6 +3,7 @@
 Layout (docs/internals.md)::
 
     adapter/adapter_config.json, adapter/adapter_model.safetensors   (peft_export)
+    adapter/README.md, adapter/tokenizer*.json ...   model card + the base's tokenizer
     training_config.json   the spec without the report token
     metrics.jsonl          every metric row the trainer produced
     manifest.json          {"files": [{"name", "bytes", "sha256"}]}
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainers.common.peft_export import write_manifest
+from trainers.common.peft_export import complete_adapter_dir, model_card, write_manifest
 
 TRAINING_CONFIG = "training_config.json"
 METRICS_LOG = "metrics.jsonl"
@@ -30,6 +31,39 @@ def write_training_config(output_dir: str | Path, spec: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def adapter_base_model(spec: Any) -> str:
+    """The base model an exported adapter names: the public id, else the training path."""
+    return spec.model.name or spec.model.path
+
+
+def finish_adapter(adapter_dir: str | Path, spec: Any) -> None:
+    """Complete an adapter the recipe just wrote (final output or checkpoint) for use
+    outside the service: public base model id, tokenizer files and model card."""
+    training = {
+        "trainer": spec.trainer,
+        "method": spec.method.model_dump(mode="json"),
+        "adapter": spec.adapter.model_dump(mode="json"),
+        "hyperparameters": spec.hyperparameters.model_dump(mode="json"),
+        "data": {"format": spec.data.format, "max_seq_len": spec.data.max_seq_len,
+                 "packing": spec.data.packing},
+        "precision": spec.precision.model_dump(mode="json"),
+        "seed": spec.seed,
+    }
+    notes = []
+    if spec.adapter.quantization != "none":
+        notes.append(
+            f"QLoRA: trained against the base quantized to {spec.adapter.quantization} 4-bit; "
+            "applied to the unquantized base it is close to, not the same as, what training saw."
+        )
+    base = adapter_base_model(spec)
+    complete_adapter_dir(
+        adapter_dir, base_model=base,
+        tokenizer_dir=None if spec.model.path.startswith("s3://") else spec.model.path,
+        card=model_card(base_model=base, title=f"Fine-tuned adapter of job {spec.job_id}",
+                        training=training, notes=notes),
+    )
 
 
 class MetricsLog:

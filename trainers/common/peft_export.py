@@ -11,6 +11,13 @@ Orientation follows ``torch.nn.Linear`` (what PEFT stores): ``lora_A`` is ``(r, 
 ``scaling = alpha / r``. A JAX trainer that keeps ``x @ A`` with ``A: (in, r)`` passes
 transposed arrays. numpy + safetensors only (no torch import).
 
+An adapter leaves the service usable on its own (:func:`complete_adapter_dir`): its
+``base_model_name_or_path`` is the base model's public id (what the Hub calls it, not the
+storage path it was trained from), the base model's tokenizer files sit next to it, and a
+model card ``README.md`` (``library_name: peft``, ``base_model:``) records how it was
+trained, so ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` and
+``AutoTokenizer.from_pretrained(adapter_dir)`` work wherever the base id resolves.
+
 DoRA adapters are out of scope here: ``use_dora`` is refused until a trainer produces the
 magnitude vectors PEFT needs.
 """
@@ -29,7 +36,14 @@ import numpy as np
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MODEL_CARD = "README.md"
 MANIFEST = "manifest.json"
+# What transformers' tokenizers save (fast and slow, chat template included): the files
+# copied from the base model into an exported adapter.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
 
 _MODULE_PARENT = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -152,6 +166,79 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str
     d = Path(adapter_dir)
     config = json.loads((d / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     return config, load_file(str(d / ADAPTER_WEIGHTS))
+
+
+def model_card(*, base_model: str, title: str, training: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
+    """The adapter's ``README.md``: Hub metadata front matter, how to load it, how it was trained.
+
+    Args:
+        base_model: the base model's public id (the card's ``base_model:``).
+        title: the heading (e.g. the job id).
+        training: the training settings to record (JSON-serializable).
+        notes: extra sentences, e.g. that a QLoRA adapter was trained on a 4-bit base.
+    """
+    front = "\n".join([
+        "---",
+        f"base_model: {json.dumps(base_model)}",
+        "library_name: peft",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- lora",
+        "- tunefleet",
+        "---",
+    ])
+    body = [
+        f"# {title}",
+        "",
+        f"A LoRA adapter for `{base_model}`, trained by tunefleet.",
+        *(["", *notes] if notes else []),
+        "",
+        "## Use it",
+        "",
+        "```python",
+        "from peft import AutoPeftModelForCausalLM",
+        "from transformers import AutoTokenizer",
+        "",
+        'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/adapter")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/adapter")',
+        "```",
+        "",
+        "## Training configuration",
+        "",
+        "```json",
+        json.dumps(training, indent=2, sort_keys=True),
+        "```",
+        "",
+    ]
+    return front + "\n\n" + "\n".join(body)
+
+
+def complete_adapter_dir(
+    adapter_dir: str | Path,
+    *,
+    base_model: str,
+    tokenizer_dir: str | Path | None,
+    card: str,
+) -> None:
+    """Make a written adapter directory stand on its own.
+
+    Sets ``base_model_name_or_path`` in ``adapter_config.json`` to ``base_model``, copies the
+    tokenizer files found in ``tokenizer_dir`` (a local base model directory; None when the
+    base lives elsewhere, e.g. in S3), and writes ``card`` as ``README.md``.
+    """
+    import shutil
+
+    out = Path(adapter_dir)
+    config_path = out / ADAPTER_CONFIG
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base_model
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+        for name in TOKENIZER_FILES:
+            source = Path(tokenizer_dir) / name
+            if source.is_file():
+                shutil.copyfile(source, out / name)
+    (out / MODEL_CARD).write_text(card, encoding="utf-8")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -67,6 +67,7 @@ from trainers.common.outputs import (
     ADAPTER_DIR,
     MetricsLog,
     finalize_outputs,
+    finish_adapter,
     write_training_config,
 )
 from trainers.common.peft_export import write_peft_adapter
@@ -176,6 +177,7 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             def write_adapter(d: Path) -> None:
                 write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
                                    target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
+                finish_adapter(d, spec)
 
             state = TrainerState(step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
                                  metrics=dict(last), extra={"tokens_seen": tokens_seen,
@@ -230,6 +232,7 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             write_peft_adapter(output_dir / ADAPTER_DIR, peft_weights(adapter), r=a.r, alpha=a.alpha,
                                dropout=a.dropout, target_modules=a.target_modules,
                                base_model_name_or_path=spec.model.path)
+            finish_adapter(output_dir / ADAPTER_DIR, spec)
             write_training_config(output_dir, spec)
             (output_dir / "data_stats.json").write_text(json.dumps(data.stats(), indent=2), encoding="utf-8")
             files = finalize_outputs(output_dir)

@@ -57,7 +57,13 @@ from trainers.common.loop import (
     metric_row,
     should_evaluate,
 )
-from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finalize_outputs, write_training_config
+from trainers.common.outputs import (
+    ADAPTER_DIR,
+    MetricsLog,
+    finalize_outputs,
+    finish_adapter,
+    write_training_config,
+)
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted, UserError
@@ -308,6 +314,7 @@ def run(
                     d / ADAPTER_DIR, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
                     dropout=spec.adapter.dropout, target_modules=targets, base_model_name_or_path=spec.model.path,
                 )
+                finish_adapter(d / ADAPTER_DIR, spec)
 
             ts = TrainerState(
                 step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
@@ -379,6 +386,7 @@ def run(
                 out_dir / ADAPTER_DIR, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
                 dropout=spec.adapter.dropout, target_modules=targets, base_model_name_or_path=spec.model.path,
             )
+            finish_adapter(out_dir / ADAPTER_DIR, spec)
             files = finalize_outputs(out_dir)
             reporter.artifacts(str(out_dir), files)
             reporter.event(f"training finished after {step} steps; adapter exported")
