@@ -7,18 +7,36 @@ tokenizer (``transformers.AutoTokenizer``), which both trainer images ship.
 Rendering. An :class:`~trainers.common.formats.Example` is rendered with the tokenizer's
 own ``chat_template`` when it has one, otherwise with :data:`FALLBACK_CHAT_TEMPLATE`
 (a Llama-3-like layout written with the tokenizer's bos/eos tokens and plain-text role
-headers: ``<bos>### user\\n{content}\\n### assistant\\n{content}<eos>\\n``).
+headers: ``<bos>### user\\n{content}\\n### assistant\\n{content}<eos>\\n``), as
+``apply_chat_template(messages, tools=example.tools)``. Messages are passed in the
+Hugging Face dict form (:func:`chat_template_messages`): an assistant's tool calls as
+``{"type": "function", "function": {"name", "arguments"}}`` with the arguments parsed to
+a dict (what Llama 3.1's template and most others expect), a tool result with its
+``tool_call_id``.
 
 Labels (completion-only loss). ``labels`` are aligned with ``input_ids`` (Hugging Face
 convention: the loss shifts them, so ``labels[t]`` is predicted from tokens ``< t``).
 A token is trained on iff it belongs to an assistant turn with ``weight`` 1: the
-assistant's content plus the template's end-of-turn text (e.g. ``<|eot_id|>``), so the
-model learns to stop. Everything else (bos, system/user turns, role headers, ``weight: 0``
+assistant's content and its tool calls as the template renders them, plus the template's
+end-of-turn text (e.g. ``<|eot_id|>``), so the model learns to stop. Tool results are
+never trained on (they are the tool's words, not the model's). Everything else (bos, system/user turns, role headers, ``weight: 0``
 assistant turns, padding) is ``IGNORE_INDEX`` (-100). The assistant span of turn ``i`` is
 found from renders of prefixes: it starts where ``render(messages[:i],
 add_generation_prompt=True)`` ends and ends where ``render(messages[:i+1])`` ends. For a
 template where those renders are not prefixes of the full text, the span falls back to
 the first occurrence of the content after the previous turn (without the end-of-turn).
+
+Preference pairs (DPO). :func:`tokenize_preference` renders the prompt with the
+generation prompt (``render(prompt, add_generation_prompt=True)``) and each answer as
+the text the template adds after it (``render(prompt + [answer])`` minus that prefix,
+end-of-turn included); the prompt and each answer are tokenized separately, so both
+sequences of a pair share the very same prompt ids. Labels are the answer tokens only
+(completion-only log-probs); the prompt is ``IGNORE_INDEX``. Truncation of a pair whose
+prompt + longer answer exceeds ``max_seq_len``: the prompt is cut from the LEFT (its
+latest turns and the generation prompt stay) to ``max(max_seq_len - longer answer,
+min(prompt length, max_seq_len // 2))`` tokens, then the answers are cut at the end to
+what is left. So an answer is kept whole unless it needs more than half the window
+and the prompt is longer than the other half.
 
 Truncation. Sequences longer than ``max_seq_len`` are cut at the end and counted
 (``TokenizedDataset.n_truncated``); an example left with no trained token is dropped and
@@ -42,6 +60,7 @@ batches the uninterrupted run would have yielded next.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,14 +68,19 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from trainers.common.formats import Example
+from trainers.common.formats import Example, Message, PreferenceExample
 
 IGNORE_INDEX = -100
 
 FALLBACK_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '### tools\n' }}{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}{% endif %}"
     "{% for message in messages %}"
     "{{ '### ' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{% endfor %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '### assistant\n' }}{% endif %}"
@@ -131,31 +155,58 @@ def chat_template_of(tokenizer: Any) -> str:
     return template if isinstance(template, str) and template else FALLBACK_CHAT_TEMPLATE
 
 
-def _render(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], gen: bool) -> str:
+def chat_template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Canonical messages in the dict form ``apply_chat_template`` takes.
+
+    Tool-call arguments are parsed from their JSON text to a dict (templates render them
+    with ``tojson``); ``name`` and ``tool_call_id`` are passed only when set.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _render(
+    tokenizer: Any, template: str, messages: Sequence[dict[str, Any]], gen: bool, tools: Sequence[dict[str, Any]] = ()
+) -> str:
     return tokenizer.apply_chat_template(
-        list(messages), chat_template=template, tokenize=False, add_generation_prompt=gen
+        list(messages), tools=list(tools) or None, chat_template=template, tokenize=False, add_generation_prompt=gen
     )
 
 
 def _assistant_char_spans(tokenizer: Any, template: str, example: Example) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of trained assistant turns."""
-    msgs = [{"role": m.role, "content": m.content} for m in example.messages]
-    full = _render(tokenizer, template, msgs, gen=False)
+    msgs = chat_template_messages(example.messages)
+    tools = example.tools
+    full = _render(tokenizer, template, msgs, False, tools)
     spans: list[tuple[int, int]] = []
     search_from = 0
     for i, m in enumerate(example.messages):
         if m.role != "assistant":
             continue
-        upto = _render(tokenizer, template, msgs[: i + 1], gen=False)
+        upto = _render(tokenizer, template, msgs[: i + 1], False, tools)
         head: str | None = None
         if i:  # an empty conversation cannot be rendered
             try:
-                head = _render(tokenizer, template, msgs[:i], gen=True)
+                head = _render(tokenizer, template, msgs[:i], True, tools)
             except (jinja2.TemplateError, ValueError, IndexError):  # a template may refuse a prefix
                 head = None
         if head is not None and full.startswith(upto) and upto.startswith(head) and len(head) >= search_from:
             start, end = len(head), len(upto)
         else:
+            if not m.content:  # a tool-call-only turn has no text of its own to look for
+                raise ValueError(f"chat template: cannot locate the tool calls of assistant turn {i}")
             start = full.find(m.content, search_from)
             end = start + len(m.content)
             if full.startswith(upto) and len(upto) >= end:
@@ -197,6 +248,94 @@ def tokenize_dataset(tokenizer: Any, examples: Iterable[Example], max_seq_len: i
             out.n_dropped += 1
             continue
         out.examples.append(tok)
+    return out
+
+
+@dataclass
+class PreferenceDataset:
+    """Tokenized preference pairs ``(chosen, rejected)``, each sharing its prompt ids."""
+
+    pairs: list[tuple[TokenizedExample, TokenizedExample]]
+    n_truncated: int = 0
+    n_dropped: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(c) + len(r) for c, r in self.pairs)
+
+
+def truncate_preference(
+    prompt: Sequence[int], answers: Sequence[Sequence[int]], max_seq_len: int
+) -> tuple[list[int], list[list[int]]]:
+    """Fit a prompt and its answers to ``max_seq_len`` (the rule: module docstring)."""
+    longest = max(len(a) for a in answers)
+    if len(prompt) + longest <= max_seq_len:
+        return list(prompt), [list(a) for a in answers]
+    keep = max(max_seq_len - longest, min(len(prompt), max_seq_len // 2))
+    kept = list(prompt[len(prompt) - keep :]) if keep < len(prompt) else list(prompt)
+    room = max_seq_len - len(kept)
+    return kept, [list(a[:room]) for a in answers]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _preference_ids(tokenizer: Any, template: str, example: PreferenceExample) -> tuple[list[int], list[list[int]]]:
+    """Untruncated prompt ids and the ids of (chosen, rejected)."""
+    prompt = chat_template_messages(example.prompt)
+    head = _render(tokenizer, template, prompt, True, example.tools)
+    answers: list[list[int]] = []
+    for answer in (example.chosen, example.rejected):
+        full = _render(tokenizer, template, prompt + chat_template_messages([answer]), False, example.tools)
+        if not full.startswith(head) or len(full) == len(head):
+            raise ValueError(
+                "the chat template does not render prompt + answer as the prompt (with its generation "
+                "prompt) followed by the answer; preference pairs cannot be split for this template"
+            )
+        answers.append(_encode(tokenizer, full[len(head) :]))
+    return _encode(tokenizer, head), answers
+
+
+def _pair(prompt: list[int], answers: list[list[int]]) -> tuple[TokenizedExample, TokenizedExample]:
+    chosen, rejected = (
+        TokenizedExample(tuple(prompt + a), tuple([IGNORE_INDEX] * len(prompt) + a)) for a in answers
+    )
+    return chosen, rejected
+
+
+def tokenize_preference(
+    tokenizer: Any, example: PreferenceExample, *, template: str | None = None, max_seq_len: int
+) -> tuple[TokenizedExample, TokenizedExample]:
+    """Tokenize a preference example as ``(chosen, rejected)`` sequences of one prompt.
+
+    Each sequence is the prompt's ids then the answer's; labels are the answer's ids and
+    ``IGNORE_INDEX`` on the prompt. Both fit ``max_seq_len`` (the truncation rule: module
+    docstring).
+
+    Raises:
+        ValueError: the chat template cannot be split into prompt and answer.
+    """
+    prompt, answers = _preference_ids(tokenizer, template or chat_template_of(tokenizer), example)
+    return _pair(*truncate_preference(prompt, answers, max_seq_len))
+
+
+def tokenize_preference_dataset(
+    tokenizer: Any, examples: Iterable[PreferenceExample], max_seq_len: int
+) -> PreferenceDataset:
+    """Tokenize every pair; count the truncated ones; drop a pair with an answer left
+    without a trained token (it would carry no preference signal)."""
+    template = chat_template_of(tokenizer)
+    out = PreferenceDataset(pairs=[])
+    for ex in examples:
+        prompt, answers = _preference_ids(tokenizer, template, ex)
+        if len(prompt) + max(len(a) for a in answers) > max_seq_len:
+            out.n_truncated += 1
+        pair = _pair(*truncate_preference(prompt, answers, max_seq_len))
+        if any(all(x == IGNORE_INDEX for x in t.labels[1:]) for t in pair):
+            out.n_dropped += 1
+            continue
+        out.pairs.append(pair)
     return out
 
 

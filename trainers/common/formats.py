@@ -2,13 +2,34 @@
 
 Pure Python (stdlib only) so that the service (``api``) validates uploads with exactly
 the code the trainers use to read them: a file that passes :func:`validate_jsonl` is a
-file :func:`read_examples` reads without error.
+file :func:`read_examples` (or, for preference data, :func:`read_preference_examples`)
+reads without error.
 
-Three formats are accepted, one per file (the first valid line decides):
+Five formats are accepted, one per file (the first valid line decides):
 
-``chat``
-    ``{"messages": [{"role": "system|user|assistant", "content": "...", "weight": 0|1}]}``
-    ``weight`` is optional and only allowed on assistant turns (``0`` = not trained on).
+``chat`` (OpenAI's chat fine-tuning format)
+    ``{"messages": [...], "tools": [...], "parallel_tool_calls": true}``; ``tools`` and
+    ``parallel_tool_calls`` are optional, and the legacy ``functions`` list is accepted
+    in place of ``tools`` (each function becomes ``{"type": "function", "function": f}``).
+    A message has ``role`` (system, user, assistant or tool) and may have only the keys
+    ``content``, ``name``, ``tool_calls``, ``tool_call_id``, ``function_call`` and
+    ``weight``; any other key is an error, as in OpenAI's own checker.
+
+    - ``content`` is a string or an array of ``{"type": "text", "text": ...}`` parts,
+      concatenated as they are (no separator added). Other part types (images, audio,
+      files, refusals) are refused: this service trains text-only models.
+    - an assistant message may carry ``tool_calls``: ``[{"id": ..., "type": "function",
+      "function": {"name": ..., "arguments": "<JSON object as text>"}}]`` (``id`` and
+      ``type`` are optional); then its ``content`` may be null, empty or absent. The
+      legacy ``function_call`` (``{"name", "arguments"}``) is read as one tool call.
+    - a ``tool`` message answers an earlier call of the same line through its
+      ``tool_call_id``; its content may be empty. The legacy ``{"role": "function",
+      "name": ...}`` answers the latest earlier ``function_call`` of that name and is
+      read as a ``tool`` message.
+    - ``weight`` is optional and only allowed on assistant turns (``0`` = not trained on).
+``sharegpt``
+    ``{"conversations": [{"from": "system|human|gpt", "value": "..."}]}``; ``from`` may
+    also be ``user`` or ``assistant``. Other keys of a turn are ignored.
 ``prompt_completion``
     ``{"prompt": "...", "completion": "..."}`` -> user(prompt) + assistant(completion).
     An empty prompt is allowed (then the example is the assistant turn alone).
@@ -16,38 +37,59 @@ Three formats are accepted, one per file (the first valid line decides):
     ``{"instruction": "...", "input": "..." (optional), "output": "..."}`` ->
     user(instruction + "\\n\\n" + input, or instruction alone when input is empty) +
     assistant(output).
+``preference`` (OpenAI's DPO format, read as :class:`PreferenceExample`)
+    ``{"input": {"messages": [...], "tools": [...], "parallel_tool_calls": ...},
+    "preferred_output": [<assistant message>], "non_preferred_output": [<assistant
+    message>]}``: the prompt's messages follow the chat rules above; each output is a
+    list of exactly one assistant message (content and/or tool calls, no ``weight``).
 
-Unknown extra keys are ignored (OpenAI files often carry ``name`` or metadata).
-Blank lines are ignored; line numbers are 1-based; a UTF-8 BOM at the start is allowed;
-``\\r\\n`` line endings are accepted.
+Unknown top-level keys are ignored (exports often carry ids or metadata). Blank lines
+are ignored; line numbers are 1-based; a UTF-8 BOM at the start is allowed; ``\\r\\n``
+line endings are accepted.
 
 Stable problem codes (``FileProblem.code``), part of the public API:
 
-==================== ===================================================================
-code                 meaning
-==================== ===================================================================
-not_utf8             the line is not valid UTF-8
-empty_file           the file has no non-blank line
-invalid_json         the line is not valid JSON
-not_an_object        the line is JSON but not an object (``{...}``)
-unknown_format       the first object matches none of the three formats
-mixed_formats        the object is of another format than the file's first example
-missing_messages     a chat file's line has no ``messages`` key
-invalid_messages     ``messages`` is not a non-empty list of objects with a string role
-unrecognized_role    a message role other than system/user/assistant
-missing_content      a message has no ``content`` (or it is null)
-empty_content        a content/completion/instruction/output is empty or whitespace only
-invalid_weight       ``weight`` is not 0 or 1, or is set on a non-assistant message
-no_assistant_message no assistant message with weight 1 (nothing to train on)
-missing_field        a prompt/completion or alpaca line lacks a required field
-invalid_type         a field has the wrong JSON type (e.g. a number where text is needed)
-too_few_examples     fewer valid examples than required (``min_examples``)
-line_too_long        the line is longer than ``MAX_LINE_BYTES``
-==================== ===================================================================
+========================= ==============================================================
+code                      meaning
+========================= ==============================================================
+not_utf8                  the line is not valid UTF-8
+empty_file                the file has no non-blank line
+invalid_json              the line is not valid JSON
+not_an_object             the line is JSON but not an object (``{...}``)
+unknown_format            the first object matches none of the formats
+mixed_formats             the object is of another format than the file's first example
+missing_messages          a chat (or preference ``input``) line has no ``messages`` key
+invalid_messages          ``messages``/``conversations`` is not a non-empty list of
+                          objects with a string role (``from``)
+unrecognized_role         a role other than system/user/assistant/tool (ShareGPT: other
+                          than system/human/gpt/user/assistant)
+unrecognized_key          a message has a key outside the known set
+missing_content           a message has no ``content`` (or it is null) and no tool calls
+empty_content             a content/completion/instruction/output is empty or whitespace only
+unsupported_content_type  a content part that is not text (image, audio, file, refusal)
+invalid_weight            ``weight`` is not 0 or 1, or is set on a non-assistant message
+no_assistant_message      no assistant message with weight 1 (nothing to train on)
+invalid_tool_call         ``tool_calls``/``function_call`` malformed, or on a message that
+                          is not an assistant's; ``tool_call_id`` on a non-tool message
+missing_function_name     a tool call without a non-empty ``function.name``
+invalid_arguments         a tool call's ``arguments`` is not a string holding a JSON object
+unknown_tool_call_id      a tool message whose ``tool_call_id`` (legacy: ``name``) is
+                          missing or matches no earlier call of the line
+invalid_tools             ``tools``/``functions`` is not a list of function definitions
+                          with names (or both are given)
+invalid_preference_output ``preferred_output``/``non_preferred_output`` is not a list of
+                          exactly one assistant message
+missing_field             a required field is missing (prompt/completion, alpaca, ``input``)
+invalid_type              a field has the wrong JSON type (e.g. a number where text is needed)
+too_few_examples          fewer valid examples than required (``min_examples``)
+line_too_long             the line is longer than ``MAX_LINE_BYTES``
+========================= ==============================================================
 
 ``n_tokens_estimate`` uses the chars/4 rule (about four characters per token for English
-text with BPE tokenizers): ``ceil(total content characters / 4)``. It is an estimate for
-quotas and ETAs only; trainers count real tokens.
+text with BPE tokenizers): ``ceil(characters / 4)``, counting message contents, tool-call
+names and arguments and, once per example, the tool definitions as JSON (for preference
+lines: the prompt and both answers). It is an estimate for quotas and ETAs only;
+trainers count real tokens.
 """
 
 from __future__ import annotations
@@ -59,11 +101,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Format = Literal["chat", "prompt_completion", "alpaca"]
+Format = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference"]
 Role = Literal["system", "user", "assistant", "tool"]
 
-FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca")
-ROLES: tuple[str, ...] = ("system", "user", "assistant")
+FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca", "sharegpt", "preference")
+SUPERVISED_FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca", "sharegpt")
+"""The formats read as :class:`Example` (the rest, ``preference``, as :class:`PreferenceExample`)."""
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS: tuple[str, ...] = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "weight")
+SHAREGPT_ROLES: dict[str, Role] = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+}
 MAX_LINE_BYTES = 8 * 1024 * 1024
 """Longest accepted line; larger lines are almost always a broken export, not one example."""
 
@@ -77,10 +125,18 @@ PROBLEM_CODES: tuple[str, ...] = (
     "missing_messages",
     "invalid_messages",
     "unrecognized_role",
+    "unrecognized_key",
     "missing_content",
     "empty_content",
+    "unsupported_content_type",
     "invalid_weight",
     "no_assistant_message",
+    "invalid_tool_call",
+    "missing_function_name",
+    "invalid_arguments",
+    "unknown_tool_call_id",
+    "invalid_tools",
+    "invalid_preference_output",
     "missing_field",
     "invalid_type",
     "too_few_examples",
@@ -185,12 +241,19 @@ class FormatError(ValueError):
         self.line = line
 
 
+AnyExample = Example | PreferenceExample
+
+
 def detect_format(obj: Any) -> Format | None:
     """Which format a parsed JSON line is written in, from its keys; None if none matches."""
     if not isinstance(obj, dict):
         return None
     if "messages" in obj:
         return "chat"
+    if "conversations" in obj:
+        return "sharegpt"
+    if "preferred_output" in obj or "non_preferred_output" in obj:
+        return "preference"
     if "prompt" in obj or "completion" in obj:
         return "prompt_completion"
     if "instruction" in obj or "output" in obj:
@@ -198,8 +261,11 @@ def detect_format(obj: Any) -> Format | None:
     return None
 
 
-def parse_example(obj: Any, fmt: Format) -> Example:
-    """Convert one parsed JSON line of format ``fmt`` to an :class:`Example`.
+def parse_example(obj: Any, fmt: Format) -> AnyExample:
+    """Convert one parsed JSON line of format ``fmt`` to its canonical example.
+
+    Returns:
+        A :class:`PreferenceExample` for ``preference``, else an :class:`Example`.
 
     Raises:
         FormatError: with a stable code if the object is not a valid example of ``fmt``.
@@ -215,17 +281,15 @@ def parse_example(obj: Any, fmt: Format) -> Example:
         raise FormatError(
             "mixed_formats", f"this line is {found} but the file is {fmt}; use one format per file"
         )
-    if fmt == "chat":
-        return _parse_chat(obj)
-    if fmt == "prompt_completion":
-        return _parse_prompt_completion(obj)
-    return _parse_alpaca(obj)
+    return _PARSERS[fmt](obj)
 
 
 _FIELDS: dict[str, str] = {
     "chat": "'messages'",
+    "sharegpt": "'conversations'",
     "prompt_completion": "'prompt'/'completion'",
     "alpaca": "'instruction'/'input'/'output'",
+    "preference": "'input'/'preferred_output'/'non_preferred_output'",
 }
 
 
@@ -256,30 +320,109 @@ def _text_field(obj: dict[str, Any], key: str, *, required: bool, allow_empty: b
     return value
 
 
-def _parse_chat(obj: dict[str, Any]) -> Example:
-    raw = obj["messages"]
-    if not isinstance(raw, list) or not raw:
-        raise FormatError("invalid_messages", "'messages' must be a non-empty array of messages")
-    messages: list[Message] = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
+def _content_text(value: Any, where: str) -> str:
+    """A message's ``content``: a string, or text parts concatenated as they are."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise FormatError(
+            "invalid_type",
+            f"{where}.content must be a string or an array of text parts, got {_json_type(value)}",
+        )
+    texts: list[str] = []
+    for j, part in enumerate(value):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise FormatError("invalid_type", f"{at} must be an object, got {_json_type(part)}")
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise FormatError("invalid_type", f"{at} needs a string 'type'")
+        if kind != "text":
+            raise FormatError(
+                "unsupported_content_type",
+                f"{at} is a '{kind}' part; only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                "can be trained on (remove image, audio and file parts)",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise FormatError("invalid_type", f"{at}.text must be a string, got {_json_type(text)}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _arguments_text(fn: dict[str, Any], where: str) -> str:
+    if "arguments" not in fn:
+        raise FormatError("invalid_arguments", f"{where} has no 'arguments' (a JSON object as text)")
+    args = fn["arguments"]
+    if not isinstance(args, str):
+        raise FormatError(
+            "invalid_arguments",
+            f"{where}.arguments must be a string holding a JSON object, got {_json_type(args)}",
+        )
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError as exc:
+        raise FormatError(
+            "invalid_arguments", f"{where}.arguments is not valid JSON: {exc.msg} (column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise FormatError("invalid_arguments", f"{where}.arguments is nested too deeply") from None
+    if not isinstance(parsed, dict):
+        raise FormatError(
+            "invalid_arguments", f"{where}.arguments must encode a JSON object, got {_json_type(parsed)}"
+        )
+    return args
+
+
+def _function_name(fn: dict[str, Any], where: str) -> str:
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise FormatError("missing_function_name", f"{where} needs a non-empty string 'name'")
+    return name
+
+
+class _LineMessages:
+    """Parses the messages of one line, remembering its tool calls so that a tool message
+    can be checked against the calls made before it."""
+
+    def __init__(self) -> None:
+        self.call_ids: set[str] = set()
+        self.legacy_calls: dict[str, str] = {}  # function name -> id of its latest function_call
+        self._n_new_ids = 0
+
+    def parse_list(self, raw: Any, where: str) -> tuple[Message, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise FormatError("invalid_messages", f"'{where}' must be a non-empty array of messages")
+        return tuple(self.parse(m, f"{where}[{i}]") for i, m in enumerate(raw))
+
+    def parse(self, m: Any, where: str) -> Message:
         if not isinstance(m, dict):
             raise FormatError("invalid_messages", f"{where} must be an object, got {_json_type(m)}")
         role = m.get("role")
         if not isinstance(role, str):
             raise FormatError("invalid_messages", f"{where} needs a string 'role'")
-        if role not in ROLES:
+        if role not in ROLES and role != "function":
             raise FormatError(
-                "unrecognized_role", f"{where}.role '{role}' is not one of system, user, assistant"
+                "unrecognized_role", f"{where}.role '{role}' is not one of system, user, assistant, tool"
             )
+        unknown = [k for k in m if k not in MESSAGE_KEYS]
+        if unknown:
+            raise FormatError(
+                "unrecognized_key",
+                f"{where} has the unrecognized key(s) {', '.join(repr(k) for k in unknown)}; a message "
+                f"may only have {', '.join(MESSAGE_KEYS)}",
+            )
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise FormatError("invalid_type", f"{where}.name must be a string, got {_json_type(name)}")
+        calls = self._tool_calls(m, role, where)
         if m.get("content") is None:
-            raise FormatError("missing_content", f"{where} has no 'content'")
-        content = m["content"]
-        if not isinstance(content, str):
-            raise FormatError(
-                "invalid_type", f"{where}.content must be a string, got {_json_type(content)}"
-            )
-        if not content.strip():
+            if not calls:
+                raise FormatError("missing_content", f"{where} has no 'content'")
+            content = ""
+        else:
+            content = _content_text(m["content"], where)
+        if not content.strip() and not calls and role not in ("tool", "function"):
             raise FormatError("empty_content", f"{where}.content is empty")
         weight = 1
         if "weight" in m:
@@ -289,11 +432,157 @@ def _parse_chat(obj: dict[str, Any]) -> Example:
             if isinstance(w, bool) or w not in (0, 1):
                 raise FormatError("invalid_weight", f"{where}.weight must be 0 or 1, got {w!r}")
             weight = int(w)
-        messages.append(Message(role=role, content=content, weight=weight))  # type: ignore[arg-type]
+        call_id = self._answered_call(m, role, name, where)
+        return Message(
+            role="tool" if role == "function" else role,  # type: ignore[arg-type]
+            content=content,
+            weight=weight,
+            name=name,
+            tool_calls=calls,
+            tool_call_id=call_id,
+        )
+
+    def _tool_calls(self, m: dict[str, Any], role: str, where: str) -> tuple[ToolCall, ...]:
+        raw, legacy = m.get("tool_calls"), m.get("function_call")
+        if raw is None and legacy is None:
+            return ()
+        if role != "assistant":
+            raise FormatError("invalid_tool_call", f"{where}: only assistant messages make tool calls")
+        if raw is not None and legacy is not None:
+            raise FormatError("invalid_tool_call", f"{where}: give 'tool_calls' or the legacy 'function_call', not both")
+        if legacy is not None:
+            at = f"{where}.function_call"
+            if not isinstance(legacy, dict):
+                raise FormatError("invalid_tool_call", f"{at} must be an object, got {_json_type(legacy)}")
+            call = ToolCall(self._new_id(), _function_name(legacy, at), _arguments_text(legacy, at))
+            self.legacy_calls[call.name] = call.id
+            self.call_ids.add(call.id)
+            return (call,)
+        if not isinstance(raw, list) or not raw:
+            raise FormatError("invalid_tool_call", f"{where}.tool_calls must be a non-empty array of tool calls")
+        calls: list[ToolCall] = []
+        for j, c in enumerate(raw):
+            at = f"{where}.tool_calls[{j}]"
+            if not isinstance(c, dict):
+                raise FormatError("invalid_tool_call", f"{at} must be an object, got {_json_type(c)}")
+            if c.get("type", "function") != "function":
+                raise FormatError("invalid_tool_call", f"{at}.type must be 'function', got {c.get('type')!r}")
+            call_id = c.get("id")
+            if call_id is not None and (not isinstance(call_id, str) or not call_id):
+                raise FormatError("invalid_tool_call", f"{at}.id must be a non-empty string")
+            fn = c.get("function")
+            if fn is None:
+                raise FormatError("missing_function_name", f"{at} has no 'function' (with 'name' and 'arguments')")
+            if not isinstance(fn, dict):
+                raise FormatError("invalid_tool_call", f"{at}.function must be an object, got {_json_type(fn)}")
+            name = _function_name(fn, f"{at}.function")
+            calls.append(ToolCall(call_id or self._new_id(), name, _arguments_text(fn, f"{at}.function")))
+        self.call_ids.update(c.id for c in calls)
+        return tuple(calls)
+
+    def _answered_call(self, m: dict[str, Any], role: str, name: str | None, where: str) -> str | None:
+        """The id of the call a tool (or legacy function) message answers; None for others."""
+        call_id = m.get("tool_call_id")
+        if role == "function":
+            if name is None or name not in self.legacy_calls:
+                raise FormatError(
+                    "unknown_tool_call_id",
+                    f"{where}: a 'function' message needs the 'name' of an earlier function_call",
+                )
+            return self.legacy_calls[name]
+        if role != "tool":
+            if call_id is not None:
+                raise FormatError("invalid_tool_call", f"{where}: 'tool_call_id' is only allowed on tool messages")
+            return None
+        if not isinstance(call_id, str) or call_id not in self.call_ids:
+            shown = "no 'tool_call_id'" if call_id is None else f"tool_call_id {call_id!r}"
+            raise FormatError(
+                "unknown_tool_call_id",
+                f"{where} has {shown}, which matches no earlier assistant tool call of this line",
+            )
+        return call_id
+
+    def _new_id(self) -> str:
+        """An id for a call given without one (never one the line already uses)."""
+        while True:
+            self._n_new_ids += 1
+            candidate = f"call_{self._n_new_ids}"
+            if candidate not in self.call_ids:
+                return candidate
+
+
+def _tools(obj: dict[str, Any], where: str = "") -> tuple[tuple[dict[str, Any], ...], bool | None]:
+    """A line's tool definitions (legacy ``functions`` converted) and ``parallel_tool_calls``."""
+    tools, functions = obj.get("tools"), obj.get("functions")
+    if tools is not None and functions is not None:
+        raise FormatError("invalid_tools", f"give '{where}tools' or the legacy '{where}functions', not both")
+    key = "functions" if functions is not None else "tools"
+    raw = functions if functions is not None else tools
+    out: list[dict[str, Any]] = []
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise FormatError("invalid_tools", f"'{where}{key}' must be an array, got {_json_type(raw)}")
+        for j, t in enumerate(raw):
+            at = f"{where}{key}[{j}]"
+            if not isinstance(t, dict):
+                raise FormatError("invalid_tools", f"{at} must be an object, got {_json_type(t)}")
+            if key == "functions":
+                t = {"type": "function", "function": t}
+            elif t.get("type") != "function" or not isinstance(t.get("function"), dict):
+                raise FormatError("invalid_tools", f"{at} must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            fn = t["function"]
+            if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+                raise FormatError("invalid_tools", f"{at}: the function needs a non-empty string 'name'")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise FormatError("invalid_tools", f"{at}: the function's 'parameters' must be a JSON schema object")
+            out.append(t)
+    parallel = obj.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise FormatError(
+            "invalid_type", f"'{where}parallel_tool_calls' must be true or false, got {_json_type(parallel)}"
+        )
+    return tuple(out), parallel
+
+
+def _require_trained_turn(messages: tuple[Message, ...]) -> None:
     if not any(m.role == "assistant" and m.weight == 1 for m in messages):
         raise FormatError(
             "no_assistant_message", "needs at least one assistant message with weight 1 to train on"
         )
+
+
+def _parse_chat(obj: dict[str, Any]) -> Example:
+    messages = _LineMessages().parse_list(obj["messages"], "messages")
+    _require_trained_turn(messages)
+    tools, parallel = _tools(obj)
+    return Example(messages=messages, tools=tools, parallel_tool_calls=parallel)
+
+
+def _parse_sharegpt(obj: dict[str, Any]) -> Example:
+    raw = obj["conversations"]
+    if not isinstance(raw, list) or not raw:
+        raise FormatError("invalid_messages", "'conversations' must be a non-empty array of turns")
+    messages: list[Message] = []
+    for i, turn in enumerate(raw):
+        where = f"conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise FormatError("invalid_messages", f"{where} must be an object, got {_json_type(turn)}")
+        speaker = turn.get("from")
+        if not isinstance(speaker, str):
+            raise FormatError("invalid_messages", f"{where} needs a string 'from'")
+        if speaker not in SHAREGPT_ROLES:
+            raise FormatError(
+                "unrecognized_role", f"{where}.from '{speaker}' is not one of {', '.join(SHAREGPT_ROLES)}"
+            )
+        if turn.get("value") is None:
+            raise FormatError("missing_content", f"{where} has no 'value'")
+        value = turn["value"]
+        if not isinstance(value, str):
+            raise FormatError("invalid_type", f"{where}.value must be a string, got {_json_type(value)}")
+        if not value.strip():
+            raise FormatError("empty_content", f"{where}.value is empty")
+        messages.append(Message(SHAREGPT_ROLES[speaker], value))
+    _require_trained_turn(tuple(messages))
     return Example(messages=tuple(messages))
 
 
@@ -311,6 +600,49 @@ def _parse_alpaca(obj: dict[str, Any]) -> Example:
     output = _text_field(obj, "output", required=True, allow_empty=False)
     user = instruction + ("\n\n" + extra if extra.strip() else "")
     return Example(messages=(Message("user", user), Message("assistant", output)))
+
+
+def _parse_preference(obj: dict[str, Any]) -> PreferenceExample:
+    prompt_obj = obj.get("input")
+    if prompt_obj is None:
+        raise FormatError("missing_field", "missing the 'input' object (with the prompt's 'messages')")
+    if not isinstance(prompt_obj, dict):
+        raise FormatError("invalid_type", f"'input' must be an object, got {_json_type(prompt_obj)}")
+    if "messages" not in prompt_obj:
+        raise FormatError("missing_messages", "'input' has no 'messages' list")
+    line = _LineMessages()
+    prompt = line.parse_list(prompt_obj["messages"], "input.messages")
+    tools, _ = _tools(prompt_obj, "input.")
+    # Each answer may answer the prompt's calls but not see the other answer's.
+    chosen = _preference_output(obj, "preferred_output", line)
+    rejected = _preference_output(obj, "non_preferred_output", line)
+    return PreferenceExample(prompt=prompt, chosen=chosen, rejected=rejected, tools=tools)
+
+
+def _preference_output(obj: dict[str, Any], key: str, line: _LineMessages) -> Message:
+    raw = obj.get(key)
+    if raw is None:
+        raise FormatError("missing_field", f"missing '{key}' (a list of one assistant message)")
+    if not isinstance(raw, list) or len(raw) != 1:
+        shown = f"{len(raw)} messages" if isinstance(raw, list) else _json_type(raw)
+        raise FormatError("invalid_preference_output", f"'{key}' must be a list of exactly one assistant message, got {shown}")
+    if isinstance(raw[0], dict) and "weight" in raw[0]:
+        raise FormatError("invalid_weight", f"{key}[0]: 'weight' is not used on preference outputs")
+    fork = _LineMessages()
+    fork.call_ids, fork.legacy_calls = set(line.call_ids), dict(line.legacy_calls)
+    message = fork.parse(raw[0], f"{key}[0]")
+    if message.role != "assistant":
+        raise FormatError("invalid_preference_output", f"{key}[0].role must be 'assistant', got '{message.role}'")
+    return message
+
+
+_PARSERS: dict[str, Any] = {
+    "chat": _parse_chat,
+    "sharegpt": _parse_sharegpt,
+    "prompt_completion": _parse_prompt_completion,
+    "alpaca": _parse_alpaca,
+    "preference": _parse_preference,
+}
 
 
 def _split_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
@@ -340,8 +672,18 @@ def _decode_line(number: int, raw: bytes) -> Any:
         raise FormatError("invalid_json", "invalid JSON: nested too deeply", number) from None
 
 
-def _content_chars(example: Example) -> int:
-    return sum(len(m.content) for m in example.messages)
+def _message_chars(m: Message) -> int:
+    return len(m.content) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+
+
+def _content_chars(example: AnyExample) -> int:
+    """Characters the token estimate counts (see the module docstring)."""
+    tools = len(json.dumps(list(example.tools), ensure_ascii=False)) if example.tools else 0
+    if isinstance(example, PreferenceExample):
+        turns = (*example.prompt, example.chosen, example.rejected)
+    else:
+        turns = example.messages
+    return tools + sum(_message_chars(m) for m in turns)
 
 
 def validate_jsonl(data: bytes, *, max_errors: int = 50, min_examples: int = 1) -> ValidationReport:
@@ -377,8 +719,9 @@ def validate_jsonl(data: bytes, *, max_errors: int = 50, min_examples: int = 1) 
                 if found is None:
                     raise FormatError(
                         "unknown_format",
-                        "not a chat ('messages'), prompt/completion or alpaca "
-                        "('instruction'/'output') example",
+                        "not a chat ('messages'), ShareGPT ('conversations'), preference "
+                        "('input'/'preferred_output'/'non_preferred_output'), prompt/completion "
+                        "or alpaca ('instruction'/'output') example",
                     )
                 example = parse_example(obj, found)
                 report.format = found  # only a valid line fixes the file's format
@@ -405,17 +748,39 @@ def validate_jsonl(data: bytes, *, max_errors: int = 50, min_examples: int = 1) 
 def read_examples(
     path_or_lines: str | Path | Iterable[str | bytes], fmt: Format | None = None
 ) -> Iterator[Example]:
-    """Yield the examples of a JSONL file (a path, or an iterable of lines).
+    """Yield the supervised examples of a JSONL file (a path, or an iterable of lines).
 
     Args:
         path_or_lines: a file path, or lines as ``str``/``bytes``.
-        fmt: the file's format; None = detect it from the first non-blank line.
+        fmt: the file's format (one of :data:`SUPERVISED_FORMATS`); None = detect it from
+            the first non-blank line.
 
     Raises:
         FormatError: on the first invalid line (validate files first; the service does).
+        ValueError: ``fmt`` is not a supervised format, or the file is preference data
+            (read it with :func:`read_preference_examples`).
     """
-    if fmt is not None and fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    if fmt is not None and fmt not in SUPERVISED_FORMATS:
+        raise ValueError(f"read_examples reads one of {SUPERVISED_FORMATS}, not {fmt!r}")
+    for found, example in _read(path_or_lines, fmt):
+        if found == "preference":
+            raise ValueError("this is a preference file; read it with read_preference_examples")
+        yield example  # type: ignore[misc]
+
+
+def read_preference_examples(path_or_lines: str | Path | Iterable[str | bytes]) -> Iterator[PreferenceExample]:
+    """Yield the :class:`PreferenceExample` lines of a preference (DPO) JSONL file.
+
+    Raises:
+        FormatError: on the first invalid line, including a line of another format.
+    """
+    for _, example in _read(path_or_lines, "preference"):
+        yield example  # type: ignore[misc]
+
+
+def _read(
+    path_or_lines: str | Path | Iterable[str | bytes], fmt: Format | None
+) -> Iterator[tuple[Format, AnyExample]]:
     if isinstance(path_or_lines, (str, Path)):
         with open(path_or_lines, "rb") as f:
             yield from _read_lines(enumerate(f, start=1), fmt)
@@ -423,7 +788,9 @@ def read_examples(
         yield from _read_lines(enumerate(path_or_lines, start=1), fmt)
 
 
-def _read_lines(numbered: Iterable[tuple[int, str | bytes]], fmt: Format | None) -> Iterator[Example]:
+def _read_lines(
+    numbered: Iterable[tuple[int, str | bytes]], fmt: Format | None
+) -> Iterator[tuple[Format, AnyExample]]:
     for number, line in numbered:
         raw = line.encode("utf-8") if isinstance(line, str) else line
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
@@ -437,6 +804,6 @@ def _read_lines(numbered: Iterable[tuple[int, str | bytes]], fmt: Format | None)
             if fmt is None:
                 raise FormatError("unknown_format", "cannot tell the file's format", number)
         try:
-            yield parse_example(obj, fmt)
+            yield fmt, parse_example(obj, fmt)
         except FormatError as err:
             raise FormatError(err.code, err.message, number) from None

@@ -142,3 +142,70 @@ def test_batches_never_span_epochs_and_pad_to(tiny_tokenizer):
     assert next(it).cursor_after == DataCursor(1, 4)
     with pytest.raises(ValueError):
         TrainingData(type(ds)(examples=[]), max_seq_len=8, micro_batch_size=1, seed=0)
+
+
+# --- preference pairs (DPO) ---
+
+def _pref_example(chosen="4", rejected="five"):
+    from trainers.common.formats import PreferenceExample
+
+    return PreferenceExample(
+        prompt=(Message("system", "add"), Message("user", "2+2?")),
+        chosen=Message("assistant", chosen),
+        rejected=Message("assistant", rejected),
+    )
+
+
+def test_preference_pair_shares_the_prompt_and_labels_only_the_answers(tiny_tokenizer):
+    from trainers.common.data import tokenize_preference
+
+    tok = tiny_tokenizer
+    chosen, rejected = tokenize_preference(tok, _pref_example(), max_seq_len=512)
+    prompt_text = tok.apply_chat_template(
+        [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2?"}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert prompt_text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    prompt_ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
+    n = len(prompt_ids)
+    for seq, answer in ((chosen, "4"), (rejected, "five")):
+        assert list(seq.input_ids[:n]) == prompt_ids
+        assert tok.decode(list(seq.input_ids)) == prompt_text + answer + "<|eot_id|>"
+        assert list(seq.labels[:n]) == [IGNORE_INDEX] * n
+        assert list(seq.labels[n:]) == list(seq.input_ids[n:])
+        assert _trained_text(tok, seq) == answer + "<|eot_id|>"
+
+
+@pytest.mark.parametrize(
+    ("n_prompt", "n_answers", "max_len", "kept_prompt", "kept_answers"),
+    [
+        (10, (5, 3), 15, 10, (5, 3)),    # fits: unchanged
+        (10, (5, 3), 12, 7, (5, 3)),     # prompt cut from the left, answers whole
+        (10, (30, 3), 20, 10, (10, 3)),  # answer > half the window: prompt kept (<= half), answers cut
+        (40, (30, 3), 20, 10, (10, 3)),  # both long: prompt keeps half, answers the rest
+    ],
+)
+def test_truncate_preference_rule(n_prompt, n_answers, max_len, kept_prompt, kept_answers):
+    from trainers.common.data import truncate_preference
+
+    prompt = list(range(100, 100 + n_prompt))
+    answers = [list(range(1000 * (k + 1), 1000 * (k + 1) + n)) for k, n in enumerate(n_answers)]
+    p, (a, b) = truncate_preference(prompt, answers, max_len)
+    assert p == prompt[n_prompt - kept_prompt :]  # the prompt's END survives
+    assert (len(a), len(b)) == kept_answers
+    assert a == answers[0][: len(a)] and b == answers[1][: len(b)]  # the answers' START survives
+    assert len(p) + max(len(a), len(b)) <= max_len
+
+
+def test_preference_dataset_counts_truncated_pairs(tiny_tokenizer):
+    from trainers.common.data import tokenize_preference, tokenize_preference_dataset
+
+    short, long = _pref_example(), _pref_example(chosen="x" * 200)
+    ds = tokenize_preference_dataset(tiny_tokenizer, [short, long], max_seq_len=64)
+    assert (ds.n_truncated, ds.n_dropped, len(ds.pairs)) == (1, 0, 2)
+    assert ds.pairs[0] == tokenize_preference(tiny_tokenizer, short, max_seq_len=64)
+    chosen, rejected = ds.pairs[1]
+    assert len(chosen) == 64 and chosen.input_ids[-1] == ord("x")  # cut at the end
+    assert chosen.input_ids[:32] == rejected.input_ids[:32]  # both keep the same 32 prompt tokens
+    assert chosen.labels[31] == IGNORE_INDEX and chosen.labels[32] != IGNORE_INDEX
+    assert ds.n_tokens == sum(len(c) + len(r) for c, r in ds.pairs)

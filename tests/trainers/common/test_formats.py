@@ -11,8 +11,11 @@ from trainers.common.formats import (
     Example,
     FormatError,
     Message,
+    PreferenceExample,
+    ToolCall,
     detect_format,
     read_examples,
+    read_preference_examples,
     validate_jsonl,
 )
 
@@ -72,7 +75,7 @@ def test_weights_and_system_turns_are_kept():
         ([{"messages": []}], "invalid_messages", 1),
         ([{"messages": ["hi"]}], "invalid_messages", 1),
         ([{"messages": [{"content": "x"}]}], "invalid_messages", 1),
-        ([{"messages": [{"role": "tool", "content": "x"}]}], "unrecognized_role", 1),
+        ([{"messages": [{"role": "robot", "content": "x"}]}], "unrecognized_role", 1),
         ([{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}], "missing_content", 1),
         ([{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}], "empty_content", 1),
         ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 2}]}], "invalid_weight", 1),
@@ -164,3 +167,86 @@ def test_read_examples_from_path_raises_with_line(tmp_path):
 def test_read_examples_rejects_unknown_format_name():
     with pytest.raises(ValueError):
         list(read_examples([json.dumps(PC)], "csv"))  # type: ignore[arg-type]
+
+
+# --- preference (DPO) lines: OpenAI's input / preferred_output / non_preferred_output ---
+
+PREF = {
+    "input": {"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2?"}]},
+    "preferred_output": [{"role": "assistant", "content": "4"}],
+    "non_preferred_output": [{"role": "assistant", "content": "5"}],
+}
+
+
+def test_preference_line_becomes_a_preference_example():
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    with_tools = {**PREF, "input": {**PREF["input"], "tools": tools, "parallel_tool_calls": False}}
+    report = validate_jsonl(jsonl(PREF, with_tools))
+    assert report.ok, report.errors
+    assert (report.format, report.n_examples) == ("preference", 2)
+    # chars: "add" + "2+2?" + "4" + "5" = 9 per line, plus the tools' JSON once on line 2
+    assert report.n_tokens_estimate == -(-(9 + 9 + len(json.dumps(tools))) // 4)
+    first, second = read_preference_examples([json.dumps(PREF), json.dumps(with_tools)])
+    assert first == PreferenceExample(
+        prompt=(Message("system", "add"), Message("user", "2+2?")),
+        chosen=Message("assistant", "4"),
+        rejected=Message("assistant", "5"),
+    )
+    assert second.tools == tuple(tools)
+
+
+def test_preference_answers_may_call_tools_and_answer_prompt_calls():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"a": 2}'}}
+    obj = {
+        "input": {"messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4"},
+        ]},
+        "preferred_output": [{"role": "assistant", "content": "It is 4."}],
+        "non_preferred_output": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+    }
+    (ex,) = read_preference_examples([json.dumps(obj)])
+    assert ex.prompt[2] == Message("tool", "4", tool_call_id="c1")
+    assert ex.rejected == Message("assistant", "", tool_calls=(ToolCall("c1", "calc", '{"a": 2}'),))
+
+
+def _pref(**changes):
+    return {**PREF, **changes}
+
+
+@pytest.mark.parametrize(
+    ("obj", "code"),
+    [
+        ({k: v for k, v in PREF.items() if k != "input"}, "missing_field"),
+        (_pref(input=[1]), "invalid_type"),
+        (_pref(input={"tools": []}), "missing_messages"),
+        (_pref(input={"messages": []}), "invalid_messages"),
+        (_pref(input={"messages": [{"role": "user", "content": "x", "foo": 1}]}), "unrecognized_key"),
+        ({k: v for k, v in PREF.items() if k != "preferred_output"}, "missing_field"),
+        (_pref(preferred_output=[]), "invalid_preference_output"),
+        (_pref(preferred_output={"role": "assistant", "content": "4"}), "invalid_preference_output"),
+        (_pref(non_preferred_output=[{"role": "assistant", "content": "4"}] * 2), "invalid_preference_output"),
+        (_pref(non_preferred_output=[{"role": "user", "content": "4"}]), "invalid_preference_output"),
+        (_pref(non_preferred_output=[{"role": "assistant", "content": " "}]), "empty_content"),
+        (_pref(non_preferred_output=[{"role": "assistant", "content": "4", "weight": 0}]), "invalid_weight"),
+        (_pref(input={**PREF["input"], "tools": [{"type": "function", "function": {}}]}), "invalid_tools"),
+    ],
+)
+def test_preference_problems_have_stable_codes_and_lines(obj, code):
+    report = validate_jsonl(jsonl(PREF, obj), min_examples=0)
+    assert [(e.line, e.code) for e in report.errors] == [(2, code)], report.errors
+    assert code in PROBLEM_CODES
+
+
+def test_preference_and_supervised_files_do_not_mix_and_readers_are_typed():
+    assert [(e.line, e.code) for e in validate_jsonl(jsonl(PREF, CHAT)).errors] == [(2, "mixed_formats")]
+    assert [(e.line, e.code) for e in validate_jsonl(jsonl(CHAT, PREF)).errors] == [(2, "mixed_formats")]
+    assert detect_format(PREF) == "preference"
+    with pytest.raises(ValueError, match="read_preference_examples"):
+        list(read_examples([json.dumps(PREF)]))
+    with pytest.raises(ValueError):
+        list(read_examples([json.dumps(PREF)], "preference"))
+    with pytest.raises(FormatError) as err:
+        list(read_preference_examples([json.dumps(PREF), json.dumps(CHAT)]))
+    assert (err.value.code, err.value.line) == ("mixed_formats", 2)
