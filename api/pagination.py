@@ -1,13 +1,14 @@
 """Cursor pagination over (created_at, id), newest first, the way OpenAI's lists work.
 
 ``after`` names the last object of the previous page; the next page holds the objects
-created before it. A cursor that does not name an object of the same list is a 400
-``invalid_cursor`` (not an empty page, which would hide client bugs).
+created before it (after it, in a list in ascending order). A cursor that does not name
+an object of the same list is a 400 ``invalid_cursor`` (not an empty page, which would
+hide client bugs).
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import Session
@@ -19,9 +20,9 @@ T = TypeVar("T")
 MAX_LIMIT = 100
 
 
-def check_limit(limit: int) -> int:
-    if limit < 1 or limit > MAX_LIMIT:
-        raise APIError(400, "invalid_request", f"limit must be between 1 and {MAX_LIMIT}.",
+def check_limit(limit: int, max_limit: int = MAX_LIMIT) -> int:
+    if limit < 1 or limit > max_limit:
+        raise APIError(400, "invalid_request", f"limit must be between 1 and {max_limit}.",
                        param="limit")
     return limit
 
@@ -38,7 +39,16 @@ def page_newest_first(
         after: the id of the last row of the previous page, or None.
         limit: page size (1..100).
     """
-    check_limit(limit)
+    return page_by_created(session, query, model, after=after, limit=limit)
+
+
+def page_by_created(
+    session: Session, query: Select[Any], model: Any, *, after: str | None, limit: int,
+    order: Literal["asc", "desc"] = "desc", max_limit: int = MAX_LIMIT,
+) -> tuple[list[Any], bool]:
+    """One page of ``query`` by creation time, newest first (``desc``) or oldest first
+    (``asc``); returns (rows, has_more). ``limit`` is 1..``max_limit``."""
+    check_limit(limit, max_limit)
     if after is not None:
         anchor = session.execute(
             query.with_only_columns(model.created_at, model.id).where(model.id == after)
@@ -47,10 +57,14 @@ def page_newest_first(
             raise APIError(400, "invalid_cursor", f"'after' is not an id in this list: '{after}'.",
                            param="after")
         created, anchor_id = anchor
-        query = query.where(
-            or_(model.created_at < created, and_(model.created_at == created, model.id < anchor_id))
-        )
-    rows = list(
-        session.scalars(query.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1))
-    )
+        if order == "asc":
+            query = query.where(
+                or_(model.created_at > created, and_(model.created_at == created, model.id > anchor_id))
+            )
+        else:
+            query = query.where(
+                or_(model.created_at < created, and_(model.created_at == created, model.id < anchor_id))
+            )
+    keys = (model.created_at, model.id) if order == "asc" else (model.created_at.desc(), model.id.desc())
+    rows = list(session.scalars(query.order_by(*keys).limit(limit + 1)))
     return rows[:limit], len(rows) > limit

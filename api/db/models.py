@@ -71,7 +71,10 @@ class File(Base):
     """An uploaded training/validation file and its validation result."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),
+        Index("ix_files_expires_at", "expires_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -84,6 +87,8 @@ class File(Base):
     location: Mapped[str] = mapped_column(String(1024), doc="Artifact-store key of the content.")
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(
+        doc="Set by the upload's expires_after; the expiry sweep deletes the file after it.")
     deleted_at: Mapped[dt.datetime | None]
 
 

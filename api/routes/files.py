@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
@@ -10,7 +12,7 @@ from api import files as queries
 from api.deps import CurrentTenant, QueueDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.responses import body_content
-from api.schemas.common import PageAfter, PageLimit
+from api.schemas.common import PageAfter
 from api.schemas.files import FileDeleted, FilePublic, FilesPublic
 from api.uploads import receive_upload
 
@@ -27,6 +29,16 @@ UPLOAD_BODY = {
             "purpose": {"type": "string", "enum": list(queries.PURPOSES)},
             "file": {"type": "string", "format": "binary",
                      "description": "JSONL training data, UTF-8, one example per line."},
+            "expires_after": {
+                "type": "object", "required": ["anchor", "seconds"],
+                "description": "Delete the file this many seconds after its upload. OpenAI's SDK "
+                               "sends the fields expires_after[anchor] and expires_after[seconds].",
+                "properties": {
+                    "anchor": {"type": "string", "enum": ["created_at"]},
+                    "seconds": {"type": "integer", "minimum": queries.MIN_EXPIRY_S,
+                                "maximum": queries.MAX_EXPIRY_S},
+                },
+            },
         },
     }}},
 }
@@ -56,9 +68,13 @@ def list_files(
     session: SessionDep, tenant: CurrentTenant,
     purpose: str | None = None,
     after: PageAfter = None,
-    limit: PageLimit = 20,
+    limit: Annotated[int, Query(ge=1, le=queries.MAX_LIST_LIMIT, description="Page size.")]
+    = queries.MAX_LIST_LIMIT,
+    order: Annotated[Literal["asc", "desc"], Query(
+        description="By creation time: newest first (desc) or oldest first (asc).")] = "desc",
 ) -> FilesPublic:
-    rows, has_more = queries.list_files(session, tenant, purpose=purpose, after=after, limit=limit)
+    rows, has_more = queries.list_files(session, tenant, purpose=purpose, after=after, limit=limit,
+                                        order=order)
     data = [FilePublic.of(r) for r in rows]
     return FilesPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
                        last_id=data[-1].id if data else None)

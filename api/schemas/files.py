@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.db.base import to_unix
 from api.db.models import File
@@ -20,7 +20,8 @@ class FilePublic(BaseModel):
     purpose: str
     status: Literal["uploaded", "processed", "error"]
     status_details: str | None = None
-    expires_at: int | None = None
+    expires_at: int | None = Field(None, description="When the file expires (set by the upload's "
+                                   "expires_after); it is then deleted.")
     sha256: str
     validation: dict[str, Any] | None = None
 
@@ -29,7 +30,8 @@ class FilePublic(BaseModel):
         return cls(
             id=row.id, bytes=row.bytes, created_at=to_unix(row.created_at) or 0,
             filename=row.filename, purpose=row.purpose, status=row.status,  # type: ignore[arg-type]
-            status_details=row.status_details, sha256=row.sha256, validation=row.validation,
+            status_details=row.status_details, expires_at=to_unix(row.expires_at), sha256=row.sha256,
+            validation=row.validation,
         )
 
 

@@ -86,6 +86,16 @@ def make_job(client, processed_file) -> Callable[..., dict[str, Any]]:
     return do
 
 
+@pytest.fixture
+def sdk(client, tenant_key):
+    """The official ``openai`` client of a new tenant, over the in-process app; (client, key)."""
+    from openai import OpenAI
+
+    tenant = tenant_key()
+    return OpenAI(api_key=tenant.key, base_url="http://testserver/v1", http_client=client,
+                  max_retries=0), tenant
+
+
 def start_running(db_session, job_id: str) -> tuple[Any, str]:
     """Admit a created job as the scheduler would (-> ``running``) and issue its trainer's
     report token; returns (job row, token)."""

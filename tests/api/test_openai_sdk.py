@@ -14,13 +14,6 @@ from worker.executors.local_process import TrainerOutcome
 from worker.tasks.jobs import finish
 
 
-@pytest.fixture
-def sdk(client, tenant_key):
-    tenant = tenant_key()
-    return OpenAI(api_key=tenant.key, base_url="http://testserver/v1", http_client=client,
-                  max_retries=0), tenant
-
-
 def test_openai_sdk_end_to_end(sdk, client, db_session, settings) -> None:
     oai, tenant = sdk
     uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(chat_lines(8))), purpose="fine-tune")

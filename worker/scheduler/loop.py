@@ -123,6 +123,8 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
             queue.send("tunefleet.sweep_webhooks")
             # Fail uploads whose validation never finished, and the jobs waiting for them.
             queue.send("tunefleet.sweep_stale_validations")
+            # Delete uploads past their expires_after that no unfinished job uses.
+            queue.send("tunefleet.delete_expired_files")
             last_sweep = started
         try:
             result = run_once(components)

@@ -12,6 +12,9 @@ No file stays ``uploaded`` forever, and no job waits on one forever:
   waiting for it with the same code;
 - ``tunefleet.sweep_stale_validations`` (sent by the scheduler loop every minute) does
   the same to files still ``uploaded`` ``file_validation_deadline_s`` after their upload.
+
+``tunefleet.delete_expired_files`` (sent by the scheduler loop every minute too) deletes
+the files whose ``expires_after`` has passed, each once no unfinished job uses it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from api.artifacts import file_store
 from api.db.base import utcnow
 from api.db.models import File, Job
 from api.db.session import session_scope
+from api.files import delete_expired_files
 from api.lifecycle import lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
 from api.settings import get_settings
@@ -101,6 +105,17 @@ def sweep_stale_validations() -> list[str]:
             failed = fail_validation(session, file_id, reason)
             log.warning("file %s: %s; failed %d waiting job(s)", file_id, reason, len(failed))
     return list(stale)
+
+
+@app.task(name="tunefleet.delete_expired_files", acks_late=True, reject_on_worker_lost=True)
+def delete_expired_files_task() -> list[str]:
+    """Delete the files past their ``expires_at`` that no unfinished job uses."""
+    settings = get_settings()
+    with session_scope(settings.resolved_database_url) as session:
+        deleted = delete_expired_files(session, store=file_store(settings))
+    if deleted:
+        log.info("deleted %d expired file(s): %s", len(deleted), ", ".join(deleted))
+    return deleted
 
 
 def pending_file_ids(database_url: str) -> list[str]:

@@ -1,0 +1,169 @@
+"""The details of OpenAI's objects that real clients check, through the official SDK:
+list files (order, limit, purpose, cursor), files that expire (``expires_after``), event
+objects (``type`` and ``level`` as the SDK's literals say, metric events), and deleting
+a fine-tuned model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import threading
+
+import openai
+import pytest
+
+from tests.api.conftest import chat_lines
+
+
+def _upload(oai, n: int = 2, **kwargs):
+    return oai.files.create(file=("train.jsonl", io.BytesIO(chat_lines(n))), purpose="fine-tune", **kwargs)
+
+
+# ---- list files ------------------------------------------------------------------------
+
+
+def test_list_files_order_limit_purpose_and_cursor(sdk, client) -> None:
+    oai, tenant = sdk
+    ids = [_upload(oai).id for _ in range(3)]
+
+    assert [f.id for f in oai.files.list().data] == ids[::-1]  # newest first by default
+    assert [f.id for f in oai.files.list(order="asc").data] == ids
+    page = oai.files.list(order="asc", limit=2)
+    assert [f.id for f in page.data] == ids[:2] and page.has_more
+    assert [f.id for f in oai.files.list(order="asc", limit=2)] == ids  # auto-paging by `after`
+    assert [f.id for f in oai.files.list(order="desc", after=ids[2], limit=10_000)] == ids[1::-1]
+    assert oai.files.list(purpose="fine-tune-results").data == []
+    assert [f.id for f in oai.files.list(purpose="fine-tune", order="asc")] == ids
+
+    for query, param in (("limit=10001", "limit"), ("limit=0", "limit"), ("order=newest", "order")):
+        response = client.get(f"/v1/files?{query}", headers=tenant.headers)
+        assert response.status_code == 400, (query, response.text)
+        assert response.json()["error"]["param"] == param
+
+
+def test_list_files_returns_more_than_a_hundred_in_one_page(sdk, client, settings, db_session) -> None:
+    from api.db.models import File
+    from api.ids import new_id
+
+    oai, tenant = sdk
+    created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    for i in range(150):
+        db_session.add(File(id=new_id("file"), tenant_id=tenant.tenant_id, filename="x.jsonl", bytes=1,
+                            purpose="fine-tune", status="processed", location=f"files/none-{i}", sha256="0" * 64,
+                            created_at=created + dt.timedelta(seconds=i)))
+    db_session.commit()
+    page = oai.files.list()  # OpenAI's default page is 10,000 files
+    assert len(page.data) == 150 and not page.has_more
+    assert [f.created_at for f in page.data] == sorted((f.created_at for f in page.data), reverse=True)
+
+
+# ---- files that expire -----------------------------------------------------------------
+
+
+def test_expires_after_sets_expires_at(sdk, client) -> None:
+    oai, tenant = sdk
+    kept = _upload(oai)
+    assert kept.expires_at is None
+    expiring = _upload(oai, expires_after={"anchor": "created_at", "seconds": 3600})
+    assert expiring.expires_at == expiring.created_at + 3600
+    assert oai.files.retrieve(expiring.id).expires_at == expiring.expires_at
+
+    # A client following the OpenAPI document sends the object as one JSON part.
+    response = client.post("/v1/files", headers=tenant.headers,
+                           files={"file": ("t.jsonl", chat_lines(2))},
+                           data={"purpose": "fine-tune", "expires_after": '{"anchor": "created_at", "seconds": 2592000}'})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["expires_at"] == body["created_at"] + 2592000
+
+
+@pytest.mark.parametrize(("policy", "param"), [
+    ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+    ({"anchor": "created_at", "seconds": 2592001}, "expires_after.seconds"),
+    ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+    ({"seconds": 3600}, "expires_after.anchor"),
+    ({"anchor": "created_at"}, "expires_after.seconds"),
+], ids=["under-an-hour", "over-30-days", "other-anchor", "no-anchor", "no-seconds"])
+def test_expires_after_out_of_bounds_is_400(sdk, policy, param) -> None:
+    oai, _ = sdk
+    with pytest.raises(openai.BadRequestError) as caught:
+        _upload(oai, expires_after=policy)
+    assert caught.value.code == "invalid_request" and caught.value.param == param
+    assert oai.files.list().data == []  # nothing stored
+
+
+def test_expires_after_that_is_not_an_object_is_400(client, tenant_key) -> None:
+    headers = tenant_key().headers
+    for value in ("3600", "not json", '{"anchor": "created_at", "seconds": "3600.5"}'):
+        response = client.post("/v1/files", headers=headers, files={"file": ("t.jsonl", chat_lines(2))},
+                               data={"purpose": "fine-tune", "expires_after": value})
+        assert response.status_code == 400, (value, response.text)
+        assert response.json()["error"]["param"].startswith("expires_after")
+
+
+@pytest.fixture
+def expiry_task(settings, monkeypatch):
+    from worker.tasks import files as task
+
+    monkeypatch.setattr(task, "get_settings", lambda: settings)
+    return task.delete_expired_files_task
+
+
+def _expire(db_session, file_id: str) -> str:
+    """Move the file's expiry into the past; returns its storage key."""
+    from api.db.models import File
+
+    row = db_session.get_one(File, file_id)
+    row.expires_at = row.created_at - dt.timedelta(seconds=1)
+    db_session.commit()
+    return row.location
+
+
+def test_expired_files_are_deleted_once_no_unfinished_job_uses_them(
+    sdk, client, app, db_session, expiry_task
+) -> None:
+    oai, _ = sdk
+    store = app.state.file_store
+    unused = _upload(oai, expires_after={"anchor": "created_at", "seconds": 3600})
+    in_use = _upload(oai, expires_after={"anchor": "created_at", "seconds": 3600})
+    later = _upload(oai, expires_after={"anchor": "created_at", "seconds": 7200})
+    job = oai.fine_tuning.jobs.create(model="tunefleet-tiny-llama", training_file=in_use.id)
+    unused_key, in_use_key = _expire(db_session, unused.id), _expire(db_session, in_use.id)
+
+    # Past its expiry a file is gone for its tenant at once, before any sweep.
+    with pytest.raises(openai.NotFoundError):
+        oai.files.retrieve(unused.id)
+    assert [f.id for f in oai.files.list()] == [later.id]
+    with pytest.raises(openai.BadRequestError):
+        oai.fine_tuning.jobs.create(model="tunefleet-tiny-llama", training_file=unused.id)
+
+    deleted = expiry_task()
+    assert unused.id in deleted and in_use.id not in deleted and later.id not in deleted
+    assert not store.exists(unused_key)
+    # The queued job's trainer reads its training file when it starts: kept until the job ends.
+    assert store.exists(in_use_key)
+    assert unused.id not in expiry_task()  # deleted once
+
+    oai.fine_tuning.jobs.cancel(job.id)
+    assert in_use.id in expiry_task()
+    assert not store.exists(in_use_key)
+    assert oai.files.retrieve(later.id).id == later.id
+
+
+def test_the_scheduler_loop_sends_the_expiry_sweep(settings, monkeypatch) -> None:
+    import api.queue
+    from worker.scheduler.loop import run_forever
+
+    sent: list[str] = []
+
+    class Recording:
+        def __init__(self, _settings) -> None:
+            pass
+
+        def send(self, name: str, *args, **kwargs) -> bool:
+            sent.append(name)
+            return True
+
+    monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
+    run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}), stop=threading.Event(), max_cycles=1)
+    assert "tunefleet.delete_expired_files" in sent
