@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainers.datasets import write_tiny_datasets
+from tests.trainers.tiny_datasets import write_tiny_datasets
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,7 +1,7 @@
 """The one job the golden-value and cross-trainer tests run on both trainers.
 
 A 4-step run on the shared tiny Llama (``build_tiny_llama(seed=0)``) and the shared tiny
-chat files (``tests/trainers/datasets.py``): 32 training rows, batches of 16 (two
+chat files (``tests/trainers/tiny_datasets.py``): 32 training rows, batches of 16 (two
 micro-batches of 8: gradient accumulation), 2 epochs, so steps 2 and 4 each end an
 epoch; a validation file and no eval cadence, so the only evaluation is the final one.
 Everything in fp32 on one CPU device with one thread, which makes each trainer
