@@ -250,3 +250,182 @@ def test_preference_and_supervised_files_do_not_mix_and_readers_are_typed():
     with pytest.raises(FormatError) as err:
         list(read_preference_examples([json.dumps(PREF), json.dumps(CHAT)]))
     assert (err.value.code, err.value.line) == ("mixed_formats", 2)
+
+
+# --- OpenAI chat lines with tools, content parts, names and legacy functions ---
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_CHAT = {
+    "messages": [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "21 degrees.", "weight": 1},
+    ],
+    "tools": [WEATHER_TOOL],
+    "parallel_tool_calls": False,
+}
+
+
+def test_tool_calling_line_becomes_canonical_example():
+    report = validate_jsonl(jsonl(TOOL_CHAT))
+    assert report.ok, report.errors
+    (ex,) = read_examples([json.dumps(TOOL_CHAT)])
+    assert ex == Example(
+        messages=(
+            Message("system", "You help."),
+            Message("user", "Weather in Paris?", name="ann"),
+            Message("assistant", "", tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+            Message("tool", '{"temp": 21}', tool_call_id="call_1"),
+            Message("assistant", "21 degrees."),
+        ),
+        tools=(WEATHER_TOOL,),
+        parallel_tool_calls=False,
+    )
+    chars = len("You help.Weather in Paris?get_weather") + len('{"city": "Paris"}{"temp": 21}21 degrees.')
+    assert report.n_tokens_estimate == -(-(chars + len(json.dumps([WEATHER_TOOL]))) // 4)
+
+
+def test_content_parts_are_concatenated_and_calls_may_come_with_content():
+    obj = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [
+            {"function": {"name": "a", "arguments": "{}"}}, {"function": {"name": "b", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": ""},  # an empty tool result is a result
+        {"role": "assistant", "content": "done"},
+    ]}
+    (ex,) = read_examples([json.dumps(obj)])
+    assert ex.messages[0].content == "Hello, world"
+    # ids given without one are generated, distinct within the line
+    assert ex.messages[1] == Message("assistant", "Checking.", tool_calls=(ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")))
+    assert ex.messages[2] == Message("tool", "", tool_call_id="call_2")
+
+
+def test_legacy_functions_and_function_call():
+    obj = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"role": "function", "name": "get_weather", "content": "21"},
+            {"role": "assistant", "content": "21 degrees."},
+        ],
+        "functions": [WEATHER_TOOL["function"]],
+    }
+    (ex,) = read_examples([json.dumps(obj)])
+    assert ex.tools == (WEATHER_TOOL,)
+    (call,) = ex.messages[1].tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert ex.messages[2] == Message("tool", "21", name="get_weather", tool_call_id=call.id)
+
+
+def _chat(*messages, **top):
+    return {"messages": [{"role": "user", "content": "q"}, *messages, {"role": "assistant", "content": "a"}], **top}
+
+
+def _call(**function):
+    return {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": function}]}
+
+
+@pytest.mark.parametrize(
+    ("obj", "code"),
+    [
+        ({"messages": [{"role": "user", "content": "x", "foo": 1}, {"role": "assistant", "content": "y"}]}, "unrecognized_key"),
+        (_chat({"role": "assistant", "content": "y", "metadata": {}}), "unrecognized_key"),
+        (_chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}), "unsupported_content_type"),
+        (_chat({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}), "unsupported_content_type"),
+        (_chat({"role": "user", "content": [{"text": "no type"}]}), "invalid_type"),
+        (_chat({"role": "user", "content": [{"type": "text", "text": 3}]}), "invalid_type"),
+        (_chat({"role": "user", "content": []}), "empty_content"),
+        (_chat({"role": "user", "content": "x", "name": 5}), "invalid_type"),
+        (_chat({"role": "assistant"}), "missing_content"),
+        (_chat({"role": "assistant", "tool_calls": []}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": {"id": "c"}}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": ["c"]}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f", "arguments": "{}"}}]}), "invalid_tool_call"),
+        (_chat({"role": "user", "content": "x", "tool_calls": [CALL]}), "invalid_tool_call"),
+        (_chat({"role": "user", "content": "x", "tool_call_id": "c"}), "invalid_tool_call"),
+        (_chat({**_call(name="f", arguments="{}"), "function_call": {"name": "f", "arguments": "{}"}}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "function_call": "f"}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": [{"id": "c"}]}), "missing_function_name"),
+        (_chat(_call(arguments="{}")), "missing_function_name"),
+        (_chat(_call(name=" ", arguments="{}")), "missing_function_name"),
+        (_chat({"role": "assistant", "function_call": {"arguments": "{}"}}), "missing_function_name"),
+        (_chat(_call(name="f", arguments='{"city": "Paris"')), "invalid_arguments"),
+        (_chat(_call(name="f", arguments={"city": "Paris"})), "invalid_arguments"),
+        (_chat(_call(name="f", arguments="[1]")), "invalid_arguments"),
+        (_chat(_call(name="f")), "invalid_arguments"),
+        (_chat(_call(name="f", arguments="{}"), {"role": "tool", "content": "r"}), "unknown_tool_call_id"),
+        (_chat(_call(name="f", arguments="{}"), {"role": "tool", "tool_call_id": "other", "content": "r"}), "unknown_tool_call_id"),
+        (_chat({"role": "tool", "tool_call_id": "c", "content": "r"}, _call(name="f", arguments="{}")), "unknown_tool_call_id"),
+        (_chat({"role": "function", "name": "f", "content": "r"}), "unknown_tool_call_id"),
+        (_chat(_call(name="f", arguments="{}"), {"role": "tool", "tool_call_id": "c"}), "missing_content"),
+        (_chat(tools={"type": "function"}), "invalid_tools"),
+        (_chat(tools=[{"type": "function", "function": {"description": "no name"}}]), "invalid_tools"),
+        (_chat(tools=[{"type": "retrieval"}]), "invalid_tools"),
+        (_chat(tools=[WEATHER_TOOL], functions=[WEATHER_TOOL["function"]]), "invalid_tools"),
+        (_chat(functions=[{"name": "f", "parameters": "x"}]), "invalid_tools"),
+        (_chat(parallel_tool_calls="yes"), "invalid_type"),
+    ],
+)
+def test_chat_tool_and_content_problems(obj, code):
+    report = validate_jsonl(jsonl(TOOL_CHAT, obj), min_examples=0)
+    assert [(e.line, e.code) for e in report.errors] == [(2, code)], report.errors
+    assert code in PROBLEM_CODES
+
+
+def test_unrecognized_key_message_names_the_key_and_the_known_set():
+    report = validate_jsonl(jsonl(_chat({"role": "user", "content": "x", "foo": 1})), min_examples=0)
+    (problem,) = report.errors
+    assert "'foo'" in problem.message and "tool_call_id" in problem.message and "messages[1]" in problem.message
+
+
+def test_every_problem_code_is_documented():
+    from trainers.common import formats
+
+    for code in PROBLEM_CODES:
+        assert f"\n{code} " in formats.__doc__, code
+
+
+# --- ShareGPT ---
+
+SHAREGPT = {"id": "x1", "conversations": [
+    {"from": "system", "value": "be brief"},
+    {"from": "human", "value": "hi"},
+    {"from": "gpt", "value": "hello"},
+    {"from": "user", "value": "again"},
+    {"from": "assistant", "value": "hello again"},
+]}
+
+
+def test_sharegpt_maps_to_messages():
+    report = validate_jsonl(jsonl(SHAREGPT, SHAREGPT))
+    assert (report.ok, report.format, report.n_examples) == (True, "sharegpt", 2)
+    (ex,) = read_examples([json.dumps(SHAREGPT)], "sharegpt")
+    assert ex == Example((
+        Message("system", "be brief"), Message("user", "hi"), Message("assistant", "hello"),
+        Message("user", "again"), Message("assistant", "hello again"),
+    ))
+
+
+@pytest.mark.parametrize(
+    ("obj", "code"),
+    [
+        (CHAT, "mixed_formats"),
+        ({"conversations": []}, "invalid_messages"),
+        ({"conversations": ["hi"]}, "invalid_messages"),
+        ({"conversations": [{"value": "hi"}]}, "invalid_messages"),
+        ({"conversations": [{"from": "bot", "value": "hi"}]}, "unrecognized_role"),
+        ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]}, "missing_content"),
+        ({"conversations": [{"from": "human", "value": 1}, {"from": "gpt", "value": "x"}]}, "invalid_type"),
+        ({"conversations": [{"from": "human", "value": " "}, {"from": "gpt", "value": "x"}]}, "empty_content"),
+        ({"conversations": [{"from": "human", "value": "x"}]}, "no_assistant_message"),
+    ],
+)
+def test_sharegpt_problems(obj, code):
+    report = validate_jsonl(jsonl(SHAREGPT, obj), min_examples=0)
+    assert [(e.line, e.code) for e in report.errors] == [(2, code)], report.errors
