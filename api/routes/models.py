@@ -1,18 +1,19 @@
-"""``/v1/models``: base models of the registry and the tenant's fine-tuned adapters."""
+"""``/v1/models``: base models of the registry and the tenant's fine-tuned adapters (which
+the tenant may delete)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request
-from sqlalchemy import select
 
 from api.base_models import BaseModelEntry
 from api.db.base import to_unix
 from api.db.models import Job
-from api.deps import CurrentTenant, SessionDep
-from api.errors import error_responses, not_found
-from api.schemas.models import ModelPublic, ModelsPublic
+from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.errors import APIError, error_responses, not_found
+from api.fine_tuned_models import delete_fine_tuned_model, tenant_adapters
+from api.schemas.models import ModelDeleted, ModelPublic, ModelsPublic
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -28,17 +29,11 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
-def _tenant_adapters(tenant_id: str):
-    return select(Job).where(
-        Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None)
-    )
-
-
 @router.get("", response_model=ModelsPublic)
 def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
     started = request.app.state.started_at
     data = [_base(e, started) for e in request.app.state.base_models.values()]
-    data += [_adapter(j) for j in session.scalars(_tenant_adapters(tenant.id).order_by(Job.created_at))]
+    data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
     return {"object": "list", "data": data}
 
 
@@ -49,7 +44,21 @@ def retrieve_model(
     entry = request.app.state.base_models.get(model_id)
     if entry is not None:
         return _base(entry, request.app.state.started_at)
-    job = session.scalar(_tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
+    job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
     if job is None:
         raise not_found("model", model_id)
     return _adapter(job)
+
+
+@router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))
+def delete_model(
+    model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+) -> ModelDeleted:
+    """Delete a fine-tuned model (its adapter and the job's other outputs); base models
+    cannot be deleted (403), a model whose job has not ended is a 409."""
+    if model_id in request.app.state.base_models:
+        raise APIError(403, "base_model_not_deletable",
+                       f"'{model_id}' is a base model; only fine-tuned models can be deleted.",
+                       param="model")
+    delete_fine_tuned_model(session, tenant, model_id, settings=settings)
+    return ModelDeleted(id=model_id)

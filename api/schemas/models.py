@@ -22,3 +22,11 @@ class ModelPublic(BaseModel):
 
 
 ModelsPublic = ListPublic[ModelPublic]
+
+
+class ModelDeleted(BaseModel):
+    """OpenAI's answer to deleting a model."""
+
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True

@@ -34,6 +34,7 @@ SCOPED: list[tuple[str, str, Any]] = [
     ("GET", "/v1/fine_tuning/jobs/{job_id}/artifacts/{name}", None),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/stream", None),
     ("GET", "/v1/models/{model_id}", None),
+    ("DELETE", "/v1/models/{model_id}", None),  # last: the owner's call deletes the model
 ]
 # Collections: a key sees only its own tenant's entries.
 LISTS: list[tuple[str, str, Any]] = [

@@ -167,3 +167,78 @@ def test_the_scheduler_loop_sends_the_expiry_sweep(settings, monkeypatch) -> Non
     monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
     run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}), stop=threading.Event(), max_cycles=1)
     assert "tunefleet.delete_expired_files" in sent
+
+
+# ---- deleting a fine-tuned model --------------------------------------------------------
+
+
+@pytest.fixture
+def adapter_job(client, make_job, settings, db_session):
+    """A job of ``key`` that ran and exported an adapter, ``succeeded`` unless told to stay
+    running; returns (job id, fine-tuned model id, output dir)."""
+    from api.lifecycle import transition
+    from tests.api.conftest import start_running
+
+    def make(key, *, finish: bool = True):
+        job = make_job(key.headers)
+        row, token = start_running(db_session, job["id"])
+        out = settings.data_path / "artifacts" / job["id"] / "output"
+        (out / "adapter").mkdir(parents=True)
+        (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+        (out / "adapter" / "adapter_config.json").write_text("{}")
+        (out / "train_log.jsonl").write_text("{}\n")  # left by the trainer, not registered
+        files = [{"name": "adapter/adapter_model.safetensors", "bytes": 7, "sha256": "0" * 64},
+                 {"name": "adapter/adapter_config.json", "bytes": 2, "sha256": "1" * 64}]
+        response = client.post(f"/internal/v1/jobs/{job['id']}/reports", headers={"Authorization": f"Bearer {token}"},
+                               json={"seq": 1, "items": [{"type": "artifacts", "location": str(out), "files": files}]})
+        assert response.status_code == 200, response.text
+        db_session.refresh(row)
+        if finish:
+            transition(db_session, row, "succeeded", actor="executor")
+            db_session.commit()
+        model = row.fine_tuned_model
+        assert model is not None
+        return job["id"], model, out
+
+    return make
+
+
+def test_delete_a_fine_tuned_model(sdk, client, adapter_job) -> None:
+    oai, tenant = sdk
+    job_id, model, out = adapter_job(tenant)
+    assert model in [m.id for m in oai.models.list()]
+
+    deleted = oai.models.delete(model)
+    assert (deleted.id, deleted.object, deleted.deleted) == (model, "model", True)
+    assert model not in [m.id for m in oai.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve(model)
+    assert not [p for p in out.rglob("*") if p.is_file()]  # every output, registered or not
+    listed = client.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts", headers=tenant.headers).json()
+    assert listed["data"] == []
+    # The job keeps its record of what it made.
+    assert oai.fine_tuning.jobs.retrieve(job_id).fine_tuned_model == model
+    with pytest.raises(openai.NotFoundError):
+        oai.models.delete(model)  # once
+
+
+def test_delete_model_refusals(sdk, client, tenant_key, adapter_job) -> None:
+    oai, tenant = sdk
+    _, model, out = adapter_job(tenant)
+    stranger = tenant_key()
+
+    response = client.delete(f"/v1/models/{model}", headers=stranger.headers)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        oai.models.delete("tunefleet-tiny-llama")
+    assert caught.value.code == "base_model_not_deletable"
+    assert oai.models.retrieve("tunefleet-tiny-llama").id == "tunefleet-tiny-llama"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.delete("ft:tunefleet-tiny-llama:none:nothing")
+
+    running_id, running_model, running_out = adapter_job(tenant, finish=False)
+    with pytest.raises(openai.ConflictError) as caught:
+        oai.models.delete(running_model)
+    assert caught.value.code == "job_not_finished" and running_id in caught.value.message
+    assert (running_out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()  # the stranger deleted nothing
