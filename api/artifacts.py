@@ -254,6 +254,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_stored(store: ArtifactStore, key: str) -> str:
+    """The sha256 of a stored object, read through the store (local file or S3 object)."""
+    digest = hashlib.sha256()
+    for chunk in store.iter_bytes(key):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
 def artifact_store(settings: Settings) -> ArtifactStore:
     """The store for job outputs: ``TUNEFLEET_ARTIFACT_URL`` or ``<data>/artifacts``."""
     return store_for(settings.resolved_artifact_url, s3_endpoint_url=settings.s3_endpoint_url)

@@ -4,6 +4,8 @@
 ``GET /v1/fine_tuning/jobs/{id}/logs``      the trainer log (``?tail=N`` lines, text/plain)
 ``GET /v1/fine_tuning/jobs/{id}/artifacts`` output files with bytes and sha256
 ``GET /v1/fine_tuning/jobs/{id}/artifacts/{name}``  one file (stream, or 307 to S3)
+``GET /v1/fine_tuning/jobs/{id}/checkpoints/{checkpoint id}/artifacts[/{name}]``
+    the PEFT adapter of any checkpoint (its files with sha256, and each file)
 ``GET /v1/fine_tuning/jobs/{id}/stream``    SSE: events (incl. status changes) and metrics
 """
 
@@ -22,8 +24,8 @@ from fastapi.responses import PlainTextResponse, RedirectResponse, Response, Str
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import safe_key, store_for
-from api.db.models import Artifact, Job, JobEvent, JobMetric
+from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
+from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
 from api.deps import CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
 from api.jobs import get_job
@@ -33,6 +35,7 @@ from api.responses import EventStreamResponse, OctetStreamResponse
 from api.schemas.jobs import JobEventPublic
 from api.schemas.outputs import ArtifactsPublic, MetricsPublic
 from api.schemas.reports import PREFERENCE_METRICS
+from api.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +125,80 @@ def download_artifact(
         raise APIError(404, "artifact_not_found",
                        f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
                        param="name")
+    return _file_response(store, object_key, row.sha256)
+
+
+def _file_response(store: ArtifactStore, key: str, sha256: str) -> StreamingResponse:
     return StreamingResponse(
-        store.iter_bytes(object_key), media_type="application/octet-stream",
-        headers={"Content-Length": str(store.size(object_key)), "X-Checksum-Sha256": row.sha256,
-                 "Content-Disposition": f'attachment; filename="{object_key.rsplit("/", 1)[-1]}"'},
+        store.iter_bytes(key), media_type="application/octet-stream",
+        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": sha256,
+                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
     )
+
+
+# ---- a checkpoint's adapter ---------------------------------------------------------
+
+CHECKPOINT_ADAPTER = "adapter"
+
+
+def _checkpoint_adapter(session: Session, key: ApiKey, settings: Settings, job_id: str,
+                        checkpoint_id: str) -> tuple[Job, ArtifactStore]:
+    """The job's checkpoint and the store rooted at its adapter directory (404s otherwise)."""
+    job = get_job(session, key, job_id)
+    row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.id == checkpoint_id))
+    if row is None:
+        raise APIError(404, "checkpoint_not_found", f"Job '{job.id}' has no checkpoint '{checkpoint_id}'.",
+                       param="checkpoint_id")
+    if not is_inside(row.location, job_storage(job.id, settings).checkpoints):
+        log.warning("checkpoint %s of job %s has a location outside its checkpoints: %r",
+                    row.id, job.id, row.location)
+        raise APIError(404, "checkpoint_not_found",
+                       f"Checkpoint '{checkpoint_id}' of job '{job.id}' is not in the job's storage.",
+                       param="checkpoint_id")
+    store = store_for(f"{row.location.rstrip('/')}/{CHECKPOINT_ADAPTER}", s3_endpoint_url=settings.s3_endpoint_url)
+    return job, store
+
+
+def _stored_adapter_files(store: ArtifactStore, job: Job, checkpoint_id: str) -> list[str]:
+    names = store.list()
+    if not names:
+        raise APIError(404, "checkpoint_not_stored",
+                       f"Checkpoint '{checkpoint_id}' of job '{job.id}' is no longer stored (only the "
+                       "last checkpoints are kept); its metrics remain in the checkpoint list.",
+                       param="checkpoint_id")
+    return names
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts", response_model=ArtifactsPublic,
+            responses=error_responses(404))
+def list_checkpoint_artifacts(
+    job_id: str, checkpoint_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> dict[str, Any]:
+    """The checkpoint's PEFT adapter files, with bytes and sha256 (read from storage)."""
+    job, store = _checkpoint_adapter(session, key, settings, job_id, checkpoint_id)
+    data = [{"object": "fine_tuning.job.artifact", "name": name, "bytes": store.size(name),
+             "sha256": sha256_stored(store, name)} for name in _stored_adapter_files(store, job, checkpoint_id)]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts/{name:path}",
+            response_class=OctetStreamResponse, responses={
+                307: {"description": "The checkpoint lives in S3: a presigned URL in `Location` (15 min)."},
+                **error_responses(404),
+            })
+def download_checkpoint_artifact(
+    job_id: str, checkpoint_id: str, name: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> Response:
+    """One file of the checkpoint's adapter: streamed with its sha256, or a 307 to S3."""
+    job, store = _checkpoint_adapter(session, key, settings, job_id, checkpoint_id)
+    object_key = safe_key(name)
+    if object_key not in _stored_adapter_files(store, job, checkpoint_id):
+        raise APIError(404, "artifact_not_found",
+                       f"Checkpoint '{checkpoint_id}' has no adapter file '{object_key}'.", param="name")
+    url = store.presigned_url(object_key, expires_s=900)
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
+    return _file_response(store, object_key, sha256_stored(store, object_key))
 
 
 # ---- live stream (Server-Sent Events) ---------------------------------------------
