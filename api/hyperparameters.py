@@ -15,6 +15,11 @@ validated):
 - ``total_steps`` = ``ceil(n / batch_size) x n_epochs`` (or ``max_steps`` when set);
   ``warmup_steps`` = 3 % of it (rounded) unless given; scheduler ``cosine``.
 
+A DPO job (``method.type`` "dpo") resolves the same way, an example being one preference
+pair (its preferred and its rejected answer are trained in the same micro batch), plus:
+
+- ``beta`` = 0.1 (OpenAI's and TRL's default); ``sft_weight`` = 0.0 (no supervised term).
+
 A value the user gave is kept as given. The resolved values are stored on the job and
 shown in ``hyperparameters``; the trainer spec is built from them (no "auto" reaches a
 trainer).
@@ -29,6 +34,7 @@ BASE_LEARNING_RATE = 2e-4
 MIN_EXAMPLES_SEEN = 100
 MAX_EXAMPLES_SEEN = 25_000
 DEFAULT_EPOCHS = 3
+DEFAULT_DPO_BETA = 0.1
 
 
 def auto_n_epochs(n_examples: int) -> int:
@@ -50,17 +56,19 @@ def micro_batch_for(batch_size: int, limit: int = 4) -> int:
     return max(d for d in range(1, min(batch_size, limit) + 1) if batch_size % d == 0)
 
 
-def resolve_hyperparameters(requested: dict[str, Any], n_examples: int) -> dict[str, Any]:
+def resolve_hyperparameters(requested: dict[str, Any], n_examples: int, *,
+                            method: str = "supervised") -> dict[str, Any]:
     """Concrete hyperparameters for ``requested`` (values or "auto") and ``n_examples``.
 
     Args:
         requested: the job's hyperparameters as validated by the API schema.
-        n_examples: examples in the training file.
+        n_examples: examples in the training file (preference pairs for DPO).
+        method: the job's ``method.type``, ``supervised`` or ``dpo``.
 
     Returns:
         A dict with n_epochs, batch_size, learning_rate_multiplier, learning_rate,
         micro_batch_size, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
-        max_steps and total_steps, all concrete.
+        max_steps and total_steps, all concrete; for DPO also beta and sft_weight.
     """
     def given(name: str) -> Any:
         value = requested.get(name)
@@ -74,7 +82,13 @@ def resolve_hyperparameters(requested: dict[str, Any], n_examples: int) -> dict[
     max_steps = given("max_steps")
     total_steps = max_steps or steps_per_epoch * n_epochs
     warmup = requested.get("warmup_steps")
+    preference = (
+        {"beta": float(given("beta") or DEFAULT_DPO_BETA),
+         "sft_weight": float(requested.get("sft_weight") or 0.0)}
+        if method == "dpo" else {}
+    )
     return {
+        **preference,
         "n_epochs": int(n_epochs),
         "batch_size": int(batch_size),
         "learning_rate_multiplier": float(multiplier),

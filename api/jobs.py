@@ -4,6 +4,10 @@ Creation checks the model, files and extensions, resolves ``"auto"`` hyperparame
 (see ``api.hyperparameters``) once the training file's example count is known, and moves
 the job to ``queued`` through the lifecycle; a job whose files are still being validated
 waits in ``validating_files`` and is advanced by ``advance_after_validation``.
+
+A file's validated format must suit the job's method: a DPO job trains on preference
+files only and a supervised job on any other format (400 ``file_method_mismatch`` when
+the file is already validated, else the job fails with that code once it is).
 """
 
 from __future__ import annotations
@@ -58,6 +62,24 @@ def _file_error(file: File, param: str) -> APIError:
         + (f": {where}" if where else "."),
         param=param, details={"errors": errors, "n_errors": report.get("n_errors", len(errors))},
     )
+
+
+def _method_mismatch(file: File, method: str, param: str) -> APIError | None:
+    """The error when validated ``file`` cannot train with ``method``; None when it can
+    (or is not validated yet)."""
+    found = (file.validation or {}).get("format")
+    if file.status != "processed" or found is None or (found == "preference") == (method == "dpo"):
+        return None
+    if method == "dpo":
+        message = (f"File '{file.id}' is in '{found}' format, but a DPO job (method.type 'dpo') "
+                   "trains on preference data: lines with 'input', 'preferred_output' and "
+                   "'non_preferred_output'.")
+    else:
+        message = (f"File '{file.id}' holds preference data ('input', 'preferred_output', "
+                   "'non_preferred_output'), which trains only with method "
+                   "{\"type\": \"dpo\"}; a supervised job needs chat, prompt/completion, "
+                   "alpaca or ShareGPT lines.")
+    return APIError(400, "file_method_mismatch", message, param=param)
 
 
 def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> File:
@@ -143,11 +165,15 @@ def create_job(
         _usable_file(session, tenant, body.validation_file, "validation_file")
         if body.validation_file else None
     )
+    for file, param in ((training, "training_file"), (validation, "validation_file")):
+        mismatch = _method_mismatch(file, body.method_type, param) if file is not None else None
+        if mismatch is not None:
+            raise mismatch
     requested = body.requested_hyperparameters().model_dump(exclude_none=True)
     job = Job(
         id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
         validation_file=validation.id if validation else None, status="validating_files",
-        hyperparameters=requested, method={"type": "supervised"},
+        hyperparameters=requested, method={"type": body.method_type},
         adapter=body.adapter.model_dump(), trainer=body.trainer_name,
         placement=body.placement.model_dump(exclude_none=True), priority=body.priority_value,
         max_seq_len=max_seq_len, packing=body.packing,
@@ -197,16 +223,17 @@ def _queue_if_files_ready(session: Session, job: Job) -> bool:
     files = [session.get_one(File, job.training_file)]
     if job.validation_file:
         files.append(session.get_one(File, job.validation_file))
+    method = (job.method or {}).get("type", "supervised")
     for file, param in zip(files, ("training_file", "validation_file"), strict=False):
-        if file.status == "error":
-            error = _file_error(file, param)
+        error = _file_error(file, param) if file.status == "error" else _method_mismatch(file, method, param)
+        if error is not None:
             transition(session, job, "failed", actor="system", message=error.message,
-                       error={"code": "invalid_file", "message": error.message, "param": param})
+                       error={"code": error.code, "message": error.message, "param": param})
             return False
     if any(f.status != "processed" for f in files):
         return False
     n_examples = int((files[0].validation or {}).get("n_examples") or 0)
-    resolved = resolve_hyperparameters(job.hyperparameters, n_examples)
+    resolved = resolve_hyperparameters(job.hyperparameters, n_examples, method=method)
     transition(
         session, job, "queued", actor="system",
         message=f"Files validated ({n_examples} training examples); job queued.",

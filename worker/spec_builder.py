@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -31,11 +31,13 @@ from trainers.spec import (
     DEFAULT_TARGET_MODULES,
     AdapterSpec,
     CheckpointSpec,
+    DataFormat,
     DataSpec,
     EvalSpec,
     HyperparametersSpec,
     IntegrationSpec,
     MeshSpec,
+    MethodSpec,
     ModelSpec,
     ParallelismSpec,
     PrecisionSpec,
@@ -151,6 +153,14 @@ def _hyperparameters(hp: dict[str, Any], data_parallel: int) -> HyperparametersS
     )
 
 
+def method_spec(method: Mapping[str, Any], hp: Mapping[str, Any]) -> MethodSpec:
+    """The loss a job trains with: its ``method.type``, and for DPO the resolved ``beta``
+    and ``sft_weight`` (stored with the job's other hyperparameters)."""
+    if method.get("type", "supervised") != "dpo":
+        return MethodSpec(type="supervised")
+    return MethodSpec(type="dpo", beta=float(hp["beta"]), sft_weight=float(hp.get("sft_weight") or 0.0))
+
+
 MAX_CHECKPOINT_INTERVAL = 500
 
 
@@ -206,8 +216,12 @@ def build_spec(
     if train is None or train.deleted_at is not None:
         raise SpecError("file_not_found", f"training file {job.training_file} was deleted")
     fmt = (train.validation or {}).get("format")
-    if fmt not in ("chat", "prompt_completion", "alpaca"):
+    if fmt not in get_args(DataFormat):
         raise SpecError("invalid_file", f"training file {train.id} has no validated format")
+    method = method_spec(job.method or {}, job.hyperparameters)
+    if (method.type == "dpo") != (fmt == "preference"):
+        raise SpecError("file_method_mismatch",
+                        f"training file {train.id} ({fmt}) cannot train with method '{method.type}'")
     valid_location = None
     if job.validation_file:
         valid = session.get(File, job.validation_file)
@@ -269,6 +283,7 @@ def build_spec(
         ),
         hyperparameters=_hyperparameters(job.hyperparameters, data_parallel),
         adapter=adapter_spec,
+        method=method,
         parallelism=parallelism,
         precision=precision_for(pool_accelerator),
         eval=EvalSpec(**{k: v for k, v in (job.eval or {}).items() if k in ("every_n_steps", "max_batches")}),

@@ -6,15 +6,36 @@ and, in the same body (the SDK's ``extra_body``), our extensions: ``adapter``,
 ``trainer``, ``placement``, ``priority``, ``max_seq_len``, ``packing``, ``eval``.
 Unknown fields are refused with their path in ``param``.
 
+``method`` is OpenAI's: ``{"type": "supervised", "supervised": {"hyperparameters": ...}}``
+or ``{"type": "dpo", "dpo": {"hyperparameters": {"beta", "batch_size",
+"learning_rate_multiplier", "n_epochs"}}}`` (each a value or "auto"; resolved as
+``api.hyperparameters`` says). A DPO job trains on a file in OpenAI's preference format,
+a supervised job on any other format.
+
+``suffix`` follows OpenAI's rule: 1 to 64 characters. It is shown as given in
+``user_provided_suffix`` and names the model ``ft:<base>:<org>:<suffix>:<job id>``; in that
+name every character other than a letter, digit, ``.``, ``_`` or ``-`` becomes ``-`` (a
+``:`` would split the name, a ``/`` or a space would need escaping in model URLs).
+
 Priority: ``low`` = 25, ``normal`` = 50 (default), ``high`` = 75, or an integer 0-100;
 higher runs first.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import to_json
 
 from api.db.base import to_unix
@@ -54,13 +75,46 @@ class Hyperparameters(Strict):
         return self
 
 
+class DpoHyperparameters(Hyperparameters):
+    """OpenAI's DPO hyperparameters (``beta`` besides the three), plus our expert settings.
+
+    ``beta`` (OpenAI's range, 0 < beta <= 2) weighs how far the policy may move from the
+    reference; ``sft_weight`` (an extension) adds that many times the supervised loss on
+    the preferred answer (off by default, as OpenAI's DPO).
+    """
+
+    beta: Auto | Annotated[float, Field(gt=0, le=2)] = "auto"
+    sft_weight: Annotated[float, Field(ge=0, le=100)] | None = None
+
+
 class SupervisedMethod(Strict):
     hyperparameters: Hyperparameters = Hyperparameters()
 
 
+class DpoMethod(Strict):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
+MethodType = Literal["supervised", "dpo"]
+
+
 class Method(Strict):
-    type: Literal["supervised"]
+    type: MethodType
     supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+
+    @model_validator(mode="after")
+    def _settings_for_type(self) -> Method:
+        other = "dpo" if self.type == "supervised" else "supervised"
+        if getattr(self, other) is not None:
+            raise ValueError(f"method of type '{self.type}' takes its settings in "
+                             f"method.{self.type}, not method.{other}")
+        return self
+
+    def hyperparameters(self) -> Hyperparameters | None:
+        """The hyperparameters given inside the method, if any."""
+        settings = self.supervised if self.type == "supervised" else self.dpo
+        return settings.hyperparameters if settings is not None else None
 
 
 class Adapter(Strict):
@@ -141,7 +195,7 @@ class JobCreate(Strict):
     validation_file: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    suffix: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    suffix: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
     seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1), AcceptWholeFloats] | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     integrations: list[Integration] | None = Field(default=None, max_length=5)
@@ -156,23 +210,33 @@ class JobCreate(Strict):
     packing: Annotated[bool, Field(strict=True)] = False
     eval: EvalSettings = EvalSettings()
 
-    @model_validator(mode="after")
-    def _one_hyperparameter_source(self) -> JobCreate:
-        if (
-            self.hyperparameters is not None
-            and self.method is not None
-            and self.method.supervised is not None
-            and self.method.supervised.hyperparameters != Hyperparameters()
-        ):
+    @field_validator("method")
+    @classmethod
+    def _one_hyperparameter_source(cls, method: Method | None, info: ValidationInfo) -> Method | None:
+        top = info.data.get("hyperparameters")
+        if method is None or top in (None, Hyperparameters()):
+            return method
+        if method.type == "dpo":
+            raise ValueError("a DPO job takes its hyperparameters in method.dpo.hyperparameters; "
+                             "the top-level hyperparameters are for supervised jobs")
+        given = method.hyperparameters()
+        if given is not None and given != Hyperparameters():
             raise ValueError(
                 "give hyperparameters either at the top level or in method.supervised, not both"
             )
-        return self
+        return method
+
+    @property
+    def method_type(self) -> MethodType:
+        return self.method.type if self.method is not None else "supervised"
 
     def requested_hyperparameters(self) -> Hyperparameters:
-        supervised = self.method.supervised if self.method is not None else None
-        if supervised is not None and supervised.hyperparameters != Hyperparameters():
-            return supervised.hyperparameters
+        """The hyperparameters the job asks for: its method's, else the top-level ones."""
+        given = self.method.hyperparameters() if self.method is not None else None
+        if self.method_type == "dpo":
+            return given or DpoHyperparameters()
+        if given is not None and given != Hyperparameters():
+            return given
         return self.hyperparameters or Hyperparameters()
 
     @property
@@ -196,6 +260,12 @@ def _public_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     }
     out.update({k: v for k, v in hp.items() if k not in out and v is not None})
     return out
+
+
+def public_method(method: dict[str, Any], hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method`` object: the type the job trains with and its hyperparameters."""
+    kind = method.get("type", "supervised")
+    return {"type": kind, kind: {"hyperparameters": hp}}
 
 
 class JobPublic(BaseModel):
@@ -271,7 +341,7 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "trained_tokens": job.trained_tokens, "training_file": job.training_file,
         "validation_file": job.validation_file, "estimated_finish": to_unix(job.estimated_finish),
         "integrations": job.integrations or None, "metadata": job.metadata_,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "method": public_method(job.method or {}, hp),
         "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
         "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
         "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
@@ -296,19 +366,23 @@ def jobs_page_json(jobs: list[Job], *, has_more: bool) -> bytes:
 
 
 class JobEventPublic(BaseModel):
+    """OpenAI's ``fine_tuning.job.event``: a status change is a ``message`` whose ``data``
+    holds ``from``, ``to`` and ``actor``; a ``metrics`` event holds a step's metrics."""
+
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
     created_at: int
-    level: str
+    level: Literal["info", "warn", "error"]
     message: str
-    type: str
+    type: Literal["message", "metrics"]
     data: dict[str, Any] | None
 
     @classmethod
     def of(cls, event: JobEvent) -> JobEventPublic:
         return cls(
-            id=event.id, created_at=to_unix(event.created_at) or 0, level=event.level,
-            message=event.message, type=event.type, data=event.data,
+            id=event.id, created_at=to_unix(event.created_at) or 0,
+            level=event.level,  # type: ignore[arg-type]
+            message=event.message, type="metrics" if event.type == "metrics" else "message", data=event.data,
         )
 
 
@@ -342,9 +416,17 @@ class CheckpointPublic(BaseModel):
 CheckpointsPublic = ListPublic[CheckpointPublic]
 
 
+_NOT_IN_MODEL_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def model_name_suffix(suffix: str) -> str:
+    """The part of a fine-tuned model's name a user's ``suffix`` becomes (module docstring)."""
+    return _NOT_IN_MODEL_NAME.sub("-", suffix)
+
+
 def fine_tuned_model_id(job: Job) -> str:
     """``ft:<base>:<org>[:<suffix>]:<job id>`` (OpenAI's pattern, ids instead of names)."""
-    suffix = f":{job.suffix}" if job.suffix else ""
+    suffix = f":{model_name_suffix(job.suffix)}" if job.suffix else ""
     return f"ft:{job.model}:{job.tenant_id}{suffix}:{job.id}"
 
 

@@ -34,3 +34,14 @@ def test_given_values_win() -> None:
     assert hp["learning_rate"] == pytest.approx(1e-4)
     assert hp["total_steps"] == 7 and hp["warmup_steps"] == 0
     assert resolve_hyperparameters({"learning_rate": 3e-5}, 10)["learning_rate"] == 3e-5
+
+
+def test_dpo_adds_beta_and_sft_weight_to_the_same_rule() -> None:
+    supervised = resolve_hyperparameters({}, 12)
+    dpo = resolve_hyperparameters({"beta": "auto"}, 12, method="dpo")
+    # 12 preference pairs resolve n_epochs, batch and steps as 12 supervised examples do.
+    assert {k: v for k, v in dpo.items() if k not in ("beta", "sft_weight")} == supervised
+    assert (dpo["beta"], dpo["sft_weight"]) == (0.1, 0.0)
+    given = resolve_hyperparameters({"beta": 0.5, "sft_weight": 0.2, "batch_size": 4}, 12, method="dpo")
+    assert (given["beta"], given["sft_weight"], given["batch_size"]) == (0.5, 0.2, 4)
+    assert "beta" not in supervised and "sft_weight" not in supervised

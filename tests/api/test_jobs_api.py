@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
-from tests.api.conftest import BAD_LINES
+from tests.api.conftest import BAD_LINES, start_running
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -106,7 +108,8 @@ def test_bad_files(client, tenant_key, upload, processed_file) -> None:
         ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "invalid_request"),
         ({"hyperparameters": {"batch_size": True}}, "hyperparameters.batch_size", "invalid_request"),
         ({"hyperparameters": {"epochs": 3}}, "hyperparameters.epochs", "invalid_request"),
-        ({"method": {"type": "dpo"}}, "method.type", "invalid_request"),
+        ({"method": {"type": "dpo"}}, "training_file", "file_method_mismatch"),  # a chat file
+        ({"method": {"type": "reinforcement"}}, "method.type", "invalid_request"),
         ({"adapter": {"method": "lora", "quantization": "nf4"}}, "adapter", "invalid_request"),
         ({"adapter": {"r": -1}}, "adapter.r", "invalid_request"),
         ({"adapter": {"target_modules": ["lm_head"]}}, "adapter.target_modules[0]",
@@ -125,7 +128,9 @@ def test_bad_files(client, tenant_key, upload, processed_file) -> None:
         ({"placement": {"gpus": 0}}, "placement.gpus", "invalid_request"),
         ({"max_seq_len": 100000}, "max_seq_len", "invalid_request"),
         ({"packing": "yes"}, "packing", "invalid_request"),
-        ({"suffix": "has space"}, "suffix", "invalid_request"),
+        ({"suffix": "x" * 65}, "suffix", "invalid_request"),
+        ({"suffix": ""}, "suffix", "invalid_request"),
+        ({"suffix": "new\nline"}, "suffix", "invalid_request"),
         ({"metadata": {"k": 5}}, "metadata.k", "invalid_request"),
         ({"integrations": [{"type": "wandb"}]}, "integrations[0]", "invalid_request"),
         ({"unknown_field": 1}, "unknown_field", "invalid_request"),
@@ -288,3 +293,28 @@ def test_concurrent_same_idempotency_key_makes_one_job(app, live_server, tenant_
     assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
     assert len({r.json()["id"] for r in responses}) == 1
     assert len(httpx.get(f"{base}{JOBS}", headers=headers).json()["data"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("suffix", "in_name"),
+    [("demo-1", "demo-1"), ("My model v1.2:beta/x", "My-model-v1.2-beta-x"), ("é" * 64, "-" * 64)],
+)
+def test_suffix_is_openais_and_names_the_model(client, tenant_key, make_job, db_session, settings,
+                                               suffix, in_name) -> None:
+    """OpenAI's rule: any 1-64 characters, echoed as given; the model name is
+    ``ft:<base>:<org>:<suffix>:<job id>`` with the suffix kept to name-safe characters."""
+    headers = tenant_key().headers
+    job = make_job(headers, suffix=suffix)
+    assert job["user_provided_suffix"] == suffix
+    _row, token = start_running(db_session, job["id"])
+    out = settings.data_path / "artifacts" / job["id"] / "output"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_model.safetensors").write_bytes(b"w")
+    report = client.post(
+        f"/internal/v1/jobs/{job['id']}/reports", headers={"Authorization": f"Bearer {token}"},
+        json={"seq": 0, "items": [{"type": "artifacts", "location": str(out), "files": [
+            {"name": "adapter/adapter_model.safetensors", "bytes": 1,
+             "sha256": hashlib.sha256(b"w").hexdigest()}]}]})
+    assert report.status_code == 200, report.text
+    named = client.get(f"{JOBS}/{job['id']}", headers=headers).json()["fine_tuned_model"]
+    assert named == f"ft:tunefleet-tiny-llama:{job['organization_id']}:{in_name}:{job['id']}"

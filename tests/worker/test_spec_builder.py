@@ -108,3 +108,28 @@ def test_a_new_run_reports_past_the_seqs_the_api_applied(client, tenant_key, db_
     assert again.report.first_seq == 6
     # Each job's spool is its own, also where pods share a node's /tmp.
     assert job.id in again.report.spool_dir
+
+
+def test_a_dpo_job_maps_to_the_dpo_method_on_preference_data(client, tenant_key, db_session, settings):
+    from tests.preference_data import sum_preference_lines
+
+    headers = tenant_key().headers
+    upload = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
+                         files={"file": ("prefs.jsonl", sum_preference_lines(12), "application/jsonl")})
+    created = client.post(JOBS, headers=headers, json={
+        "model": "tunefleet-tiny-llama", "training_file": upload.json()["id"], "trainer": "fsdp_qlora",
+        "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "batch_size": 4,
+                                                              "sft_weight": 0.5}}}})
+    assert created.status_code == 200, created.text
+    job = db_session.get(Job, created.json()["id"])
+    spec = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
+                      gpus=1, token="t")
+    assert (spec.method.type, spec.method.beta, spec.method.sft_weight) == ("dpo", 0.25, 0.5)
+    assert spec.data.format == "preference" and spec.hyperparameters.batch_size == 4
+
+
+def test_a_supervised_job_maps_to_the_supervised_method(client, tenant_key, db_session, settings):
+    job = _job_row(client, tenant_key, db_session, trainer="fsdp_qlora", batch_size=4)
+    spec = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
+                      gpus=1, token="t")
+    assert spec.method.type == "supervised" and spec.data.format == "chat"
