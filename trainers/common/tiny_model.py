@@ -10,8 +10,9 @@ library and saved as a ``PreTrainedTokenizerFast``:
   encodes without unknown tokens and decodes back exactly;
 - special tokens (ids 256..): ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos),
   ``<|pad|>`` (pad), ``<|start_header_id|>``, ``<|end_header_id|>``, ``<|eot_id|>``;
-- a Llama-3-style Jinja ``chat_template``, so ``AutoTokenizer.from_pretrained(dir)`` and
-  ``apply_chat_template`` work as with a real instruct model.
+- a Llama-3-style Jinja ``chat_template`` that also renders tools, tool calls and tool
+  results the way Llama 3.1's does, so ``AutoTokenizer.from_pretrained(dir)`` and
+  ``apply_chat_template(messages, tools=...)`` work as with a real instruct model.
 
 The weights are deterministic given ``seed`` (``torch.manual_seed`` before init), so two
 builds with the same arguments are bitwise identical. Imports torch/transformers lazily:
@@ -35,11 +36,35 @@ N_BYTE_TOKENS = 256
 TOKENIZER_VOCAB_SIZE = N_BYTE_TOKENS + len(SPECIAL_TOKENS)
 
 # Llama 3 layout: bos, then per turn "<|start_header_id|>role<|end_header_id|>\n\n
-# content<|eot_id|>"; the generation prompt opens an assistant header.
+# content<|eot_id|>"; the generation prompt opens an assistant header. Tools work as in
+# Llama 3.1's template: with ``tools`` the system header (merged with a leading system
+# message) says "Environment: ipython", how to call a function and lists each tool as
+# JSON; an assistant tool call is the JSON object {"name": ..., "parameters": {...}} (one
+# per line after any text); a tool result is an ``ipython`` turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% set rest = messages %}"
+    "{% if tools %}"
+    "{% set system = '' %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] + '\n\n' %}{% set rest = messages[1:] %}"
+    "{% endif %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\n' + system }}"
+    "{{ 'To call a function, answer with only a JSON object {\"name\": function name, "
+    "\"parameters\": object of its arguments}. The functions:' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endif %}"
+    "{% for message in rest %}"
+    "{% set role = 'ipython' if message['role'] in ('tool', 'ipython') else message['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '{\"name\": ' + (fn['name'] | tojson) + ', \"parameters\": ' + args + '}' }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )

@@ -209,3 +209,87 @@ def test_preference_dataset_counts_truncated_pairs(tiny_tokenizer):
     assert chosen.input_ids[:32] == rejected.input_ids[:32]  # both keep the same 32 prompt tokens
     assert chosen.labels[31] == IGNORE_INDEX and chosen.labels[32] != IGNORE_INDEX
     assert ds.n_tokens == sum(len(c) + len(r) for c, r in ds.pairs)
+
+
+# --- tool calls: rendered by the model's template, trained on; tool results never ---
+
+TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},)
+
+
+def _tool_example(call_weight=1):
+    from trainers.common.formats import ToolCall
+
+    return Example(
+        messages=(
+            Message("system", "You help."),
+            Message("user", "Weather in Paris?"),
+            Message("assistant", "", weight=call_weight,
+                    tool_calls=(ToolCall("c1", "get_weather", '{"city": "Paris", "unit": "C"}'),)),
+            Message("tool", "21 C", tool_call_id="c1"),
+            Message("assistant", "It is 21 C."),
+        ),
+        tools=TOOLS,
+    )
+
+
+def test_chat_template_messages_parse_arguments_for_the_template():
+    from trainers.common.data import chat_template_messages
+
+    msgs = chat_template_messages(_tool_example().messages)
+    assert msgs[2] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]}
+    assert msgs[3] == {"role": "tool", "content": "21 C", "tool_call_id": "c1"}
+    assert msgs[1] == {"role": "user", "content": "Weather in Paris?"}
+
+
+def test_loss_covers_tool_calls_and_answers_never_tool_results(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ex = _tool_example()
+    t = tokenize_example(tok, ex)
+    from trainers.common.data import chat_template_messages
+
+    rendered = tok.apply_chat_template(chat_template_messages(ex.messages), tools=list(TOOLS), tokenize=False)
+    assert list(t.input_ids) == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert "get_weather" in rendered.split("<|eot_id|>")[0]  # the tools are in the system header
+    call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>'
+    assert _trained_text(tok, t) == call + "It is 21 C.<|eot_id|>"
+    # the trained tokens are exactly those two spans of the rendered text, in place
+    labelled = [i for i, lab in enumerate(t.labels) if lab != IGNORE_INDEX]
+    first = rendered.index(call)
+    n_call = len(tok(call, add_special_tokens=False)["input_ids"])
+    n_head = len(tok(rendered[:first], add_special_tokens=False)["input_ids"])
+    assert labelled[:n_call] == list(range(n_head, n_head + n_call))
+    # a weight-0 tool-call turn is not trained on
+    assert _trained_text(tok, tokenize_example(tok, _tool_example(call_weight=0))) == "It is 21 C.<|eot_id|>"
+
+
+def test_fallback_template_renders_tools_and_calls(tiny_tokenizer):
+    from trainers.common.data import chat_template_messages
+
+    t = tokenize_example(tiny_tokenizer, _tool_example(), template=FALLBACK_CHAT_TEMPLATE)
+    text = tiny_tokenizer.decode(list(t.input_ids))
+    assert text == tiny_tokenizer.apply_chat_template(
+        chat_template_messages(_tool_example().messages), tools=list(TOOLS),
+        chat_template=FALLBACK_CHAT_TEMPLATE, tokenize=False)
+    assert text.startswith('<|begin_of_text|>### tools\n{"type": "function", "function": {"name": "get_weather"')
+    assert _trained_text(tiny_tokenizer, t) == (
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}<|end_of_text|>\n'
+        "It is 21 C.<|end_of_text|>\n"
+    )
+
+
+def test_preference_prompt_with_tools_and_a_tool_call_answer(tiny_tokenizer):
+    from trainers.common.data import tokenize_preference
+    from trainers.common.formats import PreferenceExample, ToolCall
+
+    ex = PreferenceExample(
+        prompt=(Message("user", "Weather in Paris?"),),
+        chosen=Message("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Paris"}'),)),
+        rejected=Message("assistant", "No idea."),
+        tools=TOOLS,
+    )
+    chosen, rejected = tokenize_preference(tiny_tokenizer, ex, max_seq_len=1024)
+    assert _trained_text(tiny_tokenizer, chosen) == '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+    assert _trained_text(tiny_tokenizer, rejected) == "No idea.<|eot_id|>"
+    prompt = tiny_tokenizer.decode([i for i, lab in zip(chosen.input_ids, chosen.labels, strict=True) if lab == IGNORE_INDEX])
+    assert "Environment: ipython" in prompt and prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -61,3 +61,33 @@ def test_bf16_and_bad_arguments(tmp_path):
     with pytest.raises(ValueError):
         build_tiny_llama(tmp_path / "y", dtype="int8")
     assert AutoTokenizer.from_pretrained(str(d)).pad_token == "<|pad|>"
+
+
+def test_chat_template_renders_tools_calls_and_results_like_llama_3_1(tiny_tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    msgs = [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21"},
+        {"role": "assistant", "content": "Two calls:", "tool_calls": [call, {**call, "function": {
+            "name": "get_time", "arguments": '{"tz": "CET"}'}}]},  # arguments may also be JSON text
+    ]
+    rendered = tiny_tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\nYou help.\n\n"
+        'To call a function, answer with only a JSON object {"name": function name, "parameters": '
+        "object of its arguments}. The functions:\n"
+        '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}<|eot_id|>'
+        "<|start_header_id|>user<|end_header_id|>\n\nWeather?<|eot_id|>"
+        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+        "<|start_header_id|>ipython<|end_header_id|>\n\n21<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nTwo calls:\n"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}\n{"name": "get_time", "parameters": {"tz": "CET"}}<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    # without a system message the tools still get their own system header; no tools, no header
+    bare = tiny_tokenizer.apply_chat_template(msgs[1:2], tools=tools, tokenize=False)
+    assert bare.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\nTo call")
+    assert "ipython" not in tiny_tokenizer.apply_chat_template(msgs[:2], tokenize=False)
