@@ -76,6 +76,18 @@ class Settings(BaseSettings):
     k8s_trainer_secret: str | None = Field(
         default=None, description="Secret (training namespace) with the trainers' AWS_* credentials."
     )
+    k8s_trainer_service_account: str | None = Field(
+        default=None, description="ServiceAccount of trainer pods (IRSA / workload identity)."
+    )
+    k8s_trainer_automount_token: bool = Field(
+        default=False, description="Mount that ServiceAccount's API token into trainer pods."
+    )
+    k8s_trainer_priority_class: str | None = Field(
+        default=None, description="PriorityClass of trainer pods."
+    )
+    k8s_trainer_max_runtime_s: int | None = Field(
+        default=None, ge=60, description="Longest a trainer Job may run (activeDeadlineSeconds)."
+    )
     # Seconds between two scheduling cycles of the scheduler loop.
     schedule_interval_s: float = Field(default=3.0, gt=0)
     # Scheduling policy (worker/scheduler/loop.py ``cycle_config``).

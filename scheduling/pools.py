@@ -21,6 +21,13 @@ YAML shape (see ``deploy/pools/*.yaml``)::
         price_per_gpu_hour: 2.50
         max_nodes_per_job: 4
         peak_tflops: 1307
+        trainer_resources: {cpu_per_gpu: 12, memory_gib_per_gpu: 96}
+
+``trainer_resources`` sizes the CPU and host memory of a trainer pod by the GPUs it holds
+(a 2-GPU pod of a pool with the defaults requests 8 CPUs and 32 GiB). Its memory limit
+equals its request unless ``memory_limit_gib_per_gpu`` says more; there is no CPU limit
+unless ``cpu_limit_per_gpu`` sets one (a limit throttles data loading and the collective
+communication threads). Host memory includes the pod's ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,25 @@ class Toleration(BaseModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
 
+class TrainerResources(BaseModel):
+    """CPU and host memory of a trainer pod per GPU it holds (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_per_gpu: Annotated[float, Field(gt=0)] = 4.0
+    memory_gib_per_gpu: Annotated[float, Field(gt=0)] = 16.0
+    cpu_limit_per_gpu: Annotated[float, Field(gt=0)] | None = None
+    memory_limit_gib_per_gpu: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _limits_cover_requests(self) -> TrainerResources:
+        if self.cpu_limit_per_gpu is not None and self.cpu_limit_per_gpu < self.cpu_per_gpu:
+            raise ValueError("cpu_limit_per_gpu must be at least cpu_per_gpu")
+        if self.memory_limit_gib_per_gpu is not None and self.memory_limit_gib_per_gpu < self.memory_gib_per_gpu:
+            raise ValueError("memory_limit_gib_per_gpu must be at least memory_gib_per_gpu")
+        return self
+
+
 class NodePool(BaseModel):
     """One pool of identical nodes."""
 
@@ -80,6 +106,7 @@ class NodePool(BaseModel):
     max_gpus_per_tenant: dict[str, int] = Field(
         default_factory=dict, description="Per-tenant GPU quota in this pool; '*' = any tenant."
     )
+    trainer_resources: TrainerResources = Field(default_factory=TrainerResources)
     quota_borrowing: bool = Field(
         default=False,
         description="Tenants may exceed their quota with idle GPUs; such borrowed GPUs may be "

@@ -6,6 +6,8 @@ nothing, exactly as on a first install.
 
 from __future__ import annotations
 
+import base64
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -71,3 +73,35 @@ def pod_specs(docs: tuple[dict[str, Any], ...]) -> list[tuple[str, dict[str, Any
 
 def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in container.get("env", [])}
+
+
+def resolved_env(docs: tuple[dict[str, Any], ...], container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment with references to rendered Secrets resolved."""
+    secrets = {
+        s["metadata"]["name"]: {
+            k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()
+        }
+        for s in find(docs, "Secret")
+    }
+    env = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            value = secrets.get(ref["name"], {}).get(ref["key"])
+            if value is not None:
+                env[item["name"]] = value
+    return env
+
+
+def settings_from(env: dict[str, str], monkeypatch: Any) -> Any:
+    """``api.settings.Settings`` read from exactly ``env`` (no other TUNEFLEET_* variable)."""
+    from api.settings import Settings
+
+    for name in list(os.environ):
+        if name.startswith("TUNEFLEET_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return Settings()

@@ -28,6 +28,8 @@ from tests.deploy.chart import (
     pod_specs,
     render,
     rendered_docs,
+    resolved_env,
+    settings_from,
 )
 
 FULL = f"{RELEASE}-tunefleet"
@@ -431,44 +433,13 @@ def test_base_models_configmap_is_accepted_by_the_service_parser():
     )
 
 
-def _resolved_env(docs, container) -> dict[str, str]:
-    """The container's environment with references to rendered Secrets resolved."""
-    secrets = {
-        s["metadata"]["name"]: {
-            k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()
-        }
-        for s in find(docs, "Secret")
-    }
-    env = {}
-    for item in container.get("env", []):
-        if "value" in item:
-            env[item["name"]] = item["value"]
-        elif "secretKeyRef" in item.get("valueFrom", {}):
-            ref = item["valueFrom"]["secretKeyRef"]
-            value = secrets.get(ref["name"], {}).get(ref["key"])
-            if value is not None:
-                env[item["name"]] = value
-    return env
-
-
-def _settings_from(env: dict[str, str], monkeypatch):
-    from api.settings import Settings
-
-    for name in list(__import__("os").environ):
-        if name.startswith("TUNEFLEET_"):
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return Settings()
-
-
 @pytest.mark.parametrize("component", ["api", "worker", "scheduler"])
 def test_the_service_accepts_the_rendered_production_settings(component, monkeypatch):
     docs = rendered_docs("two-pools-taints")
     container = one(docs, "Deployment", f"{FULL}-{component}")["spec"]["template"]["spec"][
         "containers"
     ][0]
-    settings = _settings_from(_resolved_env(docs, container), monkeypatch)
+    settings = settings_from(resolved_env(docs, container), monkeypatch)
     assert settings.env == "production" and settings.executor == "kubernetes"
     assert settings.database_url.startswith("postgresql+psycopg://")
     assert settings.k8s_namespace == "tunefleet-training"
@@ -478,7 +449,7 @@ def test_without_a_database_the_service_refuses_to_start_and_says_what_to_set(mo
     docs = rendered_docs("default")
     container = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]["containers"][0]
     with pytest.raises(ValueError, match="TUNEFLEET_DATABASE_URL"):
-        _settings_from(_resolved_env(docs, container), monkeypatch)
+        settings_from(resolved_env(docs, container), monkeypatch)
 
 
 def test_probe_paths_are_routes_of_the_api():

@@ -22,7 +22,8 @@ written to a per-pod directory, SIGTERM + grace period on deletion, the terminat
 message file) and garbage collector (ownerReferences, ``ttlSecondsAfterFinished``).
 
 Local processes cannot see container paths, so the kubelet maps every volume mount
-path and the termination message path to a directory per pod and rewrites those
+path (but an emptyDir's at a writable path this machine has, such as /tmp: the paths of
+the test's own files live there) and the termination message path to a directory per pod and rewrites those
 paths in the command, env values and mounted ConfigMap files; pod DNS names of a
 headless Service resolve to 127.0.0.1 the same way. Tests can inject failures:
 ``fail_image`` (ImagePullBackOff), ``oom_kill`` (OOMKilled), ``evict`` (Evicted),
@@ -535,6 +536,8 @@ class FakeCluster:
         mapping: dict[str, str] = {}
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
         for m in container.get("volumeMounts") or []:
+            if "emptyDir" in volumes.get(m["name"], {}) and os.access(m["mountPath"], os.W_OK):
+                continue  # scratch space this machine has at that path already (/tmp, /dev/shm)
             local = root / "mnt" / m["name"]
             local.mkdir(parents=True, exist_ok=True)
             mapping[m["mountPath"]] = str(local)

@@ -2,8 +2,16 @@
 
 import pytest
 
+from scheduling.pools import TrainerResources, local_pool
 from tests.worker.builders import mi300x, rtx4090
-from worker.executors.manifests import ManifestOptions, owner_reference, render_all, resource_name
+from trainers.exit_codes import ExitCode
+from worker.executors.manifests import (
+    ManifestOptions,
+    owner_reference,
+    pod_resources,
+    render_all,
+    resource_name,
+)
 
 SPEC = {"job_id": "ftjob-AbC", "report": {"token": None}}
 
@@ -17,6 +25,9 @@ CASES = [
     ("jax multi-node", mi300x(), "jax_lora", 2, 8, {}),
     ("torch single node", rtx4090(), "fsdp_qlora", 1, 2, {}),
     ("torch multi-node kueue", rtx4090(), "fsdp_qlora", 3, 2, {"kueue_queue": "team-a"}),
+    ("cpu pool, every trainer option", local_pool(2), "fsdp_qlora", 1, 2, {
+        "service_account": "trainer", "automount_service_account_token": True, "env_from_secret": "keys",
+        "priority_class_name": "batch", "active_deadline_seconds": 3600}),
 ]
 
 
@@ -52,7 +63,9 @@ def test_multi_node_jax_is_indexed_with_service_and_env():
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"tunefleet.io/pool": "mi300x"}
-    assert pod["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "8"}
+    # 8 GPUs a pod at the defaults (4 CPUs, 16 GiB a GPU): not BestEffort, memory limited
+    assert pod["containers"][0]["resources"] == {"requests": {"amd.com/gpu": "8", "cpu": "32", "memory": "128Gi"},
+                                                 "limits": {"amd.com/gpu": "8", "memory": "128Gi"}}
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
     assert pod["containers"][0]["terminationMessagePath"] == "/dev/termination-log"
 
@@ -87,7 +100,54 @@ def test_trainer_pods_hold_no_cluster_credentials_and_no_privileges():
     assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     (container,) = pod["containers"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
-                                            "capabilities": {"drop": ["ALL"]}}
+                                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    # ... and what the trainers write (staged models, HF_HOME, library caches) is on emptyDirs
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]] == {"name": "scratch", "emptyDir": {}}
+    assert volumes[mounts["/home/tunefleet"]] == {"name": "home", "emptyDir": {}}
+    assert "serviceAccountName" not in pod and "priorityClassName" not in pod
+    assert "activeDeadlineSeconds" not in m.job["spec"]
     other = _all(rtx4090(), "fsdp_qlora", 1, 1).job
     other["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] = False
     assert pod["securityContext"]["runAsNonRoot"] is True  # each render gets its own copy
+
+
+def test_pool_trainer_resources_scale_with_the_gpus_of_the_pod():
+    pool = rtx4090(trainer_resources=TrainerResources(cpu_per_gpu=6, memory_gib_per_gpu=30.5,
+                                                      cpu_limit_per_gpu=7.25, memory_limit_gib_per_gpu=40))
+    assert pod_resources(pool, 2) == {
+        "requests": {"cpu": "12", "memory": "61Gi", "nvidia.com/gpu": "2"},
+        "limits": {"cpu": "14500m", "memory": "80Gi", "nvidia.com/gpu": "2"}}
+    # a CPU pool's "GPU" is a trainer slot: no extended resource
+    assert pod_resources(local_pool(4), 1) == {"requests": {"cpu": "4", "memory": "16Gi"},
+                                               "limits": {"memory": "16Gi"}}
+
+
+def test_a_limit_below_its_request_is_refused():
+    with pytest.raises(ValueError, match="memory_limit_gib_per_gpu must be at least"):
+        TrainerResources(memory_gib_per_gpu=32, memory_limit_gib_per_gpu=16)
+
+
+def test_pod_failure_policy_follows_the_trainer_exit_codes():
+    rules = _all(rtx4090(), "fsdp_qlora", 2, 2).job["spec"]["podFailurePolicy"]["rules"]
+    by_code = {r["onExitCodes"]["values"][0]: r["action"] for r in rules if "onExitCodes" in r}
+    assert by_code == {ExitCode.USER_ERROR: "FailJob", ExitCode.OUT_OF_MEMORY: "FailJob", ExitCode.PREEMPTED: "Ignore"}
+    assert all(r["onExitCodes"]["containerName"] == "trainer" for r in rules if "onExitCodes" in r)
+    # a disruption is matched first, whatever the trainer's exit code then was
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+
+
+def test_trainer_identity_priority_and_deadline_options():
+    job = _all(rtx4090(), "fsdp_qlora", 1, 2, service_account="trainer", env_from_secret="keys",
+               priority_class_name="batch", active_deadline_seconds=7200).job
+    pod = job["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("trainer", "batch")
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "keys"}}]
+    assert job["spec"]["activeDeadlineSeconds"] == 7200
+    # the account's API token only when asked for, and never the namespace default's
+    assert pod["automountServiceAccountToken"] is False
+    mounted = _all(rtx4090(), "fsdp_qlora", 1, 2, service_account="trainer", automount_service_account_token=True)
+    assert mounted.job["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    default = _all(rtx4090(), "fsdp_qlora", 1, 2, automount_service_account_token=True)
+    assert default.job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

@@ -19,10 +19,13 @@ def run(stop: StopReason | None = None, attempt: int | None = 3) -> TrackedRun:
                       attempt=1, run=attempt)
 
 
-def job(completions: int = 1, condition: str | None = None) -> client.V1Job:
-    conditions = [client.V1JobCondition(type=condition, status="True")] if condition else None
+def job(completions: int = 1, condition: str | None = None, reason: str | None = None,
+        message: str | None = None) -> client.V1Job:
+    conditions = ([client.V1JobCondition(type=condition, status="True", reason=reason, message=message)]
+                  if condition else None)
     return client.V1Job(metadata=client.V1ObjectMeta(name="tf-ftjob-1-3"),
-                        spec=client.V1JobSpec(completions=completions, template=client.V1PodTemplateSpec()),
+                        spec=client.V1JobSpec(completions=completions, template=client.V1PodTemplateSpec(),
+                                              active_deadline_seconds=3600),
                         status=client.V1JobStatus(conditions=conditions))
 
 
@@ -88,6 +91,23 @@ ROWS = [
     ("killed past the grace period", run(StopReason.CANCEL), job(), [pod(phase="Failed", exit_code=137)], 10,
      [(ObservedKind.STOPPED, None, StopReason.CANCEL)]),
     ("crash", run(), job(), [pod(phase="Failed", exit_code=1)], 10, [(ObservedKind.REQUEUE, "trainer_crashed", None)]),
+    # The Job's podFailurePolicy stops the gang at its first failure: the others' exit 12
+    # is the SIGTERM that brought them, whatever rank failed first.
+    ("user error of rank 1, rank 0 stopped", run(), job(2, "Failed", "PodFailurePolicy"),
+     [pod(0, phase="Failed", exit_code=12), pod(1, phase="Failed", exit_code=10, term_message=USER_ERROR_LOG)],
+     10, [(ObservedKind.FAILED, "nan_loss", None)]),
+    ("FailJob, its pods gone", run(), job(condition="Failed", reason="PodFailurePolicy", message=(
+        "Container trainer for pod ns/tf-ftjob-1-3-0 failed with exit code 11 matching FailJob rule at index 2")),
+     [], 10, [(ObservedKind.FAILED, "out_of_memory", None)]),
+    ("Job failed otherwise, its pods gone", run(), job(condition="Failed", reason="BackoffLimitExceeded"), [], 10,
+     [(ObservedKind.REQUEUE, "trainer_crashed", None)]),
+    ("past activeDeadlineSeconds", run(), job(condition="Failed", reason="DeadlineExceeded"),
+     [pod(phase="Failed", exit_code=12)], 10, [(ObservedKind.FAILED, "max_runtime_exceeded", None)]),
+    ("past the deadline while we stop it", run(StopReason.CANCEL), job(condition="Failed", reason="DeadlineExceeded"),
+     [pod(phase="Failed", exit_code=12)], 10, [(ObservedKind.STOPPED, None, StopReason.CANCEL)]),
+    ("disrupted pod, Ignored by the Job, replaced", run(), job(),
+     [pod(0, phase="Failed", exit_code=12), pod(0, phase="Pending", node=None, unschedulable="0/3 nodes")], 10,
+     [(ObservedKind.REQUEUE, "preempted_by_cluster", None)]),
     ("gone after our stop", run(StopReason.PREEMPT), None, [], 10, [(ObservedKind.STOPPED, None, StopReason.PREEMPT)]),
     ("gone without a stop", run(), None, [], 10, [(ObservedKind.REQUEUE, "job_lost", None)]),
     ("not listed yet", run(), None, [], 1, []),

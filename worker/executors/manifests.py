@@ -32,7 +32,8 @@ from kube.labels import (
     LABEL_POOL,
     LABEL_TENANT,
 )
-from scheduling.pools import NodePool
+from scheduling.pools import GIB, NodePool
+from trainers.exit_codes import ExitCode
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
@@ -43,11 +44,19 @@ TOKEN_ENV = "TUNEFLEET_REPORT_TOKEN"
 JAX_PORT = 8476
 # Trainers run tenant data through third-party libraries: as a non-root user (the trainer
 # images' USER 10001), without privilege escalation or Linux capabilities, under the
-# runtime's default seccomp profile. GPUs come through the device plugin, which needs none.
+# runtime's default seccomp profile, on a read-only root filesystem. GPUs come through the
+# device plugin, which needs none of these.
 POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
+    "allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
 }
+# What a trainer writes, each on an emptyDir: /tmp holds the staged base model and data
+# (TUNEFLEET_CACHE_DIR), HF_HOME and checkpoints before upload; the home directory (the
+# images' HOME and working directory) the libraries' caches (Triton, MIOpen, torch) and
+# tracker run directories.
+SCRATCH_MOUNT = "/tmp"
+HOME_MOUNT = "/home/tunefleet"
 TORCH_PORT = 29500
 
 
@@ -67,6 +76,12 @@ class ManifestOptions:
     """A Secret in the training namespace whose keys become the trainer's environment
     (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the artifact bucket); resolved by the
     kubelet, so the service account needs no access to it."""
+    automount_service_account_token: bool = False
+    """Mount ``service_account``'s API token (IRSA and workload identity project their own
+    token and need none); never without a service account of our own."""
+    priority_class_name: str | None = None
+    active_deadline_seconds: int | None = None
+    """The longest a trainer Job may run (Kubernetes then fails it: DeadlineExceeded)."""
 
 
 def resource_name(job_id: str, attempt: int = 1) -> str:
@@ -164,10 +179,6 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
         *_distributed_env(name, trainer, nodes, gpus_per_node, opts),
         *({"name": k, "value": v} for k, v in sorted((extra_env or {}).items())),
     ]
-    resources: dict[str, Any] = {}
-    if pool.resource_name and gpus_per_node:
-        resources = {"limits": {pool.resource_name: str(gpus_per_node)},
-                     "requests": {pool.resource_name: str(gpus_per_node)}}
     container = {
         "name": "trainer",
         "image": image or pool.trainer_image or "tunefleet-trainer:latest",
@@ -175,10 +186,12 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
         "command": command or ["python", "-m", "trainers", "--spec", SPEC_FILE],
         "env": env,
         **({"envFrom": [{"secretRef": {"name": opts.env_from_secret}}]} if opts.env_from_secret else {}),
-        "resources": resources,
+        "resources": pod_resources(pool, gpus_per_node),
         "volumeMounts": [
             {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "scratch", "mountPath": SCRATCH_MOUNT},
+            {"name": "home", "mountPath": HOME_MOUNT},
         ],
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -191,10 +204,13 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
             {"name": "spec", "configMap": {"name": f"{name}-spec"}},
             # NCCL/RCCL and data loader workers need more than the default 64 MiB /dev/shm.
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}},
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "home", "emptyDir": {}},
         ],
         "terminationGracePeriodSeconds": opts.termination_grace_period_s,
-        # The trainer talks to the API with its job token only: no Kubernetes credentials.
-        "automountServiceAccountToken": False,
+        # The trainer talks to the API with its job token only: no Kubernetes credentials,
+        # unless the operator's trainer service account is given and asked to mount them.
+        "automountServiceAccountToken": bool(opts.service_account and opts.automount_service_account_token),
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if pool.node_selector:
@@ -203,11 +219,14 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
         pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in pool.tolerations]
     if opts.service_account:
         pod_spec["serviceAccountName"] = opts.service_account
+    if opts.priority_class_name:
+        pod_spec["priorityClassName"] = opts.priority_class_name
     if nodes > 1:
         pod_spec["subdomain"] = name  # with the headless Service: <name>-<i>.<name> resolves
     spec: dict[str, Any] = {
         # The executor decides about retries (exit codes, pod failures): no blind retries.
         "backoffLimit": 0,
+        "podFailurePolicy": pod_failure_policy(),
         "completions": nodes,
         "parallelism": nodes,
         "ttlSecondsAfterFinished": opts.ttl_seconds_after_finished,
@@ -215,10 +234,61 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
     }
     if nodes > 1:
         spec["completionMode"] = "Indexed"
+    if opts.active_deadline_seconds:
+        spec["activeDeadlineSeconds"] = opts.active_deadline_seconds
     if opts.kueue_queue:
         spec["suspend"] = True  # Kueue admits (unsuspends) it when the quota allows
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _meta(name, opts.namespace, job_labels), "spec": spec}
+
+
+def pod_resources(pool: NodePool, gpus: int) -> dict[str, Any]:
+    """Requests and limits of a trainer container holding ``gpus`` of ``pool``'s GPUs.
+
+    CPU and memory scale with the GPUs (``pool.trainer_resources``); a CPU pool's "GPU" is
+    a trainer slot. Memory is limited at its request unless the pool allows more, so an
+    out-of-memory trainer is killed alone (OOMKilled) instead of its node evicting pods.
+    """
+    per = pool.trainer_resources
+    share = max(gpus, 1)
+    requests = {"cpu": _cpu(per.cpu_per_gpu * share), "memory": _memory(per.memory_gib_per_gpu * share)}
+    limits = {"memory": _memory((per.memory_limit_gib_per_gpu or per.memory_gib_per_gpu) * share)}
+    if per.cpu_limit_per_gpu is not None:
+        limits["cpu"] = _cpu(per.cpu_limit_per_gpu * share)
+    if pool.resource_name and gpus:
+        requests[pool.resource_name] = limits[pool.resource_name] = str(gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _cpu(cores: float) -> str:
+    millis = round(cores * 1000)
+    return str(millis // 1000) if millis % 1000 == 0 else f"{millis}m"
+
+
+def _memory(gib: float) -> str:
+    mib = round(gib * GIB / 2**20)
+    return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """How the Job controller treats a failed trainer pod (the trainer's exit codes).
+
+    A disruption (drain, preemption by the kube-scheduler, eviction) and a trainer that
+    checkpointed on SIGTERM are not the job's fault and do not count; a user error or an
+    out-of-memory exit ends the Job at once, so the other pods of a multi-node gang stop
+    instead of waiting in a collective, and the Job's Failed condition names the exit code.
+    Either way the executor reads the trainer's exit (``pod_outcomes``) and decides what
+    happens to the job.
+    """
+    def on_exit(action: str, code: ExitCode) -> dict[str, Any]:
+        return {"action": action, "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                  "values": [int(code)]}}
+    return {"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        on_exit("FailJob", ExitCode.USER_ERROR),
+        on_exit("FailJob", ExitCode.OUT_OF_MEMORY),
+        on_exit("Ignore", ExitCode.PREEMPTED),
+    ]}
 
 
 def owner_reference(job_obj: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,11 @@ exit 0 on every pod                SUCCEEDED
 exit 10 / 11                       FAILED with the trainer's termination message
 exit 12                            STOPPED after a stop -- else REQUEUE
                                    ``preempted_by_cluster`` (e.g. a node drain)
+several pods failed                the first that is not exit 12 (the Job's podFailurePolicy
+                                   then stopped the gang's other pods)
+Job Failed, DeadlineExceeded       FAILED ``max_runtime_exceeded`` (activeDeadlineSeconds)
+Job Failed, no failed pod visible  FAILED with the Job's message (podFailurePolicy FailJob)
+                                   -- else REQUEUE ``trainer_crashed``
 other exit codes / signals         STOPPED after a stop (killed past the grace period) --
                                    else REQUEUE ``trainer_crashed``
 Job and pods gone                  STOPPED after a stop -- else REQUEUE ``job_lost``
@@ -29,6 +34,7 @@ Job and pods gone                  STOPPED after a stop -- else REQUEUE ``job_lo
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +45,8 @@ from worker.executors.base import ObservedChange, ObservedKind, StopReason
 # Pod-level reasons for a run lost through no fault of the trainer -> requeue.
 POD_LOST = {"Evicted": "was evicted", "NodeLost": "lost its node", "Preempting": "was preempted by the cluster",
             "Terminated": "was terminated"}
+# Exit codes the Job's podFailurePolicy fails it on (worker.executors.manifests), by error code.
+FAIL_JOB_CODES = {ExitCode.USER_ERROR: "user_error", ExitCode.OUT_OF_MEMORY: "out_of_memory"}
 IMAGE_ERRORS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 # A Job whose pods never appeared is "lost" only after this long: the informers may not
 # have shown a just-created Job's pods yet.
@@ -78,6 +86,13 @@ def observe(run: TrackedRun, job: Any, pods: list[Any], now: float, *,
 def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending_s: float) -> list[ObservedChange]:
     jid = run.job_id
     out: list[ObservedChange] = []
+    failed_cond = _failed_condition(job)
+    if failed_cond is not None and failed_cond.reason == "DeadlineExceeded" and run.stop_reason is None:
+        # Kubernetes SIGTERMs the pods: their exit 12 must not read as a cluster preemption.
+        deadline = job.spec.active_deadline_seconds if job.spec else None
+        return [ObservedChange(jid, ObservedKind.FAILED, error_code="max_runtime_exceeded", message=(
+            f"the trainer ran longer than the {deadline or '?'} s a job may run "
+            "(TUNEFLEET_K8S_TRAINER_MAX_RUNTIME_S); its last checkpoint is kept"))]
     terminated = []
     for pod in sorted(pods, key=completion_index):
         st = pod.status
@@ -104,8 +119,19 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
                 out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"pod pending: {cond.message}"))
     failed = [(p, term) for p, term in terminated if term.exit_code != 0]
     if failed:
-        pod, term = failed[0]
+        # A gang member's own failure, not the SIGTERM that the failure brought the others.
+        pod, term = min(failed, key=lambda f: f[1].exit_code == ExitCode.PREEMPTED)
         return [exit_change(run, pod, term)]
+    if failed_cond is not None and run.stop_reason is None:
+        if failed_cond.reason == "PodFailurePolicy":
+            # e.g. "Container trainer for pod ns/p failed with exit code 10 matching FailJob rule at index 1"
+            found = re.search(r"exit code (\d+)", failed_cond.message or "")
+            code = int(found.group(1)) if found else None
+            return [ObservedChange(jid, ObservedKind.FAILED, exit_code=code,
+                                   error_code=FAIL_JOB_CODES.get(code, "trainer_failed"),
+                                   message=f"the trainer Job failed: {failed_cond.message or failed_cond.reason}")]
+        return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="trainer_crashed", message=(
+            f"the trainer Job failed ({failed_cond.reason}: {failed_cond.message or ''}".strip() + "); requeued"))]
     n_pods = (job.spec.completions or 1) if job is not None else len(pods)
     if terminated and len(terminated) >= n_pods or (job is not None and job_condition(job) == "Complete"):
         return [ObservedChange(jid, ObservedKind.SUCCEEDED, exit_code=0, message="trainer finished")]
@@ -155,6 +181,14 @@ def job_condition(job: Any) -> str | None:
     for cond in (job.status.conditions or []) if job.status else []:
         if cond.status == "True" and cond.type in ("Complete", "Failed"):
             return cond.type
+    return None
+
+
+def _failed_condition(job: Any) -> Any:
+    """The batch/v1 Job's ``Failed`` condition once it is true, else None."""
+    for cond in (job.status.conditions or []) if job is not None and job.status else []:
+        if cond.type == "Failed" and cond.status == "True":
+            return cond
     return None
 
 

@@ -11,10 +11,11 @@ launches, stops and reconciles trainer Jobs (``worker/tasks/scheduling.py``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from api.settings import Settings
 from scheduling.placement import PreemptionPolicy
 from scheduling.pools import load_pools
 from worker.executors.base import Executor
+from worker.executors.manifests import ManifestOptions
 from worker.scheduler.cycle import CycleConfig, CycleResult, run_cycle
 from worker.scheduler.lock import SchedulerLock, make_lock
 from worker.scheduler.store import DbStore
@@ -54,17 +56,13 @@ def make_executor(settings: Settings, pools: list[Any], *,
         from kubernetes import client, config
 
         from worker.executors.kubernetes import KubernetesExecutor
-        from worker.executors.manifests import ManifestOptions
 
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        # Trainer pods reach the artifact bucket themselves: the endpoint as a value, the
-        # credentials from a Secret of the training namespace (TUNEFLEET_K8S_TRAINER_SECRET).
-        extra_env = {"TUNEFLEET_S3_ENDPOINT_URL": settings.s3_endpoint_url} if settings.s3_endpoint_url else None
-        options = ManifestOptions(namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
-                                  env_from_secret=settings.k8s_trainer_secret)
+        extra_env = trainer_env(settings, os.environ) or None
+        options = manifest_options(settings)
         ex = KubernetesExecutor(client.ApiClient(), pools, extra_env=extra_env, options=options,
                                 running_jobs=running_jobs)
         ex.start()
@@ -73,6 +71,38 @@ def make_executor(settings: Settings, pools: list[Any], *,
     from worker.executors.local import LocalExecutor
 
     return LocalExecutor(settings, pools, CeleryQueue(settings))
+
+
+# The control plane's environment that trainer pods get as values: the artifact store's
+# region (boto3 reads it) besides the settings named in ``trainer_env``.
+TRAINER_ENV_PASSED = ("AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def trainer_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
+    """Plain environment values every trainer pod gets (``KubernetesExecutor.extra_env``).
+
+    Trainers reach the artifact bucket themselves: its endpoint and region as values, its
+    credentials from ``TUNEFLEET_K8S_TRAINER_SECRET`` or the trainer service account
+    (``manifest_options``); and they check tracking servers against the same allow-list
+    as the API.
+    """
+    env = {name: environ[name] for name in TRAINER_ENV_PASSED if environ.get(name)}
+    if settings.s3_endpoint_url:
+        env["TUNEFLEET_S3_ENDPOINT_URL"] = settings.s3_endpoint_url
+    if settings.tracker_allowed_hosts:
+        env["TUNEFLEET_TRACKER_ALLOWED_HOSTS"] = settings.tracker_allowed_hosts
+    return env
+
+
+def manifest_options(settings: Settings) -> ManifestOptions:
+    """The trainer Jobs' deployment-wide knobs from the settings (``TUNEFLEET_K8S_*``,
+    ``TUNEFLEET_KUEUE_QUEUE``): what the Helm chart's values turn into."""
+    return ManifestOptions(
+        namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
+        env_from_secret=settings.k8s_trainer_secret, service_account=settings.k8s_trainer_service_account,
+        automount_service_account_token=settings.k8s_trainer_automount_token,
+        priority_class_name=settings.k8s_trainer_priority_class,
+        active_deadline_seconds=settings.k8s_trainer_max_runtime_s)
 
 
 def cycle_config(settings: Settings) -> CycleConfig:

@@ -102,6 +102,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
+What trainer pods authenticate to the object store with: the Secret whose keys become
+their environment (empty: none) and their ServiceAccount (empty: the namespace's default).
+*/}}
+{{- define "tunefleet.trainerSecret" -}}
+{{- if .Values.training.credentials.existingSecret }}
+{{- .Values.training.credentials.existingSecret }}
+{{- else if and (not .Values.artifacts.s3.existingSecret) .Values.artifacts.s3.accessKeyId }}
+{{- printf "%s-trainer-s3" (include "tunefleet.fullname" .) }}
+{{- else if and .Values.artifacts.s3.existingSecret (eq (include "tunefleet.trainingNamespace" .) .Release.Namespace) }}
+{{- .Values.artifacts.s3.existingSecret }}
+{{- end }}
+{{- end }}
+{{- define "tunefleet.trainerServiceAccount" -}}
+{{- if .Values.training.serviceAccount.create }}
+{{- default (printf "%s-trainer" (include "tunefleet.fullname" .)) .Values.training.serviceAccount.name }}
+{{- else }}
+{{- .Values.training.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
 Environment of the API, worker and scheduler containers (docs/internals.md "Settings").
 */}}
 {{- define "tunefleet.env" -}}
@@ -131,6 +152,26 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
 {{- end }}
 - name: TUNEFLEET_K8S_NAMESPACE
   value: {{ include "tunefleet.trainingNamespace" . | quote }}
+{{- with include "tunefleet.trainerSecret" . }}
+- name: TUNEFLEET_K8S_TRAINER_SECRET
+  value: {{ . | quote }}
+{{- end }}
+{{- with include "tunefleet.trainerServiceAccount" . }}
+- name: TUNEFLEET_K8S_TRAINER_SERVICE_ACCOUNT
+  value: {{ . | quote }}
+{{- if $.Values.training.serviceAccount.automountToken }}
+- name: TUNEFLEET_K8S_TRAINER_AUTOMOUNT_TOKEN
+  value: "true"
+{{- end }}
+{{- end }}
+{{- with .Values.training.priorityClassName }}
+- name: TUNEFLEET_K8S_TRAINER_PRIORITY_CLASS
+  value: {{ . | quote }}
+{{- end }}
+{{- if .Values.training.maxRuntimeSeconds }}
+- name: TUNEFLEET_K8S_TRAINER_MAX_RUNTIME_S
+  value: {{ .Values.training.maxRuntimeSeconds | int64 | quote }}
+{{- end }}
 {{- if .Values.kueue.enabled }}
 - name: TUNEFLEET_KUEUE_QUEUE
   value: {{ .Values.kueue.localQueue | quote }}
