@@ -1,10 +1,26 @@
-"""The Llama architecture config our JAX model supports, parsed from an HF ``config.json``.
+"""The decoder configs our JAX model supports, parsed from an HF ``config.json``.
+
+One decoder covers four Hugging Face families; what differs between them is read from
+the config into a few switches on :class:`DecoderConfig`:
+
+=========  ===========================================  =======================
+family     differences from Llama                       config.json keys read
+=========  ===========================================  =======================
+llama      (reference layout)                           attention_bias, mlp_bias
+mistral    sliding-window attention when set             sliding_window
+qwen2      q/k/v projections always have a bias          use_sliding_window
+qwen3      RMSNorm of q and k per head, before RoPE      attention_bias, use_sliding_window
+=========  ===========================================  =======================
+
+All four may tie the LM head to the embeddings (``tie_word_embeddings``) and set
+``head_dim`` apart from ``hidden_size / num_attention_heads`` (Qwen3 does).
 
 Validation happens here, on plain Python values, so that a model we cannot run exactly
-(an unknown RoPE type, attention biases, a non-SiLU MLP...) is refused with a
-``UserError`` before anything is allocated or compiled. Both the transformers-5 layout
-(``rope_parameters`` holding ``rope_theta``) and the older one (``rope_theta`` +
-``rope_scaling``, as in the published Llama 3.1 checkpoints) are accepted.
+(another family, an unknown RoPE type, a non-SiLU MLP, Qwen's per-layer sliding
+windows...) is refused with a ``UserError`` before anything is allocated or compiled.
+Both the transformers-5 layout (``rope_parameters`` holding ``rope_theta``) and the older
+one (``rope_theta`` + ``rope_scaling``, as in the published Llama 3.1 checkpoints) are
+accepted.
 """
 
 from __future__ import annotations
@@ -20,6 +36,11 @@ import numpy as np
 from trainers.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Mistral's configuration class defaults to a 4096-token window when config.json omits it.
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -35,7 +56,18 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class DecoderConfig:
+    """A Llama-layout decoder and its family switches.
+
+    Attributes:
+        model_type: the HF family (one of ``SUPPORTED_MODEL_TYPES``).
+        bias_projections: projections with an additive bias (Qwen2: q/k/v).
+        qk_norm: RMSNorm (a ``head_dim`` weight shared by all heads) on each query and
+            key head after projection, before RoPE (Qwen3).
+        sliding_window: a query sees only the last ``sliding_window`` tokens, itself
+            included (Mistral); None for full causal attention.
+    """
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,31 +79,38 @@ class LlamaConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope: RopeConfig
+    model_type: str = "llama"
+    bias_projections: tuple[str, ...] = ()
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     @property
     def num_params(self) -> int:
         """Base parameter count (embeddings counted once when tied)."""
         h, d = self.hidden_size, self.head_dim
-        attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (2 * q + 2 * kv)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        bias_sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h,
+                      "gate_proj": self.intermediate_size, "up_proj": self.intermediate_size, "down_proj": h}
+        biases = sum(bias_sizes[name] for name in self.bias_projections)
+        per_layer = attn + mlp + 2 * h + biases + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
-        """Build and validate from the contents of an HF Llama ``config.json``.
+    def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
+        """Build and validate from the contents of an HF ``config.json``.
 
         Raises:
             UserError: ``unsupported_architecture`` for anything this model would not
                 reproduce exactly.
         """
         model_type = raw.get("model_type", "llama")
-        if model_type != "llama":
-            raise _unsupported(f"model_type {model_type!r} is not 'llama'")
-        for key in ("attention_bias", "mlp_bias"):
-            if raw.get(key):
-                raise _unsupported(f"{key}=true is not supported (Llama 3 has no biases)")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise _unsupported(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise _unsupported(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -92,6 +131,10 @@ class LlamaConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
                 rope=_parse_rope(raw),
+                model_type=model_type,
+                bias_projections=_bias_projections(model_type, raw),
+                qk_norm=model_type == "qwen3",
+                sliding_window=_sliding_window(model_type, raw),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"config.json is missing or has a bad value: {exc}", code="corrupt_model") from exc
@@ -105,7 +148,7 @@ class LlamaConfig:
         return cfg
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> LlamaConfig:
+    def from_pretrained(cls, model_dir: str | Path) -> DecoderConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise UserError(f"no config.json in the model directory {model_dir}", code="model_not_found")
@@ -113,7 +156,43 @@ class LlamaConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise UserError(f"{path} is not valid JSON: {exc}", code="corrupt_model") from exc
+        if not isinstance(raw, dict):
+            raise UserError(f"{path} does not hold a config object", code="corrupt_model")
         return cls.from_hf_dict(raw)
+
+
+# The trainer's modules predate the other families and still use this name.
+LlamaConfig = DecoderConfig
+
+
+def _bias_projections(model_type: str, raw: dict[str, Any]) -> tuple[str, ...]:
+    """Which projections have biases, as each family's transformers module builds them."""
+    if model_type == "qwen2":  # hard-wired in Qwen2Attention, whatever the config says
+        return ("q_proj", "k_proj", "v_proj")
+    if model_type == "mistral":  # MistralAttention/MistralMLP have no bias switch
+        return ()
+    names: tuple[str, ...] = ATTENTION_PROJECTIONS if raw.get("attention_bias") else ()
+    if model_type == "llama" and raw.get("mlp_bias"):
+        names += MLP_PROJECTIONS
+    return names
+
+
+def _sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
+    if model_type == "mistral":
+        # Every layer uses the window when one is set (MistralModel); published v0.2+
+        # checkpoints set null.
+        window = raw.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+        if window is None:
+            return None
+        if int(window) < 1:
+            raise _unsupported(f"sliding_window ({window}) must be >= 1")
+        return int(window)
+    sliding_layers = "sliding_attention" in (raw.get("layer_types") or ())
+    if model_type in ("qwen2", "qwen3") and (raw.get("use_sliding_window") or sliding_layers):
+        # Qwen windows only the layers from max_window_layers on; one window for some
+        # layers and none for others is not built.
+        raise _unsupported("use_sliding_window=true (per-layer sliding windows) is not supported")
+    return None
 
 
 def _unsupported(why: str) -> UserError:

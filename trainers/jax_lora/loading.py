@@ -1,4 +1,4 @@
-"""Load an HF Llama checkpoint tensor by tensor straight into sharded device arrays.
+"""Load an HF checkpoint (Llama, Mistral, Qwen2, Qwen3) tensor by tensor straight into sharded device arrays.
 
 Each parameter is created with ``jax.make_array_from_callback``: for every local device
 the callback reads only that device's slice of the stored tensor(s) from a memory-mapped
@@ -15,7 +15,8 @@ offsets per tensor) and raw little-endian data, so the headers
 with ``ml_dtypes`` give zero-copy, lazily-paged views of any tensor in any dtype.
 
 HF stores ``nn.Linear`` weights as (out_features, in_features); our kernels are
-(in..., out...), so each slice is transposed and reshaped on the way in.
+(in..., out...), so each slice is transposed and reshaped on the way in. Biases
+(out_features,) are reshaped to their projection's split-out outputs (heads, head_dim).
 
 A QLoRA base (``quantization="nf4"``) is quantized the same way, slice by slice: each
 device's callback reads its rows over whole 64-input blocks and keeps its packed codes
@@ -39,7 +40,7 @@ from jax.sharding import Mesh
 from trainers.common.hf_checkpoint import read_checkpoint_index
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.model import (
     PROJECTIONS,
     Params,
@@ -98,15 +99,26 @@ class _Source:
     stacked: bool
     transpose: bool  # HF (out, in) -> our (in, out)
     in_dims: tuple[int, ...] = ()
-    out_dims: tuple[int, ...] = ()
+    out_dims: tuple[int, ...] = ()  # without transpose: HF's flat vector split into these
 
 
-def _sources(cfg: LlamaConfig) -> Params:
-    layers: dict[str, _Source] = {}
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+def _sources(cfg: DecoderConfig) -> Params:
+    layers: dict[str, Any] = {}
+    norms = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+    if cfg.qk_norm:
+        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    for norm, hf_path in norms.items():
         layers[norm] = _Source(
-            tuple(f"model.layers.{i}.{norm}.weight" for i in range(cfg.num_layers)), True, False
+            tuple(f"model.layers.{i}.{hf_path}.weight" for i in range(cfg.num_layers)), True, False
         )
+    if cfg.bias_projections:
+        layers["biases"] = {
+            name: _Source(
+                tuple(f"model.layers.{i}.{PROJECTIONS[name].parent}.{name}.bias" for i in range(cfg.num_layers)),
+                True, False, out_dims=projection_shape(cfg, name)[1],
+            )
+            for name in cfg.bias_projections
+        }
     for name, proj in PROJECTIONS.items():
         in_dims, out_dims = projection_shape(cfg, name)
         layers[name] = _Source(
@@ -139,6 +151,8 @@ def _flat_range(index: tuple[slice, ...], dims: tuple[int, ...]) -> slice:
 def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], index: tuple[slice, ...], dtype: Any) -> np.ndarray:
     def one(hf: np.ndarray, idx: tuple[slice, ...]) -> np.ndarray:
         if not src.transpose:
+            if src.out_dims:  # a flat bias viewed as (heads, head_dim): no copy
+                hf = hf.reshape(src.out_dims)
             return np.asarray(hf[idx], dtype=dtype)
         n_in = len(src.in_dims)
         in_idx, out_idx = idx[:n_in], idx[n_in:]
@@ -157,9 +171,10 @@ def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], 
     parts = []
     for layer in layer_range:
         hf = reader.get(src.hf_names[layer])
-        expected = (
-            (int(np.prod(src.out_dims)), int(np.prod(src.in_dims))) if src.transpose else shape[1:]
-        )
+        if src.transpose:
+            expected = (int(np.prod(src.out_dims)), int(np.prod(src.in_dims)))
+        else:
+            expected = (int(np.prod(src.out_dims)),) if src.out_dims else shape[1:]
         if tuple(hf.shape) != tuple(expected):
             raise UserError(
                 f"{src.hf_names[layer]} has shape {tuple(hf.shape)}, config implies {tuple(expected)}",
@@ -198,13 +213,13 @@ def _read_nf4_shard(
 
 
 def load_params(
-    model_dir: str | Path, cfg: LlamaConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
+    model_dir: str | Path, cfg: DecoderConfig, mesh: Mesh, dtype: Any = jnp.bfloat16,
     quantization: Quantization = "none",
 ) -> tuple[Params, dict[str, int]]:
     """Load the base weights into arrays sharded by ``PARAM_RULES`` on ``mesh``.
 
     ``quantization="nf4"`` quantizes the decoder's linear weights shard by shard while
-    loading (``nf4.py``); embeddings, norms and the LM head stay in ``dtype``.
+    loading (``nf4.py``); embeddings, norms, biases and the LM head stay in ``dtype``.
 
     Returns:
         (params, stats) with stats ``host_peak_rss_bytes`` (after loading) and
@@ -235,7 +250,7 @@ def load_params(
     return params, {"host_peak_rss_bytes": peak_rss_bytes(), "param_bytes": total}
 
 
-def iter_hf_names(cfg: LlamaConfig) -> Iterator[str]:
+def iter_hf_names(cfg: DecoderConfig) -> Iterator[str]:
     """Every HF tensor name the model reads (for diagnostics and tests)."""
     for src in jax.tree.leaves(_sources(cfg), is_leaf=lambda x: isinstance(x, _Source)):
         yield from src.hf_names

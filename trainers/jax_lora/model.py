@@ -1,4 +1,10 @@
-"""Llama 3.x in pure JAX: parameters as a pytree, with a parallel pytree of logical axes.
+"""The Llama-layout decoder in pure JAX (Llama 3.x, Mistral, Qwen2/2.5, Qwen3).
+
+Parameters are a pytree, with a parallel pytree of logical axes. The families differ
+by a few switches of ``DecoderConfig`` (``config.py``), each a branch here rather than a
+copy of the model: biases on some projections (``layers.biases``, Qwen2), RMSNorm of
+each query and key head (``layers.q_norm`` / ``k_norm``, Qwen3), and a sliding attention
+window (Mistral).
 
 Why pure JAX rather than Flax NNX: the trainer needs exactly three things from a model -
 a pytree of frozen base weights, a separate pytree of LoRA factors to differentiate, and
@@ -15,11 +21,13 @@ every named dimension can be sharded by the rules in ``sharding.py``. Activation
 constrained with logical names through an injected ``constrain(x, axes)``; this module
 never mentions a mesh axis.
 
-Numerics follow ``transformers.LlamaForCausalLM``: RMSNorm in float32 then cast back
-before the weight multiply, rotate-half RoPE (incl. Llama 3.1 ``llama3`` frequency
-scaling), softmax in float32 (``attention``), SwiGLU MLP, tied or untied LM head.
-Packed sequences use ``segment_ids`` (0 = padding) and per-segment ``positions``: a
-token attends only to earlier tokens of its own segment.
+Numerics follow transformers' ``LlamaForCausalLM`` (and its Mistral/Qwen2/Qwen3
+siblings): RMSNorm in float32 then cast back before the weight multiply, rotate-half
+RoPE (incl. Llama 3.1 ``llama3`` frequency scaling), softmax in float32
+(``attention``), SwiGLU MLP, tied or untied LM head. Packed sequences use
+``segment_ids`` (0 = padding) and per-segment ``positions``: a token attends only to
+earlier tokens of its own segment (and, with a sliding window, only to the last
+``sliding_window`` of them, as transformers' sliding-window causal mask).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainers.errors import UserError
-from trainers.jax_lora.config import LlamaConfig, rope_inverse_frequencies
+from trainers.jax_lora.config import DecoderConfig, rope_inverse_frequencies
 from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, nf4_project
 
 Params = dict[str, Any]
@@ -63,7 +71,7 @@ PROJECTIONS: dict[str, Projection] = {
 }
 
 
-def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
+def axis_sizes(cfg: DecoderConfig) -> dict[str, int]:
     return {
         "layers": cfg.num_layers,
         "vocab": cfg.vocab_size,
@@ -75,7 +83,7 @@ def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
     }
 
 
-def projection_shape(cfg: LlamaConfig, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def projection_shape(cfg: DecoderConfig, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(input dims, output dims) of one projection, without the layers axis."""
     sizes = axis_sizes(cfg)
     proj = PROJECTIONS[name]
@@ -91,7 +99,7 @@ def _flat_axis(axes: tuple[str, ...]) -> str:
     return f"{axes[0]}_flat" if len(axes) > 1 else axes[0]
 
 
-def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
+def param_axes(cfg: DecoderConfig, quantization: Quantization = "none") -> Params:
     """Logical axis names of every base parameter (same tree structure as the params).
 
     With ``quantization="nf4"`` each projection is ``{"codes", "absmax"}`` (``nf4.py``),
@@ -102,6 +110,11 @@ def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
         "input_layernorm": ("layers", "embed"),
         "post_attention_layernorm": ("layers", "embed"),
     }
+    if cfg.qk_norm:  # one head_dim weight shared by every head
+        layers["q_norm"] = ("layers", "head_dim")
+        layers["k_norm"] = ("layers", "head_dim")
+    if cfg.bias_projections:  # never quantized: a bias shards like its projection's outputs
+        layers["biases"] = {name: ("layers", *PROJECTIONS[name].out_axes) for name in cfg.bias_projections}
     for name, proj in PROJECTIONS.items():
         if quantization == "nf4":
             # The scales split over every parameter axis along their outputs: a model's
@@ -116,7 +129,7 @@ def param_axes(cfg: LlamaConfig, quantization: Quantization = "none") -> Params:
     return axes
 
 
-def param_shapes(cfg: LlamaConfig, dtype: Any, quantization: Quantization = "none") -> Params:
+def param_shapes(cfg: DecoderConfig, dtype: Any, quantization: Quantization = "none") -> Params:
     """``jax.ShapeDtypeStruct`` of every base parameter (``dtype`` for the unquantized ones)."""
     sizes = axis_sizes(cfg)
     shapes = jax.tree.map(
@@ -138,7 +151,7 @@ def param_shapes(cfg: LlamaConfig, dtype: Any, quantization: Quantization = "non
     return shapes
 
 
-def init_params(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+def init_params(cfg: DecoderConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
     """Random weights (normal(0, std), norms = 1) for tests and benchmarks; real runs load."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree.flatten(shapes)
@@ -194,18 +207,23 @@ def project(
     runtime: LoraRuntime,
     dropout_key: jax.Array | None,
     out_dims: tuple[int, ...] | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
-    """``x @ W`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear).
+    """``x @ W (+ bias)`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear).
 
     ``kernel`` is a dense (in..., out...) array or an NF4 ``{"codes", "absmax"}`` pair
     (then ``out_dims`` gives the output dims), as bitsandbytes' ``Linear4bit`` under
-    PEFT: the base product runs on the dequantized weight in the input's dtype.
+    PEFT: the base product runs on the dequantized weight in the input's dtype. The
+    bias, shaped like the outputs, belongs to the base layer (PEFT adds the LoRA path to
+    the biased output).
     """
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     if isinstance(kernel, dict):
         y = nf4_project(x, kernel["codes"], kernel["absmax"], x.shape[x.ndim - n_in:], out_dims)
     else:
         y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())))
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
     if lora is None:
         return y
     x_in = x
@@ -338,22 +356,26 @@ def _decoder_layer(
     lora: Params,
     key: jax.Array | None,
     *,
-    cfg: LlamaConfig,
+    cfg: DecoderConfig,
     cos: jax.Array,
     sin: jax.Array,
     mask: jax.Array | None,
     runtime: LoraRuntime,
     constrain: Constrain,
 ) -> jax.Array:
+    biases = layer.get("biases", {})
+
     def proj(name: str, x: jax.Array) -> jax.Array:
         k = None if key is None else jax.random.fold_in(key, list(PROJECTIONS).index(name))
         return project(x, layer[name], lora.get(name), len(PROJECTIONS[name].in_axes), runtime, k,
-                       projection_shape(cfg, name)[1])
+                       projection_shape(cfg, name)[1], biases.get(name))
 
     x = rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps)
     q = constrain(proj("q_proj", x), ("batch", "seq", "heads", "head_dim"))
     k = constrain(proj("k_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(proj("v_proj", x), ("batch", "seq", "kv_heads", "head_dim"))
+    if cfg.qk_norm:  # Qwen3: normalize each head over head_dim, then rotate
+        q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn = constrain(attention(q, k, v, mask, cfg.head_dim), ("batch", "seq", "heads", "head_dim"))
     h = h + constrain(proj("o_proj", attn), ("batch", "seq", "embed"))
@@ -365,15 +387,19 @@ def _decoder_layer(
     return h + constrain(mlp, ("batch", "seq", "embed"))
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
+def attention_mask(segment_ids: jax.Array, sliding_window: int | None = None) -> jax.Array:
     """(batch, 1, seq, seq) boolean: query q may attend to key k iff k <= q and both are
-    in the same non-padding segment (``trainers.common.data.block_causal_mask``).
+    in the same non-padding segment (``trainers.common.data.block_causal_mask``), and,
+    with ``sliding_window``, ``q - k < sliding_window`` (transformers' sliding-window
+    causal mask: the window holds the query itself and the ``sliding_window - 1`` before).
 
     Padding queries (segment 0) attend to themselves only, so no softmax row is empty;
     their outputs are never trained on.
     """
     seq = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    if sliding_window is not None:
+        causal = causal & ~jnp.tril(jnp.ones((seq, seq), dtype=bool), -sliding_window)
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
     pad_self = jnp.eye(seq, dtype=bool)[None] & (segment_ids[:, :, None] == 0)
     return ((causal[None] & same) | pad_self)[:, None]
@@ -384,7 +410,7 @@ def forward(
     lora: Params | None,
     tokens: jax.Array,
     *,
-    cfg: LlamaConfig,
+    cfg: DecoderConfig,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     runtime: LoraRuntime = LoraRuntime(),
@@ -400,7 +426,8 @@ def forward(
         lora: ``{proj_name: {"lora_a", "lora_b"}}`` with a leading layers axis, or None.
         tokens: (batch, seq) int token ids.
         segment_ids: (batch, seq) packing segments (1, 2, ...; 0 = padding). None means
-            one causal sequence per row (lets GPUs use their fused causal attention).
+            one causal sequence per row (lets GPUs use their fused causal attention
+            unless a sliding window shorter than the sequence applies).
         positions: (batch, seq) positions restarting at 0 in each segment; default arange.
         dropout_key: enables LoRA dropout (training); None = no dropout (eval).
         remat: "per_layer" recomputes each layer in the backward pass; "dots_saveable"
@@ -409,7 +436,11 @@ def forward(
     batch, seq = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    mask = None if segment_ids is None else attention_mask(segment_ids)
+    # A window as long as the sequence masks nothing: keep the plain causal path then.
+    window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < seq else None
+    if segment_ids is None and window is not None:
+        segment_ids = jnp.ones((batch, seq), jnp.int32)
+    mask = None if segment_ids is None else attention_mask(segment_ids, window)
     cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(cfg.rope, cfg.head_dim), compute_dtype)
 
     # Gather the embed (fsdp) dim of the table first: XLA partitions a row lookup from a

@@ -103,9 +103,8 @@ def test_old_style_rope_scaling_config_is_read():
     [
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "unsupported_architecture"),
         ({"hidden_act": "gelu"}, "unsupported_architecture"),
-        ({"attention_bias": True}, "unsupported_architecture"),
         ({"num_key_value_heads": 3}, "unsupported_architecture"),
-        ({"model_type": "mistral"}, "unsupported_architecture"),
+        ({"model_type": "gemma"}, "unsupported_architecture"),
     ],
 )
 def test_unsupported_configs_are_user_errors(tiny_untied, change, code):
