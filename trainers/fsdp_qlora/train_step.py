@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from trainers.common.preference import RewardSums, pair_halves
 from trainers.fsdp_qlora.distributed import (
     DistContext,
     all_reduce_sum,
@@ -42,6 +43,7 @@ class StepStats:
     grad_norm: float
     label_tokens: int
     tokens: int
+    rewards: dict[str, float] | None = None  # DPO: rewards/chosen, .../rejected, .../accuracy, .../margin
 
 
 def rank_share(micro_batches: Sequence[Any], ctx: DistContext) -> list[Any]:
@@ -114,18 +116,82 @@ class LabelCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        z = logits.float()
-        lse = torch.logsumexp(z, dim=-1)
+        nll, lse = _label_nll(logits, targets)
         ctx.save_for_backward(logits, lse, targets)
-        return (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
+        return nll.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits, lse, targets = ctx.saved_tensors
-        # softmax, in ONE fresh fp32 buffer (the saved logits stay intact for retain_graph)
-        grad = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
-        grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0
-        return grad.mul_(grad_loss).to(logits.dtype), None
+        return _softmax_minus_one_hot(logits, lse, targets).mul_(grad_loss).to(logits.dtype), None
+
+
+class LabelCrossEntropy(torch.autograd.Function):
+    """Per-row ``logsumexp(z_i) - z_i[t_i]`` (shape ``(rows,)``), with the same memory-lean
+    forward and backward as :class:`LabelCrossEntropySum`: DPO needs each sequence's own
+    log-prob, so the token losses are summed per sequence by the caller."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        nll, lse = _label_nll(logits, targets)
+        ctx.save_for_backward(logits, lse, targets)
+        return nll
+
+    @staticmethod
+    def backward(ctx: Any, grad_nll: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, lse, targets = ctx.saved_tensors
+        return _softmax_minus_one_hot(logits, lse, targets).mul_(grad_nll[:, None]).to(logits.dtype), None
+
+
+def _label_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    return lse - z.gather(1, targets[:, None]).squeeze(1), lse
+
+
+def _softmax_minus_one_hot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # softmax, in ONE fresh fp32 buffer (the saved logits stay intact for retain_graph)
+    grad = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0
+    return grad
+
+
+def sequence_log_probs(model: nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
+    """Each row's summed log-prob of its label tokens, shape ``(rows,)`` (0 for a row
+    without labels). Only label positions go through ``lm_head``, as in
+    :func:`token_loss_sum`."""
+    labels = torch.as_tensor(batch.labels, device=device)
+    targets = labels[:, 1:]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = targets != IGNORE_INDEX
+    if not bool(keep.any()):
+        logits = model(**model_inputs(batch, device), logits_to_keep=1).logits
+        return logits.float().sum() * torch.zeros(labels.shape[0], device=device)
+    logits = model(**model_inputs(batch, device), logits_to_keep=keep).logits  # (n_labels, vocab)
+    nll = LabelCrossEntropy.apply(logits, targets[keep[:, :-1]])
+    rows = keep.nonzero()[:, 0]  # row-major, the order of the kept logits
+    return torch.zeros(labels.shape[0], device=device, dtype=nll.dtype).index_add(0, rows, -nll)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone (every LoRA layer skips its adapter): DPO's reference policy.
+
+    Flips peft's per-layer switch directly instead of ``PeftModel.disable_adapter()``,
+    which also toggles ``requires_grad`` of the adapter parameters; under FSDP2 those are
+    the sharded DTensor parameters whose gradient hooks must stay as they are.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before, strict=True):
+            m._disable_adapters = b
 
 
 def reseed(seed: int, step: int, ctx: DistContext) -> None:
@@ -166,17 +232,120 @@ def train_step(
         loss_sum += float(loss.detach())
     set_gradient_sync(model, True)
     (total_loss,) = all_reduce_sum([loss_sum], ctx)
+    return StepStats(
+        loss=total_loss / global_labels,
+        grad_norm=_update(model, optimizer, learning_rate, max_grad_norm),
+        label_tokens=global_labels,
+        tokens=global_tokens,
+    )
+
+
+def _update(model: nn.Module, optimizer: torch.optim.Optimizer, learning_rate: float,
+            max_grad_norm: float | None) -> float:
+    """Clip the accumulated gradients, AdamW-step at ``learning_rate``; the norm before clipping."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm(trainable, max_grad_norm)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """DPO's settings: ``beta`` of the sigmoid loss, ``sft_weight`` of the chosen answers' NLL."""
+
+    beta: float
+    sft_weight: float = 0.0
+
+
+def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, ...]:
+    """Per-pair DPO sigmoid loss and rewards from ``(2k,)`` sequence log-probs (chosen first).
+
+    ``loss = -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))``; the rewards are
+    ``beta * (pi - ref)`` of each answer (detached).
+    """
+    k = policy.shape[0] // 2
+    chosen_ratio = policy[:k] - reference[:k]
+    rejected_ratio = policy[k:] - reference[k:]
+    loss = -torch.nn.functional.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def _reward_sums(loss: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> RewardSums:
+    return RewardSums(pairs=float(loss.shape[0]), loss=float(loss.detach().sum()), chosen=float(chosen.sum()),
+                      rejected=float(rejected.sum()), correct=float((chosen > rejected).sum()))
+
+
+def preference_backward(
+    model: nn.Module, micro_batches: Sequence[Any], ctx: DistContext, objective: PreferenceObjective
+) -> tuple[float, RewardSums, int, int]:
+    """Back-propagate the step's DPO objective over this rank's preference micro-batches.
+
+    The objective is ``mean over the step's pairs of the DPO loss + sft_weight x mean over
+    its chosen answer tokens of their NLL`` (TRL's ``loss_type=["sigmoid", "sft"]``), both
+    means global over ranks and micro-batches, so the gradient does not depend on the
+    split. Each micro-batch runs the reference forward (adapter off, no grad) and then the
+    policy forward and backward on the same ``2k`` rows.
+
+    Returns:
+        The objective's value, the step's reward sums (``loss``: the DPO loss alone), its
+        label tokens and non-padding tokens, all global over ranks.
+    """
+    local = [0.0, 0.0, 0.0, 0.0]  # pairs, chosen label tokens, label tokens, tokens
+    for b in micro_batches:
+        chosen, _ = pair_halves(b)
+        local = [local[0] + b.input_ids.shape[0] // 2, local[1] + chosen.n_label_tokens,
+                 local[2] + b.n_label_tokens, local[3] + b.n_tokens]
+    pairs, chosen_tokens, labels, tokens = (int(v) for v in all_reduce_sum(local, ctx))
+    if pairs == 0 or chosen_tokens == 0:
+        raise ValueError("the step's batch has no preference pair with a trained token")
+    sums = RewardSums()
+    sft_total = 0.0
+    for i, batch in enumerate(micro_batches):
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        with torch.no_grad(), adapters_disabled(model):
+            reference = sequence_log_probs(model, batch, ctx.device)
+        policy = sequence_log_probs(model, batch, ctx.device)
+        loss, chosen_reward, rejected_reward = dpo_terms(policy, reference, objective.beta)
+        chosen_nll = -policy[: loss.shape[0]].sum()
+        micro = loss.sum() / pairs
+        if objective.sft_weight:
+            micro = micro + objective.sft_weight * chosen_nll / chosen_tokens
+        (micro * ctx.world_size).backward()
+        sums = sums + _reward_sums(loss, chosen_reward, rejected_reward)
+        sft_total += float(chosen_nll.detach())
+    set_gradient_sync(model, True)
+    reduced = all_reduce_sum([*sums.as_list(), sft_total], ctx)
+    sums = RewardSums.from_list(reduced[:5])
+    value = sums.loss / pairs + objective.sft_weight * reduced[5] / chosen_tokens
+    return value, sums, labels, tokens
+
+
+def dpo_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Any],
+    ctx: DistContext,
+    objective: PreferenceObjective,
+    *,
+    step: int,
+    seed: int,
+    learning_rate: float,
+    max_grad_norm: float | None,
+) -> StepStats:
+    """One DPO optimizer step on this rank's preference micro-batches (see :func:`train_step`)."""
+    if not micro_batches:
+        raise ValueError("a step needs at least one micro-batch")
+    reseed(seed, step, ctx)
+    value, sums, labels, tokens = preference_backward(model, micro_batches, ctx, objective)
     return StepStats(
-        loss=total_loss / global_labels,
-        grad_norm=grad_norm,
-        label_tokens=global_labels,
-        tokens=global_tokens,
+        loss=value,
+        grad_norm=_update(model, optimizer, learning_rate, max_grad_norm),
+        label_tokens=labels,
+        tokens=tokens,
+        rewards=sums.metrics(),
     )
 
 
@@ -237,3 +406,23 @@ def evaluate(model: nn.Module, data: Any, ctx: DistContext, max_batches: int | N
             correct += int(((logits.argmax(-1) == labels) & mask).sum())
             count += int(mask.sum())
     return {"valid_loss": loss_sum / max(count, 1), "token_accuracy": correct / max(count, 1)}
+
+
+def evaluate_preference(model: nn.Module, data: Any, ctx: DistContext, max_batches: int | None,
+                        objective: PreferenceObjective) -> dict[str, float]:
+    """DPO loss and rewards on the validation pairs: ``valid_loss`` (the same objective as
+    ``train_loss``) and ``valid_rewards/*`` (every rank runs the same batches)."""
+    sums, sft_sum, chosen_tokens = RewardSums(), 0.0, 0
+    batches = data.micro_batches()
+    with evaluation_mode(model):
+        for _ in range(min(data.micro_batches_per_epoch(0), max_batches or 1 << 30)):
+            batch = next(batches)
+            with adapters_disabled(model):
+                reference = sequence_log_probs(model, batch, ctx.device)
+            policy = sequence_log_probs(model, batch, ctx.device)
+            loss, chosen, rejected = dpo_terms(policy, reference, objective.beta)
+            sums = sums + _reward_sums(loss, chosen, rejected)
+            sft_sum -= float(policy[: loss.shape[0]].sum())
+            chosen_tokens += pair_halves(batch)[0].n_label_tokens
+    value = sums.loss / max(sums.pairs, 1.0) + objective.sft_weight * sft_sum / max(chosen_tokens, 1)
+    return {"valid_loss": value, "token_accuracy": None, **sums.metrics("valid_")}
