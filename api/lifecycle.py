@@ -5,7 +5,8 @@ from-states contain the job's status and whose to-state is ``to``; the rule name
 actors allowed to cause it. If there is none (or the actor is not allowed) it raises a
 409 ``invalid_state_transition`` that says what is possible instead. Otherwise it writes
 the new status, the time stamps, any extra column ``changes``, and a
-``fine_tuning.job.event`` (type ``status``) in the caller's transaction, then calls the
+``fine_tuning.job.event`` (stored as type ``status``; OpenAI's clients get it as a
+``message`` with ``from``, ``to`` and ``actor`` in ``data``) in the caller's transaction, then calls the
 registered transition hooks (webhooks, Prometheus) with the same session, so a hook's
 writes commit or roll back together with the transition. The caller commits.
 
@@ -38,6 +39,13 @@ from api.ids import new_id
 from scheduling.usage import close_segment
 
 log = logging.getLogger(__name__)
+
+# An event's ``level`` and ``type`` as stored. The levels are OpenAI's. The types are
+# OpenAI's ``message`` and ``metrics``, and ``status`` for the status changes this module
+# writes: the API sends those as ``message`` (``api.schemas.jobs.JobEventPublic``), and
+# the type is how the service itself finds them (trainer data cannot forge one).
+EVENT_LEVELS = ("info", "warn", "error")
+EVENT_TYPES = ("message", "metrics", "status")
 
 Status = Literal["validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"]
 Actor = Literal["user", "admin", "scheduler", "executor", "trainer", "system"]
@@ -233,7 +241,13 @@ def event_values(
     created_at: Any = None,
 ) -> dict[str, Any]:
     """The columns of a new ``fine_tuning.job.event`` row: ``add_event``'s, or one row of a
-    multi-row insert (the scheduler writes thousands of waiting reasons per cycle)."""
+    multi-row insert (the scheduler writes thousands of waiting reasons per cycle).
+
+    Raises:
+        ValueError: ``level`` or ``type`` is not one of ``EVENT_LEVELS`` / ``EVENT_TYPES``.
+    """
+    if level not in EVENT_LEVELS or type not in EVENT_TYPES:
+        raise ValueError(f"event level {level!r} / type {type!r}: expected one of {EVENT_LEVELS} / {EVENT_TYPES}")
     return {"id": new_id("ftevent"), "job_id": job_id, "message": message, "level": level, "type": type,
             "data": data, "created_at": created_at or utcnow()}
 

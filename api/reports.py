@@ -55,6 +55,11 @@ CHECKPOINT_METRIC_NAMES = {
     **{name: name for name in PREFERENCE_METRICS},
 }
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
+# The report protocol's event levels, as OpenAI's (info, warn, error): a trainer's debug
+# message is shown as info.
+TRAINER_EVENT_LEVELS = {"debug": "info", "info": "info", "warn": "warn", "warning": "warn", "error": "error"}
+# At most this many evenly spaced steps of a run get a metrics event (see metrics_event).
+METRIC_EVENTS_PER_RUN = 50
 # How long after a job stopped running its trainer may still deliver its last batches.
 REPORT_GRACE_S = 60.0
 STOPPING_GRACE_S = 600.0  # while the job's run has not ended (no outcome of its attempt yet)
@@ -224,9 +229,11 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
     for item in batch.items:
         if isinstance(item, MetricItem):
             _apply_metric(session, job, item)
+            if (announced := metrics_event(item)) is not None:
+                add_event(session, job, announced[0], type="metrics", data=announced[1])
         elif isinstance(item, EventItem):
-            level = "warn" if item.level == "warning" else item.level
-            add_event(session, job, item.message, level=level, type="message", data=item.data)
+            add_event(session, job, item.message, level=TRAINER_EVENT_LEVELS[item.level], type="message",
+                      data=item.data)
         elif isinstance(item, CheckpointItem):
             _apply_checkpoint(session, job, item)
         elif isinstance(item, ArtifactsItem):
@@ -260,6 +267,38 @@ def _apply_metric(session: Session, job: Job, item: MetricItem) -> None:
         job.estimated_finish = _estimated_finish(job)
 
 
+def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
+    """The message and data of the ``metrics`` event announcing ``item``'s step, as OpenAI
+    writes them (``"Step 3/10: training loss=1.2345"``, ``data`` with ``step``,
+    ``train_loss``, ``train_mean_token_accuracy``, ...), or None for a step not announced.
+
+    Announced: the first and the last step, every step with validation metrics, and evenly
+    spaced steps between, at most ``METRIC_EVENTS_PER_RUN`` of those, so a long run's
+    events stay readable; every step's metrics are in ``/metrics`` and the results file.
+    """
+    total = item.total_steps
+    every = -(-total // METRIC_EVENTS_PER_RUN) if total else 1
+    evaluated = item.valid_loss is not None or item.valid_token_accuracy is not None
+    if not (item.step <= 1 or item.step == total or item.step % every == 0 or evaluated):
+        return None
+    values = item.model_dump(by_alias=True)
+    data: dict[str, Any] = {"step": item.step}
+    for public, value in (
+        ("train_loss", _finite(item.train_loss)),
+        ("train_mean_token_accuracy", item.token_accuracy),
+        ("valid_loss", _finite(item.valid_loss)),
+        ("valid_mean_token_accuracy", item.valid_token_accuracy),
+        *((name, _finite(values[name])) for name in PREFERENCE_METRICS),
+    ):
+        if value is not None:
+            data[public] = value
+    data["total_steps"] = total
+    message = f"Step {item.step}/{total}" if total else f"Step {item.step}"
+    losses = [f"{label}={data[name]:.4f}" for name, label in (
+        ("train_loss", "training loss"), ("valid_loss", "validation loss")) if name in data]
+    return (f"{message}: {', '.join(losses)}" if losses else message), data
+
+
 def _estimated_finish(job: Job) -> dt.datetime | None:
     """Linear ETA from the steps done since the job (re)started running."""
     if not (job.started_at and job.total_steps and job.current_step):
@@ -283,7 +322,7 @@ def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
     else:
         session.add(Checkpoint(id=new_id("ftckpt"), job_id=job.id, step=item.step,
                                location=item.location, metrics=metrics))
-    add_event(session, job, f"Checkpoint created at step {item.step}", type="metrics",
+    add_event(session, job, f"Checkpoint created at step {item.step}", type="message",
               data={"step": item.step, "checkpoint": checkpoint_model_id(job, item.step)})
 
 

@@ -117,7 +117,7 @@ def _get_ok(url: str) -> bool:
 def _status_time(http: httpx.Client, job_id: str, status: str) -> float | None:
     events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 50}).json()["data"]
     for event in events:
-        if event["type"] == "status" and (event.get("data") or {}).get("to") == status:
+        if (event.get("data") or {}).get("to") == status:  # a status change: from, to, actor
             return float(event["created_at"])
     return None
 

@@ -242,3 +242,67 @@ def test_delete_model_refusals(sdk, client, tenant_key, adapter_job) -> None:
     assert caught.value.code == "job_not_finished" and running_id in caught.value.message
     assert (running_out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "adapter" / "adapter_model.safetensors").is_file()  # the stranger deleted nothing
+
+
+# ---- event objects ---------------------------------------------------------------------
+
+
+def test_migration_gives_old_events_openai_levels_and_types(tmp_path) -> None:
+    import sqlite3
+
+    from api.db.migrate import upgrade
+
+    path = tmp_path / "old.db"
+    upgrade(f"sqlite:///{path}", "0207_file_expiry")
+    with sqlite3.connect(path) as db:  # foreign keys off: events of no job do here
+        db.executemany(
+            "INSERT INTO job_events (id, job_id, created_at, level, message, type) VALUES (?, 'ftjob-x', "
+            "'2026-01-01 00:00:00', ?, ?, ?)",
+            [("a", "debug", "loading", "message"), ("b", "warning", "slow", "message"),
+             ("c", "info", "Checkpoint created at step 5", "metrics"), ("d", "info", "Job running", "status")],
+        )
+    upgrade(f"sqlite:///{path}")
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT id, level, type FROM job_events ORDER BY id").fetchall()
+    assert rows == [("a", "info", "message"), ("b", "warn", "message"), ("c", "info", "message"),
+                    ("d", "info", "status")]
+
+
+def test_events_have_openai_types_levels_and_metrics(sdk, client, make_job, db_session, settings) -> None:
+    from tests.api.conftest import start_running
+
+    oai, tenant = sdk
+    job = make_job(tenant.headers)
+    _, token = start_running(db_session, job["id"])
+    steps = [{"type": "metric", "step": s, "total_steps": 100, "train_loss": 3.0 - s / 4, "token_accuracy": s / 10}
+             for s in range(1, 6)]
+    steps[-1].update(valid_loss=2.5, valid_token_accuracy=0.4)
+    items = [*steps, {"type": "event", "level": "debug", "message": "loaded the tokenizer"},
+             {"type": "event", "level": "warning", "message": "slow step"},
+             {"type": "checkpoint", "step": 5, "location": str(settings.job_dir(job["id"]) / "checkpoints" / "step-5"),
+              "metrics": {"train_loss": 1.75}}]
+    response = client.post(f"/internal/v1/jobs/{job['id']}/reports", headers={"Authorization": f"Bearer {token}"},
+                           json={"seq": 1, "items": items})
+    assert response.status_code == 200, response.text
+    assert oai.fine_tuning.jobs.pause(job["id"]).status == "paused"
+
+    events = list(oai.fine_tuning.jobs.list_events(job["id"], limit=100))[::-1]  # oldest first
+    assert {e.type for e in events} == {"message", "metrics"}
+    assert {e.level for e in events} == {"info", "warn"}
+    by_message = {e.message: e for e in events}
+    assert by_message["loaded the tokenizer"].level == "info"
+    assert by_message["slow step"].level == "warn"
+    assert by_message["Checkpoint created at step 5"].type == "message"
+
+    metrics = [e for e in events if e.type == "metrics"]
+    # 100 steps: every second step is announced, the first, and each one with validation metrics.
+    assert [e.data["step"] for e in metrics] == [1, 2, 4, 5]
+    assert metrics[0].message == "Step 1/100: training loss=2.7500"
+    assert metrics[0].data == {"step": 1, "train_loss": 2.75, "train_mean_token_accuracy": 0.1, "total_steps": 100}
+    assert metrics[-1].message == "Step 5/100: training loss=1.7500, validation loss=2.5000"
+    assert metrics[-1].data == {"step": 5, "train_loss": 1.75, "train_mean_token_accuracy": 0.5, "valid_loss": 2.5,
+                                "valid_mean_token_accuracy": 0.4, "total_steps": 100}
+
+    changes = [e for e in events if e.data and "to" in e.data]
+    assert [(e.type, e.data["from"], e.data["to"]) for e in changes] == [
+        ("message", "validating_files", "queued"), ("message", "queued", "running"), ("message", "running", "paused")]
