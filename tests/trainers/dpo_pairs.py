@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainers.common.data import IGNORE_INDEX, TokenizedExample
-from trainers.common.preference import PreferenceData, TokenizedPreferenceDataset
+from trainers.common.data import IGNORE_INDEX, PreferenceDataset, TokenizedExample
+from trainers.common.preference import PreferenceData
 
 TERMS = ((2, 3), (7, 1), (4, 4), (1, 5), (6, 2), (3, 3))
 
@@ -32,7 +32,7 @@ def sum_pairs(tokenizer, n: int = 6) -> list[tuple[TokenizedExample, TokenizedEx
 
 
 def pair_data(tokenizer, n: int = 6, *, micro_batch_size: int = 3, pad_to: int | None = None) -> PreferenceData:
-    return PreferenceData(TokenizedPreferenceDataset(sum_pairs(tokenizer, n)), max_seq_len=64,
+    return PreferenceData(PreferenceDataset(sum_pairs(tokenizer, n)), max_seq_len=64,
                           micro_batch_size=micro_batch_size, seed=0, shuffle=False,
                           pad_id=tokenizer.pad_token_id, pad_to=pad_to)
 

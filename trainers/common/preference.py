@@ -20,7 +20,7 @@ over its ranks or devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,11 +28,10 @@ from typing import Any
 import numpy as np
 
 from trainers.common.data import (
-    IGNORE_INDEX,
     Batch,
     DataCursor,
+    PreferenceDataset,
     TokenizedDataset,
-    TokenizedExample,
     TrainingData,
     epoch_order,
 )
@@ -44,50 +43,13 @@ VALID_REWARD_KEYS = tuple(f"valid_rewards/{n}" for n in REWARD_NAMES)
 _START = DataCursor()
 
 
-@dataclass
-class TokenizedPreferenceDataset:
-    """Tokenized pairs; ``n_truncated`` / ``n_dropped`` count pairs, like TokenizedDataset."""
-
-    pairs: list[tuple[TokenizedExample, TokenizedExample]]
-    n_truncated: int = 0
-    n_dropped: int = 0
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(c) + len(r) for c, r in self.pairs)
-
-
-def _has_label(example: TokenizedExample) -> bool:
-    # The first label is never predicted (causal shift), so it does not count.
-    return any(x != IGNORE_INDEX for x in example.labels[1:])
-
-
-def truncate_pairs(
-    pairs: Iterable[tuple[TokenizedExample, TokenizedExample]], max_seq_len: int
-) -> TokenizedPreferenceDataset:
-    """Cut each answer's sequence to ``max_seq_len`` (counted per pair) and drop the pairs
-    where either answer has no trained token left: its log-prob would be an empty sum and
-    the pair would compare nothing."""
-    out = TokenizedPreferenceDataset(pairs=[])
-    for chosen, rejected in pairs:
-        if len(chosen) > max_seq_len or len(rejected) > max_seq_len:
-            out.n_truncated += 1
-            chosen = TokenizedExample(chosen.input_ids[:max_seq_len], chosen.labels[:max_seq_len])
-            rejected = TokenizedExample(rejected.input_ids[:max_seq_len], rejected.labels[:max_seq_len])
-        if not (_has_label(chosen) and _has_label(rejected)):
-            out.n_dropped += 1
-            continue
-        out.pairs.append((chosen, rejected))
-    return out
-
-
 class PreferenceData(TrainingData):
     """Pairs in a deterministic per-epoch order, as micro-batches of ``2 x micro_batch_size``
     rows (chosen rows first). Arguments as :class:`TrainingData`; there is no packing."""
 
     def __init__(
         self,
-        dataset: TokenizedPreferenceDataset,
+        dataset: PreferenceDataset,
         *,
         max_seq_len: int,
         micro_batch_size: int,
@@ -191,24 +153,17 @@ class PreferenceJobData:
         }
 
 
-def tokenize_preference_file(path: str | Path, tokenizer: Any, max_seq_len: int) -> TokenizedPreferenceDataset:
-    """Read a preference JSONL file and tokenize its pairs (UserError ``invalid_dataset``
-    on a bad line or when no pair is left)."""
-    from trainers.common.data import chat_template_of, tokenize_preference
+def tokenize_preference_file(path: str | Path, tokenizer: Any, max_seq_len: int) -> PreferenceDataset:
+    """Read and tokenize a preference JSONL file (UserError ``invalid_dataset`` on a bad
+    line, a chat template that cannot be split into prompt and answer, or no pair left)."""
+    from trainers.common.data import tokenize_preference_dataset
     from trainers.common.formats import FormatError, read_preference_examples
 
     name = Path(path).name
-    template = chat_template_of(tokenizer)
     try:
-        tokenized = [
-            tokenize_preference(tokenizer, ex, template=template, max_seq_len=None)
-            for ex in read_preference_examples(path)
-        ]
-    except FormatError as err:
+        dataset = tokenize_preference_dataset(tokenizer, read_preference_examples(path), max_seq_len)
+    except (FormatError, ValueError) as err:
         raise UserError(f"{name}: {err}", code="invalid_dataset") from err
-    except UnicodeDecodeError as err:
-        raise UserError(f"{name}: not UTF-8 ({err})", code="invalid_dataset") from err
-    dataset = truncate_pairs(tokenized, max_seq_len)
     if not dataset.pairs:
         raise UserError(
             f"{name}: no preference pair has a trained token left in both answers within "
