@@ -11,7 +11,10 @@ here, so the same job reports the same rows on either trainer:
 - :func:`check_finite`: a non-finite loss OR gradient norm stops the run with the user
   error ``nan_loss`` (the update is already poisoned; continuing would export NaNs);
 - :func:`metric_row`: the dict reported for every step (``docs/internals.md``, "Trainer
-  reports") and appended to ``metrics.jsonl``.
+  reports") and appended to ``metrics.jsonl``. A DPO run's rows also carry the reward
+  metrics under TRL's names (``rewards/chosen``, ``rewards/rejected``,
+  ``rewards/accuracy``, ``rewards/margin``, and ``valid_rewards/...`` when the step
+  evaluated); ``train_loss`` / ``valid_loss`` are then the DPO objective.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from typing import Any
 
 from trainers.common.data import DataCursor
+from trainers.common.preference import REWARD_KEYS, VALID_REWARD_KEYS
 from trainers.errors import UserError
 
 METRIC_KEYS = (
@@ -82,8 +86,10 @@ def metric_row(
     tokens_seen: int,
     memory_bytes: int | None,
     evaluation: dict[str, float] | None = None,
+    rewards: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The metric item of one optimizer step, keys :data:`METRIC_KEYS`.
+    """The metric item of one optimizer step, keys :data:`METRIC_KEYS` (then, for DPO, the
+    reward keys).
 
     Args:
         step: the 1-based step just taken.
@@ -91,11 +97,12 @@ def metric_row(
         step_tokens: non-padding tokens the step consumed (all ranks).
         elapsed_s: wall time of the step; ``tokens_per_s`` is None if it is not positive.
         tokens_seen: tokens consumed since the start of training, this step included.
-        evaluation: ``valid_loss`` and ``token_accuracy`` when the step evaluated; None
-            otherwise (both reported as None).
+        evaluation: ``valid_loss`` and ``token_accuracy`` (DPO: also ``valid_rewards/*``)
+            when the step evaluated; None otherwise (all reported as None).
+        rewards: a DPO step's ``rewards/*``; None for supervised steps (no reward keys).
     """
     evaluation = evaluation or {}
-    return {
+    row = {
         "step": step,
         "total_steps": total_steps,
         "epoch": epoch_of_step(cursor_after),
@@ -108,13 +115,21 @@ def metric_row(
         **{k: evaluation.get(k) for k in EVAL_KEYS},
         "time": time.time(),
     }
+    if rewards is not None:
+        row.update({k: rewards[k] for k in REWARD_KEYS})
+        row.update({k: evaluation.get(k) for k in VALID_REWARD_KEYS})
+    return row
 
 
 def checkpoint_metrics(row: dict[str, Any], previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The metrics a checkpoint records: the step's train loss and the latest evaluation
-    (from ``previous``, the last checkpoint-metrics dict, when this step did not evaluate)."""
+    """The metrics a checkpoint records: the step's train loss (and DPO rewards) and the
+    latest evaluation (from ``previous``, the last checkpoint-metrics dict, when this step
+    did not evaluate)."""
     out = {"train_loss": row.get("train_loss")}
+    dpo = REWARD_KEYS[0] in row
+    if dpo:
+        out.update({k: row[k] for k in REWARD_KEYS})
     evaluated = row.get("valid_loss") is not None
     source = row if evaluated else (previous or {})
-    out.update({k: source.get(k) for k in EVAL_KEYS})
+    out.update({k: source.get(k) for k in EVAL_KEYS + (VALID_REWARD_KEYS if dpo else ())})
     return out

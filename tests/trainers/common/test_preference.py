@@ -95,3 +95,23 @@ def test_a_bad_preference_line_is_invalid_dataset(make_spec, tiny_tokenizer, tmp
     with pytest.raises(UserError) as err:
         load_preference_data(spec, tiny_tokenizer)
     assert err.value.code == "invalid_dataset" and "bad.jsonl" in str(err.value)
+
+
+def test_a_dpo_metric_row_and_its_checkpoint_metrics_carry_the_rewards():
+    from trainers.common.loop import METRIC_KEYS, checkpoint_metrics, metric_row
+
+    base = {"step": 2, "total_steps": 4, "cursor_after": DataCursor(0, 4), "train_loss": 0.6,
+            "learning_rate": 1e-3, "grad_norm": 0.5, "step_tokens": 100, "elapsed_s": 0.5,
+            "tokens_seen": 200, "memory_bytes": 1024}
+    rewards = RewardSums(pairs=4, loss=2.4, chosen=0.4, rejected=-0.4, correct=3).metrics()
+    row = metric_row(**base, rewards=rewards)
+    assert tuple(row)[: len(METRIC_KEYS)] == METRIC_KEYS
+    assert row["rewards/accuracy"] == 0.75 and row["rewards/margin"] == pytest.approx(0.2)
+    assert row["valid_rewards/accuracy"] is None  # this step did not evaluate
+    evaluation = {"valid_loss": 0.5, "token_accuracy": None,
+                  **RewardSums(pairs=2, loss=1.0, chosen=0.2, rejected=0.0, correct=2).metrics("valid_")}
+    first = checkpoint_metrics(metric_row(**base, rewards=rewards, evaluation=evaluation))
+    later = checkpoint_metrics(metric_row(**{**base, "step": 3, "train_loss": 0.4}, rewards=rewards), first)
+    assert later["train_loss"] == 0.4 and later["rewards/chosen"] == pytest.approx(0.1)
+    assert later["valid_loss"] == 0.5 and later["valid_rewards/accuracy"] == 1.0
+    assert "rewards/chosen" not in checkpoint_metrics(metric_row(**base))  # supervised rows: none
