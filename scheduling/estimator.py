@@ -11,7 +11,8 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
     base weights / N          bf16: 2 B/param; NF4: 0.5 B/param + absmax (fp32 per 64,
                               or 8-bit per 64 + fp32 per 256 blocks with double-quant);
                               HQQ 4-bit: 0.5 B/param + bf16 scale and zero per group.
-                              Embeddings, lm_head and norms stay bf16 (never quantized).
+                              Embeddings, lm_head, norms and biases stay bf16 (never
+                              quantized). Parameter counts per family: model_shapes.py.
   + one gathered layer        FSDP all-gathers one decoder layer's weights at a time
   + one dequantized layer     jax_lora on a 4-bit base only: each projection's kernel
                               is dequantized to the compute dtype inside the step (and
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from scheduling.model_shapes import KNOWN_MODELS, EstimateError, ModelShape
 from scheduling.pools import GIB, NodePool
 from trainers.spec import DEFAULT_TARGET_MODULES
 
@@ -87,100 +89,6 @@ FSDP_BUFFERS = int(0.5 * GIB)
 
 _BF16 = 2
 _FP32 = 4
-
-
-class EstimateError(ValueError):
-    """The model config or job settings cannot be estimated; ``code`` is stable."""
-
-    def __init__(self, message: str, code: str = "invalid_estimate_input") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The parts of a decoder-only (Llama-family) config that decide memory and FLOPs."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tie_embeddings: bool = False
-    head_dim: int | None = None
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
-        """Read a Hugging Face ``config.json`` dict (Llama/Mistral/Qwen2 key names)."""
-        try:
-            heads = int(config["num_attention_heads"])
-            return cls(
-                hidden=int(config["hidden_size"]),
-                layers=int(config["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=int(config.get("num_key_value_heads") or heads),
-                intermediate=int(config["intermediate_size"]),
-                vocab=int(config["vocab_size"]),
-                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-            )
-        except KeyError as exc:
-            raise EstimateError(f"model config is missing {exc.args[0]!r}", "invalid_model_config") from exc
-
-    @classmethod
-    def from_pretrained_dir(cls, path: str | Path) -> ModelShape:
-        cfg = Path(path) / "config.json"
-        if not cfg.is_file():
-            raise EstimateError(f"{cfg} not found", "model_not_found")
-        return cls.from_hf_config(json.loads(cfg.read_text(encoding="utf-8")))
-
-    # --- parameter counts -------------------------------------------------------------
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear module of one decoder layer."""
-        q_out, kv_out = self.heads * self.hd, self.kv_heads * self.hd
-        return {
-            "q_proj": (self.hidden, q_out),
-            "k_proj": (self.hidden, kv_out),
-            "v_proj": (self.hidden, kv_out),
-            "o_proj": (q_out, self.hidden),
-            "gate_proj": (self.hidden, self.intermediate),
-            "up_proj": (self.hidden, self.intermediate),
-            "down_proj": (self.intermediate, self.hidden),
-        }
-
-    @property
-    def linear_params_per_layer(self) -> int:
-        return sum(i * o for i, o in self.module_shapes().values())
-
-    @property
-    def linear_params(self) -> int:
-        return self.layers * self.linear_params_per_layer
-
-    @property
-    def embedding_params(self) -> int:
-        """Input embedding + lm_head (once if tied) + norms: kept in bf16 always."""
-        emb = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return emb + self.hidden * (2 * self.layers + 1)
-
-    @property
-    def params(self) -> int:
-        return self.linear_params + self.embedding_params
-
-
-# Shapes of well-known base models (HF config values), for the estimate endpoint's
-# examples, the anchor tests and the benchmarks.
-KNOWN_MODELS: dict[str, ModelShape] = {
-    "llama-2-7b": ModelShape(4096, 32, 32, 32, 11008, 32000),
-    "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256),
-    "llama-3.1-70b": ModelShape(8192, 80, 64, 8, 28672, 128256),
-    "llama-2-70b": ModelShape(8192, 80, 64, 8, 28672, 32000),
-    "llama-3.1-405b": ModelShape(16384, 126, 128, 8, 53248, 128256),
-}
 
 
 @dataclass(frozen=True)
