@@ -21,7 +21,11 @@ functions and under ``TYPE_CHECKING`` alike, because each one is a dependency of
 - ``trainers`` (run inside training pods) never imports ``api``, ``worker`` or
   ``scheduling``: a trainer image carries no service code;
 - ``scheduling`` (placement and estimation decisions, pure) imports neither ``api`` nor
-  ``worker``.
+  ``worker``;
+- ``inference`` (the inference worker process) imports none of the service packages: the
+  API resolves what a tenant may use into paths and sends them over the local channel;
+- ``api`` reaches ``inference`` only through its client (``inference.client`` and the
+  ``inference.protocol`` shapes it speaks), never the engine that loads torch and models.
 """
 
 from __future__ import annotations
@@ -45,14 +49,17 @@ def first_party_packages() -> list[str]:
 
 
 # `scheduling` is named too: its rules must apply as soon as the folder exists.
-PACKAGES = sorted({*first_party_packages(), "api", "worker", "trainers", "tunefleet", "scheduling"})
+PACKAGES = sorted({*first_party_packages(), "api", "worker", "trainers", "tunefleet", "scheduling", "inference"})
 
 # importer package -> packages it must never import
 FORBIDDEN = {
     "api": ("worker",),
-    "trainers": ("api", "worker", "scheduling"),
-    "scheduling": ("api", "worker"),
+    "trainers": ("api", "worker", "scheduling", "inference"),
+    "scheduling": ("api", "worker", "inference"),
+    "inference": ("api", "worker", "scheduling", "tunefleet"),
 }
+# The only modules of ``inference`` the API may import.
+INFERENCE_CLIENT = ("inference.client", "inference.protocol")
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,15 @@ def test_layering(graph: list[Import], importer: str) -> None:
         if _package(e.importer) == importer and _package(e.target) in forbidden
     )
     assert not violations, f"{importer} must not import {', '.join(forbidden)}:\n" + "\n".join(violations)
+
+
+def test_api_reaches_inference_only_through_its_client(graph: list[Import]) -> None:
+    violations = sorted(
+        f"{e.importer} imports {e.target} (line {e.line})"
+        for e in graph
+        if _package(e.importer) == "api" and _package(e.target) == "inference" and e.target not in INFERENCE_CLIENT
+    )
+    assert not violations, f"api may import only {', '.join(INFERENCE_CLIENT)}:\n" + "\n".join(violations)
 
 
 def test_the_checker_sees_each_kind_of_import(tmp_path: Path) -> None:

@@ -1,0 +1,113 @@
+"""The engine against the references: ``PeftModel.from_pretrained`` + ``generate``, one
+fresh model per adapter, token for token (greedy and seeded sampling), while the engine
+keeps one base loaded and switches (and evicts) adapters."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from inference.engine import Engine, InferenceError, ModelLoading
+from inference.protocol import GenerationRequest, ModelRef, Sampling
+
+MESSAGES = ({"role": "user", "content": "hello there"},)
+
+
+def _request(model_dir, adapter=None, **sampling) -> GenerationRequest:
+    return GenerationRequest(
+        base=ModelRef(id="tiny", path=str(model_dir)),
+        adapter=None if adapter is None else ModelRef(id=f"ft:{adapter.name}", path=str(adapter)),
+        messages=MESSAGES, sampling=Sampling(**{"max_tokens": 12, "temperature": 0.0, **sampling}),
+    )
+
+
+def _loaded(engine: Engine, model_dir) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            engine.base(ModelRef(id="tiny", path=str(model_dir)))
+            return
+        except ModelLoading:
+            assert time.monotonic() < deadline, "the base model never finished loading"
+            time.sleep(0.1)
+
+
+def _texts(events) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for e in events:
+        if e.type == "text":
+            out[e.index] = out.get(e.index, "") + e.text
+    return out
+
+
+def _reference(model_dir, adapter, *, seed=None, **generate):
+    """What plain transformers + peft produce for the same prompt: (text, number of tokens)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = tok.apply_chat_template(list(MESSAGES), add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **generate)[0, ids.shape[1]:]
+    return tok.decode(out, skip_special_tokens=True), len(out)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = Engine(max_adapters=1, device="cpu")
+    with pytest.raises(ModelLoading) as loading:  # the first request starts the load and is told to wait
+        engine.base(ModelRef(id="tiny", path=str(tiny_model_dir)))
+    assert loading.value.status == 503 and loading.value.code == "model_loading"
+    _loaded(engine, tiny_model_dir)
+    return engine
+
+
+def test_greedy_equals_peft_across_adapter_switches_and_eviction(engine, tiny_model_dir, make_adapter):
+    first, second = make_adapter(1), make_adapter(2)
+    references = {a: _reference(tiny_model_dir, a, do_sample=False, max_new_tokens=12) for a in (None, first, second)}
+    assert len({text for text, _ in references.values()}) == 3  # each adapter changes the output
+    for adapter in (first, second, first, None, second):  # max_adapters=1: every switch evicts
+        events = list(engine.generate(_request(tiny_model_dir, adapter, n=2)))
+        text, count = references[adapter]
+        assert _texts(events) == {0: text, 1: text}
+        finishes = [e for e in events if e.type == "finish"]
+        assert [(e.index, e.completion_tokens, e.finish_reason) for e in finishes] == [(0, count, "length"),
+                                                                                       (1, count, "length")]
+        assert events[0].type == "start" and events[0].prompt_tokens > 0
+    assert engine.status()["adapters"] == {str(tiny_model_dir): 1}
+
+
+def test_seeded_sampling_equals_transformers_with_the_same_seed(engine, tiny_model_dir, make_adapter):
+    adapter = make_adapter(1)
+    text, _ = _reference(tiny_model_dir, adapter, seed=7, do_sample=True, temperature=0.9, top_p=0.8, top_k=0,
+                         max_new_tokens=12)
+    ours = _texts(engine.generate(_request(tiny_model_dir, adapter, temperature=0.9, top_p=0.8, seed=7)))
+    assert ours == {0: text}
+
+
+def test_a_stop_string_ends_the_text_before_it(engine, tiny_model_dir, make_adapter):
+    adapter = make_adapter(2)
+    full, _ = _reference(tiny_model_dir, adapter, do_sample=False, max_new_tokens=12)
+    stop = next(full[i:i + 2] for i in range(2, len(full) - 1) if full[i:i + 2].isprintable())
+    events = list(engine.generate(_request(tiny_model_dir, adapter, stop=("\x00never", stop))))
+    assert _texts(events) == {0: full[:full.find(stop)]}
+    assert events[-1].finish_reason == "stop"
+
+
+def test_requests_that_cannot_start_say_why(engine, tiny_model_dir, tmp_path):
+    with pytest.raises(InferenceError) as missing:
+        next(engine.generate(_request(tiny_model_dir, tmp_path)))  # no adapter files there
+    assert (missing.value.status, missing.value.code) == (404, "adapter_not_found")
+    remote = GenerationRequest(base=ModelRef(id="big", path="s3://models/big"), prompt="hi",
+                               sampling=Sampling(max_tokens=2))
+    with pytest.raises(InferenceError) as not_local:
+        next(engine.generate(remote))
+    assert (not_local.value.status, not_local.value.code) == (400, "model_not_local")
