@@ -202,6 +202,7 @@ def job_request(
     placement: dict[str, Any],
     priority: int,
     total_tokens: int | None,
+    method_type: str = "supervised",
 ) -> EstimateInput:
     shape, source = base_model_shape(entry.path, entry.params_b, model_id=entry.id)
     # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
@@ -217,6 +218,7 @@ def job_request(
         placement=placement,
         priority=priority,
         total_tokens=total_tokens,
+        method_type=method_type,
     )
     notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
     if req.total_tokens is None:
@@ -390,7 +392,7 @@ def estimate_request(
     if body.training_file is not None:
         n_examples = _file_examples(session, tenant, body.training_file, given=n_examples)
     requested = body.requested_hyperparameters().model_dump(exclude_none=True)
-    hp = resolve_hyperparameters(requested, n_examples) if n_examples else requested
+    hp = resolve_hyperparameters(requested, n_examples, method=body.method_type) if n_examples else requested
     total = body.total_tokens or planned_tokens(hp, max_seq_len)
     try:
         inp = job_request(
@@ -404,6 +406,7 @@ def estimate_request(
             placement=body.placement.model_dump(exclude_none=True),
             priority=body.priority_value,
             total_tokens=total,
+            method_type=body.method_type,
         )
         return estimate(pools, capacity_snapshot(session, pools), inp)
     except EstimateError as exc:
@@ -458,5 +461,6 @@ def estimate_job(
         placement=dict(job.placement or {}),
         priority=int(job.priority or 0),
         total_tokens=planned_tokens(hp, job.max_seq_len),
+        method_type=(job.method or {}).get("type", "supervised"),
     )
     return estimate(pools, capacity_snapshot(session, pools), inp)

@@ -28,6 +28,16 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
                               recomputed), plus the logits and their fp32 loss copy
   + framework overhead        CUDA/ROCm context, allocator slack, runtime
 
+A DPO job (``objective="dpo"``) runs its preferred and its rejected answer in the same
+micro batch, so its policy forward saves activations and logits for twice the tokens;
+its reference forward (the same base with the adapter off, under no_grad) saves nothing
+for backward, but while it runs one layer's intermediates and its logits with their fp32
+log-softmax are live. Counted on top of the policy's saved tensors (TRL computes the
+reference after the policy forward, whose activations are then still held), so the
+estimate holds whichever order a trainer uses. Its FLOPs per planned token (``steps x
+batch x seq_len``, a pair's length counted once) are two sequences' training passes plus
+their reference forward.
+
 Constants below are calibrated against published peaks (see tests/worker/
 test_estimator_anchors.py) and, for the CPU-only terms (fp32 activations, the host heap's
 retention, the CPU framework footprint), against measured peaks of our torch trainer on
@@ -47,6 +57,7 @@ from scheduling.pools import GIB, NodePool
 from trainers.spec import DEFAULT_TARGET_MODULES
 
 Method = Literal["lora", "qlora"]
+Objective = Literal["supervised", "dpo"]
 Quantization = Literal["none", "nf4", "hqq4"]
 
 # Fraction of a GPU's memory the estimate may use. Against published peaks the estimate
@@ -108,6 +119,17 @@ class TrainingShape:
     adapter_bytes: int = _FP32
     compute_bytes: int = _BF16
     """Bytes per element of unquantized weights and activations (4 for the fp32 CPU runs)."""
+    objective: Objective = "supervised"
+    """``dpo``: two sequences per example and a reference forward (module docstring)."""
+
+    @property
+    def sequences_per_example(self) -> int:
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one forward holds: sequence length x micro batch x sequences per example."""
+        return self.seq_len * self.micro_batch * self.sequences_per_example
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quantization == "none":
@@ -184,13 +206,13 @@ def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
     saved: see :func:`_fp32_activation_bytes_per_token`.
     """
     if t.compute_bytes == _FP32:
-        return _fp32_activation_bytes_per_token(m, t) * t.seq_len * t.micro_batch
+        return _fp32_activation_bytes_per_token(m, t) * t.tokens_per_micro_batch
     h, f, b = m.hidden, m.intermediate, t.compute_bytes
     q = m.heads * m.hd
     per_token = b * (3 * h + q + 2 * q + q + q) + _FP32 * m.heads  # norm + attention block
     per_token += b * (3 * h + 4 * f)  # norm + MLP block
     per_token += b * t.r * len(t.target_modules)  # LoRA A outputs
-    return per_token * t.seq_len * t.micro_batch
+    return per_token * t.tokens_per_micro_batch
 
 
 def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
@@ -242,7 +264,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     grads = int(lora_b / n_gpus)
     optim = 0 if offload else int(2 * lora * _FP32 / n_gpus)
     per_layer = activation_bytes_per_layer(m, t)
-    tokens = t.seq_len * t.micro_batch
+    tokens = t.tokens_per_micro_batch
     if t.checkpointing:
         # each layer's input is saved; one layer at a time is recomputed (its full set
         # of saved tensors plus its gradient buffers).
@@ -251,6 +273,11 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         acts = m.layers * per_layer + per_layer
     # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient.
     logits = tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
+    if t.objective == "dpo":
+        # The reference forward: one layer's intermediates and its logits with their fp32
+        # log-softmax live at once, nothing kept for backward.
+        acts += per_layer
+        logits += tokens * m.vocab * (t.compute_bytes + _FP32)
     live = weights + gathered + dequantized_live + lora_p + grads + optim + acts + logits
     buffers = FSDP_BUFFERS if n_gpus > 1 else 0
     kind = "cpu" if accelerator == "cpu" else "gpu"
@@ -278,7 +305,12 @@ def flops_per_token(m: ModelShape, t: TrainingShape) -> float:
     passes = 3 if t.checkpointing else 2
     attention = 2 * 2 * m.layers * t.seq_len * m.heads * m.hd  # QK^T and AV per token
     lora = 6 * lora_params(m, t)
-    return passes * 2 * p + (passes + 1) * attention + lora
+    per_token = passes * 2 * p + (passes + 1) * attention + lora
+    if t.objective == "dpo":
+        # per planned token: two sequences, each also run once more through the reference
+        # (a forward of the base: 2P, its attention, and the LoRA-free path).
+        per_token = 2 * (per_token + 2 * p + attention)
+    return per_token
 
 
 @dataclass(frozen=True)

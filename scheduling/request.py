@@ -43,8 +43,9 @@ class JobRequest:
 
 
 def training_shape(adapter: Mapping[str, Any], hyperparameters: Mapping[str, Any],
-                   max_seq_len: int) -> TrainingShape:
-    """The job settings that decide memory: adapter, sequence length and micro batch.
+                   max_seq_len: int, method_type: str = "supervised") -> TrainingShape:
+    """The job settings that decide memory: adapter, sequence length, micro batch and
+    objective (``method_type``: the job's ``method.type``, ``supervised`` or ``dpo``).
 
     ``micro_batch_size`` counts when it is an int (resolved, or given by the user); a
     job whose "auto" hyperparameters are not resolved yet is estimated at micro batch 1.
@@ -61,6 +62,7 @@ def training_shape(adapter: Mapping[str, Any], hyperparameters: Mapping[str, Any
         target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGET_MODULES),
         seq_len=int(max_seq_len),
         micro_batch=micro if isinstance(micro, int) else 1,
+        objective="dpo" if method_type == "dpo" else "supervised",
     )
 
 
@@ -86,6 +88,7 @@ def request_from_job(
     created_at: float = 0.0,
     total_tokens: int | None = None,
     checkpoint_trainer: str | None = None,
+    method_type: str = "supervised",
 ) -> JobRequest:
     """The ``JobRequest`` of a job (or of a would-be job, for an estimate).
 
@@ -104,6 +107,7 @@ def request_from_job(
         total_tokens: tokens the job processes; None: from the hyperparameters.
         checkpoint_trainer: the family that wrote the checkpoint a resumed job restarts
             from; a checkpoint only resumes in its own family, so it wins over ``trainer``.
+        method_type: the job's ``method.type`` (a DPO job holds more per micro batch).
     """
     family = trainer if trainer in ("jax_lora", "fsdp_qlora") else "auto"
     if checkpoint_trainer:
@@ -112,7 +116,7 @@ def request_from_job(
         job_id=job_id,
         tenant=tenant,
         model=model,
-        training=training_shape(adapter, hyperparameters, max_seq_len),
+        training=training_shape(adapter, hyperparameters, max_seq_len, method_type),
         priority=priority,
         created_at=created_at,
         total_tokens=total_tokens if total_tokens is not None else planned_tokens(hyperparameters, max_seq_len),

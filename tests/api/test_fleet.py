@@ -493,3 +493,22 @@ def test_usage_sums_a_jobs_segments_per_pool(
     assert (
         client.get("/v1/usage", params={"tenant": "org-nobody"}, headers=admin).status_code == 404
     )
+
+
+def test_a_dpo_estimate_counts_its_pairs_and_reference_forward(client, tenant_key) -> None:
+    a = tenant_key()
+    body = {"model": "llama-8b", "adapter": {"method": "qlora"}, "n_examples": 1000}
+    sft = _row(_estimate(client, a.headers, **body), "rtx4090")
+    dpo_result = _estimate(client, a.headers, **body, method={"type": "dpo"})
+    dpo = _row(dpo_result, "rtx4090")
+    # The same resolved run (batch 2, 1500 steps), trained as DPO: the estimator's DPO shape.
+    training = TrainingShape(method="qlora", quantization="nf4", seq_len=2048, micro_batch=2, objective="dpo")
+    ref = estimate_on_pool(ModelShape.from_hf_config(LLAMA_8B_CONFIG), training, POOLS["rtx4090"],
+                           trainer="fsdp_qlora", total_tokens=1500 * 2 * 2048)
+    assert dpo_result["total_tokens"] == 1500 * 2 * 2048
+    assert dpo["memory_per_gpu_bytes"] == ref.bytes_per_gpu > sft["memory_per_gpu_bytes"]
+    # Four 2048-token sequences of a 128k vocabulary per micro batch (and the reference's
+    # logits) do not fit the 4090s the SFT job fits on one of: the MI300X pool takes it.
+    assert sft["fits"] and sft["gpus"] == 1
+    assert not dpo["fits"] and not ref.fits and dpo["reasons"] == list(ref.reasons)
+    assert dpo_result["chosen"]["pool"] == "mi300x"

@@ -280,3 +280,23 @@ def test_the_adapter_decides_whether_a_jax_pool_takes_a_qlora_job(settings, clie
     assert waiting["status"] == "queued"
     assert waiting["queue_reason"].startswith(
         "local: runs jax_lora, job needs fsdp_qlora (nf4 base with double_quant)")
+
+
+def test_a_queued_dpo_job_is_placed_with_its_dpo_shape_and_spec(settings, client, tenant_key, make_job):  # noqa: F811
+    """The store reads the job's method: a DPO job's request counts two sequences per
+    example, and the spec it launches with trains DPO on its preference file."""
+    from tests.preference_data import sum_preference_lines
+
+    _tiny_config(settings)
+    a = tenant_key()
+    file_id = client.post("/v1/files", headers=a.headers, data={"purpose": "fine-tune"},
+                          files={"file": ("p.jsonl", sum_preference_lines(12), "application/jsonl")}).json()["id"]
+    dpo = make_job(a.headers, training_file=file_id, method={"type": "dpo"})["id"]
+    sft = make_job(a.headers)["id"]
+    pool = local_pool(slots=2)
+    store, ex = DbStore(settings, [pool]), RecordingExecutor([pool])
+    shapes = {r.job_id: r.training for r in store.queued()}
+    assert (shapes[dpo].objective, shapes[sft].objective) == ("dpo", "supervised")
+    run_cycle(store, ex)
+    spec = dict(ex.launches)[dpo]
+    assert (spec["method"]["type"], spec["method"]["beta"], spec["data"]["format"]) == ("dpo", 0.1, "preference")

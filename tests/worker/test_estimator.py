@@ -86,20 +86,21 @@ def test_lora_param_count_matches_peft():
     assert lora_params(shape, TrainingShape(r=4, target_modules=ALL)) == trainable
 
 
-@pytest.mark.parametrize("kv_heads, targets", [(2, ("q_proj", "k_proj", "v_proj", "o_proj")), (4, ALL)])
-def test_fp32_saved_activations_match_transformers_and_peft(kv_heads, targets):
-    """Bytes one decoder layer saves for backward in fp32, against autograd's own count:
-    every distinct storage saved while layer 1 runs, less parameters and RoPE's cos/sin
-    (allocated once per forward and shared by all layers)."""
+def _tiny_peft_llama(kv_heads: int, targets: tuple[str, ...]):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    batch, seq = 2, 48
     cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
                       intermediate_size=160, vocab_size=256, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=list(targets)))
     model.train()
+    return model, ModelShape.from_hf_config(cfg.to_dict())
+
+
+def _bytes_layer_1_saves(model, ids) -> int:
+    """Every distinct storage autograd saves while decoder layer 1 runs on ``ids``, less
+    parameters and RoPE's cos/sin (allocated once per forward and shared by all layers)."""
     layer = model.base_model.model.model.layers[1]
     excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -114,14 +115,38 @@ def test_fp32_saved_activations_match_transformers_and_peft(kv_heads, targets):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    layer.register_forward_pre_hook(note_inputs, with_kwargs=True)
-    layer.register_forward_hook(lambda *_: inside.clear())
-    ids = torch.randint(0, 256, (batch, seq))
+    hooks = [layer.register_forward_pre_hook(note_inputs, with_kwargs=True),
+             layer.register_forward_hook(lambda *_: inside.clear())]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    shape = ModelShape.from_hf_config(cfg.to_dict())
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("kv_heads, targets", [(2, ("q_proj", "k_proj", "v_proj", "o_proj")), (4, ALL)])
+def test_fp32_saved_activations_match_transformers_and_peft(kv_heads, targets):
+    """Bytes one decoder layer saves for backward in fp32, against autograd's own count."""
+    batch, seq = 2, 48
+    model, shape = _tiny_peft_llama(kv_heads, targets)
+    ids = torch.randint(0, 256, (batch, seq))
     training = TrainingShape(r=4, target_modules=targets, seq_len=seq, micro_batch=batch, compute_bytes=4)
-    assert activation_bytes_per_layer(shape, training) == sum(saved.values())
+    assert activation_bytes_per_layer(shape, training) == _bytes_layer_1_saves(model, ids)
+
+
+def test_dpo_saves_two_sequences_per_example_and_nothing_for_the_reference():
+    """A DPO micro batch of ``batch`` pairs runs chosen and rejected as one batch of
+    2 x ``batch`` sequences: what autograd saves is the estimator's DPO figure; the
+    reference forward (peft's adapter disabled, no grad) saves nothing for backward."""
+    batch, seq = 2, 32
+    model, shape = _tiny_peft_llama(2, ALL)
+    chosen, rejected = torch.randint(0, 256, (batch, seq)), torch.randint(0, 256, (batch, seq))
+    pairs = torch.cat([chosen, rejected])
+    dpo = TrainingShape(r=4, target_modules=ALL, seq_len=seq, micro_batch=batch, compute_bytes=4, objective="dpo")
+    assert activation_bytes_per_layer(shape, dpo) == _bytes_layer_1_saves(model, pairs)
+    assert activation_bytes_per_layer(shape, dpo) == 2 * activation_bytes_per_layer(shape, replace(dpo, objective="supervised"))
+    with torch.no_grad(), model.disable_adapter():
+        assert _bytes_layer_1_saves(model, pairs) == 0
 
 
 def test_bad_inputs_have_codes():
@@ -216,3 +241,41 @@ def test_jax_lora_on_nf4_holds_one_dequantized_layer():
     assert torch_.slack == CPU_HEAP_RETAINED_LAYERS * (activations + 2 * layer)
     assert jax.slack == CPU_HEAP_RETAINED_LAYERS * activations
     assert jax.total - torch_.total == 2 * layer + JAX_CPU_RUNTIME_EXTRA - CPU_HEAP_RETAINED_LAYERS * 2 * layer
+
+
+# (job, pool, GPUs for SFT, GPUs for DPO) -- the same job as SFT and as DPO. DPO's micro
+# batch holds the preferred and the rejected answer (twice the saved activations and
+# logits) plus the reference forward's transients (one layer's intermediates, logits and
+# their fp32 log-softmax); weights, adapter and optimizer state are the same. Where
+# activations dominate, DPO needs more GPUs.
+SFT_VS_DPO = [
+    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, 1),
+    ("8b lora 1k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024, cpu_offload="never"), rtx4090(), 1, 2),
+    ("8b lora 2k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=2048, cpu_offload="never"), rtx4090(), 2, 4),
+    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, 2),
+    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, 8),
+]
+
+
+@pytest.mark.parametrize("name, model, training, pool, sft_gpus, dpo_gpus", SFT_VS_DPO, ids=[t[0] for t in SFT_VS_DPO])
+def test_dpo_needs_what_its_extra_activations_take(name, model, training, pool, sft_gpus, dpo_gpus):
+    dpo_training = replace(training, objective="dpo")
+    sft = estimate_on_pool(model, training, pool, total_tokens=1_000_000)
+    dpo = estimate_on_pool(model, dpo_training, pool, total_tokens=1_000_000)
+    assert (sft.gpus, dpo.gpus) == (sft_gpus, dpo_gpus) and sft.fits and dpo.fits
+    assert dpo.bytes_per_gpu <= HEADROOM * pool.gpu_memory_bytes
+    # On the same GPU count: everything but activations and logits is unchanged.
+    a = memory_per_gpu(model, training, dpo_gpus, accelerator=pool.accelerator)
+    b = memory_per_gpu(model, dpo_training, dpo_gpus, accelerator=pool.accelerator)
+    for part in ("weights", "gathered_layer", "lora_params", "lora_grads", "optimizer", "framework"):
+        assert getattr(a, part) == getattr(b, part), part
+    doubled = memory_per_gpu(model, replace(training, micro_batch=2 * training.micro_batch), dpo_gpus,
+                             accelerator=pool.accelerator)
+    per_layer = activation_bytes_per_layer(model, dpo_training)
+    assert b.activations == doubled.activations + per_layer
+    tokens = 2 * training.seq_len * training.micro_batch
+    assert b.logits == doubled.logits + tokens * model.vocab * (training.compute_bytes + 4)
+    # Speed: each planned token is two sequences, each trained and run once more through
+    # the reference (2 x (3 + 1) passes against 3 with checkpointing, less attention/LoRA).
+    if sft.gpus == dpo.gpus:
+        assert 2.5 < dpo.eta_s / sft.eta_s < 2 * 4 / 3

@@ -54,7 +54,7 @@ ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a sec
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
 # What a queued job's placement needs (the JobRequest), and its current reason/position.
-_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.hyperparameters, Job.placement,
+_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.method, Job.hyperparameters, Job.placement,
                   Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
                   Job.exited_attempt)
@@ -143,6 +143,7 @@ class DbStore:
             priority=int(job.priority or 0),
             created_at=job.created_at.timestamp() if job.created_at else 0.0,
             checkpoint_trainer=(job.usage or {}).get("trainer") if job.resume_from else None,
+            method_type=(job.method or {}).get("type", "supervised"),
         )
 
     def running_jobs(self) -> list[RunningRow]:
