@@ -31,7 +31,24 @@
       series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v), yTick: (v) => fmt.bytes(v, 1),
       empty: "No memory readings reported yet.",
     }),
+    // DPO runs only: their cards show once the job is DPO or a reward metric arrives.
+    rewardAccuracy: tf.lineChart(document.getElementById("chart-reward-accuracy"), {
+      series: [{ label: "train", color: "#4f46e5" }, { label: "valid", color: "#f79009" }],
+      yFmt: (v) => `${(100 * Number(v)).toFixed(1)}%`,
+    }),
+    rewards: tf.lineChart(document.getElementById("chart-rewards"), {
+      series: [{ label: "chosen", color: "#12b76a" }, { label: "rejected", color: "#f04438" },
+        { label: "margin", color: "#4f46e5" }, { label: "valid margin", color: "#f79009" }],
+      yFmt: (v) => Number(v).toFixed(3),
+    }),
   };
+
+  const REWARD_KEYS = ["rewards/accuracy", "rewards/chosen", "rewards/rejected", "rewards/margin",
+    "valid_rewards/accuracy", "valid_rewards/margin"];
+
+  function showRewardCharts() {
+    for (const id of ["card-reward-accuracy", "card-rewards"]) document.getElementById(id).classList.remove("hidden");
+  }
 
   // ---- metrics ------------------------------------------------------------------------
 
@@ -45,6 +62,13 @@
     charts.lr.setData(rows.filter((m) => has(m.learning_rate)).map((m) => [m.step, [m.learning_rate]]));
     charts.tps.setData(rows.filter((m) => has(m.tokens_per_s)).map((m) => [m.step, [m.tokens_per_s]]));
     charts.mem.setData(rows.filter((m) => has(m.memory_bytes)).map((m) => [m.step, [m.memory_bytes]]));
+    const rewarded = rows.filter((m) => REWARD_KEYS.some((k) => has(m[k])));
+    if (rewarded.length) {
+      showRewardCharts();
+      charts.rewardAccuracy.setData(rewarded.map((m) => [m.step, [m["rewards/accuracy"], m["valid_rewards/accuracy"]]]));
+      charts.rewards.setData(rewarded.map((m) => [m.step,
+        [m["rewards/chosen"], m["rewards/rejected"], m["rewards/margin"], m["valid_rewards/margin"]]]));
+    }
     for (const m of rows) {
       if (!lastMetric || m.step >= lastMetric.step) lastMetric = { ...(lastMetric || {}), ...m };
     }
@@ -81,7 +105,8 @@
     const status = document.getElementById("job-status");
     status.replaceChildren(pill(job.status));
     status.dataset.status = job.status;
-    const name = job.suffix ? `${job.suffix} · ` : "";
+    const name = job.user_provided_suffix ? `${job.user_provided_suffix} · ` : "";
+    if (job.method?.type === "dpo") showRewardCharts();
     document.getElementById("job-subtitle").textContent =
       `${name}${job.model} · created ${fmt.time(job.created_at)}`;
 
@@ -151,6 +176,7 @@
     const rows = [
       ["Model", el("span", job.model)],
       ["Method", ad.method ? `${ad.method.toUpperCase()}${ad.quantization && ad.quantization !== "none" ? ` (${ad.quantization})` : ""} · r ${ad.r ?? "—"} · α ${ad.alpha ?? "—"}` : "—"],
+      ["Objective", job.method?.type === "dpo" ? `DPO · β ${hp.beta ?? "auto"}` : "Supervised"],
       ["Trainer", job.estimate?.chosen?.trainer || job.trainer || "—"],
       ["Pool", job.pool ? el("span.tag", job.pool) : el("span.muted", "not placed yet")],
       ["GPUs", job.gpus ?? "—"],
