@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import io
-import threading
 
 import openai
 import pytest
@@ -148,25 +147,6 @@ def test_expired_files_are_deleted_once_no_unfinished_job_uses_them(
     assert in_use.id in expiry_task()
     assert not store.exists(in_use_key)
     assert oai.files.retrieve(later.id).id == later.id
-
-
-def test_the_scheduler_loop_sends_the_expiry_sweep(settings, monkeypatch) -> None:
-    import api.queue
-    from worker.scheduler.loop import run_forever
-
-    sent: list[str] = []
-
-    class Recording:
-        def __init__(self, _settings) -> None:
-            pass
-
-        def send(self, name: str, *args, **kwargs) -> bool:
-            sent.append(name)
-            return True
-
-    monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
-    run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}), stop=threading.Event(), max_cycles=1)
-    assert "tunefleet.delete_expired_files" in sent
 
 
 # ---- deleting a fine-tuned model --------------------------------------------------------
