@@ -103,5 +103,5 @@ def test_the_scheduler_loop_sends_the_sweep(settings, monkeypatch) -> None:
     monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
     run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}),
                 stop=threading.Event(), max_cycles=1)
-    # ... and the sweep that deletes files past their expires_after.
+    # The validation-deadline sweep, and the one that deletes files past their expires_after.
     assert {"tunefleet.sweep_stale_validations", "tunefleet.delete_expired_files"} <= set(sent)
