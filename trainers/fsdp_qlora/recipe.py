@@ -19,7 +19,10 @@ Per optimizer step: read ``batch_size / micro_batch_size`` micro-batches at the 
 cursor (each rank keeps its share), back-propagate each with ``sum(token losses) /
 label tokens of the whole step`` (so the update depends neither on how the step is
 split into micro-batches nor on the world size), clip, AdamW-update the LoRA
-parameters with the shared schedule's learning rate. A resumed run reproduces the
+parameters with the shared schedule's learning rate. A DPO job (``method.type`` dpo)
+reads preference pairs instead and back-propagates the DPO objective, normalized the
+same way over the step's pairs; its reference policy is this model with the adapter
+switched off (``train_step.preference_backward``). A resumed run reproduces the
 uninterrupted one: the checkpoint holds the adapter, the AdamW state, the data cursor
 and the RNG states.
 
@@ -71,6 +74,7 @@ from trainers.common.outputs import (
     write_training_config,
 )
 from trainers.common.peft_export import write_peft_adapter
+from trainers.common.preference import load_preference_data
 from trainers.common.schedules import learning_rate_at
 from trainers.errors import Preempted, UserError
 from trainers.fsdp_qlora.checkpoint import (
@@ -89,7 +93,15 @@ from trainers.fsdp_qlora.distributed import (
     init_distributed,
 )
 from trainers.fsdp_qlora.loading import build_model, options_from_spec
-from trainers.fsdp_qlora.train_step import build_optimizer, evaluate, rank_share, train_step
+from trainers.fsdp_qlora.train_step import (
+    PreferenceObjective,
+    build_optimizer,
+    dpo_train_step,
+    evaluate,
+    evaluate_preference,
+    rank_share,
+    train_step,
+)
 
 
 @dataclass
@@ -134,7 +146,10 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
 
         # -- data (every rank reads the same global order; each keeps its share) ----------
         tokenizer = load_tokenizer(spec.model.path)
-        data = load_job_data(spec, tokenizer)
+        # DPO reads preference pairs: a micro-batch is micro_batch_size pairs, chosen then
+        # rejected rows (trainers.common.preference); the rest of the loop is the same.
+        dpo = PreferenceObjective(spec.method.beta, spec.method.sft_weight) if spec.method.type == "dpo" else None
+        data = load_preference_data(spec, tokenizer) if dpo else load_job_data(spec, tokenizer)
         total_steps = total_optimizer_steps(spec, data.train)
         micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
 
@@ -201,8 +216,12 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=total_steps,
                                   warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
             with autocast:
-                stats = train_step(model, optimizer, rank_share(micro, ctx), ctx, step=step, seed=spec.seed,
-                                   learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+                if dpo:
+                    stats = dpo_train_step(model, optimizer, rank_share(micro, ctx), ctx, dpo, step=step,
+                                           seed=spec.seed, learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+                else:
+                    stats = train_step(model, optimizer, rank_share(micro, ctx), ctx, step=step, seed=spec.seed,
+                                       learning_rate=lr, max_grad_norm=hp.max_grad_norm)
             check_finite(step + 1, stats.loss, stats.grad_norm)
             step += 1
             cursor = micro[-1].cursor_after
@@ -212,11 +231,12 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             evaluated = None
             if should_evaluate(step, total_steps=total_steps, every_n_steps=spec.eval.every_n_steps,
                                has_validation=data.validation is not None):
-                evaluated = evaluate(model, data.validation, ctx, spec.eval.max_batches)
+                evaluated = (evaluate_preference(model, data.validation, ctx, spec.eval.max_batches, dpo) if dpo
+                             else evaluate(model, data.validation, ctx, spec.eval.max_batches))
             row = metric_row(
                 step=step, total_steps=total_steps, cursor_after=cursor, train_loss=stats.loss, learning_rate=lr,
                 grad_norm=stats.grad_norm, step_tokens=stats.tokens, elapsed_s=elapsed, tokens_seen=tokens_seen,
-                memory_bytes=_memory_bytes(ctx), evaluation=evaluated,
+                memory_bytes=_memory_bytes(ctx), evaluation=evaluated, rewards=stats.rewards,
             )
             last = checkpoint_metrics(row, last)
             if ctx.is_main:
