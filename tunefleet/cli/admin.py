@@ -2,7 +2,8 @@
 
 ``db upgrade`` applies the Alembic migrations; ``admin`` creates tenants and API keys
 directly in the database the service's settings (``TUNEFLEET_*``) point at, so the first
-key can be made before any key exists. Like the client commands they take ``--json``: one
+key can be made before any key exists; ``admin manifests`` prints the Kubernetes objects
+a job body would get on a pool (``tunefleet.cli.manifests``), creating nothing. Like the client commands they take ``--json``: one
 JSON document on stdout (the object the ``/v1/admin`` routes answer), errors as JSON on
 stderr. The service's modules are imported inside each command, so the client commands
 work where only the SDK is installed.
@@ -10,15 +11,16 @@ work where only the SDK is installed.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tunefleet.cli.options import EXIT_API_ERROR, JsonOpt, load_settings
+from tunefleet.cli.options import EXIT_API_ERROR, EXIT_INVALID_CONFIGURATION, JsonOpt, load_settings
 from tunefleet.cli.render import print_json, report_error
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
-admin_app = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+admin_app = typer.Typer(help="Tenants, API keys, and what the executor would create.", no_args_is_help=True)
 
 
 @db_app.command("upgrade")
@@ -101,3 +103,37 @@ def list_tenants(json_out: JsonOpt = False) -> None:
         return
     for t in tenants:
         typer.echo(f"{t['id']}\t{t['name']}\t{'admin' if t['is_admin'] else ''}")
+
+
+@admin_app.command("manifests")
+def manifests(
+    pool: Annotated[str, typer.Option("--pool", help="The node pool to place the job on.")],
+    body: Annotated[Path, typer.Option("--body", exists=True, dir_okay=False,
+                                       help="A POST /v1/fine_tuning/jobs body (JSON).")],
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant id for labels and quotas.")] = "org-preview",
+    json_out: JsonOpt = False,
+) -> None:
+    """Print the Kubernetes objects (YAML) the executor would create for a job body on a
+    pool, exactly as rendered at admission; nothing is created."""
+    import json
+
+    import yaml
+
+    from tunefleet.cli.manifests import PreviewError, preview_manifests
+
+    settings = load_settings(json_out)
+    try:
+        data = json.loads(body.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        report_error({"message": f"{body}: not valid JSON: {exc}", "code": "invalid_json", "param": "body"},
+                     json_out)
+        raise typer.Exit(EXIT_INVALID_CONFIGURATION) from exc
+    try:
+        objects = preview_manifests(settings, data, pool, tenant=tenant).all()
+    except PreviewError as exc:
+        report_error({"message": exc.message, "code": exc.code, "param": exc.param}, json_out)
+        raise typer.Exit(EXIT_INVALID_CONFIGURATION) from exc
+    if json_out:
+        print_json({"object": "list", "data": objects, "has_more": False})
+    else:
+        typer.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)

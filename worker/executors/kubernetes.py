@@ -65,7 +65,7 @@ from scheduling.capacity import CapacitySnapshot, NodeCapacity, RunningJob
 from scheduling.pools import NodePool
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, RunningRow, StopReason
-from worker.executors.manifests import TERMINATION_LOG, ManifestOptions, owner_reference, render_all
+from worker.executors.manifests import ManifestOptions, launch_manifests, owner_reference
 from worker.executors.pod_outcomes import TrackedRun, job_condition, observe
 
 log = logging.getLogger(__name__)
@@ -208,25 +208,10 @@ class KubernetesExecutor:
             log.info("job %s already has Kubernetes Job %s: launch is a no-op", job.id, live[0].metadata.name)
             return
         attempt = 1 + max((int((j.metadata.labels or {}).get(LABEL_ATTEMPT, "0")) for j in existing), default=0)
-        # The database's run attempt rides on every object too: each change observed on
-        # this launch names it, so an old launch's exit never moves a newer run.
-        run = getattr(job, "attempt", None)
-        token = spec.report.token or ""
-        spec_json = spec.model_dump(mode="json")
-        spec_json["report"]["token"] = None  # the token travels in the Secret only
-        spec_json["termination_log"] = TERMINATION_LOG
-        m = render_all(job_id=job.id, tenant=tenant, pool=pool, trainer=placement.trainer or pool.preferred_trainer(),
-                       nodes=nodes, gpus_per_node=gpus_per_node, spec_json=spec_json, token=token,
-                       opts=self.options, attempt=attempt, command=self.command, extra_env=self.extra_env)
-        for doc in m.all():
-            doc["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
-            doc["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
-            if run is not None:
-                doc["metadata"]["labels"][LABEL_RUN] = str(run)
-        m.job["spec"]["template"]["metadata"]["labels"][LABEL_PRIORITY] = str(priority)
-        m.job["spec"]["template"]["metadata"]["labels"][LABEL_ATTEMPT] = str(attempt)
-        if run is not None:
-            m.job["spec"]["template"]["metadata"]["labels"][LABEL_RUN] = str(run)
+        m = launch_manifests(spec, tenant=tenant, priority=priority, pool=pool,
+                             trainer=placement.trainer or pool.preferred_trainer(), nodes=nodes,
+                             gpus_per_node=gpus_per_node, opts=self.options, attempt=attempt,
+                             run=getattr(job, "attempt", None), command=self.command, extra_env=self.extra_env)
         created = self.batch.create_namespaced_job(self.ns, client.V1Job.from_dict(m.job), _headers=JSON)
         owner = owner_reference({"metadata": {"name": created.metadata.name, "uid": created.metadata.uid}})
         for doc, create, model in (
@@ -244,7 +229,7 @@ class KubernetesExecutor:
                     raise
         with self._lock:
             self.tracked[job.id] = TrackedRun(job.id, pool.name, tenant, priority, tuple(placement.nodes), self.clock(),
-                                            attempt=attempt, run=run)
+                                            attempt=attempt, run=getattr(job, "attempt", None))
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
         with self._lock:

@@ -22,18 +22,24 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kube.labels import (
     COMPLETION_INDEX_ANNOTATION,
+    LABEL_ATTEMPT,
     LABEL_JOB,
     LABEL_MANAGED,
     LABEL_NAME,
     LABEL_POOL,
+    LABEL_PRIORITY,
+    LABEL_RUN,
     LABEL_TENANT,
 )
 from scheduling.pools import GIB, NodePool
 from trainers.exit_codes import ExitCode
+
+if TYPE_CHECKING:
+    from trainers.spec import TrainerSpec
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
@@ -325,3 +331,27 @@ def render_all(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
                        gpus_per_node=gpus_per_node, opts=opts, command=command, extra_env=extra_env,
                        attempt=attempt),
     )
+
+
+def launch_manifests(spec: TrainerSpec, *, tenant: str, priority: int, pool: NodePool, trainer: str, nodes: int,
+                     gpus_per_node: int, opts: ManifestOptions, attempt: int, run: int | None,
+                     command: list[str] | None = None, extra_env: dict[str, str] | None = None) -> JobManifests:
+    """Every object of one launch of a job, exactly as the executor creates them.
+
+    The spec's report token moves to the Secret; the spec names the pod's termination
+    log; every object and pod carries the job's priority, the launch number (``attempt``)
+    and the database's run attempt (``run``; None: unknown), so that each change observed
+    on this launch names its run and an old launch's exit never moves a newer run.
+    """
+    spec_json = spec.model_dump(mode="json")
+    spec_json["report"]["token"] = None
+    spec_json["termination_log"] = TERMINATION_LOG
+    m = render_all(job_id=spec.job_id, tenant=tenant, pool=pool, trainer=trainer, nodes=nodes,
+                   gpus_per_node=gpus_per_node, spec_json=spec_json, token=spec.report.token or "", opts=opts,
+                   command=command, extra_env=extra_env, attempt=attempt)
+    launch = {LABEL_PRIORITY: str(priority), LABEL_ATTEMPT: str(attempt)}
+    if run is not None:
+        launch[LABEL_RUN] = str(run)
+    for labelled in (*m.all(), m.job["spec"]["template"]):
+        labelled["metadata"]["labels"].update(launch)
+    return m

@@ -1,0 +1,111 @@
+"""`tunefleet admin manifests`: the Kubernetes objects a job body would get on a pool.
+
+Nothing is created, in the database or the cluster. The body is validated as
+``POST /v1/fine_tuning/jobs`` validates it, its hyperparameters resolved against its
+(validated) training file as on queueing, placed on the named pool as the scheduler
+would place it on an idle pool, turned into the trainer spec by the scheduler's own spec
+builder, and rendered by the executor's own ``launch_manifests`` with the options the
+scheduler builds from the same settings. Only the report token (minted at admission) is
+a placeholder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from api.settings import Settings
+    from worker.executors.manifests import JobManifests
+
+PREVIEW_JOB_ID = "ftjob-preview"
+TOKEN_PLACEHOLDER = "<the job's report token, minted at admission>"
+
+
+@dataclasses.dataclass
+class PreviewError(Exception):
+    """The body cannot run on the pool; ``code`` is stable, ``param`` says where."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, *,
+                      tenant: str = "org-preview") -> JobManifests:
+    """The objects the Kubernetes executor would create for ``body`` admitted on ``pool_name``.
+
+    Raises:
+        PreviewError: an invalid body, an unknown pool or file, or a job the pool cannot hold.
+    """
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from api.base_models import load_base_models
+    from api.db.models import File, Job
+    from api.db.session import session_scope
+    from api.errors import APIError, validation_error
+    from api.fleet import job_request
+    from api.hyperparameters import resolve_hyperparameters
+    from api.jobs import base_model_and_seq_len
+    from api.schemas.jobs import JobCreate
+    from scheduling.capacity import CapacitySnapshot
+    from scheduling.placement import place_job
+    from scheduling.pools import load_pools
+    from scheduling.request import planned_tokens
+    from worker.executors.manifests import launch_manifests
+    from worker.scheduler.loop import manifest_options, trainer_env
+    from worker.spec_builder import SpecError, build_spec
+
+    pools = {p.name: p for p in load_pools(settings.node_pools_file)}
+    if pool_name not in pools:
+        raise PreviewError("invalid_pool", f"Unknown node pool '{pool_name}'. Available: {', '.join(pools)}.",
+                           "pool")
+    pool = pools[pool_name]
+    try:
+        job_body = JobCreate.model_validate(body)
+        entry, max_seq_len = base_model_and_seq_len(job_body, load_base_models(settings))
+    except ValidationError as exc:  # worded as the API words it
+        error = validation_error(RequestValidationError(exc.errors()))
+        raise PreviewError(error.code, error.message, error.param) from exc
+    except APIError as exc:
+        raise PreviewError(exc.code, exc.message, exc.param) from exc
+    with session_scope(settings.resolved_database_url) as session:
+        train = session.get(File, job_body.training_file)
+        if train is None or train.deleted_at is not None or train.status != "processed":
+            state = "does not exist" if train is None or train.deleted_at else f"is {train.status}"
+            raise PreviewError("invalid_file", f"training file '{job_body.training_file}' {state}; the "
+                               "preview needs a validated file (its format and example count).", "training_file")
+        method = job_body.method_type
+        hp = resolve_hyperparameters(job_body.requested_hyperparameters().model_dump(exclude_none=True),
+                                     int((train.validation or {}).get("n_examples") or 0), method=method)
+        placement_pin = {**job_body.placement.model_dump(exclude_none=True), "pool": pool.name}
+        inp = job_request(job_id=PREVIEW_JOB_ID, tenant_id=tenant, entry=entry, adapter=job_body.adapter.model_dump(),
+                          hyperparameters=hp, max_seq_len=max_seq_len, trainer=job_body.trainer_name,
+                          placement=placement_pin, priority=job_body.priority_value,
+                          total_tokens=planned_tokens(hp, max_seq_len), method_type=method)
+        # The pool idle, with as many nodes as one job may span.
+        idle = pool.model_copy(update={"nodes": max(pool.nodes, pool.max_nodes_per_job)})
+        placement = place_job(inp.request, CapacitySnapshot.from_pools([idle]))
+        if placement.mode != "fit":
+            raise PreviewError("no_fit", f"the job cannot run on pool {pool.name}: {placement.reason_text()}",
+                               "placement")
+        job = Job(id=PREVIEW_JOB_ID, tenant_id=tenant, model=job_body.model, training_file=train.id,
+                  validation_file=job_body.validation_file, hyperparameters=hp, method={"type": method},
+                  adapter=job_body.adapter.model_dump(), trainer=job_body.trainer_name, priority=job_body.priority_value,
+                  max_seq_len=max_seq_len, packing=job_body.packing, eval=job_body.eval.model_dump(exclude_none=True),
+                  suffix=job_body.suffix, seed=job_body.seed or 0,
+                  integrations=[i.model_dump(exclude_none=True) for i in job_body.integrations or []])
+        try:
+            spec = build_spec(session, job, settings, pool_accelerator=pool.accelerator,
+                              pool_families=(placement.trainer or pool.preferred_trainer(),), gpus=placement.gpus,
+                              token=TOKEN_PLACEHOLDER, in_cluster=True, cpu_offload=placement.offload)
+        except SpecError as exc:
+            raise PreviewError(exc.code, exc.message) from exc
+        session.rollback()  # read only
+    nodes = max(1, len(placement.nodes))
+    return launch_manifests(spec, tenant=tenant, priority=job_body.priority_value, pool=pool,
+                            trainer=placement.trainer or pool.preferred_trainer(), nodes=nodes,
+                            gpus_per_node=placement.gpus // nodes, opts=manifest_options(settings), attempt=1, run=1,
+                            extra_env=trainer_env(settings, os.environ) or None)
