@@ -44,10 +44,13 @@ COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY deploy/docker/constraints/jax.txt /tmp/constraints.txt
-# Versions: held to the tested ones by the constraints file.
+COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
+# Versions: held to the tested ones by the constraints files. The trackers extra: MLflow
+# and W&B, which a job's `integrations` may mirror to.
 # hadolint ignore=DL3013
-RUN pip install --no-compile -c /tmp/constraints.txt ".[jax]" \
- && python -c "import jax, jax_rocm7_plugin; assert jax.__version__ == '0.10.2', jax.__version__"
+RUN pip install --no-compile -c /tmp/constraints.txt -c /tmp/constraints-trackers.txt ".[jax,trackers]" \
+ && python -c "import jax, jax_rocm7_plugin; assert jax.__version__ == '0.10.2', jax.__version__" \
+ && python -c "import mlflow, wandb; print('mlflow', mlflow.__version__, 'wandb', wandb.__version__)"
 
 FROM ${ROCM_IMAGE} AS runtime
 

@@ -45,11 +45,15 @@ COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY deploy/docker/constraints/torch.txt /tmp/constraints.txt
+COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
 # Versions: held to the tested ones by the constraints files (torch: the build installed above).
+# The trackers extra: MLflow and W&B, which a job's `integrations` may mirror to.
 # hadolint ignore=DL3013
 RUN grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
- && pip install --no-compile -c /tmp/constraints-no-torch.txt -c /tmp/torch-constraint.txt ".[torch]" \
- && python -c "import torch, bitsandbytes, hqq, peft, transformers; assert torch.version.cuda, 'torch without CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+ && pip install --no-compile -c /tmp/constraints-no-torch.txt -c /tmp/torch-constraint.txt \
+      -c /tmp/constraints-trackers.txt ".[torch,trackers]" \
+ && python -c "import torch, bitsandbytes, hqq, peft, transformers; assert torch.version.cuda, 'torch without CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+ && python -c "import mlflow, wandb; print('mlflow', mlflow.__version__, 'wandb', wandb.__version__)"
 
 FROM ${PYTHON_IMAGE} AS runtime
 

@@ -1,24 +1,27 @@
 """Regenerate deploy/docker/constraints/<extra>.txt from the tested virtualenv.
 
 Each file pins the whole dependency closure of one extra of the `tunefleet` distribution
-(server, torch, jax) to the versions installed in the venv the test suite runs with, so
+(server, torch, jax, trackers) to the versions installed in the venv the test suite runs with, so
 an image gets exactly what was tested. Run it with that venv's Python after changing
 pyproject.toml and reinstalling:
 
-    .venv/bin/python deploy/docker/update_constraints.py
+    .venv/bin/python deploy/docker/update_constraints.py [EXTRA ...]
+
+(every extra when none is named).
 
 tests/deploy/test_dockerfiles.py fails while a pin no longer satisfies pyproject.toml.
 """
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-EXTRAS = ("server", "torch", "jax")
+EXTRAS = ("server", "torch", "jax", "trackers")
 OUT_DIR = Path(__file__).resolve().parent / "constraints"
 HEADER = """\
 # Versions of the '{extra}' extra's dependency closure that the test suite runs with
@@ -65,8 +68,10 @@ def _installed(name: str) -> bool:
     return True
 
 
-def main() -> None:
-    for extra in EXTRAS:
+def main(extras: list[str]) -> None:
+    for extra in extras or EXTRAS:
+        if extra not in EXTRAS:
+            raise SystemExit(f"unknown extra {extra!r}: one of {', '.join(EXTRAS)}")
         # Local version labels (torch's "+cpu") are dropped: the images install the build
         # for their accelerator at the same version.
         lines = [f"{n}=={metadata.version(n).split('+', 1)[0]}" for n in closure(extra)]
@@ -75,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -216,7 +216,7 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
-@pytest.mark.parametrize("extra", ["server", "torch", "jax"])
+@pytest.mark.parametrize("extra", ["server", "torch", "jax", "trackers"])
 def test_constraints_satisfy_pyproject(extra):
     pins = _pins(CONSTRAINTS / f"{extra}.txt")
     requirements = (
@@ -247,3 +247,41 @@ def test_torch_and_jax_pins_agree_everywhere():
     run = " ".join(" ".join(c.value) for c in _commands("trainer-jax-rocm") if c.cmd == "RUN")
     for package in ("jax-rocm7-pjrt", "jax-rocm7-plugin", "jaxlib", "jax"):
         assert f'"{package}=={jax_pin}"' in run, package
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_trainer_images_install_every_tracker_a_job_may_name(name):
+    """A job's `integrations` mirror to MLflow / W&B from the trainer pod: each tracker
+    type the spec accepts is importable in both trainer images, at the tested versions."""
+    from importlib.metadata import packages_distributions
+    from typing import get_args
+
+    from trainers.spec import IntegrationSpec
+
+    trackers = {
+        canonicalize_name(Requirement(r).name)
+        for r in PYPROJECT["project"]["optional-dependencies"]["trackers"]
+    }
+    providers = packages_distributions()
+    for tracker in get_args(IntegrationSpec.model_fields["type"].annotation):
+        # the module the trainer imports for it (trainers/common/integrations.py)
+        assert {canonicalize_name(d) for d in providers[tracker]} & trackers, tracker
+    install = [
+        " ".join(c.value) for c in _stages(name)[0] if c.cmd == "RUN" and "pip install" in " ".join(c.value)
+    ]
+    (project,) = [line for line in install if '".[' in line]
+    extras = re.search(r'"\.\[([a-z,]+)\]"', project).group(1).split(",")
+    assert "trackers" in extras, project
+    copies = {c.value[-1]: c.value[0] for c in _stages(name)[0] if c.cmd == "COPY"}
+    constraint_files = {copies[path] for path in re.findall(r"-c (/tmp/[\w.-]+)", project) if path in copies}
+    assert "deploy/docker/constraints/trackers.txt" in constraint_files
+    assert "import mlflow, wandb" in project  # the build fails without them
+
+
+def test_the_trackers_pins_agree_with_each_trainer_s_pins():
+    # pip refuses two constraints files that pin one package to different versions
+    trackers = _pins(CONSTRAINTS / "trackers.txt")
+    for extra in ("torch", "jax"):
+        pins = _pins(CONSTRAINTS / f"{extra}.txt")
+        clash = {n: (v, pins[n]) for n, v in trackers.items() if n in pins and pins[n] != v}
+        assert not clash, (extra, clash)
