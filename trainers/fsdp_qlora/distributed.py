@@ -167,11 +167,26 @@ def mixed_precision_policy(compute_dtype: str) -> object | None:
     return MixedPrecisionPolicy(param_dtype=_DTYPES[compute_dtype], reduce_dtype=torch.float32)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a (possibly peft-wrapped) Llama, in order."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The model's own transformer block classes (``LlamaDecoderLayer``,
+    ``Qwen3DecoderLayer``...): what transformers names in ``_no_split_modules``.
 
-    return [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    Raises:
+        RuntimeError: the model names none, or none of them occurs in it.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    if not classes:
+        raise RuntimeError(f"no decoder layer class found in {type(model).__name__} (looked for {sorted(names)})")
+    return classes
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a (possibly peft-wrapped) decoder, in order."""
+    classes = decoder_layer_classes(model)
+    return [m for m in model.modules() if isinstance(m, classes)]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -190,8 +205,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing as _apply,
     )
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     impl = {"reentrant": CheckpointImpl.REENTRANT, "non_reentrant": CheckpointImpl.NO_REENTRANT}
     if mode not in impl:
         raise UserError(f"unknown activation_checkpointing {mode!r}", code="invalid_spec")
@@ -199,7 +212,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     def wrapper(module: nn.Module) -> nn.Module:
         return checkpoint_wrapper(module, checkpoint_impl=impl[mode])
 
-    _apply(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    classes = decoder_layer_classes(model)
+    _apply(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, classes))
     if mode == "reentrant":
         # Reentrant checkpointing only back-propagates through inputs that require grad;
         # with a frozen embedding nothing would, and LoRA weights inside would get no grad.

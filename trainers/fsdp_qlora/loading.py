@@ -1,4 +1,9 @@
-"""Low-memory loading of a Hugging Face Llama into a (quantized, LoRA-wrapped, sharded) model.
+"""Low-memory loading of a Hugging Face decoder into a (quantized, LoRA-wrapped, sharded) model.
+
+The families are transformers' own ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``, chosen by the checkpoint's ``model_type``;
+nothing below depends on which (their linear layers share names, FSDP wraps each
+model's own decoder layer class, rotary buffers are rebuilt by their own class).
 
 The whole model never exists densely in any process:
 
@@ -44,7 +49,7 @@ from trainers.fsdp_qlora.distributed import (
     shard_model,
 )
 from trainers.fsdp_qlora.quantize import (
-    LLAMA_LINEARS,
+    DECODER_LINEARS,
     QuantConfig,
     is_quantized_linear,
     quant_state_tensors,
@@ -53,7 +58,7 @@ from trainers.fsdp_qlora.quantize import (
     replace_quant_state_tensors,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "base_layer"})
 _PEFT_PREFIX = "base_model.model."
@@ -78,6 +83,8 @@ class ModelOptions:
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     seed: int = 0
+    max_seq_len: int | None = None  # with packing: checked against a sliding window
+    packing: bool = False
 
     def quant_config(self) -> QuantConfig | None:
         if self.quantization == "none":
@@ -116,6 +123,8 @@ def options_from_spec(spec: Any, model_dir: str | Path | None = None) -> ModelOp
         activation_checkpointing=par.activation_checkpointing,
         cpu_offload=par.cpu_offload,
         seed=spec.seed,
+        max_seq_len=spec.data.max_seq_len,
+        packing=spec.data.packing,
     )
 
 
@@ -143,12 +152,13 @@ class LoadReport:
 
 
 def read_model_config(model_dir: str | Path) -> Any:
-    """Read and validate ``config.json``; returns a ``LlamaConfig``. No weights are read.
+    """Read and validate ``config.json``; returns the family's transformers config
+    (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config`` or ``Qwen3Config``). No weights are read.
 
     Raises:
         UserError(model_not_found): no config.json in ``model_dir``.
-        UserError(corrupt_model): config.json is not valid JSON.
-        UserError(unsupported_architecture): ``model_type`` is not a Llama.
+        UserError(corrupt_model): config.json is not valid JSON (or not an object).
+        UserError(unsupported_architecture): ``model_type`` is not one of ``SUPPORTED_MODEL_TYPES``.
     """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -157,6 +167,8 @@ def read_model_config(model_dir: str | Path) -> Any:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON: {exc}", code="corrupt_model") from exc
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} does not hold a config object", code="corrupt_model")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(
@@ -164,9 +176,25 @@ def read_model_config(model_dir: str | Path) -> Any:
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})",
             code="unsupported_architecture",
         )
-    from transformers import LlamaConfig
+    from transformers import CONFIG_MAPPING
 
-    return LlamaConfig.from_dict(raw)
+    return CONFIG_MAPPING[model_type].from_dict(raw)
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window some layer of ``config``'s model uses, or None for none.
+
+    Mistral windows every layer when ``sliding_window`` is set; Qwen2/Qwen3 mark their
+    windowed layers in ``layer_types`` (and drop ``sliding_window`` when
+    ``use_sliding_window`` is off).
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type != "mistral" and "sliding_attention" not in (layer_types or ()):
+        return None
+    return int(window)
 
 
 def check_options(opts: ModelOptions) -> None:
@@ -194,6 +222,37 @@ def open_safetensors(path: Path, **kwargs: Any) -> Any:
         raise UserError(f"cannot read {path}: {exc}", code="corrupt_model") from exc
 
 
+def check_model_options(config: Any, opts: ModelOptions) -> None:
+    """Options that depend on the model: LoRA targets it has, a window packing respects.
+
+    Raises:
+        UserError(invalid_target_modules): a target module the model does not have.
+        UserError(sequence_exceeds_sliding_window): packed rows longer than the model's
+            sliding window (the block-diagonal mask of packed rows has no window).
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+                     - {"lm_head"})
+    unknown = [t for t in opts.target_modules if t not in linears]
+    if unknown:
+        raise UserError(
+            f"adapter.target_modules {unknown} are not linear modules of this {config.model_type} model "
+            f"(its decoder has {', '.join(linears)})",
+            code="invalid_target_modules",
+        )
+    window = sliding_window_of(config)
+    if window is not None and opts.packing and opts.max_seq_len is not None and opts.max_seq_len > window:
+        raise UserError(
+            f"the model attends over a sliding window of {window} tokens, but packed rows of up to "
+            f"{opts.max_seq_len} tokens would attend past it in the fsdp_qlora trainer; set "
+            f"max_seq_len <= {window}, turn packing off, or use the jax trainer (it applies the window)",
+            code="sequence_exceeds_sliding_window",
+        )
+
+
 def check_checkpoint_matches(config: Any, found: dict[str, tuple[int, ...]]) -> None:
     """Every weight the model needs is present with the right shape, nothing unknown.
 
@@ -202,10 +261,10 @@ def check_checkpoint_matches(config: Any, found: dict[str, tuple[int, ...]]) -> 
     Raises:
         UserError(corrupt_model): listing the first missing / unexpected / mis-shaped names.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     found = {k: v for k, v in found.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -249,14 +308,14 @@ def is_lora_name(name: str) -> bool:
 def build_meta_model(config: Any, opts: ModelOptions) -> nn.Module:
     """The peft-wrapped (and, for QLoRA, quantized) model with every tensor on ``meta``."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     qcfg = opts.quant_config()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(_DTYPES[opts.base_dtype])
+        model = AutoModelForCausalLM.from_config(config).to(_DTYPES[opts.base_dtype])
         if qcfg is not None:
             for layer in model.model.layers:
-                quantize_decoder_linears(layer, qcfg, LLAMA_LINEARS)
+                quantize_decoder_linears(layer, qcfg, DECODER_LINEARS)
     lora = LoraConfig(
         r=opts.lora_r,
         lora_alpha=opts.lora_alpha,
@@ -294,6 +353,7 @@ def build_model(
             code="offload_requires_accelerator",
         )
     config = read_model_config(opts.model_dir)
+    check_model_options(config, opts)
     tensors = read_checkpoint_index(opts.model_dir)  # model_not_found / corrupt_model
     check_checkpoint_matches(config, {name: loc.shape for name, loc in tensors.items()})
     files = {name: loc.file for name, loc in tensors.items()}
@@ -306,6 +366,7 @@ def build_model(
     shard_model(model, ctx, compute_dtype=opts.compute_dtype, cpu_offload=opts.cpu_offload)
     # Allocates this rank's shards only (FSDP2 params are DTensors over the mesh).
     model.to_empty(device=torch.device("cpu") if opts.cpu_offload else ctx.device)
+    _retie_embeddings(model, config)
     _rebuild_rotary_buffers(model, config, ctx.device)
 
     quantized = _stream_weights(model, config, files, opts, ctx)
@@ -327,18 +388,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _retie_embeddings(model: nn.Module, config: Any) -> None:
+    """A tied LM head is the input embedding again after ``to_empty``, which allocates
+    each module's parameters apart (FSDP2 manages the shared parameter once, as
+    ``fully_shard`` saw it on meta)."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.get_output_embeddings().weight = base.get_input_embeddings().weight
+
+
 def _rebuild_rotary_buffers(model: nn.Module, config: Any, device: torch.device) -> None:
     """RoPE frequencies are non-persistent buffers computed at init; on meta they are
-    empty, so recompute them (cheap) on the compute device."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+    empty, so recompute them (cheap) on the compute device, with the family's own class
+    (``LlamaRotaryEmbedding``, ``Qwen3RotaryEmbedding``...)."""
+    rebuilt = 0
     for module in model.modules():
-        if isinstance(module, LlamaRotaryEmbedding):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            rebuilt += 1
             with torch.device("cpu"):
-                fresh = LlamaRotaryEmbedding(config)
+                fresh = type(module)(config)
             for name, buf in fresh.named_buffers(recurse=False):
                 module.register_buffer(name, buf.to(device), persistent=False)
             module.attention_scaling = fresh.attention_scaling
+    if not rebuilt:
+        raise RuntimeError(f"no rotary embedding module found in {type(model).__name__}")
 
 
 def _stream_weights(
@@ -371,7 +445,10 @@ def _stream_weights(
                 value_params = {n: p.data for n, p in qlayer.named_parameters()}
                 stats = quant_state_tensors(qlayer)
             for pname, param in module.named_parameters(recurse=False):
-                _fill(param, value_params.get(pname), ctx)
+                value = value_params.get(pname)
+                if pname == "bias" and reader is not None:  # biases stay unquantized
+                    value = reader.get(f"{mod_name}.bias").to(param.dtype)
+                _fill(param, value, ctx)
             template = quant_state_tensors(module)
             received = {
                 k: _broadcast(stats.get(k), t.shape, t.dtype, ctx) for k, t in template.items()

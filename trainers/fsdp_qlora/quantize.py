@@ -35,10 +35,11 @@ from torch import nn
 
 QuantMethod = Literal["nf4", "hqq4"]
 
-# Linear layers of a Llama decoder layer. All of them are quantized (as Hugging Face's
-# BitsAndBytesConfig does: every Linear except lm_head), not only the LoRA targets: the
-# weights are where the memory goes.
-LLAMA_LINEARS: tuple[str, ...] = (
+# Linear layers of a decoder layer (Llama, Mistral, Qwen2 and Qwen3 name them alike). All
+# of them are quantized (as Hugging Face's BitsAndBytesConfig does: every Linear except
+# lm_head), not only the LoRA targets: the weights are where the memory goes. Their
+# biases (Qwen2's q/k/v) stay in the compute dtype.
+DECODER_LINEARS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
@@ -190,6 +191,10 @@ def _quantize_linear_hqq(linear: nn.Linear, cfg: QuantConfig) -> nn.Module:
     # HQQLinear keeps W_q as a frozen Parameter; make sure of it (FSDP shards parameters).
     if not isinstance(layer.W_q, nn.Parameter):
         layer.W_q = nn.Parameter(layer.W_q, requires_grad=False)
+    # Its bias is a plain tensor attribute: a frozen Parameter instead, so that FSDP shards
+    # it, ``to_empty`` allocates it and the loader fills it like any other weight.
+    if layer.bias is not None and not isinstance(layer.bias, nn.Parameter):
+        layer.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
     return layer
 
 
@@ -207,7 +212,7 @@ def hqq_quant_config(group_size: int, *, optimize: bool = True) -> dict:
 
 
 def quantize_decoder_linears(
-    layer: nn.Module, cfg: QuantConfig, names: tuple[str, ...] = LLAMA_LINEARS
+    layer: nn.Module, cfg: QuantConfig, names: tuple[str, ...] = DECODER_LINEARS
 ) -> int:
     """Replace the named ``nn.Linear`` children anywhere under ``layer``, one at a time.
 

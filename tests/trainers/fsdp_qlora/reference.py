@@ -1,8 +1,9 @@
 """Independent references for the FSDP/QLoRA tests: Hugging Face loads + a plain loop.
 
 The reference model is what a user would build with the libraries alone:
-``LlamaForCausalLM.from_pretrained`` (with ``BitsAndBytesConfig`` for NF4, or hqq's own
-``AutoHQQHFModel.quantize_model`` for HQQ) + ``peft.get_peft_model``. The reference loop
+``AutoModelForCausalLM.from_pretrained`` (the family's own class; with
+``BitsAndBytesConfig`` for NF4, or hqq's own ``AutoHQQHFModel.quantize_model`` for HQQ)
++ ``peft.get_peft_model``. The reference loop
 is written out here with plain torch (mean token cross-entropy over the whole batch,
 ``clip_grad_norm_``, AdamW), not with the trainer's ``train_step``.
 """
@@ -23,10 +24,10 @@ def hf_model(model_dir: Path, quant: str = "none"):
 
     ``quant``: none, nf4, nf4_dq (NF4 with double quantization) or hqq4.
     """
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if quant in ("nf4", "nf4_dq"):
-        model = LlamaForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, device_map="cpu",
             quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
@@ -34,7 +35,7 @@ def hf_model(model_dir: Path, quant: str = "none"):
             ),
         )
     else:
-        model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         if quant == "hqq4":
             from hqq.core.quantize import BaseQuantizeConfig
             from hqq.models.hf.base import AutoHQQHFModel

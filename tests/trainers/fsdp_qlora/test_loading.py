@@ -60,11 +60,11 @@ def _copy_config_only(src: Path, dst: Path, **changes) -> Path:
 
 def test_unsupported_architecture_is_refused_before_reading_weights(tiny_model_dir, tmp_path):
     # No weights at all in the directory: the error must come from config.json alone.
-    d = _copy_config_only(tiny_model_dir, tmp_path / "m", model_type="mistral")
+    d = _copy_config_only(tiny_model_dir, tmp_path / "m", model_type="gemma")
     with pytest.raises(UserError) as exc:
         build_model(ModelOptions(model_dir=d, quantization="nf4"), CPU)
     assert exc.value.code == "unsupported_architecture"
-    assert "mistral" in exc.value.message
+    assert "gemma" in exc.value.message
 
 
 def test_checkpoint_not_matching_config_is_corrupt_model(tiny_model_dir, tmp_path):
