@@ -22,7 +22,7 @@ from api.job_pages import CachedJobListMiddleware, JobPageCache
 from api.logs import kubernetes_log, register_log_reader
 from api.openapi import install_openapi
 from api.queue import CeleryQueue, TaskQueue
-from api.routes import admin, files, health, jobs, models, outputs, reports
+from api.routes import admin, files, health, inference, jobs, models, outputs, reports
 from api.routes import fleet as fleet_routes
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     fleet.install(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/logs.py)
-    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes):
+    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Imported now, not on the first request: a base model's load then takes its own time only.
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
     app = create_app(Engine(max_adapters=args.max_adapters, device=args.device), secret)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -90,12 +90,15 @@ class Engine:
                 reason = self._failed.pop(ref.path)  # the next request tries again
                 raise InferenceError(503, "model_load_failed", f"Model '{ref.id}' could not be loaded: {reason}")
             if ref.path not in self._loading:
-                if not os.path.isdir(ref.path):
+                if "://" in ref.path:
                     raise InferenceError(
                         400, "model_not_local",
                         f"Model '{ref.id}' is not in a local directory ({ref.path}); the embedded "
-                        "inference worker serves local models only (configure an inference backend).",
+                        "inference worker serves local models only.",
                     )
+                if not os.path.isdir(ref.path):
+                    raise InferenceError(503, "model_unavailable",
+                                         f"Model '{ref.id}' is not on this machine (no directory {ref.path}).")
                 self._loading.add(ref.path)
                 threading.Thread(target=self._load, args=(ref,), name=f"load {ref.id}", daemon=True).start()
         raise ModelLoading(ref.id)

@@ -75,6 +75,14 @@ def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
             assert time.monotonic() < deadline, "the embedded worker did not validate the file"
             time.sleep(0.3)
         assert httpx.get(f"{base}/readyz").json()["status"] == "ok"
+        # The inference worker answers the API over its channel (the secret both derive):
+        # no demo model was built, so the worker itself says the model is not there.
+        deadline = time.monotonic() + 60
+        while (error := httpx.post(f"{base}/v1/completions", headers=headers, timeout=30, json={
+                "model": "tunefleet-tiny-llama", "prompt": "hi"}).json()["error"])["code"] == "inference_unavailable":
+            assert time.monotonic() < deadline, "the inference worker did not come up"
+            time.sleep(0.5)
+        assert error["code"] == "model_unavailable", error
         children = _children(proc.pid)
         assert children, "no worker/scheduler subprocesses"
     finally:

@@ -61,6 +61,8 @@ class Service:
                     "--log-level", "warning"],
             "worker": [*CLI, "worker", "--concurrency=3", "--loglevel=WARNING"],
             "scheduler": [*CLI, "scheduler"],
+            # Not among the roles started by default: only the completion tests need it.
+            "inference": [*CLI, "inference", "--threads", "1"],
         }
         log = self.data_dir / f"{role}.log"
         self.logs[role] = log

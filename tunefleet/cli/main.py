@@ -4,7 +4,7 @@ Each command group lives in its own module and knows nothing of this root; this 
 puts them together. Client commands talk to the service through the SDK: ``files``,
 ``jobs`` (with ``estimate``), ``webhooks``, ``pools``, ``models``, ``login`` (with
 ``config``). Operator commands run or administer the service itself: ``admin`` (``db``,
-``admin``) and ``operator`` (``serve``, ``worker``, ``scheduler``). Options they share
+``admin``) and ``operator`` (``serve``, ``worker``, ``scheduler``, ``inference``). Options they share
 are in ``options``; how results look is in ``render``.
 """
 
@@ -27,6 +27,7 @@ app.command("login")(login.login)
 app.command("config")(login.show_config)
 app.command("worker")(operator.worker)
 app.command("scheduler")(operator.scheduler)
+app.command("inference")(operator.inference)
 app.command("serve")(operator.serve)
 
 app.add_typer(files.files_app, name="files")

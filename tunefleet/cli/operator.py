@@ -1,12 +1,12 @@
-"""Operator commands of the `tunefleet` CLI: serve, worker, scheduler.
+"""Operator commands of the `tunefleet` CLI: serve, worker, scheduler, inference.
 
 ``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
 sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
-permissions), then runs the API (uvicorn, in this process), a Celery worker and the
-scheduler loop (subprocesses) together, and stops them all on Ctrl-C or SIGTERM.
-The production roles run the same code one per process/pod: ``tunefleet db upgrade``
-(``tunefleet.cli.admin``), ``uvicorn --factory api.main:create_app``, ``tunefleet worker``,
-``tunefleet scheduler``.
+permissions), then runs the API (uvicorn, in this process), a Celery worker, the
+scheduler loop and the inference worker (subprocesses) together, and stops them all on
+Ctrl-C or SIGTERM. The production roles run the same code one per process/pod:
+``tunefleet db upgrade`` (``tunefleet.cli.admin``), ``uvicorn --factory api.main:create_app``,
+``tunefleet worker``, ``tunefleet scheduler``, ``tunefleet inference``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,26 @@ def scheduler() -> None:
     run_forever(settings)
 
 
+def inference(
+    port: Annotated[int | None, typer.Option(help="Default: the port of TUNEFLEET_INFERENCE_URL.")] = None,
+    max_adapters: Annotated[int, typer.Option(help="LoRA adapters kept loaded per base model.")] = 8,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: cuda if present).")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+) -> None:
+    """Run the inference worker that /v1/chat/completions and /v1/completions use (loopback only)."""
+    from urllib.parse import urlsplit
+
+    from inference.__main__ import SECRET_ENV, main
+
+    settings = load_settings()
+    os.environ[SECRET_ENV] = settings.inference_secret_value()
+    args = ["--port", str(port or urlsplit(settings.inference_url).port or 8001),
+            "--max-adapters", str(max_adapters)]
+    args += ["--device", device] if device else []
+    args += ["--threads", str(threads)] if threads else []
+    raise typer.Exit(main(args))
+
+
 def start_demo(settings, base_url: str, admin_key: str) -> None:
     """``serve --demo``: submit the demo job once the API answers (``tunefleet.demo``)."""
     try:
@@ -149,13 +169,16 @@ def serve(
     demo: Annotated[bool, typer.Option("--demo", help="Submit the demo job that trains.")] = False,
     worker_concurrency: Annotated[int, typer.Option(help="Celery worker threads.")] = 4,
     no_scheduler: Annotated[bool, typer.Option("--no-scheduler", help="Do not start one.")] = False,
+    no_inference: Annotated[bool, typer.Option("--no-inference", help="Do not start the inference worker.")] = False,
 ) -> None:
-    """Run API + worker + scheduler together with embedded defaults (SQLite, local broker)."""
+    """Run API + worker + scheduler + inference worker together with embedded defaults."""
     if data_dir is not None:
         os.environ["TUNEFLEET_DATA_DIR"] = str(data_dir)
     if "TUNEFLEET_PUBLIC_URL" not in os.environ:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         os.environ["TUNEFLEET_PUBLIC_URL"] = f"http://{shown}:{port}"
+    if "TUNEFLEET_INFERENCE_URL" not in os.environ:  # next to the API's port: two serves do not clash
+        os.environ["TUNEFLEET_INFERENCE_URL"] = f"http://127.0.0.1:{port + 1}"
     from api.settings import get_settings
 
     get_settings.cache_clear()
@@ -183,6 +206,8 @@ def serve(
     if not no_scheduler:
         scheduler_cmd = _cli_command("scheduler")
         children.append(subprocess.Popen(scheduler_cmd, preexec_fn=_die_with_parent))  # noqa: PLW1509
+    if not no_inference:
+        children.append(subprocess.Popen(_cli_command("inference"), preexec_fn=_die_with_parent))  # noqa: PLW1509
     if demo:
         key_file = settings.data_path / "admin_key"
         admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")

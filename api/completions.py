@@ -1,0 +1,318 @@
+"""Serving one completion request: admission, the inference worker, OpenAI's answers.
+
+Steps (:func:`serve_completion`):
+
+1. admission: a tenant may have ``TUNEFLEET_INFERENCE_MAX_CONCURRENT_PER_TENANT``
+   completions running in this API process; one more is 429 ``too_many_requests`` with
+   ``Retry-After`` (before the worker is asked anything);
+2. the worker's first event (it answers once the base model is loaded and the adapter
+   active): its refusals become errors here, e.g. 503 ``model_loading`` with
+   ``Retry-After`` while a base model loads (the OpenAI SDK retries those by itself), 503
+   ``inference_unavailable`` when the worker cannot be reached;
+3. the answer: one ``chat.completion`` / ``text_completion`` object, or Server-Sent Events
+   with OpenAI's chunks, ending ``data: [DONE]``. The whole request has
+   ``TUNEFLEET_INFERENCE_TIMEOUT_S``: 504 ``inference_timeout``, or an error event in a
+   stream that already started. A client that leaves mid-stream closes the worker's stream
+   too, which ends that generation at the next token.
+
+Prometheus metrics: requests by endpoint and outcome, prompt and completion tokens, time
+to first token, time queued for the model, and each request's decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter, Histogram
+from starlette.types import Receive, Scope, Send
+
+from api.errors import APIError
+from api.ids import new_id
+from inference.client import (
+    GenerationRequest,
+    InferenceClient,
+    InferenceRejected,
+    InferenceUnavailable,
+    StreamEvent,
+)
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "text"]
+
+REQUESTS = Counter("tunefleet_inference_requests", "Completion requests by endpoint and outcome",
+                   ["endpoint", "outcome"])
+TOKENS = Counter("tunefleet_inference_tokens", "Tokens of completion requests", ["kind"])
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tunefleet_inference_time_to_first_token_seconds", "From the request to its first generated text",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+QUEUE_TIME = Histogram(
+    "tunefleet_inference_queue_seconds", "Time a request waited for its base model (other generations)",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0),
+)
+DECODE_RATE = Histogram(
+    "tunefleet_inference_tokens_per_second", "Completion tokens per second of each request after its first",
+    buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
+)
+
+
+class TenantSlots:
+    """How many completions each tenant has running; used from the event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running: dict[str, int] = defaultdict(int)
+
+    def acquire(self, tenant_id: str) -> bool:
+        if self.running[tenant_id] >= self.limit:
+            return False
+        self.running[tenant_id] += 1
+        return True
+
+    def release(self, tenant_id: str) -> None:
+        self.running[tenant_id] -= 1
+        if self.running[tenant_id] <= 0:
+            del self.running[tenant_id]
+
+
+@dataclass
+class _Tally:
+    """What a request produced, for its usage and its metrics."""
+
+    endpoint: str
+    started: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_text_at: float | None = None
+    finish: dict[int, str] = field(default_factory=dict)
+
+    def see(self, event: StreamEvent) -> None:
+        if event.type == "start":
+            self.prompt_tokens = event.prompt_tokens or 0
+            if event.queued_s is not None:
+                QUEUE_TIME.observe(event.queued_s)
+        elif event.type == "text" and self.first_text_at is None:
+            self.first_text_at = time.perf_counter()
+            TIME_TO_FIRST_TOKEN.observe(self.first_text_at - self.started)
+        elif event.type == "finish":
+            self.completion_tokens += event.completion_tokens or 0
+            self.finish[event.index] = event.finish_reason or "stop"
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def done(self, outcome: str) -> None:
+        REQUESTS.labels(self.endpoint, outcome).inc()
+        TOKENS.labels("prompt").inc(self.prompt_tokens)
+        TOKENS.labels("completion").inc(self.completion_tokens)
+        if self.first_text_at is not None and self.completion_tokens > 1:
+            elapsed = time.perf_counter() - self.first_text_at
+            if elapsed > 0:
+                DECODE_RATE.observe((self.completion_tokens - 1) / elapsed)
+
+
+def _slots(request: Request) -> TenantSlots:
+    state = request.app.state
+    if getattr(state, "inference_slots", None) is None:
+        state.inference_slots = TenantSlots(state.settings.inference_max_concurrent_per_tenant)
+    return state.inference_slots
+
+
+def _client(request: Request) -> InferenceClient:
+    state = request.app.state
+    if getattr(state, "inference_client", None) is None:
+        settings = state.settings
+        state.inference_client = InferenceClient(settings.inference_url, settings.inference_secret_value(),
+                                                 idle_timeout_s=settings.inference_timeout_s)
+    return state.inference_client
+
+
+def _api_error(exc: Exception, model: str) -> APIError:
+    if isinstance(exc, TimeoutError):
+        return APIError(504, "inference_timeout", f"The completion on '{model}' took too long.")
+    if isinstance(exc, InferenceUnavailable):
+        log.error("%s", exc)
+        return APIError(503, "inference_unavailable", "The inference worker is not available; retry later.",
+                        headers={"Retry-After": "5"})
+    assert isinstance(exc, InferenceRejected)
+    if exc.status == 401 or exc.status >= 500 and exc.code not in ("model_loading", "model_load_failed",
+                                                                   "model_unavailable"):
+        log.error("the inference worker refused a request: %s %s %s", exc.status, exc.code, exc.message)
+        return APIError(503, "inference_unavailable", "The inference worker failed; retry later.",
+                        headers={"Retry-After": "5"})
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return APIError(exc.status, exc.code, exc.message, param="model" if exc.status == 404 else None,
+                    headers=headers)
+
+
+async def _next(events: AsyncIterator[StreamEvent], deadline: float) -> StreamEvent | None:
+    try:
+        return await asyncio.wait_for(anext(events), max(deadline - time.perf_counter(), 0.001))
+    except StopAsyncIteration:
+        return None
+
+
+async def serve_completion(request: Request, tenant_id: str, generation: GenerationRequest, *, kind: Kind,
+                           model: str, stream: bool, include_usage: bool) -> Response:
+    """Run ``generation`` for ``tenant_id`` and answer in OpenAI's shape (see the module doc)."""
+    settings = request.app.state.settings
+    endpoint = "chat.completions" if kind == "chat" else "completions"
+    slots = _slots(request)
+    if not slots.acquire(tenant_id):
+        REQUESTS.labels(endpoint, "too_many_requests").inc()
+        raise APIError(429, "too_many_requests",
+                       f"Your organization already has {slots.limit} completions running; retry when one ends.",
+                       headers={"Retry-After": "1"})
+    tally = _Tally(endpoint, time.perf_counter())
+    deadline = tally.started + settings.inference_timeout_s
+    events = _client(request).generate(generation)
+    try:
+        first = await _next(events, deadline)
+    except (TimeoutError, InferenceUnavailable, InferenceRejected) as exc:
+        error = _api_error(exc, model)
+        slots.release(tenant_id)
+        await events.aclose()
+        tally.done(error.code)
+        raise error from exc
+    except BaseException:
+        slots.release(tenant_id)
+        await events.aclose()
+        raise
+    if first is not None:
+        tally.see(first)
+    chunks = _Chunks(kind, model)
+
+    def release() -> None:
+        slots.release(tenant_id)
+
+    if stream:
+        body = _sse(events, tally, chunks, deadline, include_usage=include_usage, n=generation.sampling.n)
+        return _SlotStreamingResponse(body, on_close=release, closing=events.aclose,
+                                      media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        texts: dict[int, list[str]] = defaultdict(list)
+        while (event := await _next(events, deadline)) is not None:
+            tally.see(event)
+            if event.type == "error":
+                raise APIError(500, "generation_failed", "The generation failed; retry, or report it.")
+            if event.type == "text":
+                texts[event.index].append(event.text or "")
+    except (TimeoutError, InferenceUnavailable) as exc:
+        error = _api_error(exc, model)
+        tally.done(error.code)
+        raise error from exc
+    finally:
+        release()
+        await events.aclose()
+    tally.done("ok")
+    results = [("".join(texts[i]), tally.finish.get(i, "stop")) for i in range(generation.sampling.n)]
+    return JSONResponse(chunks.complete(results, tally.usage()))
+
+
+class _Chunks:
+    """OpenAI's objects for one request: the final one, and the stream's chunks."""
+
+    def __init__(self, kind: Kind, model: str) -> None:
+        self.kind, self.model = kind, model
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def complete(self, results: list[tuple[str, str]], usage: dict[str, int]) -> dict[str, Any]:
+        if self.kind == "chat":
+            choices = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": None, "finish_reason": reason} for i, (text, reason) in enumerate(results)]
+            return {**self._envelope("chat.completion"), "choices": choices, "usage": usage}
+        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                   for i, (text, reason) in enumerate(results)]
+        return {**self._envelope("text_completion"), "choices": choices, "usage": usage}
+
+    def chunk(self, index: int, *, text: str | None = None, role: bool = False,
+              finish_reason: str | None = None, usage: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._envelope("text_completion"), "choices": [choice]}
+        if usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked for
+        return out
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj), "choices": [], "usage": usage}
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _sse(events: AsyncIterator[StreamEvent], tally: _Tally, chunks: _Chunks, deadline: float, *,
+               include_usage: bool, n: int) -> AsyncIterator[str]:
+    opened: set[int] = set()
+    outcome = "ok"
+    try:
+        while True:
+            try:
+                event = await _next(events, deadline)
+            except (TimeoutError, InferenceUnavailable) as exc:
+                error = _api_error(exc, chunks.model)
+                outcome = error.code
+                yield _data(error.body())
+                break
+            if event is None:
+                break
+            tally.see(event)
+            if event.type == "error":
+                outcome = "generation_failed"
+                yield _data(APIError(500, "generation_failed", "The generation failed; retry, or report it.").body())
+                break
+            if event.type in ("text", "finish") and event.index not in opened and chunks.kind == "chat":
+                opened.add(event.index)
+                yield _data(chunks.chunk(event.index, role=True, usage=include_usage))
+            if event.type == "text":
+                yield _data(chunks.chunk(event.index, text=event.text, usage=include_usage))
+            elif event.type == "finish":
+                yield _data(chunks.chunk(event.index, finish_reason=event.finish_reason, usage=include_usage))
+        if include_usage and outcome == "ok":
+            yield _data(chunks.usage_chunk(tally.usage()))
+        yield "data: [DONE]\n\n"
+    finally:
+        tally.done(outcome if len(tally.finish) == n or outcome != "ok" else "client_closed")
+
+
+class _SlotStreamingResponse(StreamingResponse):
+    """A stream that gives the tenant's slot back and closes the worker's stream when it
+    ends, however it ends (finished, failed, or the client went away)."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None],
+                 closing: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close, self._closing, self._content = on_close, closing, content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self._content.aclose()  # type: ignore[attr-defined]
+            await self._closing()
