@@ -40,7 +40,9 @@ TOKENIZER_VOCAB_SIZE = N_BYTE_TOKENS + len(SPECIAL_TOKENS)
 # Llama 3.1's template: with ``tools`` the system header (merged with a leading system
 # message) says "Environment: ipython", how to call a function and lists each tool as
 # JSON; an assistant tool call is the JSON object {"name": ..., "parameters": {...}} (one
-# per line after any text); a tool result is an ``ipython`` turn.
+# per line after any text); a tool result is an ``ipython`` turn. An assistant turn's
+# text, calls and <|eot_id|> sit in a {% generation %} block, so that transformers'
+# ``return_assistant_tokens_mask`` marks them (what TRL's assistant-only loss reads).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% set rest = messages %}"
@@ -57,7 +59,9 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{% for message in rest %}"
     "{% set role = 'ipython' if message['role'] in ('tool', 'ipython') else message['role'] %}"
-    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + (message['content'] or '') }}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
+    "{% set body %}"
+    "{{ message['content'] or '' }}"
     "{% for call in message.get('tool_calls') or [] %}"
     "{% set fn = call['function'] if call['function'] is defined else call %}"
     "{% set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
@@ -65,6 +69,8 @@ CHAT_TEMPLATE = (
     "{{ '{\"name\": ' + (fn['name'] | tojson) + ', \"parameters\": ' + args + '}' }}"
     "{% endfor %}"
     "{{ '<|eot_id|>' }}"
+    "{% endset %}"
+    "{% if role == 'assistant' %}{% generation %}{{ body }}{% endgeneration %}{% else %}{{ body }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )

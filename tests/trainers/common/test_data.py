@@ -293,3 +293,18 @@ def test_preference_prompt_with_tools_and_a_tool_call_answer(tiny_tokenizer):
     assert _trained_text(tiny_tokenizer, rejected) == "No idea.<|eot_id|>"
     prompt = tiny_tokenizer.decode([i for i, lab in zip(chosen.input_ids, chosen.labels, strict=True) if lab == IGNORE_INDEX])
     assert "Environment: ipython" in prompt and prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_labels_equal_transformers_assistant_tokens_mask(tiny_tokenizer):
+    """The reference: transformers' ``return_assistant_tokens_mask`` (the template's
+    {% generation %} blocks, as TRL's assistant-only loss uses) marks the same tokens."""
+    from trainers.common.data import chat_template_messages
+
+    for ex in (_tool_example(), Example((Message("user", "a"), Message("assistant", "b é"),
+                                         Message("user", "c"), Message("assistant", "d")))):
+        ours = tokenize_example(tiny_tokenizer, ex)
+        ref = tiny_tokenizer.apply_chat_template(
+            chat_template_messages(ex.messages), tools=list(ex.tools) or None, tokenize=True,
+            return_dict=True, return_assistant_tokens_mask=True)
+        assert list(ours.input_ids) == list(ref["input_ids"])
+        assert [int(lab != IGNORE_INDEX) for lab in ours.labels] == list(ref["assistant_masks"])
