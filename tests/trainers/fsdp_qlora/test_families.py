@@ -159,3 +159,26 @@ def test_gemma_is_an_unsupported_architecture_naming_the_supported_ones(tmp_path
         build_model(ModelOptions(model_dir=model_dir), CPU)
     assert err.value.code == "unsupported_architecture"
     assert "llama, mistral, qwen2, qwen3" in err.value.message
+
+
+# Qwen2's biases are compared at the logits on each trainer; here slow (a minute a family).
+@pytest.mark.parametrize("family", ["mistral", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
+def test_step_one_loss_is_the_same_on_both_trainers(family, tiny_datasets, tmp_path):
+    """The golden job (chat data, max_seq_len 64: past Mistral's window of 8) for one step
+    through ``python -m trainers`` on each trainer: LoRA B starts at zero, so both report
+    the base model's loss, computed by transformers in one and by our JAX decoder in the
+    other. (Llama: tests/trainers/golden.)"""
+    from tests.trainers.golden.job import TRAINERS, golden_spec, run_entry_point
+    from trainers.exit_codes import ExitCode
+    from trainers.spec import TrainerSpec
+
+    model_dir = save_tiny_family(tmp_path / family, family)
+    first = {}
+    for trainer in TRAINERS:
+        spec = golden_spec(trainer, model_dir, tiny_datasets, tmp_path / trainer).model_dump()
+        spec["hyperparameters"]["max_steps"] = 1
+        spec["data"]["validation_file"] = None
+        run = run_entry_point(TrainerSpec.model_validate(spec), tmp_path / trainer)
+        assert run.returncode == ExitCode.SUCCESS, f"{trainer}: {run.output[-3000:]}"
+        first[trainer] = run.metrics[0]["train_loss"]
+    assert first["fsdp_qlora"] == pytest.approx(first["jax_lora"], abs=1e-4)
