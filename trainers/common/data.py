@@ -87,6 +87,21 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot render an example (a valid file line): e.g. a
+    template that takes one tool call per message, or refuses a role order."""
+
+
+def _rendering(n: int, tokenize: Any, *args: Any, **kwargs: Any) -> Any:
+    """``tokenize(*args, **kwargs)`` with a template's refusal named by example number."""
+    try:
+        return tokenize(*args, **kwargs)
+    except ChatTemplateError:
+        raise
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:  # what templates raise
+        raise ChatTemplateError(f"example {n}: the model's chat template cannot render it: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class TokenizedExample:
     """One example as token ids with aligned labels (``IGNORE_INDEX`` = not trained)."""
@@ -235,11 +250,15 @@ def tokenize_example(tokenizer: Any, example: Example, *, template: str | None =
 
 
 def tokenize_dataset(tokenizer: Any, examples: Iterable[Example], max_seq_len: int) -> TokenizedDataset:
-    """Tokenize every example; truncate to ``max_seq_len`` (counted); drop label-less ones."""
+    """Tokenize every example; truncate to ``max_seq_len`` (counted); drop label-less ones.
+
+    Raises:
+        ChatTemplateError: the template refuses an example (named by its 1-based number).
+    """
     template = chat_template_of(tokenizer)
     out = TokenizedDataset(examples=[])
-    for ex in examples:
-        tok = tokenize_example(tokenizer, ex, template=template)
+    for n, ex in enumerate(examples, start=1):
+        tok = _rendering(n, tokenize_example, tokenizer, ex, template=template)
         if len(tok) > max_seq_len:
             out.n_truncated += 1
             tok = TokenizedExample(tok.input_ids[:max_seq_len], tok.labels[:max_seq_len])
@@ -324,11 +343,16 @@ def tokenize_preference_dataset(
     tokenizer: Any, examples: Iterable[PreferenceExample], max_seq_len: int
 ) -> PreferenceDataset:
     """Tokenize every pair; count the truncated ones; drop a pair with an answer left
-    without a trained token (it would carry no preference signal)."""
+    without a trained token (it would carry no preference signal).
+
+    Raises:
+        ChatTemplateError: the template refuses an example or cannot split it into prompt
+            and answer (named by its 1-based number).
+    """
     template = chat_template_of(tokenizer)
     out = PreferenceDataset(pairs=[])
-    for ex in examples:
-        prompt, answers = _preference_ids(tokenizer, template, ex)
+    for n, ex in enumerate(examples, start=1):
+        prompt, answers = _rendering(n, _preference_ids, tokenizer, template, ex)
         if len(prompt) + max(len(a) for a in answers) > max_seq_len:
             out.n_truncated += 1
         pair = _pair(*truncate_preference(prompt, answers, max_seq_len))

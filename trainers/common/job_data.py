@@ -5,8 +5,9 @@ same stable codes (``trainers.errors.UserError``):
 
 - ``dataset_not_found``: the train/validation file does not exist;
 - ``invalid_dataset``: a line is not a valid example of the spec's format (the service
-  validates uploads, so this means the file changed or the spec's format is wrong), or
-  nothing trainable is left after truncation;
+  validates uploads, so this means the file changed or the spec's format is wrong), the
+  model's chat template refuses an example (e.g. one that takes a single tool call per
+  message), or nothing trainable is left after truncation;
 - ``model_not_found`` / ``corrupt_model``: the tokenizer cannot be loaded from the model dir;
 - ``unsupported_location``: an ``s3://`` location reached a recipe (the entry point,
   ``trainers.__main__``, stages s3:// inputs into a local cache and hands the recipe a
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainers.common.data import TokenizedDataset, TrainingData, tokenize_dataset
+from trainers.common.data import ChatTemplateError, TokenizedDataset, TrainingData, tokenize_dataset
 from trainers.common.formats import FormatError, read_examples
 from trainers.errors import UserError
 
@@ -64,7 +65,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 def tokenize_file(path: str | Path, fmt: str, tokenizer: Any, max_seq_len: int) -> TokenizedDataset:
     try:
         dataset = tokenize_dataset(tokenizer, read_examples(path, fmt), max_seq_len)  # type: ignore[arg-type]
-    except FormatError as err:
+    except (FormatError, ChatTemplateError) as err:
         raise UserError(f"{Path(path).name}: {err}", code="invalid_dataset") from err
     except UnicodeDecodeError as err:
         raise UserError(f"{Path(path).name}: not UTF-8 ({err})", code="invalid_dataset") from err

@@ -308,3 +308,38 @@ def test_labels_equal_transformers_assistant_tokens_mask(tiny_tokenizer):
             return_dict=True, return_assistant_tokens_mask=True)
         assert list(ours.input_ids) == list(ref["input_ids"])
         assert [int(lab != IGNORE_INDEX) for lab in ours.labels] == list(ref["assistant_masks"])
+
+
+# A template that, like some real ones, takes at most one tool call per message.
+ONE_CALL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if (message.get('tool_calls') or []) | length > 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def test_a_template_refusing_an_example_is_a_user_error_naming_it(tiny_model_dir, tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from trainers.common.data import ChatTemplateError
+    from trainers.common.job_data import tokenize_file
+    from trainers.errors import UserError
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = ONE_CALL_TEMPLATE
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    two_calls = {"messages": [{"role": "user", "content": "q"},
+                              {"role": "assistant", "tool_calls": [{**call, "id": "1"}, {**call, "id": "2"}]}]}
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(two_calls) + "\n")
+    with pytest.raises(ChatTemplateError, match="example 2: .*single tool-calls"):
+        tokenize_dataset(tok, read_examples(path), 64)
+    with pytest.raises(UserError) as err:
+        tokenize_file(path, "chat", tok, 64)
+    assert err.value.code == "invalid_dataset" and "train.jsonl: example 2" in str(err.value)
