@@ -9,6 +9,7 @@
         params_b: 8.0                          # billions, for the memory estimator
         max_seq_len: 131072
         hf_id: meta-llama/Llama-3.1-8B         # optional: the Hub id adapters cite (default: id)
+        inference_url: http://vllm-llama-8b:8000  # optional: completions proxied there (api/inference_proxy.py)
 
 Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
 ``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start).
@@ -40,6 +41,12 @@ class BaseModelEntry(BaseModel):
     hf_id: str | None = Field(
         default=None, min_length=1, max_length=256,
         description="The Hugging Face id exported adapters name as their base model; default: id.",
+    )
+
+    inference_url: str | None = Field(
+        default=None, pattern=r"^https?://",
+        description="An OpenAI-compatible server (vLLM with --enable-lora) that serves this model under "
+        "its id and loads adapters on request: completions go there instead of the embedded worker.",
     )
 
     @property

@@ -122,6 +122,21 @@ class _Tally:
                 DECODE_RATE.observe((self.completion_tokens - 1) / elapsed)
 
 
+def endpoint_name(kind: Kind) -> str:
+    return "chat.completions" if kind == "chat" else "completions"
+
+
+def admit(request: Request, tenant_id: str, endpoint: str) -> TenantSlots:
+    """Take one of the tenant's completion slots (give it back with ``release``), or 429."""
+    slots = _slots(request)
+    if not slots.acquire(tenant_id):
+        REQUESTS.labels(endpoint, "too_many_requests").inc()
+        raise APIError(429, "too_many_requests",
+                       f"Your organization already has {slots.limit} completions running; retry when one ends.",
+                       headers={"Retry-After": "1"})
+    return slots
+
+
 def _slots(request: Request) -> TenantSlots:
     state = request.app.state
     if getattr(state, "inference_slots", None) is None:
@@ -167,13 +182,8 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
                            model: str, stream: bool, include_usage: bool) -> Response:
     """Run ``generation`` for ``tenant_id`` and answer in OpenAI's shape (see the module doc)."""
     settings = request.app.state.settings
-    endpoint = "chat.completions" if kind == "chat" else "completions"
-    slots = _slots(request)
-    if not slots.acquire(tenant_id):
-        REQUESTS.labels(endpoint, "too_many_requests").inc()
-        raise APIError(429, "too_many_requests",
-                       f"Your organization already has {slots.limit} completions running; retry when one ends.",
-                       headers={"Retry-After": "1"})
+    endpoint = endpoint_name(kind)
+    slots = admit(request, tenant_id, endpoint)
     tally = _Tally(endpoint, time.perf_counter())
     deadline = tally.started + settings.inference_timeout_s
     events = _client(request).generate(generation)
@@ -198,7 +208,7 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
 
     if stream:
         body = _sse(events, tally, chunks, deadline, include_usage=include_usage, n=generation.sampling.n)
-        return _SlotStreamingResponse(body, on_close=release, closing=events.aclose,
+        return SlotStreamingResponse(body, on_close=release, closing=events.aclose,
                                       media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -300,7 +310,7 @@ async def _sse(events: AsyncIterator[StreamEvent], tally: _Tally, chunks: _Chunk
         tally.done(outcome if len(tally.finish) == n or outcome != "ok" else "client_closed")
 
 
-class _SlotStreamingResponse(StreamingResponse):
+class SlotStreamingResponse(StreamingResponse):
     """A stream that gives the tenant's slot back and closes the worker's stream when it
     ends, however it ends (finished, failed, or the client went away)."""
 

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` on base and fine-tuned models.
 
 ``model`` is a base model id, or a fine-tuned model or checkpoint id of the caller's
-organization (``api.served_models``); the inference worker generates
-(``api.completions``). Chat messages are rendered with the model's chat template (tools
+organization (``api.served_models``); the embedded inference worker generates
+(``api.completions``), or, for a base model with an ``inference_url``, that server does
+(``api.inference_proxy``). Chat messages are rendered with the model's chat template (tools
 included); tool calls in the output are returned as text, not parsed.
 """
 
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 from api.completions import serve_completion
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
+from api.inference_proxy import proxy_completion
 from api.schemas.inference import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -83,6 +85,10 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, s
             raise APIError(400, "invalid_request", "Every message needs a 'role'.", param=f"messages.{index}.role")
     served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
                                      request.app.state.base_models, body.model)
+    if served.base.inference_url is not None:
+        return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
+                                      path="/v1/chat/completions", endpoint="chat.completions",
+                                      stream=bool(body.stream))
     tools = tuple(body.tools) if body.tools and body.tool_choice != "none" else None
     generation = GenerationRequest(
         **_refs(served), messages=tuple(_text_content(m, i) for i, m in enumerate(body.messages)), tools=tools,
@@ -103,6 +109,9 @@ async def create_completion(body: CompletionCreate, request: Request, session: S
         raise APIError(400, "invalid_request", "Send one prompt per request.", param="prompt")
     served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
                                      request.app.state.base_models, body.model)
+    if served.base.inference_url is not None:
+        return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
+                                      path="/v1/completions", endpoint="completions", stream=bool(body.stream))
     generation = GenerationRequest(**_refs(served), prompt=prompts[0],
                                    sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
     return await serve_completion(request, tenant.id, generation, kind="text", model=body.model,

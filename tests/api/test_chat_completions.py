@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from openai import OpenAI
 from pydantic import SecretStr
 
+from api.db.models import Job
 from api.lifecycle import transition
 from inference.engine import ModelLoading
 from inference.protocol import StreamEvent
@@ -111,16 +113,16 @@ def test_openai_shapes_and_what_the_worker_is_asked(serving, engine, tenant_key,
     assert raw.text.endswith("data: [DONE]\n\n")
 
 
-def test_fine_tuned_models_and_checkpoints_are_their_tenants_only(serving, engine, tenant_key, make_job,
-                                                                  db_session, client, settings) -> None:
-    owner, stranger = tenant_key(), tenant_key()
-    job_id = make_job(owner.headers)["id"]
+def job_with_adapters(client, db_session, settings, job_id: str) -> tuple[Job, Path, Path]:
+    """Run ``job_id`` as far as a trainer that registered a checkpoint at step 2 and its
+    final adapter (the job stays ``running``); returns (job row, output dir, checkpoint dir)."""
     row, token = start_running(db_session, job_id)
     output = settings.data_path / "artifacts" / job_id / "output"
     step = settings.job_dir(job_id) / "checkpoints" / "step-2"
     for directory in (output / "adapter", step / "adapter"):
         directory.mkdir(parents=True)
         (directory / "adapter_model.safetensors").write_bytes(b"w")
+        (directory / "adapter_config.json").write_text("{}")
     report = client.post(f"/internal/v1/jobs/{job_id}/reports", headers={"Authorization": f"Bearer {token}"},
                          json={"seq": 0, "items": [
                              {"type": "checkpoint", "step": 2, "location": str(step), "metrics": {}},
@@ -128,6 +130,13 @@ def test_fine_tuned_models_and_checkpoints_are_their_tenants_only(serving, engin
                                  {"name": "adapter/adapter_model.safetensors", "bytes": 1, "sha256": "0" * 64}]}]})
     assert report.status_code == 200, report.text
     db_session.refresh(row)
+    return row, output, step
+
+
+def test_fine_tuned_models_and_checkpoints_are_their_tenants_only(serving, engine, tenant_key, make_job,
+                                                                  db_session, client, settings) -> None:
+    owner, stranger = tenant_key(), tenant_key()
+    row, output, step = job_with_adapters(client, db_session, settings, make_job(owner.headers)["id"])
     checkpoint_model = f"{row.fine_tuned_model}:ckpt-step-2"
     base_url = serving()
     oai, other = _sdk(base_url, owner.key), _sdk(base_url, stranger.key)
