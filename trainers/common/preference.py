@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from trainers.common.data import (
+    IGNORE_INDEX,
     Batch,
     DataCursor,
     PreferenceDataset,
@@ -97,6 +98,31 @@ def pair_halves(batch: Batch) -> tuple[Batch, Batch]:
                        attention_mask=batch.attention_mask[sl])
 
     return rows(slice(0, k)), rows(slice(k, 2 * k))
+
+
+def pad_pairs(batch: Batch, pairs: int, pad_id: int) -> Batch:
+    """``batch`` with each half padded to ``pairs`` rows (fixed shapes for a compiled step).
+
+    The padding rows are all-padding pairs: no label, no attention, so a trainer counts
+    no pair for them (a pair counts iff its chosen row has a trained token).
+    """
+    k, length = batch.input_ids.shape[0] // 2, batch.input_ids.shape[1]
+    if k > pairs:
+        raise ValueError(f"a micro-batch of {k} pairs cannot be padded to {pairs}")
+    extra = pairs - k
+
+    def pad(x: np.ndarray, fill: np.ndarray) -> np.ndarray:
+        return np.concatenate([x[:k], fill, x[k:], fill])
+
+    zeros = np.zeros((extra, length), dtype=np.int64)
+    return replace(
+        batch,
+        input_ids=pad(batch.input_ids, np.full((extra, length), pad_id, dtype=np.int64)),
+        labels=pad(batch.labels, np.full((extra, length), IGNORE_INDEX, dtype=np.int64)),
+        position_ids=pad(batch.position_ids, np.broadcast_to(np.arange(length), (extra, length)).astype(np.int64)),
+        segment_ids=pad(batch.segment_ids, zeros),
+        attention_mask=pad(batch.attention_mask, zeros),
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,14 @@ Loss. Completion-only, as ``trainers.common.data`` labels it: ``labels`` are ali
 all its micro-batches (sum of token losses / token count), so gradient accumulation gives
 exactly the gradient of the full batch, whatever the padding per micro-batch.
 
+DPO. With ``StepConfig.preference`` set, the step optimizes the DPO sigmoid loss
+instead: each micro-batch holds the chosen then the rejected rows of its pairs (per
+data-parallel block), the policy forward and a reference forward (the same base weights
+with no adapter, ``forward(params, None, ...)``, under ``stop_gradient``) give each
+answer's summed completion log-prob, and the objective is the mean pair loss over the
+whole batch (+ ``sft_weight`` x the chosen tokens' mean NLL). The reward sums come back
+with the metrics.
+
 Gradients. ``jax.value_and_grad`` is taken w.r.t. the LoRA pytree only; the base weights
 are a plain (non-differentiated) argument, so no base-weight gradient is ever built.
 Micro-batches are a ``lax.scan`` (one compiled body, accumulation in the LoRA dtype).
@@ -91,6 +99,18 @@ class StepConfig:
     remat: RematPolicy = "none"
     compute_dtype: str = "float32"
     packed: bool = True  # False: plain causal rows (no segment mask; fused attention on GPU)
+    preference: PreferenceLoss | None = None  # set: the DPO objective instead of token NLL
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """DPO's static settings. A micro-batch's rows are ``blocks`` blocks (one per
+    data-parallel rank of the loader) of ``2 x pairs`` rows: the chosen answers of the
+    block's pairs, then their rejected answers. All-padding pairs (no label) are ignored."""
+
+    beta: float
+    sft_weight: float = 0.0
+    blocks: int = 1
 
 
 def _forward_logits(sc: StepConfig, params: Params, lora: Params, micro: Batch, key: jax.Array | None, constrain) -> jax.Array:
@@ -140,22 +160,119 @@ def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
     return loss_and_grads
 
 
+def _pairs(x: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row values ``(rows,)`` of a preference micro-batch as (chosen, rejected) ``(pairs,)``."""
+    x = x.reshape(blocks, 2, -1)
+    return x[:, 0].reshape(-1), x[:, 1].reshape(-1)
+
+
+def _preference_terms(sc: StepConfig, params: Params, lora: Params, micro: Batch, key: jax.Array | None,
+                      constrain) -> dict[str, jax.Array]:
+    """Per-pair DPO quantities of one micro-batch: the policy's and (adapter off, no
+    gradient) the reference's summed completion log-probs of each answer."""
+    pl = sc.preference
+    nll, mask, _ = token_losses(_forward_logits(sc, params, lora, micro, key, constrain), micro["labels"])
+    ref_nll, _, _ = token_losses(_forward_logits(sc, params, None, micro, None, constrain), micro["labels"])
+    policy_c, policy_r = _pairs(-jnp.sum(nll, axis=-1), pl.blocks)
+    ref_c, ref_r = _pairs(jax.lax.stop_gradient(-jnp.sum(ref_nll, axis=-1)), pl.blocks)
+    tokens_c, _ = _pairs(jnp.sum(mask, axis=-1), pl.blocks)
+    chosen, rejected = policy_c - ref_c, policy_r - ref_r
+    valid = tokens_c > 0
+    return {
+        "valid": valid,
+        "loss": jnp.where(valid, -jax.nn.log_sigmoid(pl.beta * (chosen - rejected)), 0.0),
+        "chosen": jnp.where(valid, pl.beta * chosen, 0.0),
+        "rejected": jnp.where(valid, pl.beta * rejected, 0.0),
+        "chosen_nll": -jnp.sum(jnp.where(valid, policy_c, 0.0)),
+        "chosen_tokens": jnp.sum(tokens_c),
+    }
+
+
+def _reward_sums(t: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    chosen, rejected = jax.lax.stop_gradient(t["chosen"]), jax.lax.stop_gradient(t["rejected"])
+    return {
+        "pairs": jnp.sum(t["valid"]).astype(jnp.float32),
+        "loss_sum": jnp.sum(jax.lax.stop_gradient(t["loss"])),
+        "chosen_sum": jnp.sum(chosen),
+        "rejected_sum": jnp.sum(rejected),
+        "correct": jnp.sum(t["valid"] & (chosen > rejected)).astype(jnp.float32),
+        "chosen_nll": jax.lax.stop_gradient(t["chosen_nll"]),
+    }
+
+
+def make_preference_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
+    """``(lora, params, batch, key) -> (objective, grads, sums)`` over all micro-batches.
+
+    The objective is the mean DPO sigmoid loss over the batch's pairs plus ``sft_weight``
+    x the mean NLL of the chosen answers' tokens, both means over the WHOLE batch, so
+    accumulation gives the full batch's gradient (as the token loss above).
+    """
+    constrain = make_activation_constraint(mesh)
+    use_dropout = sc.runtime.dropout > 0.0
+    pl = sc.preference
+
+    def loss_and_grads(lora: Params, params: Params, batch: Batch, key: jax.Array | None):
+        labelled = jnp.sum(batch["labels"][:, :, 1:] != IGNORE_INDEX, axis=-1)  # (accum, rows)
+        per_pair = jax.vmap(lambda x: _pairs(x, pl.blocks))(labelled)
+        n_pairs = jnp.maximum(jnp.sum(per_pair[0] > 0), 1).astype(jnp.float32)
+        n_chosen = jnp.maximum(jnp.sum(per_pair[0]), 1).astype(jnp.float32)
+
+        def micro_objective(lora: Params, micro: Batch, micro_key: jax.Array | None):
+            t = _preference_terms(sc, params, lora, micro, micro_key, constrain)
+            value = jnp.sum(t["loss"]) / n_pairs + pl.sft_weight * t["chosen_nll"] / n_chosen
+            return value, _reward_sums(t)
+
+        grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+
+        def accumulate(carry, xs):
+            value_sum, grads, sums = carry
+            micro, idx = xs
+            micro_key = jax.random.fold_in(key, idx) if (use_dropout and key is not None) else None
+            (value, micro_sums), g = grad_fn(lora, micro, micro_key)
+            return (value_sum + value, jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, micro_sums)), None
+
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in REWARD_SUM_KEYS}
+        carry = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, lora), zero_sums)
+        n_micro = batch["input_ids"].shape[0]
+        (value, grads, sums), _ = jax.lax.scan(accumulate, carry, (batch, jnp.arange(n_micro)))
+        return value, grads, sums
+
+    return loss_and_grads
+
+
+REWARD_SUM_KEYS = ("pairs", "loss_sum", "chosen_sum", "rejected_sum", "correct", "chosen_nll")
+
+
+def make_preference_eval_step(sc: StepConfig, mesh: Mesh | None):
+    """``(lora, params, micro) -> sums`` (:data:`REWARD_SUM_KEYS` + ``chosen_tokens``) of one micro-batch."""
+    constrain = make_activation_constraint(mesh)
+
+    def eval_fn(lora: Params, params: Params, micro: Batch) -> dict[str, jax.Array]:
+        t = _preference_terms(sc, params, lora, micro, None, constrain)
+        return {**_reward_sums(t), "chosen_tokens": t["chosen_tokens"].astype(jnp.float32)}
+
+    return eval_fn
+
+
 def make_train_step(sc: StepConfig, optimizer: optax.GradientTransformation, mesh: Mesh | None):
     """The pure train step ``(state, params, batch) -> (state, metrics)`` (not yet jitted).
 
     ``state`` = ``{"lora", "opt_state", "step", "rng"}``; ``rng`` is a fixed key: the
     dropout key of step s is ``fold_in(rng, s)``, so a resumed run draws the same masks.
     """
-    loss_and_grads = make_loss_and_grads(sc, mesh)
+    preference = sc.preference is not None
+    loss_and_grads = (make_preference_loss_and_grads if preference else make_loss_and_grads)(sc, mesh)
 
     def step_fn(state: dict[str, Any], params: Params, batch: Batch) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         step_key = jax.random.fold_in(state["rng"], state["step"])
-        loss, grads, n_tokens = loss_and_grads(state["lora"], params, batch, step_key)
+        loss, grads, extra = loss_and_grads(state["lora"], params, batch, step_key)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["lora"])
         lora = optax.apply_updates(state["lora"], updates)
         new_state = {"lora": lora, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "n_tokens": n_tokens}
+        # token loss: extra = the trained-token count; DPO: the reward sums
+        metrics = {"loss": loss, "grad_norm": grad_norm, **(extra if preference else {"n_tokens": extra})}
+        return new_state, metrics
 
     return step_fn
 
@@ -238,7 +355,7 @@ def compile_steps(
         return {k: batch_sharding(mesh, v.shape) for k, v in batch.items()}
 
     train = make_train_step(sc, optimizer, mesh)
-    evaluate = make_eval_step(sc, mesh)
+    evaluate = (make_preference_eval_step if sc.preference is not None else make_eval_step)(sc, mesh)
     cache: dict[tuple, Any] = {}
 
     def train_step(state, params, batch):
@@ -247,7 +364,7 @@ def compile_steps(
             cache[key] = jax.jit(
                 train,
                 in_shardings=(shardings, param_shardings, batch_shardings(batch)),
-                out_shardings=(shardings, {"loss": rep, "grad_norm": rep, "n_tokens": rep}),
+                out_shardings=(shardings, rep),  # every metric replicated
                 donate_argnums=(0,),
             )
         return cache[key](state, params, batch)
@@ -258,7 +375,7 @@ def compile_steps(
             cache[key] = jax.jit(
                 evaluate,
                 in_shardings=(shardings["lora"], param_shardings, batch_shardings(micro)),
-                out_shardings={"nll_sum": rep, "n_tokens": rep, "n_correct": rep},
+                out_shardings=rep,
             )
         return cache[key](lora, params, micro)
 
