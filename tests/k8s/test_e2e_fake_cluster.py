@@ -137,8 +137,10 @@ def test_the_job_is_placed_on_the_pool_that_holds_it_and_trains_there(service, t
         pod_spec = created["spec"]["template"]["spec"]
         assert pod_spec["nodeSelector"] == {"tunefleet.io/pool": "rtx4090"}
         assert pod_spec["tolerations"] == RTX_POOL["tolerations"]
-        gpu = {"nvidia.com/gpu": "1"}
-        assert pod_spec["containers"][0]["resources"] == {"limits": gpu, "requests": gpu}
+        # the pool's GPU, and CPU and memory for it at the pools file's defaults
+        assert pod_spec["containers"][0]["resources"] == {
+            "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+            "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
         pods = [o for _, r, _, _, o in c.history if r == "pods" and o["spec"].get("nodeName")]
         assert pods and {p["spec"]["nodeName"] for p in pods} == {"rtx4090-0"}
 
