@@ -56,15 +56,22 @@ def save_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides: Any
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
+    randomize_weights(model, seed + 1)
+    model.save_pretrained(path)
+    return path
+
+
+def randomize_weights(model: Any, seed: int) -> None:
+    """Every parameter drawn from ``seed``: RMSNorm weights 1 + N(0, 0.2), the rest N(0, 0.08)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return path
 
 
 def nan_copy(model_dir: Path, dest: Path) -> Path:

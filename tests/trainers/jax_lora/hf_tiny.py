@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
+from tests.model_files import randomize_weights
 from trainers.common.tiny_model import build_tiny_llama
 
 LLAMA3_ROPE = {
@@ -46,13 +47,7 @@ def save_tiny_llama(path: Path, spec: TinySpec) -> Path:
         tie_word_embeddings=spec.tied, seed=spec.seed,
     )
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    randomize_weights(model, spec.seed + 1)
     for old in Path(path).glob("model*.safetensors*"):  # the builder's weights, now stale
         old.unlink()
     model.save_pretrained(path, max_shard_size="60KB" if spec.shards else "10GB")

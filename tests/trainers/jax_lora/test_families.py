@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.model_files import FAMILIES, save_tiny_family
+from tests.trainers.fsdp_qlora.reference import hf_model
 from tests.trainers.jax_lora.batches import random_lora
 from trainers.errors import UserError
 from trainers.jax_lora.config import DecoderConfig
@@ -33,21 +34,6 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory):
     return save_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def _hf(model_dir, quant: str = "none"):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kwargs = {}
-    if quant == "nf4":
-        kwargs = {"device_map": "cpu", "quantization_config": BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-            bnb_4bit_quant_storage=torch.float32)}
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kwargs)
-    # Train mode for bitsandbytes (an eval-mode Linear4bit may repack its weight on CPUs with
-    # avx512_bf16); there is no dropout in these configs, so nothing else changes.
-    model.train()
-    return model
 
 
 def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -80,7 +66,7 @@ def test_config_switches_follow_the_family(family_dir):
     with safe_open(str(family_dir / "model.safetensors"), "np") as f:
         stored = set(f.keys())
     assert set(iter_hf_names(cfg)) == stored
-    hf = _hf(family_dir)
+    hf = hf_model(family_dir)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 
@@ -88,7 +74,7 @@ def test_logits_match_transformers(family_dir):
     cfg, params = _load(family_dir)
     tokens = _tokens(cfg)
     ours = np.asarray(jax.jit(lambda p, t: forward(p, None, t, cfg=cfg))(params, tokens))
-    ref = _hf_logits(_hf(family_dir), tokens)
+    ref = _hf_logits(hf_model(family_dir), tokens)
     assert np.abs(ref).max() > 0.5  # logits far from uniform: the comparison has teeth
     assert np.abs(ours - ref).max() <= TOL
 
@@ -97,7 +83,7 @@ def test_packed_segments_match_transformers_alone(family_dir):
     """Each segment of a packed row gives the logits transformers gives it alone (for
     Mistral the segments are longer than the window, so window and segments combine)."""
     cfg, params = _load(family_dir)
-    hf = _hf(family_dir)
+    hf = hf_model(family_dir)
     rng = np.random.default_rng(1)
     seq, lengths = 40, (13, 20)
     tokens, segments, positions = (np.zeros((1, seq), np.int32) for _ in range(3))
@@ -134,7 +120,7 @@ def test_nf4_logits_match_the_bitsandbytes_model(family_dir):
         assert params["layers"]["biases"][name].dtype == jnp.float32
     tokens = _tokens(cfg, seed=2, shape=(2, 24))
     ours = np.asarray(jax.jit(lambda p, t: forward(p, None, t, cfg=cfg))(params, tokens))
-    assert np.abs(ours - _hf_logits(_hf(family_dir, "nf4"), tokens)).max() <= TOL
+    assert np.abs(ours - _hf_logits(hf_model(family_dir, "nf4"), tokens)).max() <= TOL
 
 
 def test_exported_adapter_loads_in_peft_with_our_logits(family_dir, tmp_path):
@@ -148,7 +134,7 @@ def test_exported_adapter_loads_in_peft_with_our_logits(family_dir, tmp_path):
     runtime = lora_runtime(alpha, r, 0.0)
     run = jax.jit(lambda p, l, t: (forward(p, l, t, cfg=cfg, runtime=runtime), forward(p, None, t, cfg=cfg)))
     ours, base = map(np.asarray, run(params, jax.tree.map(jnp.asarray, lora), tokens))
-    ref = _hf_logits(PeftModel.from_pretrained(_hf(family_dir), str(adapter)), tokens)
+    ref = _hf_logits(PeftModel.from_pretrained(hf_model(family_dir), str(adapter)), tokens)
     assert np.abs(ours - base).max() > 1e-2  # the adapter changes the logits
     assert np.abs(ours - ref).max() <= TOL
 
@@ -175,7 +161,7 @@ def test_sharded_load_splits_biases_and_norms_by_the_rules(tmp_path):
         for shard in b.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(a)[shard.index])
     tokens = _tokens(cfg, shape=(2, 16))
-    ref = _hf_logits(_hf(model_dir), tokens)
+    ref = _hf_logits(hf_model(model_dir), tokens)
     assert np.abs(np.asarray(forward(sharded, None, tokens, cfg=cfg)) - ref).max() <= TOL
 
 
