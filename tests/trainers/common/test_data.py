@@ -343,3 +343,38 @@ def test_a_template_refusing_an_example_is_a_user_error_naming_it(tiny_model_dir
     with pytest.raises(UserError) as err:
         tokenize_file(path, "chat", tok, 64)
     assert err.value.code == "invalid_dataset" and "train.jsonl: example 2" in str(err.value)
+
+
+def test_preference_tokenization_equals_trl_dpo_tokenization(tiny_tokenizer, tmp_path):
+    """The reference: TRL's DPOTrainer dataset preparation (conversational rows with
+    tools) gives the same prompt, chosen and rejected ids."""
+    import types
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from trainers.common.data import chat_template_messages, tokenize_preference
+    from trainers.common.formats import PreferenceExample, ToolCall
+
+    call = ToolCall("c1", "get_weather", '{"city": "Oslo"}')
+    examples = [
+        _pref_example(),
+        PreferenceExample(prompt=(Message("user", "Weather in Oslo?"),), chosen=Message("assistant", "", tool_calls=(call,)),
+                          rejected=Message("assistant", "Sunny, I guess."), tools=TOOLS),
+        PreferenceExample(
+            prompt=(Message("user", "Weather in Oslo?"), Message("assistant", "", tool_calls=(call,)),
+                    Message("tool", "-3 C", tool_call_id="c1")),
+            chosen=Message("assistant", "It is -3 C in Oslo."), rejected=Message("assistant", "It is 30 C."), tools=TOOLS),
+    ]
+    rows = [{"prompt": chat_template_messages(ex.prompt), "chosen": chat_template_messages([ex.chosen]),
+             "rejected": chat_template_messages([ex.rejected]), "tools": list(ex.tools) or None} for ex in examples]
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, dataset_num_proc=None)
+    reference = DPOTrainer._prepare_dataset(
+        types.SimpleNamespace(_tokenizer=tiny_tokenizer), Dataset.from_list(rows), tiny_tokenizer, args, "train")
+    for ex, ref in zip(examples, reference, strict=True):
+        chosen, rejected = tokenize_preference(tiny_tokenizer, ex, max_seq_len=4096)
+        n = len(ref["prompt_ids"])
+        assert list(chosen.input_ids) == ref["prompt_ids"] + ref["chosen_ids"]
+        assert list(rejected.input_ids) == ref["prompt_ids"] + ref["rejected_ids"]
+        assert chosen.labels[:n] == rejected.labels[:n] == (IGNORE_INDEX,) * n
+        assert list(chosen.labels[n:]) == ref["chosen_ids"] and list(rejected.labels[n:]) == ref["rejected_ids"]
