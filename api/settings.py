@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # Used by the Kubernetes executor (worker/executors/kubernetes.py).
     k8s_namespace: str = "tunefleet-training"
     kueue_queue: str | None = None
+    # tunefleet priority -> Kueue WorkloadPriorityClass, e.g. "low=batch-low,high=batch-high"
+    # (kube/kueue.py).
+    kueue_priority_classes: str | None = None
     k8s_trainer_secret: str | None = Field(
         default=None, description="Secret (training namespace) with the trainers' AWS_* credentials."
     )
@@ -136,6 +139,17 @@ class Settings(BaseSettings):
         default=4, ge=1, description="Completions a tenant may have running at once (more: 429)."
     )
     inference_timeout_s: float = Field(default=300.0, gt=0, description="Longest a completion may take.")
+
+    @field_validator("kueue_priority_classes")
+    @classmethod
+    def _kueue_priority_classes(cls, value: str | None) -> str | None:
+        from kube.kueue import parse_priority_classes
+
+        try:
+            parse_priority_classes(value)
+        except ValueError as exc:
+            raise ValueError(f"TUNEFLEET_KUEUE_PRIORITY_CLASSES: {exc}") from exc
+        return value
 
     @field_validator("rate_limit_trusted_proxies")
     @classmethod

@@ -28,9 +28,9 @@ from worker.scheduler.loop import manifest_options, trainer_env
 FULL = f"{RELEASE}-tunefleet"
 
 
-def _trainer_job(values: str, component: str, monkeypatch) -> tuple[dict, dict, tuple]:
+def _trainer_job(values: str, component: str, monkeypatch) -> tuple[dict, object, tuple]:
     """The trainer Job the executor would create for a 1-node job on the first pool, from
-    the settings the chart gives ``component``; with that container's resolved env."""
+    the settings the chart gives ``component``; with those settings."""
     docs = rendered_docs(values)
     container = one(docs, "Deployment", f"{FULL}-{component}")["spec"]["template"]["spec"][
         "containers"
@@ -41,14 +41,14 @@ def _trainer_job(values: str, component: str, monkeypatch) -> tuple[dict, dict, 
     job = render_job(job_id="ftjob-wiring", tenant="org-1", pool=pools[0], trainer=pools[0].trainers[0],
                      nodes=1, gpus_per_node=pools[0].gpus_per_node, opts=manifest_options(settings),
                      extra_env=trainer_env(settings, env))  # fmt: skip
-    return job, env, docs
+    return job, settings, docs
 
 
 @pytest.mark.parametrize("component", ["scheduler", "worker"])
 def test_trainer_pods_get_the_credentials_identity_priority_and_deadline_of_the_values(
     component, monkeypatch
 ):
-    job, _, docs = _trainer_job("kueue", component, monkeypatch)
+    job, settings, docs = _trainer_job("kueue", component, monkeypatch)
     pod = job["spec"]["template"]["spec"]
     (trainer,) = pod["containers"]
     assert job["metadata"]["namespace"] == "ml-training"
@@ -66,6 +66,10 @@ def test_trainer_pods_get_the_credentials_identity_priority_and_deadline_of_the_
     assert account["automountServiceAccountToken"] is False
     assert pod["priorityClassName"] == "training-batch"
     assert job["spec"]["activeDeadlineSeconds"] == 86400
+    # Kueue: the LocalQueue, and the WorkloadPriorityClass of each tunefleet priority
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-jobs"
+    assert manifest_options(settings).kueue_priority_classes == (
+        (25, "batch-low"), (50, "batch"), (75, "batch-high"))
     for version in KUBE_VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
 
@@ -73,7 +77,7 @@ def test_trainer_pods_get_the_credentials_identity_priority_and_deadline_of_the_
 def test_static_keys_given_by_value_reach_trainers_through_a_secret_of_their_namespace(
     monkeypatch,
 ):
-    job, env, docs = _trainer_job("two-pools-taints", "scheduler", monkeypatch)
+    job, _, docs = _trainer_job("two-pools-taints", "scheduler", monkeypatch)
     (trainer,) = job["spec"]["template"]["spec"]["containers"]
     (source,) = trainer["envFrom"]
     # a pod reads Secrets of its own namespace only: the chart writes one there
@@ -84,7 +88,6 @@ def test_static_keys_given_by_value_reach_trainers_through_a_secret_of_their_nam
     assert secret["data"] == one(docs, "Secret", f"{FULL}-s3")["data"]
     assert set(secret["data"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     # boto3 in the trainer needs the bucket's region as much as the control plane does
-    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
     assert {"name": "AWS_DEFAULT_REGION", "value": "eu-west-1"} in trainer["env"]
     assert "serviceAccountName" not in job["spec"]["template"]["spec"]
 

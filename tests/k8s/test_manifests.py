@@ -75,6 +75,10 @@ def test_torch_env_and_token_only_in_secret():
     env = _env(m.job)
     assert env["MASTER_ADDR"] == f"{m.name}-0.{m.name}.tunefleet-training.svc"
     assert (env["NNODES"], env["NPROC_PER_NODE"], env["MASTER_PORT"]) == ("3", "2", "29500")
+    # ... and under Kubeflow's PET_* names, which torchrun reads as its defaults
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE"):
+        assert env[f"PET_{name}"] == env[name], name
+    assert not any(n.startswith("PET_") for n in _env(_all(mi300x(), "jax_lora", 2, 8).job))
     assert env["TUNEFLEET_REPORT_TOKEN"] == {"secretKeyRef": {"name": f"{m.name}-token", "key": "token"}}
     assert m.secret["stringData"] == {"token": "s3cret"}
     assert "s3cret" not in str(m.configmap) and "s3cret" not in str(m.job)

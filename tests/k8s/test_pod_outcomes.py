@@ -20,12 +20,12 @@ def run(stop: StopReason | None = None, attempt: int | None = 3) -> TrackedRun:
 
 
 def job(completions: int = 1, condition: str | None = None, reason: str | None = None,
-        message: str | None = None) -> client.V1Job:
+        message: str | None = None, suspend: bool | None = None) -> client.V1Job:
     conditions = ([client.V1JobCondition(type=condition, status="True", reason=reason, message=message)]
                   if condition else None)
     return client.V1Job(metadata=client.V1ObjectMeta(name="tf-ftjob-1-3"),
                         spec=client.V1JobSpec(completions=completions, template=client.V1PodTemplateSpec(),
-                                              active_deadline_seconds=3600),
+                                              active_deadline_seconds=3600, suspend=suspend),
                         status=client.V1JobStatus(conditions=conditions))
 
 
@@ -108,6 +108,9 @@ ROWS = [
     ("disrupted pod, Ignored by the Job, replaced", run(), job(),
      [pod(0, phase="Failed", exit_code=12), pod(0, phase="Pending", node=None, unschedulable="0/3 nodes")], 10,
      [(ObservedKind.REQUEUE, "preempted_by_cluster", None)]),
+    ("Kueue suspended the running Job", run(), job(suspend=True), [pod(phase="Failed", exit_code=12)], 10,
+     [(ObservedKind.REQUEUE, "preempted_by_kueue", None)]),
+    ("suspended, not admitted by Kueue yet", run(), job(suspend=True), [], 10, []),
     ("gone after our stop", run(StopReason.PREEMPT), None, [], 10, [(ObservedKind.STOPPED, None, StopReason.PREEMPT)]),
     ("gone without a stop", run(), None, [], 10, [(ObservedKind.REQUEUE, "job_lost", None)]),
     ("not listed yet", run(), None, [], 1, []),

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kube import kueue
 from kube.labels import (
     COMPLETION_INDEX_ANNOTATION,
     LABEL_ATTEMPT,
@@ -40,8 +41,6 @@ from trainers.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from trainers.spec import TrainerSpec
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 SPEC_MOUNT = "/etc/tunefleet/spec"
 SPEC_FILE = f"{SPEC_MOUNT}/spec.json"
@@ -73,6 +72,8 @@ class ManifestOptions:
     namespace: str = "tunefleet-training"
     ttl_seconds_after_finished: int = 3600
     kueue_queue: str | None = None
+    kueue_priority_classes: kueue.PriorityClasses = ()
+    """tunefleet priority thresholds -> WorkloadPriorityClass (``kube.kueue``)."""
     shm_size: str = "16Gi"
     service_account: str | None = None
     image_pull_policy: str = "IfNotPresent"
@@ -153,6 +154,7 @@ def _distributed_env(name: str, trainer: str, nodes: int, gpus_per_node: int, op
         env = [{"name": "NNODES", "value": "1"}, {"name": "NODE_RANK", "value": "0"}]
         if trainer == "fsdp_qlora":
             env.append({"name": "NPROC_PER_NODE", "value": str(gpus_per_node)})
+            env += _pet_names(env)
         return env
     if trainer == "jax_lora":
         return [
@@ -160,13 +162,21 @@ def _distributed_env(name: str, trainer: str, nodes: int, gpus_per_node: int, op
             {"name": "JAX_NUM_PROCESSES", "value": str(nodes)},
             {"name": "JAX_PROCESS_ID", **index},
         ]
-    return [
+    env = [
         {"name": "MASTER_ADDR", "value": rank0},
         {"name": "MASTER_PORT", "value": str(TORCH_PORT)},
         {"name": "NNODES", "value": str(nodes)},
         {"name": "NODE_RANK", **index},
         {"name": "NPROC_PER_NODE", "value": str(gpus_per_node)},
     ]
+    return env + _pet_names(env)
+
+
+def _pet_names(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same rendezvous under Kubeflow's ``PET_*`` names, which torchrun reads as its
+    defaults (``PET_NNODES`` for ``--nnodes``...): an image that starts with torchrun, or
+    tooling written for Kubeflow's PyTorchJob, finds them where it looks."""
+    return [{**copy.deepcopy(e), "name": f"PET_{e['name']}"} for e in env]
 
 
 def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes: int, gpus_per_node: int,
@@ -177,7 +187,7 @@ def render_job(*, job_id: str, tenant: str, pool: NodePool, trainer: str, nodes:
     lbls = labels(job_id, tenant, pool.name)
     job_labels = dict(lbls)
     if opts.kueue_queue:
-        job_labels[KUEUE_QUEUE_LABEL] = opts.kueue_queue
+        job_labels[kueue.QUEUE_LABEL] = opts.kueue_queue
     env: list[dict[str, Any]] = [
         {"name": "TUNEFLEET_JOB_ID", "value": job_id},
         {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}},
@@ -341,7 +351,8 @@ def launch_manifests(spec: TrainerSpec, *, tenant: str, priority: int, pool: Nod
     The spec's report token moves to the Secret; the spec names the pod's termination
     log; every object and pod carries the job's priority, the launch number (``attempt``)
     and the database's run attempt (``run``; None: unknown), so that each change observed
-    on this launch names its run and an old launch's exit never moves a newer run.
+    on this launch names its run and an old launch's exit never moves a newer run. In
+    Kueue mode the Job also names the WorkloadPriorityClass its priority maps to.
     """
     spec_json = spec.model_dump(mode="json")
     spec_json["report"]["token"] = None
@@ -354,4 +365,7 @@ def launch_manifests(spec: TrainerSpec, *, tenant: str, priority: int, pool: Nod
         launch[LABEL_RUN] = str(run)
     for labelled in (*m.all(), m.job["spec"]["template"]):
         labelled["metadata"]["labels"].update(launch)
+    priority_class = kueue.priority_class_for(priority, opts.kueue_priority_classes) if opts.kueue_queue else None
+    if priority_class:
+        m.job["metadata"]["labels"][kueue.PRIORITY_CLASS_LABEL] = priority_class
     return m

@@ -19,7 +19,8 @@ pod Evicted / node lost            REQUEUE (from its last checkpoint)
 exit 0 on every pod                SUCCEEDED
 exit 10 / 11                       FAILED with the trainer's termination message
 exit 12                            STOPPED after a stop -- else REQUEUE
-                                   ``preempted_by_cluster`` (e.g. a node drain)
+                                   ``preempted_by_cluster`` (e.g. a node drain), or
+                                   ``preempted_by_kueue`` when Kueue suspended the Job
 several pods failed                the first that is not exit 12 (the Job's podFailurePolicy
                                    then stopped the gang's other pods)
 Job Failed, DeadlineExceeded       FAILED ``max_runtime_exceeded`` (activeDeadlineSeconds)
@@ -121,6 +122,11 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
     if failed:
         # A gang member's own failure, not the SIGTERM that the failure brought the others.
         pod, term = min(failed, key=lambda f: f[1].exit_code == ExitCode.PREEMPTED)
+        if term.exit_code == ExitCode.PREEMPTED and run.stop_reason is None and _suspended(job):
+            return [ObservedChange(jid, ObservedKind.REQUEUE, exit_code=term.exit_code,
+                                   error_code="preempted_by_kueue", message=(
+                                       "Kueue suspended the Job (its quota went to other workloads); "
+                                       "requeued from its checkpoint"))]
         return [exit_change(run, pod, term)]
     if failed_cond is not None and run.stop_reason is None:
         if failed_cond.reason == "PodFailurePolicy":
@@ -182,6 +188,11 @@ def job_condition(job: Any) -> str | None:
         if cond.status == "True" and cond.type in ("Complete", "Failed"):
             return cond.type
     return None
+
+
+def _suspended(job: Any) -> bool:
+    """Whether the batch/v1 Job is suspended (Kueue evicted it, or has not admitted it yet)."""
+    return bool(job is not None and job.spec is not None and job.spec.suspend)
 
 
 def _failed_condition(job: Any) -> Any:

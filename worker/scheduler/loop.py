@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.settings import Settings
+from kube.kueue import parse_priority_classes
 from scheduling.placement import PreemptionPolicy
 from scheduling.pools import load_pools
 from worker.executors.base import Executor
@@ -96,9 +97,10 @@ def trainer_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str
 
 def manifest_options(settings: Settings) -> ManifestOptions:
     """The trainer Jobs' deployment-wide knobs from the settings (``TUNEFLEET_K8S_*``,
-    ``TUNEFLEET_KUEUE_QUEUE``): what the Helm chart's values turn into."""
+    ``TUNEFLEET_KUEUE_*``): what the Helm chart's values turn into."""
     return ManifestOptions(
         namespace=settings.k8s_namespace, kueue_queue=settings.kueue_queue,
+        kueue_priority_classes=parse_priority_classes(settings.kueue_priority_classes),
         env_from_secret=settings.k8s_trainer_secret, service_account=settings.k8s_trainer_service_account,
         automount_service_account_token=settings.k8s_trainer_automount_token,
         priority_class_name=settings.k8s_trainer_priority_class,

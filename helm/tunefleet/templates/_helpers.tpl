@@ -122,6 +122,15 @@ their environment (empty: none) and their ServiceAccount (empty: the namespace's
 {{- end }}
 {{- end }}
 
+{{/* kueue.priorityClasses as "high=batch-high,low=batch-low" (keys in sorted order). */}}
+{{- define "tunefleet.kueuePriorityClasses" -}}
+{{- $pairs := list }}
+{{- range $priority, $class := .Values.kueue.priorityClasses }}
+{{- $pairs = append $pairs (printf "%s=%s" $priority $class) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
 {{/*
 Environment of the API, worker and scheduler containers (docs/internals.md "Settings").
 */}}
@@ -175,6 +184,10 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
 {{- if .Values.kueue.enabled }}
 - name: TUNEFLEET_KUEUE_QUEUE
   value: {{ .Values.kueue.localQueue | quote }}
+{{- with .Values.kueue.priorityClasses }}
+- name: TUNEFLEET_KUEUE_PRIORITY_CLASSES
+  value: {{ include "tunefleet.kueuePriorityClasses" $ | quote }}
+{{- end }}
 {{- end }}
 - name: TUNEFLEET_DATABASE_URL
   valueFrom:
