@@ -54,10 +54,11 @@ def write_demo_dataset(path: Path, n: int = 400, *, seed: int = 0) -> Path:
 
 def ensure_demo_model(models_dir: Path) -> Path:
     """Build (once) and return the tiny demo Llama checkpoint directory."""
-    from trainers.common.tiny_model import build_tiny_llama
+    from trainers.common.tiny_model import build_tiny_llama, refresh_tiny_tokenizer
 
     out = models_dir / "tiny-llama"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        refresh_tiny_tokenizer(out)  # one built by an older release: today's chat template
         return out
     return build_tiny_llama(
         out, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, seed=0

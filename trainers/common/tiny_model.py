@@ -106,6 +106,20 @@ def build_tiny_tokenizer(out_dir: str | Path) -> Any:
     return fast
 
 
+def refresh_tiny_tokenizer(model_dir: str | Path) -> bool:
+    """Rewrite a built tiny model's tokenizer if its chat template is not today's.
+
+    A model directory built by an older release keeps the template it was built with
+    (one that may not render tools); the weights stay, only the tokenizer files are
+    written again. Returns True if they were.
+    """
+    saved = Path(model_dir) / "chat_template.jinja"
+    if saved.exists() and saved.read_text(encoding="utf-8") == CHAT_TEMPLATE:
+        return False
+    build_tiny_tokenizer(model_dir)
+    return True
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable-character table (what the ByteLevel pre-tokenizer emits)."""
     printable = (

@@ -91,3 +91,18 @@ def test_chat_template_renders_tools_calls_and_results_like_llama_3_1(tiny_token
     bare = tiny_tokenizer.apply_chat_template(msgs[1:2], tools=tools, tokenize=False)
     assert bare.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\nTo call")
     assert "ipython" not in tiny_tokenizer.apply_chat_template(msgs[:2], tokenize=False)
+
+
+def test_refresh_rewrites_an_outdated_chat_template_only(tmp_path):
+    from trainers.common.tiny_model import (
+        CHAT_TEMPLATE,
+        build_tiny_tokenizer,
+        refresh_tiny_tokenizer,
+    )
+
+    build_tiny_tokenizer(tmp_path)
+    assert refresh_tiny_tokenizer(tmp_path) is False
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}old", encoding="utf-8")
+    assert refresh_tiny_tokenizer(tmp_path) is True
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).chat_template == CHAT_TEMPLATE
+    assert refresh_tiny_tokenizer(tmp_path) is False
