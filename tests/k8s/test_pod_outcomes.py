@@ -110,7 +110,7 @@ ROWS = [
      [(ObservedKind.REQUEUE, "preempted_by_cluster", None)]),
     ("Kueue suspended the running Job", run(), job(suspend=True), [pod(phase="Failed", exit_code=12)], 10,
      [(ObservedKind.REQUEUE, "preempted_by_kueue", None)]),
-    ("suspended, not admitted by Kueue yet", run(), job(suspend=True), [], 10, []),
+    ("suspended, not admitted by Kueue yet", run(), job(suspend=True), [], 10, [(ObservedKind.WAITING, None, None)]),
     ("gone after our stop", run(StopReason.PREEMPT), None, [], 10, [(ObservedKind.STOPPED, None, StopReason.PREEMPT)]),
     ("gone without a stop", run(), None, [], 10, [(ObservedKind.REQUEUE, "job_lost", None)]),
     ("not listed yet", run(), None, [], 1, []),
@@ -135,3 +135,10 @@ def test_the_trainer_message_reaches_the_change():
 def test_a_run_of_unknown_attempt_says_so():
     [change] = observe(run(attempt=None), job(), [pod()], LAUNCHED, max_pending_s=MAX_PENDING_S)
     assert change.attempt is None
+
+
+def test_a_job_kueue_has_not_admitted_says_which_local_queue_holds_it():
+    held = job(suspend=True)
+    held.metadata.labels = {"kueue.x-k8s.io/queue-name": "gpu-jobs"}
+    [change] = observe(run(), held, [], LAUNCHED + 10, max_pending_s=MAX_PENDING_S)
+    assert change.message == "admitted, waiting for Kueue (LocalQueue gpu-jobs)"

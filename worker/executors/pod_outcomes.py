@@ -11,6 +11,7 @@ changes into job transitions (``worker.outcomes.apply_outcome``).
 observed                           change
 =================================  ==========================================================
 pod Running                        STARTED
+Job suspended, no pods yet         WAITING "admitted, waiting for Kueue (LocalQueue X)"
 Pending, PodScheduled=False        WAITING (the scheduler's message); REQUEUE
                                    ``unschedulable`` after ``max_pending_s``
 ImagePullBackOff / ErrImagePull    FAILED ``image_pull_failed``
@@ -39,6 +40,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kube import kueue
 from kube.labels import completion_index
 from trainers.exit_codes import ExitCode
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
@@ -149,6 +151,9 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
                                    message=f"stopped ({run.stop_reason.value}); its pods are gone")]
         return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="job_lost",
                                message="the Kubernetes Job disappeared; requeued")]
+    if _suspended(job) and not pods:
+        queue = (job.metadata.labels or {}).get(kueue.QUEUE_LABEL, "?") if job.metadata else "?"
+        out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"admitted, waiting for Kueue (LocalQueue {queue})"))
     if any(p.status and p.status.phase == "Running" for p in pods):
         out.append(ObservedChange(jid, ObservedKind.STARTED, message="trainer running"))
     return out
