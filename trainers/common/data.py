@@ -200,11 +200,29 @@ def _render(
     )
 
 
+def _require_tools_rendered(
+    tokenizer: Any, template: str, msgs: list[dict[str, Any]], tools: Sequence[dict[str, Any]], gen: bool, text: str
+) -> None:
+    """A template without tool support renders ``tools`` as nothing: refuse to train so."""
+    if tools and _render(tokenizer, template, msgs, gen) == text:
+        raise ValueError("the chat template ignores the line's 'tools'; use a model whose template supports tools")
+
+
+def _require_calls_rendered(text: str, message: Message, where: str) -> None:
+    missing = [c.name for c in message.tool_calls if c.name not in text]
+    if missing:
+        raise ValueError(
+            f"the chat template does not render the tool call(s) {', '.join(missing)} of {where}; "
+            "use a model whose template supports tool calls"
+        )
+
+
 def _assistant_char_spans(tokenizer: Any, template: str, example: Example) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans of trained assistant turns."""
     msgs = chat_template_messages(example.messages)
     tools = example.tools
     full = _render(tokenizer, template, msgs, False, tools)
+    _require_tools_rendered(tokenizer, template, msgs, tools, False, full)
     spans: list[tuple[int, int]] = []
     search_from = 0
     for i, m in enumerate(example.messages):
@@ -228,6 +246,7 @@ def _assistant_char_spans(tokenizer: Any, template: str, example: Example) -> tu
                 end = len(upto)  # keep the template's end-of-turn text in the span
         if start < 0:
             raise ValueError(f"chat template dropped the content of assistant turn {i}")
+        _require_calls_rendered(full[start:end], m, f"assistant turn {i}")
         search_from = end
         if m.weight == 1:
             spans.append((start, end))
@@ -304,14 +323,16 @@ def _preference_ids(tokenizer: Any, template: str, example: PreferenceExample) -
     """Untruncated prompt ids and the ids of (chosen, rejected)."""
     prompt = chat_template_messages(example.prompt)
     head = _render(tokenizer, template, prompt, True, example.tools)
+    _require_tools_rendered(tokenizer, template, prompt, example.tools, True, head)
     answers: list[list[int]] = []
-    for answer in (example.chosen, example.rejected):
+    for name, answer in (("the preferred answer", example.chosen), ("the rejected answer", example.rejected)):
         full = _render(tokenizer, template, prompt + chat_template_messages([answer]), False, example.tools)
         if not full.startswith(head) or len(full) == len(head):
             raise ValueError(
                 "the chat template does not render prompt + answer as the prompt (with its generation "
                 "prompt) followed by the answer; preference pairs cannot be split for this template"
             )
+        _require_calls_rendered(full[len(head) :], answer, name)
         answers.append(_encode(tokenizer, full[len(head) :]))
     return _encode(tokenizer, head), answers
 

@@ -378,3 +378,22 @@ def test_preference_tokenization_equals_trl_dpo_tokenization(tiny_tokenizer, tmp
         assert list(rejected.input_ids) == ref["prompt_ids"] + ref["rejected_ids"]
         assert chosen.labels[:n] == rejected.labels[:n] == (IGNORE_INDEX,) * n
         assert list(chosen.labels[n:]) == ref["chosen_ids"] and list(rejected.labels[n:]) == ref["rejected_ids"]
+
+
+def test_a_template_without_tool_support_is_refused_not_trained_on_silently(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from trainers.common.data import ChatTemplateError, tokenize_preference_dataset
+    from trainers.common.formats import PreferenceExample
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = ONE_CALL_TEMPLATE  # renders neither tools nor tool calls
+    with pytest.raises(ChatTemplateError, match="example 1: .*ignores the line's 'tools'"):
+        tokenize_dataset(tok, [_tool_example()], 512)
+    no_tools = Example(_tool_example().messages)
+    with pytest.raises(ChatTemplateError, match="example 1: .*tool call.* get_weather of assistant turn 2"):
+        tokenize_dataset(tok, [no_tools], 512)
+    pref = PreferenceExample(prompt=(Message("user", "q"),), chosen=Message("assistant", "a"),
+                             rejected=no_tools.messages[2])
+    with pytest.raises(ChatTemplateError, match="get_weather of the rejected answer"):
+        tokenize_preference_dataset(tok, [pref], 512)
