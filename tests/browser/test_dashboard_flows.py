@@ -391,3 +391,33 @@ def test_a_waiting_job_shows_the_schedulers_reason_and_position(service, page_fo
             assert seen["queue_reason"] in row.inner_text()
         finally:
             api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+
+
+def test_a_dpo_job_charts_its_reward_metrics(service, page_for, screenshots: Path) -> None:
+    """A DPO job's page shows the reward charts, filled from the trainer's reward metrics
+    (train, and valid from its held-out file) until it succeeds."""
+    from tests.preference_data import sum_preference_lines
+
+    with service.api() as api:
+        files = []
+        for name, data in (("prefs.jsonl", sum_preference_lines(16)), ("held.jsonl", sum_preference_lines(8, start=16))):
+            file = api.post("/v1/files", data={"purpose": "fine-tune"},
+                            files={"file": (name, data, "application/jsonl")}).json()
+            files.append(file["id"])
+        job = api.post("/v1/fine_tuning/jobs", json={
+            "model": "tunefleet-tiny-llama", "training_file": files[0], "validation_file": files[1],
+            "trainer": "fsdp_qlora", "max_seq_len": 48,
+            "method": {"type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 1, "batch_size": 4}}}})
+        assert job.status_code == 200, job.text
+        job_id = job.json()["id"]
+    page = page_for(service.admin_key)
+    page.goto(f"{service.url}/ui/jobs/{job_id}")
+    page.wait_for_selector("#card-reward-accuracy:not(.hidden)")
+    assert "DPO · β 0.1" in page.inner_text("#job-details")
+    assert _wait_status(page, {"succeeded", "failed"}, timeout_s=240) == "succeeded", service.log_tail(120)
+    _wait_js(page, service, "Number(document.querySelector('#chart-reward-accuracy').dataset.points || 0) >= 4",
+             timeout_ms=30_000, what="the reward accuracy chart to hold every step")
+    assert int(page.get_attribute("#chart-rewards", "data-points") or 0) == 4
+    legend = page.inner_text("#card-rewards")
+    assert all(label in legend for label in ("chosen", "rejected", "margin", "valid margin"))
+    page.screenshot(path=screenshots / "dpo-job-rewards.png", full_page=True)
