@@ -68,6 +68,7 @@ missing_content           a message has no ``content`` (or it is null) and no to
 empty_content             a content/completion/instruction/output is empty or whitespace only
 unsupported_content_type  a content part that is not text (image, audio, file, refusal)
 invalid_weight            ``weight`` is not 0 or 1, or is set on a non-assistant message
+                          or on a preference output
 no_assistant_message      no assistant message with weight 1 (nothing to train on)
 invalid_tool_call         ``tool_calls``/``function_call`` malformed, or on a message that
                           is not an assistant's; ``tool_call_id`` on a non-tool message
