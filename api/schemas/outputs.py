@@ -6,8 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from api.schemas.reports import PreferenceMetrics
 
-class MetricPublic(BaseModel):
+
+class MetricPublic(PreferenceMetrics):
+    """One metric row; a DPO run's also carries ``rewards/...`` (null otherwise)."""
+
     object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
     step: int
     total_steps: int | None
@@ -22,15 +26,6 @@ class MetricPublic(BaseModel):
     tokens_seen: int | None
     memory_bytes: int | None
     time: float | None
-    # DPO runs only; null otherwise.
-    rewards_chosen: float | None = Field(None, alias="rewards/chosen")
-    rewards_rejected: float | None = Field(None, alias="rewards/rejected")
-    rewards_accuracy: float | None = Field(None, alias="rewards/accuracy")
-    rewards_margin: float | None = Field(None, alias="rewards/margin")
-    valid_rewards_chosen: float | None = Field(None, alias="valid_rewards/chosen")
-    valid_rewards_rejected: float | None = Field(None, alias="valid_rewards/rejected")
-    valid_rewards_accuracy: float | None = Field(None, alias="valid_rewards/accuracy")
-    valid_rewards_margin: float | None = Field(None, alias="valid_rewards/margin")
 
 
 class MetricsPublic(BaseModel):

@@ -37,7 +37,21 @@ PREFERENCE_METRICS: dict[str, str] = {
 }
 
 
-class MetricItem(_Item):
+class PreferenceMetrics(BaseModel):
+    """A DPO run's reward metrics: read and written under their reported names
+    (``PREFERENCE_METRICS``), held in the fields of the same name with ``_``."""
+
+    rewards_chosen: Finite | None = Field(None, alias="rewards/chosen")
+    rewards_rejected: Finite | None = Field(None, alias="rewards/rejected")
+    rewards_accuracy: Finite | None = Field(None, alias="rewards/accuracy")
+    rewards_margin: Finite | None = Field(None, alias="rewards/margin")
+    valid_rewards_chosen: Finite | None = Field(None, alias="valid_rewards/chosen")
+    valid_rewards_rejected: Finite | None = Field(None, alias="valid_rewards/rejected")
+    valid_rewards_accuracy: Finite | None = Field(None, alias="valid_rewards/accuracy")
+    valid_rewards_margin: Finite | None = Field(None, alias="valid_rewards/margin")
+
+
+class MetricItem(_Item, PreferenceMetrics):
     type: Literal["metric"]
     step: Step
     total_steps: Step | None = None
@@ -52,14 +66,6 @@ class MetricItem(_Item):
     tokens_seen: Count | None = None
     memory_bytes: Count | None = None
     time: float | None = None
-    rewards_chosen: Finite | None = Field(None, alias="rewards/chosen")
-    rewards_rejected: Finite | None = Field(None, alias="rewards/rejected")
-    rewards_accuracy: Finite | None = Field(None, alias="rewards/accuracy")
-    rewards_margin: Finite | None = Field(None, alias="rewards/margin")
-    valid_rewards_chosen: Finite | None = Field(None, alias="valid_rewards/chosen")
-    valid_rewards_rejected: Finite | None = Field(None, alias="valid_rewards/rejected")
-    valid_rewards_accuracy: Finite | None = Field(None, alias="valid_rewards/accuracy")
-    valid_rewards_margin: Finite | None = Field(None, alias="valid_rewards/margin")
 
 
 class EventItem(_Item):
