@@ -162,7 +162,7 @@ def _api_error(exc: Exception, model: str) -> APIError:
                         headers={"Retry-After": "5"})
     assert isinstance(exc, InferenceRejected)
     if exc.status == 401 or exc.status >= 500 and exc.code not in ("model_loading", "model_load_failed",
-                                                                   "model_unavailable"):
+                                                                   "model_unavailable", "adapter_load_failed"):
         log.error("the inference worker refused a request: %s %s %s", exc.status, exc.code, exc.message)
         return APIError(503, "inference_unavailable", "The inference worker failed; retry later.",
                         headers={"Retry-After": "5"})

@@ -49,6 +49,21 @@ tenant_exists                  409   creating a tenant whose name is taken
 rate_limited                   429   too many failed authentications from this IP, or too
                                      many requests for this key / job / IP (``Retry-After``)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
+checkpoint_not_found           404   no such checkpoint of this job
+checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
+model_not_found                404   completions: not a base model, nor a fine-tuned model or
+                                     checkpoint of this organization (``param`` = ``model``)
+unsupported_parameter          400   completions: a parameter this service does not implement
+unsupported_content            400   completions: a non-text content part
+too_many_requests              429   completions: the organization's concurrent completions are
+                                     running already (``Retry-After``)
+model_loading                  503   completions: the base model is being loaded (``Retry-After``)
+model_unavailable              503   completions: the base model's files are not on this machine
+inference_unavailable          503   completions: the inference worker / server is not reachable
+model_load_failed              503   completions: the base model failed to load (the next request retries)
+adapter_load_failed            503   completions: the adapter does not load on its base model
+adapter_not_found              404   completions: the model's adapter files are gone from storage
+inference_timeout              504   completions: longer than ``TUNEFLEET_INFERENCE_TIMEOUT_S``
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """

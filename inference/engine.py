@@ -153,7 +153,7 @@ class Engine:
                     base.model = PeftModel.from_pretrained(base.model, adapter.path, adapter_name=name).eval()
             except Exception as exc:
                 log.exception("loading adapter %s from %s failed", adapter.id, adapter.path)
-                raise InferenceError(422, "adapter_load_failed",
+                raise InferenceError(503, "adapter_load_failed",
                                      f"Adapter of '{adapter.id}' does not load on its base model: {exc}") from exc
             base.adapters[key] = name
         base.model.set_adapter(name)

@@ -113,14 +113,19 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
+    """What every completion object carries besides its ``object`` and ``choices``."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class CompletionChoice(BaseModel):
@@ -130,11 +135,6 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None

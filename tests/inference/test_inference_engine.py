@@ -4,6 +4,7 @@ keeps one base loaded and switches (and evicts) adapters."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -111,3 +112,16 @@ def test_requests_that_cannot_start_say_why(engine, tiny_model_dir, tmp_path):
     with pytest.raises(InferenceError) as not_local:
         next(engine.generate(remote))
     assert (not_local.value.status, not_local.value.code) == (400, "model_not_local")
+
+
+def test_closing_a_stream_stops_its_generation_and_frees_the_model(engine, tiny_model_dir, make_adapter):
+    # The base model's greedy answer starts with an ASCII character: a text event comes at once.
+    events = engine.generate(_request(tiny_model_dir, None, max_tokens=100_000))
+    assert next(events).type == "start"
+    assert next(events).type == "text"
+    started = time.monotonic()
+    events.close()  # what a caller that went away does: generate ends at the next token
+    assert time.monotonic() - started < 10
+    assert not any(t.name == "generate" for t in threading.enumerate())
+    after = list(engine.generate(_request(tiny_model_dir, make_adapter(1))))  # the base's lock was released
+    assert after[-1].type == "finish"
