@@ -418,6 +418,7 @@ def test_base_models_configmap_is_accepted_by_the_service_parser():
     assert [m.id for m in models] == [
         m["id"] for m in load_values("two-pools-taints")["baseModels"]
     ]
+    assert models[0].inference_url == "http://vllm-llama-8b.inference.svc:8000"
     worker = one(docs, "Deployment", f"{FULL}-worker")["spec"]["template"]["spec"]["containers"][0]
     assert (
         env_of(worker)["TUNEFLEET_BASE_MODELS_FILE"]["value"] == "/etc/tunefleet/base_models.yaml"
