@@ -212,6 +212,8 @@ def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
     per_token = b * (3 * h + q + 2 * q + q + q) + _FP32 * m.heads  # norm + attention block
     per_token += b * (3 * h + 4 * f)  # norm + MLP block
     per_token += b * t.r * len(t.target_modules)  # LoRA A outputs
+    if m.qk_norm:  # Qwen3's q/k RMSNorms save what the layer norms do, at q's and k's widths
+        per_token += b * 3 * (q + m.kv_heads * m.hd)
     return per_token * t.tokens_per_micro_batch
 
 
@@ -225,7 +227,9 @@ def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
     keeps q, k, v after RoPE at their own widths (the GQA path, no ``repeat_kv`` copy),
     its output (also o_proj's input) and a logsumexp per head; the MLP keeps gate, up and
     act(gate), and the product only when down_proj has LoRA; LoRA keeps its rank-r
-    intermediates. Casts are no-ops in fp32, so there are no upcast copies.
+    intermediates. Casts are no-ops in fp32, so there are no upcast copies. Qwen3's q/k
+    norms keep their inputs and rsqrts too (tests/worker/test_model_shapes.py); biases
+    keep nothing.
     """
     targets = set(t.target_modules)
     q, kv, h, f = m.heads * m.hd, m.kv_heads * m.hd, m.hidden, m.intermediate
@@ -233,6 +237,8 @@ def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
     elements += h if targets & {"q_proj", "k_proj", "v_proj"} else 0
     elements += h if targets & {"gate_proj", "up_proj"} else 0
     elements += f if "down_proj" in targets else 0
+    if m.qk_norm:  # Qwen3: each q/k RMSNorm keeps its input and an rsqrt per head
+        elements += q + kv + m.heads + m.kv_heads
     return _FP32 * elements
 
 

@@ -14,6 +14,7 @@ import torch
 from scheduling.estimator import KNOWN_MODELS, ModelShape, memory_per_gpu
 from scheduling.model_shapes import ModelShape as ModelShapeHome
 
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA_31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 _LLAMA_31 = {"model_type": "llama", "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
@@ -112,3 +113,28 @@ def test_estimator_weights_hold_every_unquantized_parameter():
     shape = ModelShape.from_hf_config(PUBLISHED_CONFIGS["Qwen/Qwen2.5-7B"])
     mem = memory_per_gpu(shape, TrainingShape(method="lora"), 1, accelerator="nvidia-rtx-4090")
     assert mem.weights == 2 * _transformers_count(PUBLISHED_CONFIGS["Qwen/Qwen2.5-7B"])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ALL])
+def test_fp32_saved_activations_match_autograd_per_family(family, targets):
+    """What one layer saves for backward (fp32, SDPA, peft LoRA) as autograd counts it:
+    Qwen2's biases add nothing, Qwen3's q/k norms keep their inputs and rsqrts."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from scheduling.estimator import TrainingShape, activation_bytes_per_layer
+    from tests.model_files import tiny_family_config
+    from tests.worker.test_estimator import _bytes_layer_1_saves
+
+    # Mistral as v0.2+ publish it (no window): a windowed mask is an explicit tensor SDPA
+    # keeps, outside this per-layer count.
+    config = tiny_family_config(family, attn_implementation="sdpa",
+                                **({"sliding_window": None} if family == "mistral" else {}))
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=list(targets)))
+    model.train()
+    ids = torch.randint(0, 256, (2, 48))
+    training = TrainingShape(r=4, target_modules=targets, seq_len=48, micro_batch=2, compute_bytes=4)
+    shape = ModelShape.from_hf_config(config.to_dict())
+    assert activation_bytes_per_layer(shape, training) == _bytes_layer_1_saves(model, ids)
