@@ -1,7 +1,8 @@
 """Tool-calling, content-parts and ShareGPT files really train, driven by the official
 ``openai`` SDK against the real service (API, Celery worker, scheduler, trainer
 processes; SQLite + the server-less broker): each file validates and its short job
-succeeds, having trained on exactly the tokens the shared data pipeline renders."""
+succeeds (the content-parts one on jax_lora, the others on fsdp_qlora), having trained
+on exactly the tokens the shared data pipeline renders."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 MAX_SEQ_LEN = 512  # the demo model's limit; the tool-calling lines render to at most 507 tokens
 FILES = {"tool_calls": tool_calling_lines(8), "content_parts": content_parts_lines(8), "sharegpt": sharegpt_lines(8)}
+# Both trainers read the files through the same data pipeline: one job of each is enough.
+TRAINERS = {"tool_calls": "fsdp_qlora", "content_parts": "jax_lora", "sharegpt": "fsdp_qlora"}
 
 
 def _expected_tokens(tiny_model_dir: Path, body: bytes) -> int:
@@ -45,7 +48,7 @@ def test_tool_call_content_parts_and_sharegpt_jobs_succeed(service, tiny_model_d
         jobs[name] = oai.fine_tuning.jobs.create(
             model="tunefleet-tiny-llama", training_file=uploaded.id, seed=5, suffix=name.replace("_", "-"),
             hyperparameters={"n_epochs": 1, "batch_size": 4},
-            extra_body={"adapter": {"r": 4}, "max_seq_len": MAX_SEQ_LEN},
+            extra_body={"adapter": {"r": 4}, "max_seq_len": MAX_SEQ_LEN, "trainer": TRAINERS[name]},
         )
 
     deadline = time.monotonic() + 420
@@ -61,8 +64,10 @@ def test_tool_call_content_parts_and_sharegpt_jobs_succeed(service, tiny_model_d
     for name, job in done.items():
         assert job.status == "succeeded", f"{name}: {job.error}\n{svc.dump_logs()}"
         assert job.fine_tuned_model and job.trained_tokens
+        assert job.model_extra["trainer"] == TRAINERS[name]
         events = oai.fine_tuning.jobs.list_events(job.id, limit=100).data
-        (loaded,) = [e for e in events if e.message == "model loaded"]
+        # fsdp_qlora says "model loaded", jax_lora "jax_lora: model loaded"; both carry the data stats
+        (loaded,) = [e for e in events if e.message.endswith("model loaded")]
         stats = loaded.data
         assert (stats["train_examples"], stats["truncated_examples"], stats["dropped_examples"]) == (8, 0, 0), stats
         assert stats["train_tokens"] == _expected_tokens(tiny_model_dir, FILES[name]), name
