@@ -11,7 +11,8 @@ checkpoint index and PEFT export are shared with the torch trainer through
 Batch layout. ``micro_batch_size`` is per data-parallel rank; the data-parallel size is
 ``mesh.data * mesh.fsdp``. One optimizer step consumes ``batch_size / micro_batch_size``
 micro-batches from the shared loader, arranged as (accum, dp * micro_batch_size, seq),
-so the global batch is exactly ``batch_size`` rows whatever the mesh. Shapes are fixed
+so the global batch is exactly ``batch_size`` rows whatever the mesh (a DPO job: pairs,
+each micro-batch ``dp`` blocks of chosen-then-rejected rows). Shapes are fixed
 (rows padded to ``max_seq_len``; a short last micro-batch of an epoch gets all-padding
 rows) so the step compiles once.
 
@@ -64,6 +65,7 @@ from trainers.common.outputs import (
     finish_adapter,
     write_training_config,
 )
+from trainers.common.preference import PreferenceData, RewardSums, load_preference_data, pad_pairs
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted, UserError
@@ -122,9 +124,18 @@ def _pad_rows(batch: Batch, rows: int, pad_id: int) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.int32) for k, v in out.items()}
 
 
-def _step_batches(data: TrainingData, start: DataCursor, dp: int, accum: int, pad_id: int) -> Iterator[tuple[dict[str, np.ndarray], DataCursor]]:
-    """Global (accum, dp * micro, seq) host batches and the cursor after each."""
+def _block(data: TrainingData, batch: Batch, pad_id: int) -> dict[str, np.ndarray]:
+    """One data-parallel block of a step, padded to its fixed row count: ``micro_batch_size``
+    rows, or for preference data that many pairs (chosen rows, then rejected rows)."""
     micro = data.micro_batch_size
+    if isinstance(data, PreferenceData):
+        return _pad_rows(pad_pairs(batch, micro, pad_id), 2 * micro, pad_id)
+    return _pad_rows(batch, micro, pad_id)
+
+
+def _step_batches(data: TrainingData, start: DataCursor, dp: int, accum: int, pad_id: int) -> Iterator[tuple[dict[str, np.ndarray], DataCursor]]:
+    """Global (accum, dp * micro, seq) host batches and the cursor after each (preference
+    data: (accum, dp * 2 * micro, seq), dp blocks of chosen-then-rejected rows)."""
     stream = data.micro_batches(start)
     while True:
         groups = []
@@ -133,7 +144,7 @@ def _step_batches(data: TrainingData, start: DataCursor, dp: int, accum: int, pa
             parts = []
             for _ in range(dp):
                 b = next(stream)
-                parts.append(_pad_rows(b, micro, pad_id))
+                parts.append(_block(data, b, pad_id))
                 cursor = b.cursor_after
             groups.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
         yield {k: np.stack([g[k] for g in groups]) for k in groups[0]}, cursor
@@ -142,12 +153,24 @@ def _step_batches(data: TrainingData, start: DataCursor, dp: int, accum: int, pa
 def _eval_batches(data: TrainingData, dp: int, pad_id: int, max_batches: int | None) -> Iterator[dict[str, np.ndarray]]:
     """One pass over the validation rows, dp micro-batches per global eval batch."""
     rows = data.rows(0)
-    per = data.micro_batch_size * dp
+    micro = data.micro_batch_size
+    per = micro * dp
     n_batches = math.ceil(len(rows) / per)
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     for i in range(n_batches):
-        yield _pad_rows(data.collate(rows[i * per : (i + 1) * per]), per, pad_id)
+        if not isinstance(data, PreferenceData):
+            yield _pad_rows(data.collate(rows[i * per : (i + 1) * per]), per, pad_id)
+            continue
+        # dp blocks of pairs; a block past the last pair is all padding
+        chunks = [rows[i * per + d * micro : i * per + (d + 1) * micro] for d in range(dp)]
+        blocks = [_block(data, data.collate(c), pad_id) if c else _padding_block(data, pad_id) for c in chunks]
+        yield {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+
+
+def _padding_block(data: TrainingData, pad_id: int) -> dict[str, np.ndarray]:
+    empty = np.zeros((0, data.pad_to or data.max_seq_len), dtype=np.int64)
+    return _block(data, Batch(empty, empty, empty, empty, empty), pad_id)
 
 
 def run(
@@ -201,6 +224,7 @@ def run(
         tree_shardings,
     )
     from trainers.jax_lora.step import (
+        PreferenceLoss,
         StepConfig,
         batch_sharding,
         compile_steps,
@@ -243,7 +267,8 @@ def run(
         # -- data ------------------------------------------------------------------------
         tokenizer = load_tokenizer(spec.model.path)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        data = load_job_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+        dpo = spec.method.type == "dpo"
+        data = (load_preference_data if dpo else load_job_data)(spec, tokenizer, pad_to=spec.data.max_seq_len)
         total_steps = total_optimizer_steps(spec, data.train, dp)
 
         # -- model: tensor by tensor into sharded arrays ---------------------------------
@@ -282,6 +307,8 @@ def run(
             remat=spec.parallelism.remat,
             compute_dtype=spec.precision.compute_dtype,
             packed=spec.data.packing,
+            # DPO: dp blocks of chosen-then-rejected rows per micro-batch (_step_batches)
+            preference=PreferenceLoss(spec.method.beta, spec.method.sft_weight, blocks=dp) if dpo else None,
         )
         train_step, eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
 
@@ -292,7 +319,19 @@ def run(
                 for k, v in host.items()
             }
 
+        def evaluate_preference() -> dict[str, float]:
+            sums, chosen_nll, chosen_tokens = RewardSums(), 0.0, 0.0
+            for host in _eval_batches(data.validation, dp, pad_id, spec.eval.max_batches):
+                out = {k: float(v) for k, v in eval_step(state["lora"], params, to_device(host)).items()}
+                sums = sums + _reward_sums(out)
+                chosen_nll += out["chosen_nll"]
+                chosen_tokens += out["chosen_tokens"]
+            value = sums.loss / max(sums.pairs, 1.0) + spec.method.sft_weight * chosen_nll / max(chosen_tokens, 1.0)
+            return {"valid_loss": value, "token_accuracy": None, **sums.metrics("valid_")}
+
         def evaluate() -> dict[str, float]:
+            if dpo:
+                return evaluate_preference()
             nll = n_tok = n_ok = 0.0
             for host in _eval_batches(data.validation, dp, pad_id, spec.eval.max_batches):
                 out = eval_step(state["lora"], params, to_device(host))
@@ -363,6 +402,7 @@ def run(
                 step=step, total_steps=total_steps, cursor_after=cursor, train_loss=loss, learning_rate=lr,
                 grad_norm=grad_norm, step_tokens=n_tokens, elapsed_s=elapsed, tokens_seen=tokens_seen,
                 memory_bytes=_device_memory_bytes(jax) or peak_rss_bytes(), evaluation=evaluated,
+                rewards=_reward_sums({k: float(v) for k, v in out.items()}).metrics() if dpo else None,
             )
             last = checkpoint_metrics(row, last)
             if primary:
@@ -393,6 +433,12 @@ def run(
     finally:
         if own_reporter:
             reporter.close()
+
+
+def _reward_sums(out: dict[str, float]) -> RewardSums:
+    """A DPO step's (or eval batch's) reward sums from the compiled step's outputs."""
+    return RewardSums(pairs=out["pairs"], loss=out["loss_sum"], chosen=out["chosen_sum"],
+                      rejected=out["rejected_sum"], correct=out["correct"])
 
 
 def _lora_from_flat(flat: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
