@@ -51,6 +51,8 @@ rate_limited                   429   too many failed authentications from this I
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
+job_not_succeeded              409   a merged export of a job without a final adapter (yet)
+export_needs_local_storage     400   a merged export with outputs in S3 (local artifact store only)
 model_not_found                404   completions: not a base model, nor a fine-tuned model or
                                      checkpoint of this organization (``param`` = ``model``)
 unsupported_parameter          400   completions: a parameter this service does not implement

@@ -31,6 +31,7 @@ TASK_MODULES = (
     "worker.tasks.jobs",
     "worker.tasks.scheduling",
     "worker.tasks.webhooks",
+    "worker.tasks.exports",
 )
 
 

@@ -6,6 +6,7 @@
 ``GET /v1/fine_tuning/jobs/{id}/artifacts/{name}``  one file (stream, or 307 to S3)
 ``GET /v1/fine_tuning/jobs/{id}/checkpoints/{checkpoint id}/artifacts[/{name}]``
     the PEFT adapter of any checkpoint (its files with sha256, and each file)
+``POST /v1/fine_tuning/jobs/{id}/exports``  a merged model, made in the background (job events)
 ``GET /v1/fine_tuning/jobs/{id}/stream``    SSE: events (incl. status changes) and metrics
 """
 
@@ -26,14 +27,16 @@ from sqlalchemy.orm import Session
 
 from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
 from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
-from api.deps import CurrentKey, SessionDep, SettingsDep
+from api.deps import CurrentKey, QueueDep, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
+from api.ids import new_id
 from api.jobs import get_job
+from api.lifecycle import add_event
 from api.logs import read_job_log
-from api.reports import is_inside, job_storage
+from api.reports import ADAPTER_WEIGHTS, is_inside, job_storage
 from api.responses import EventStreamResponse, OctetStreamResponse
 from api.schemas.jobs import JobEventPublic
-from api.schemas.outputs import ArtifactsPublic, MetricsPublic
+from api.schemas.outputs import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
 from api.schemas.reports import PREFERENCE_METRICS
 from api.settings import Settings
 
@@ -199,6 +202,39 @@ def download_checkpoint_artifact(
     if url is not None:
         return RedirectResponse(url, status_code=307)
     return _file_response(store, object_key, sha256_stored(store, object_key))
+
+
+# ---- merged exports -----------------------------------------------------------------
+
+
+@router.post("/{job_id}/exports", status_code=202, response_model=ExportPublic,
+             responses=error_responses(400, 404, 409))
+def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: CurrentKey,
+                  settings: SettingsDep, queue: QueueDep) -> ExportPublic:
+    """Merge the job's final adapter (or a checkpoint's) into its base model, in the background.
+
+    Progress and the result are job events; the files appear among the job's artifacts
+    under ``artifacts_prefix``.
+    """
+    job = get_job(session, key, job_id)
+    output = session.scalar(select(Artifact.location).where(Artifact.job_id == job.id,
+                                                            Artifact.name == ADAPTER_WEIGHTS))
+    if body.checkpoint is None and (job.status != "succeeded" or output is None):
+        raise APIError(409, "job_not_succeeded",
+                       f"Job '{job.id}' has no final adapter yet; export a checkpoint or wait for it to succeed.")
+    if body.checkpoint is not None:
+        _job, store = _checkpoint_adapter(session, key, settings, job_id, body.checkpoint)
+        _stored_adapter_files(store, job, body.checkpoint)
+    if job_storage(job.id, settings).outputs[0].startswith("s3://"):
+        raise APIError(400, "export_needs_local_storage",
+                       "Merged exports need the job's outputs on the service's own disk (local artifact store).")
+    export_id = new_id("ftexp")
+    export = ExportPublic(id=export_id, fine_tuning_job_id=job.id, format=body.format, dtype=body.dtype,
+                          checkpoint=body.checkpoint, artifacts_prefix=f"exports/{export_id}/")
+    add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
+    session.commit()
+    queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
+    return export
 
 
 # ---- live stream (Server-Sent Events) ---------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.schemas.reports import PreferenceMetrics
 
@@ -46,3 +46,24 @@ class ArtifactsPublic(BaseModel):
     object: Literal["list"] = "list"
     data: list[ArtifactPublic]
     has_more: bool = False
+
+
+class ExportCreate(BaseModel):
+    """``POST /v1/fine_tuning/jobs/{id}/exports``: what to export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["merged"] = Field(description="merged: the adapter folded into the base (HF safetensors).")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    checkpoint: str | None = Field(None, description="A checkpoint id of the job; default: its final adapter.")
+
+
+class ExportPublic(BaseModel):
+    object: Literal["fine_tuning.job.export"] = "fine_tuning.job.export"
+    id: str
+    fine_tuning_job_id: str
+    format: Literal["merged"]
+    dtype: str
+    checkpoint: str | None
+    status: Literal["queued"] = "queued"
+    artifacts_prefix: str = Field(description="Where its files appear in the job's artifacts once ready.")
