@@ -5,15 +5,11 @@ share Llama's layout (embeddings, per layer q/k/v/o + SwiGLU gate/up/down + two 
 a final norm, an LM head) and differ in a few parameters, each read from the config the
 way the family's transformers module builds it:
 
-=========  ============================================  ==================================
-family     beyond Llama's layout                         config.json keys
-=========  ============================================  ==================================
-llama      biases on q/k/v/o and/or the MLP if set       attention_bias, mlp_bias
-mistral    none (no bias switch)                         -
-qwen2      q/k/v biases, always                          -
-qwen3      a ``head_dim`` RMSNorm on q and on k per      attention_bias (q/k/v/o biases)
-           layer
-=========  ============================================  ==================================
+- llama: biases on q/k/v/o with ``attention_bias``, on the MLP with ``mlp_bias``;
+- mistral: nothing more (no bias switch);
+- qwen2: q/k/v biases, always;
+- qwen3: a ``head_dim`` RMSNorm weight for q and one for k per layer; q/k/v/o biases
+  with ``attention_bias``.
 
 Every family may tie the LM head to the input embeddings (counted once) and set
 ``head_dim`` apart from ``hidden_size / num_attention_heads``. A config of another

@@ -3,14 +3,13 @@
 One decoder covers four Hugging Face families; what differs between them is read from
 the config into a few switches on :class:`DecoderConfig`:
 
-=========  ===========================================  =======================
-family     differences from Llama                       config.json keys read
-=========  ===========================================  =======================
-llama      (reference layout)                           attention_bias, mlp_bias
-mistral    sliding-window attention when set             sliding_window
-qwen2      q/k/v projections always have a bias          use_sliding_window
-qwen3      RMSNorm of q and k per head, before RoPE      attention_bias, use_sliding_window
-=========  ===========================================  =======================
+- llama: the reference layout; biases on q/k/v/o with ``attention_bias``, on the MLP
+  with ``mlp_bias``;
+- mistral: sliding-window attention when ``sliding_window`` is set (every layer);
+- qwen2: q/k/v projections always have a bias;
+- qwen3: RMSNorm of each query and key head before RoPE; biases with ``attention_bias``.
+
+Qwen's ``use_sliding_window`` (a window on some layers only) is refused.
 
 All four may tie the LM head to the embeddings (``tie_word_embeddings``) and set
 ``head_dim`` apart from ``hidden_size / num_attention_heads`` (Qwen3 does).
