@@ -25,11 +25,17 @@ one. ``hlo_matmul_flops`` walks the optimized HLO instead and counts every dot
 (2 x output elements x contracted size) times the known trip count of each loop around
 it: the matmul FLOPs of one device's program per step (elementwise work not counted).
 
-What the CPU backend does differently from a GPU: the trainer's attention on CPU is its
-blockwise ``cpu_attention`` (FlashAttention-style residuals, 128 query rows per block),
-on accelerators ``jax.nn.dot_product_attention``; XLA:CPU's buffer assignment and fusion
-differ from XLA:GPU's/ROCm's, and a real runtime adds its context and allocator slack
-(the estimator's ``framework`` and ``slack`` terms) on top of what XLA plans.
+What the CPU backend does differently from a GPU, and what the bench does about it.
+XLA:CPU has no bfloat16 dot: it computes every bf16 op in fp32 and hoists an fp32 copy of
+the stacked weights out of the layer scan, so bf16 is compiled as float16 (same bytes;
+``PlanJob.bf16_standin``), and XLA:CPU's rewrite of float16 dots into fp32 ones is
+switched off (``CPU_PLAN_FLAGS``). What remains CPU-specific: the LM head's
+fp16 x fp16 -> fp32 dot still converts the gathered head to fp32 (an accelerator's
+matmul takes 16-bit inputs with an fp32 result); the trainer's attention on CPU is its
+blockwise ``cpu_attention`` (FlashAttention-style residuals, 128 query rows per block,
+but every block's scores are materialized), on accelerators
+``jax.nn.dot_product_attention``; and a real runtime adds its context and allocator
+slack (the estimator's ``framework`` and ``slack`` terms) on top of what XLA plans.
 
     python bench/plan_aot.py --model llama-3.1-405b --devices 8 --method lora --seq 2048 --batch 1
     python bench/plan_aot.py --model llama-3.1-70b --devices 2 --method qlora --pool rtx4090 --json
