@@ -8,7 +8,9 @@ activations (levanter / maxtext style). Changing the parallel layout means chang
 
 Parameters are sharded ZeRO-3 style over ``fsdp`` on their ``embed`` dimension and
 Megatron style over ``tensor`` on heads / MLP / vocab; XLA inserts the all-gathers and
-reduce-scatters. Activations are split over ``data`` x ``fsdp`` on the batch dimension.
+reduce-scatters. A projection's bias (Qwen2) carries its output axes, so it splits like
+the kernel's outputs; RMSNorm weights (``embed``, and Qwen3's per-head ``head_dim``
+norms) are small and split over ``fsdp`` or not at all. Activations are split over ``data`` x ``fsdp`` on the batch dimension.
 """
 
 from __future__ import annotations
