@@ -36,6 +36,7 @@ COPY scheduling ./scheduling
 COPY kube ./kube
 COPY trainers ./trainers
 COPY tunefleet ./tunefleet
+COPY inference ./inference
 COPY deploy/docker/constraints/ /tmp/constraints/
 # Versions: every package is held to the tested version by the constraints files; torch
 # (only with the torch extra) is installed first and alone, as in the Makefile.

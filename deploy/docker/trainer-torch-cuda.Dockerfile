@@ -44,6 +44,7 @@ COPY worker/__init__.py ./worker/__init__.py
 COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
+COPY inference/__init__.py ./inference/__init__.py
 COPY deploy/docker/constraints/torch.txt /tmp/constraints.txt
 COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
 # Versions: held to the tested ones by the constraints files (torch: the build installed above).
