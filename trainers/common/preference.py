@@ -36,6 +36,7 @@ from trainers.common.data import (
     TrainingData,
     epoch_order,
 )
+from trainers.common.job_data import JobData
 from trainers.errors import UserError
 
 REWARD_NAMES = ("chosen", "rejected", "accuracy", "margin")
@@ -162,21 +163,14 @@ class RewardSums:
 
 
 @dataclass
-class PreferenceJobData:
-    """A DPO job's train (and validation) pairs; ``stats`` as ``JobData.stats`` (pairs counted)."""
+class PreferenceJobData(JobData):
+    """A DPO job's train (and validation) :class:`PreferenceData`; ``stats`` counts pairs."""
 
     train: PreferenceData
     validation: PreferenceData | None
 
     def stats(self) -> dict[str, int]:
-        ds = self.train.preference
-        return {
-            "train_examples": len(ds.pairs),
-            "train_tokens": ds.n_tokens,
-            "truncated_examples": ds.n_truncated,
-            "dropped_examples": ds.n_dropped,
-            "rows_per_epoch": self.train.rows_per_epoch(0),
-        }
+        return {**super().stats(), "train_examples": self.train.n_pairs}
 
 
 def tokenize_preference_file(path: str | Path, tokenizer: Any, max_seq_len: int) -> PreferenceDataset:
