@@ -15,11 +15,14 @@ runs the *unmodified* official ``kubernetes`` client against it:
   compares them with the Helm chart's Role).
 
 Behind the API sit a tiny job controller (pods for Jobs, ``Indexed`` completion
-indexes, Job conditions), scheduler (nodeSelector, tolerations, GPU requests against
-node allocatable; Unschedulable otherwise), kubelet (runs a scheduled pod's container
-command as a local process, with env from values/Secrets/fieldRefs, ConfigMap volumes
-written to a per-pod directory, SIGTERM + grace period on deletion, the termination
-message file) and garbage collector (ownerReferences, ``ttlSecondsAfterFinished``).
+indexes, Job conditions, ``podFailurePolicy`` rules -- FailJob, Ignore with a replacement
+pod, Count towards ``backoffLimit`` -- and ``activeDeadlineSeconds``), scheduler
+(nodeSelector, tolerations, GPU requests against node allocatable; Unschedulable
+otherwise), kubelet (runs a scheduled pod's container command as a local process, with env
+from values/Secrets/fieldRefs, ConfigMap volumes written to a per-pod directory, SIGTERM +
+grace period on deletion, the termination message file; an evicted or node-lost pod gets
+the DisruptionTarget condition) and garbage collector (ownerReferences,
+``ttlSecondsAfterFinished``).
 
 Local processes cannot see container paths, so the kubelet maps every volume mount
 path (but an emptyDir's at a writable path this machine has, such as /tmp: the paths of
@@ -129,6 +132,7 @@ class FakeCluster:
         self.procs: dict[str, subprocess.Popen] = {}  # pod uid -> process
         self.pod_dirs: dict[str, Path] = {}
         self.kill_reason: dict[str, tuple[str, str, int]] = {}  # pod uid -> (reason, message, exit code)
+        self.replaced: set[str] = set()  # uids of failed pods a podFailurePolicy Ignore replaced
 
     # --- store -------------------------------------------------------------------------
     def _bump(self, resource: str, ns: str, type_: str, obj: dict[str, Any]) -> None:
@@ -368,19 +372,39 @@ class FakeCluster:
                 for i in range(spec["parallelism"]):
                     self._create_pod(job, i if indexed else None)
                 status["startTime"] = _now()
+                status["startedAt"] = time.time()
                 status["active"] = spec["parallelism"]
                 self._bump("jobs", ns, "MODIFIED", job)
                 continue
             succeeded = sum(1 for p in pods if p["status"].get("phase") == "Succeeded")
-            failed = sum(1 for p in pods if p["status"].get("phase") == "Failed")
-            active = len(pods) - succeeded - failed
-            new = {"active": active, "succeeded": succeeded, "failed": failed}
+            failed_pods = [p for p in pods if p["status"].get("phase") == "Failed"]
+            active = len(pods) - succeeded - len(failed_pods)
+            counted, fail_job = 0, None
+            for p in failed_pods:
+                action, message = _failure_action(spec.get("podFailurePolicy"), p)
+                if action == "FailJob":
+                    fail_job = fail_job or message
+                elif action == "Ignore":  # not counted; the controller starts a new pod for it
+                    if p["metadata"]["uid"] not in self.replaced:
+                        self.replaced.add(p["metadata"]["uid"])
+                        index = (p["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+                        self._create_pod(job, int(index) if indexed and index is not None else None)
+                        active += 1
+                else:
+                    counted += 1
+            new = {"active": active, "succeeded": succeeded, "failed": len(failed_pods)}
             cond = None
-            if failed > spec.get("backoffLimit", 6):
+            deadline = spec.get("activeDeadlineSeconds")
+            if fail_job:
+                cond = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": fail_job}
+            elif counted > spec.get("backoffLimit", 6):
                 cond = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
                         "message": "Job has reached the specified backoff limit"}
             elif succeeded >= spec["completions"]:
                 cond = {"type": "Complete", "status": "True"}
+            elif deadline is not None and time.time() - status.get("startedAt", time.time()) > deadline:
+                cond = {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                        "message": "Job was active longer than specified deadline"}
             if cond:
                 cond["lastTransitionTime"] = _now()
                 status["conditions"] = [cond]
@@ -625,6 +649,10 @@ class FakeCluster:
         pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
         if pod_reason:
             pod["status"]["reason"], pod["status"]["message"] = pod_reason, pod_message
+            # what the kubelet / taint manager mark a pod they terminate with
+            pod["status"].setdefault("conditions", []).append({
+                "type": "DisruptionTarget", "status": "True", "lastTransitionTime": _now(),
+                "reason": "TerminationByKubelet" if pod_reason == "Evicted" else "DeletionByTaintManager"})
         pod["status"]["containerStatuses"] = [{
             "name": container["name"], "image": container["image"], "imageID": "", "ready": False,
             "restartCount": 0, "started": False, "state": {"terminated": terminated}}]
@@ -909,3 +937,29 @@ def two_pool_cluster(api: FakeApiServer, *, mi300x_nodes: int = 2, rtx_nodes: in
     for i in range(rtx_nodes):
         c.add_node(f"rtx4090-{i}", labels={"tunefleet.io/pool": "rtx4090"}, gpus=2, resource_name="nvidia.com/gpu",
                    taints=[{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+
+
+def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> tuple[str, str | None]:
+    """What a Job's ``podFailurePolicy`` does with a failed pod: (action, FailJob message).
+
+    The rules are tried in order, the first match wins, as the Job controller does; no
+    policy or no matching rule: ``Count`` (towards ``backoffLimit``).
+    """
+    ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    for i, rule in enumerate((policy or {}).get("rules") or []):
+        if "onExitCodes" in rule:
+            match = rule["onExitCodes"]
+            for status in pod["status"].get("containerStatuses") or []:
+                term = (status.get("state") or {}).get("terminated")
+                if term is None or match.get("containerName") not in (None, status["name"]):
+                    continue
+                code = term["exitCode"]
+                listed = code in match["values"]
+                if code != 0 and (listed if match["operator"] == "In" else not listed):
+                    return rule["action"], (f"Container {status['name']} for pod {ns}/{name} failed with exit code "
+                                            f"{code} matching {rule['action']} rule at index {i}")
+        for want in rule.get("onPodConditions") or []:
+            if any(c["type"] == want["type"] and c.get("status") == want.get("status", "True")
+                   for c in pod["status"].get("conditions") or []):
+                return rule["action"], f"Pod {ns}/{name} has condition {want['type']} matching {rule['action']} rule at index {i}"
+    return "Count", None

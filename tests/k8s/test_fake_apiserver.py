@@ -157,3 +157,57 @@ def test_patch_merges_metadata_and_is_watched(fake_api):
         batch.patch_namespaced_job("nope", NS, {"metadata": {"annotations": {"a": "b"}}})
     assert e.value.status == 404
     assert ("patch", "jobs") in fake_api.cluster.requests
+
+
+def _policy_job(name, command, **spec):
+    """A Job whose container is called ``trainer``, with more of the Job's ``spec``."""
+    job = _job(name, command)
+    job.spec.template.spec.containers[0].name = "trainer"
+    body = client.ApiClient().sanitize_for_serialization(job)
+    body["spec"].update(spec)
+    return body
+
+
+def _failed(fake_api, name):
+    batch = _batch(fake_api)
+    return fake_api.wait_for(lambda: [c for c in batch.read_namespaced_job(name, NS).status.conditions or []
+                                      if c.type == "Failed"])[0]
+
+
+def test_pod_failure_policy_fail_job_ignore_and_deadline(fake_api):
+    from worker.executors.manifests import pod_failure_policy
+
+    batch, core = _batch(fake_api), _core(fake_api)
+    policy = pod_failure_policy()
+    batch.create_namespaced_job(NS, _policy_job("usererr", [sys.executable, "-c", "raise SystemExit(10)"],
+                                                podFailurePolicy=policy), _headers=JSON)
+    cond = _failed(fake_api, "usererr")
+    assert cond.reason == "PodFailurePolicy" and "failed with exit code 10 matching FailJob rule at index 1" in cond.message
+    # exit 12 is ignored: not counted against backoffLimit 0, and a new pod takes its place
+    batch.create_namespaced_job(NS, _policy_job("preempted", [sys.executable, "-c", "raise SystemExit(12)"],
+                                                podFailurePolicy=policy), _headers=JSON)
+    fake_api.wait_for(lambda: len(core.list_namespaced_pod(NS, label_selector="job-name=preempted").items) >= 2)
+    assert not [c for c in batch.read_namespaced_job("preempted", NS).status.conditions or [] if c.type == "Failed"]
+    batch.delete_namespaced_job("preempted", NS, propagation_policy="Foreground", _headers=JSON)
+    # without a policy the same exit fails the Job at backoffLimit 0
+    batch.create_namespaced_job(NS, _policy_job("counted", [sys.executable, "-c", "raise SystemExit(12)"]),
+                                _headers=JSON)
+    assert _failed(fake_api, "counted").reason == "BackoffLimitExceeded"
+    batch.create_namespaced_job(NS, _policy_job("slow", [sys.executable, "-c", "import time; time.sleep(60)"],
+                                                activeDeadlineSeconds=1), _headers=JSON)
+    assert _failed(fake_api, "slow").reason == "DeadlineExceeded"
+    fake_api.wait_for(lambda: all(p.status.phase != "Running"
+                                  for p in core.list_namespaced_pod(NS, label_selector="job-name=slow").items))
+
+
+def test_an_evicted_pod_is_a_disruption_target(fake_api):
+    batch, core = _batch(fake_api), _core(fake_api)
+    batch.create_namespaced_job(NS, _policy_job("evictme", [sys.executable, "-c", "import time; time.sleep(60)"]),
+                                _headers=JSON)
+    pod = fake_api.wait_for(lambda: [p for p in core.list_namespaced_pod(NS, label_selector="job-name=evictme").items
+                                     if p.status.phase == "Running"])[0]
+    fake_api.cluster.evict(pod.metadata.name)
+    failed = fake_api.wait_for(lambda: [p for p in core.list_namespaced_pod(NS, label_selector="job-name=evictme").items
+                                        if p.status.phase == "Failed"])[0]
+    assert [(c.type, c.reason) for c in failed.status.conditions or [] if c.type == "DisruptionTarget"] == [
+        ("DisruptionTarget", "TerminationByKubelet")]
