@@ -5,7 +5,8 @@ adapter. TRL's reference is its own loss computation (``DPOTrainer._compute_loss
 adapter-disabled reference forward, completion-only summed log-probs, the sigmoid loss
 and, with ``sft_weight``, its ``sft`` loss term) on a peft model built with the libraries
 alone (the base and a new adapter); ours is the trainer's model build and ``preference_backward``. Loss, LoRA
-gradients and reward metrics agree to fp32 rounding.
+gradients and reward metrics agree to fp32 rounding, also with the trainer's activation
+checkpointing (the reference forward runs under no_grad through the checkpointed layers).
 """
 
 from __future__ import annotations
@@ -71,12 +72,14 @@ def _trl_loss_and_grads(base, batch, tokenizer, tmp_path, sft_weight: float):
     return float(loss), _lora_grads(trainer.model), metrics
 
 
-@pytest.mark.parametrize(("quant", "sft_weight"), [("none", 0.0), ("none", 0.5), ("nf4", 0.0), ("hqq4", 0.0)])
-def test_dpo_loss_grads_and_rewards_equal_trl(tiny_model_dir, tiny_tokenizer, tmp_path, quant, sft_weight):
+@pytest.mark.parametrize(("quant", "sft_weight", "checkpointing"), [
+    ("none", 0.0, "none"), ("none", 0.5, "non_reentrant"), ("nf4", 0.0, "reentrant"), ("hqq4", 0.0, "none")])
+def test_dpo_loss_grads_and_rewards_equal_trl(tiny_model_dir, tiny_tokenizer, tmp_path, quant, sft_weight,
+                                              checkpointing):
     batch = next(pair_data(tiny_tokenizer, 3, micro_batch_size=3).micro_batches())
 
     ours, _ = build_model(ModelOptions(model_dir=tiny_model_dir, quantization=quant, lora_r=4, lora_alpha=8.0,
-                                       target_modules=TARGETS), CPU)
+                                       target_modules=TARGETS, activation_checkpointing=checkpointing), CPU)
     _set_adapter(ours)
     value, sums, _, _ = preference_backward(ours, [batch], CPU, PreferenceObjective(BETA, sft_weight))
 
