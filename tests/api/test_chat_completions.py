@@ -107,6 +107,14 @@ def test_openai_shapes_and_what_the_worker_is_asked(serving, engine, tenant_key,
     streamed = list(oai.completions.create(model="tunefleet-tiny-llama", prompt="2+2=", stream=True))
     assert "".join(c.choices[0].text for c in streamed) == "Hello" and streamed[-1].choices[0].finish_reason
 
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Capital "}, {"type": "text", "text": "of Peru?"}]}]
+    oai.chat.completions.create(model="tunefleet-tiny-llama", messages=parts)
+    assert engine.requests[-1].messages == ({"role": "user", "content": "Capital of Peru?"},)
+    with pytest.raises(openai.BadRequestError) as image:
+        oai.chat.completions.create(model="tunefleet-tiny-llama", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert image.value.code == "unsupported_content" and image.value.param == "messages.0.content"
+
     raw = httpx.post(f"{oai.base_url}chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
                      json={"model": "tunefleet-tiny-llama", "messages": MESSAGES, "stream": True})
     assert raw.headers["content-type"].startswith("text/event-stream")

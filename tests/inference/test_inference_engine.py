@@ -125,3 +125,20 @@ def test_closing_a_stream_stops_its_generation_and_frees_the_model(engine, tiny_
     assert not any(t.name == "generate" for t in threading.enumerate())
     after = list(engine.generate(_request(tiny_model_dir, make_adapter(1))))  # the base's lock was released
     assert after[-1].type == "finish"
+
+
+def test_tools_are_rendered_into_the_prompt_by_the_chat_template(engine, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tools = ({"type": "function", "function": {"name": "get_capital", "description": "Capital of a country",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "country": {"type": "string"}}}}},)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    expected = tok(tok.apply_chat_template(list(MESSAGES), tools=list(tools), add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False)["input_ids"]
+    base = engine.base(ModelRef(id="tiny", path=str(tiny_model_dir)))
+    request = GenerationRequest(base=ModelRef(id="tiny", path=str(tiny_model_dir)), messages=MESSAGES, tools=tools,
+                                sampling=Sampling(max_tokens=1))
+    with_tools = engine.prompt_ids(base, request)
+    assert with_tools == expected and "get_capital" in tok.decode(with_tools)
+    assert len(with_tools) > len(engine.prompt_ids(base, _request(tiny_model_dir)))
