@@ -4,7 +4,10 @@ Steps (:func:`serve_completion`):
 
 1. admission: a tenant may have ``TUNEFLEET_INFERENCE_MAX_CONCURRENT_PER_TENANT``
    completions running in this API process; one more is 429 ``too_many_requests`` with
-   ``Retry-After`` (before the worker is asked anything);
+   ``Retry-After`` (before the worker is asked anything). With
+   ``TUNEFLEET_INFERENCE_TOKENS_PER_MINUTE_PER_TENANT``, a tenant whose requests of the last
+   60 s used that many tokens (prompt + completion, counted when each ends) gets 429
+   ``token_limit_exceeded`` until enough of them are a minute old (``Retry-After``);
 2. the worker's first event (it answers once the base model is loaded and the adapter
    active): its refusals become errors here, e.g. 503 ``model_loading`` with
    ``Retry-After`` while a base model loads (the OpenAI SDK retries those by itself), 503
@@ -24,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,12 +89,40 @@ class TenantSlots:
             del self.running[tenant_id]
 
 
+class TokenBudget:
+    """Tokens each tenant used in the last ``window_s`` seconds (this API process)."""
+
+    def __init__(self, limit: int, *, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.used: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+
+    def retry_after(self, tenant_id: str) -> int | None:
+        """None while the tenant is under its limit, else the seconds until it is again."""
+        now, spent = self.clock(), self.used[tenant_id]
+        while spent and spent[0][0] <= now - self.window_s:
+            spent.popleft()
+        total = sum(n for _, n in spent)
+        if total < self.limit:
+            return None
+        for at, n in spent:  # the oldest uses that must age out to get under the limit
+            total -= n
+            if total < self.limit:
+                return max(1, math.ceil(at + self.window_s - now))
+        return math.ceil(self.window_s)
+
+    def spend(self, tenant_id: str, tokens: int) -> None:
+        if tokens > 0:
+            self.used[tenant_id].append((self.clock(), tokens))
+
+
 @dataclass
 class _Tally:
     """What a request produced, for its usage and its metrics."""
 
     endpoint: str
     started: float
+    budget: TokenBudget | None = None
+    tenant_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_text_at: float | None = None
@@ -113,6 +145,8 @@ class _Tally:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def done(self, outcome: str) -> None:
+        if self.budget is not None:
+            self.budget.spend(self.tenant_id, self.prompt_tokens + self.completion_tokens)
         REQUESTS.labels(self.endpoint, outcome).inc()
         TOKENS.labels("prompt").inc(self.prompt_tokens)
         TOKENS.labels("completion").inc(self.completion_tokens)
@@ -126,8 +160,25 @@ def endpoint_name(kind: Kind) -> str:
     return "chat.completions" if kind == "chat" else "completions"
 
 
+def token_budget(request: Request) -> TokenBudget | None:
+    state = request.app.state
+    limit = state.settings.inference_tokens_per_minute_per_tenant
+    if limit is None:
+        return None
+    if getattr(state, "inference_budget", None) is None:
+        state.inference_budget = TokenBudget(limit)
+    return state.inference_budget
+
+
 def admit(request: Request, tenant_id: str, endpoint: str) -> TenantSlots:
     """Take one of the tenant's completion slots (give it back with ``release``), or 429."""
+    budget = token_budget(request)
+    wait = budget.retry_after(tenant_id) if budget is not None else None
+    if wait is not None:
+        REQUESTS.labels(endpoint, "token_limit_exceeded").inc()
+        raise APIError(429, "token_limit_exceeded",
+                       f"Your organization used its {budget.limit} tokens of the last minute; retry in {wait} s.",
+                       headers={"Retry-After": str(wait)})
     slots = _slots(request)
     if not slots.acquire(tenant_id):
         REQUESTS.labels(endpoint, "too_many_requests").inc()
@@ -184,7 +235,7 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
     settings = request.app.state.settings
     endpoint = endpoint_name(kind)
     slots = admit(request, tenant_id, endpoint)
-    tally = _Tally(endpoint, time.perf_counter())
+    tally = _Tally(endpoint, time.perf_counter(), token_budget(request), tenant_id)
     deadline = tally.started + settings.inference_timeout_s
     events = _client(request).generate(generation)
     try:

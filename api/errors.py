@@ -59,6 +59,8 @@ unsupported_parameter          400   completions: a parameter this service does 
 unsupported_content            400   completions: a non-text content part
 too_many_requests              429   completions: the organization's concurrent completions are
                                      running already (``Retry-After``)
+token_limit_exceeded           429   completions: the organization's tokens of the last minute are
+                                     used up (``Retry-After``)
 model_loading                  503   completions: the base model is being loaded (``Retry-After``)
 model_unavailable              503   completions: the base model's files are not on this machine
 inference_unavailable          503   completions: the inference worker / server is not reachable

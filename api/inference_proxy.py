@@ -10,7 +10,8 @@ adapter is first made known to the server under the model's own id::
 (the adapter's location in the shared storage both see: a shared volume path, or an
 ``s3://`` URI for servers that resolve those), then the request goes there with the same
 body and ``model`` = that id, and the answer (a JSON object, or the SSE stream) passes
-through unchanged. Loaded adapters are remembered per server; a server that forgot one
+through unchanged (a proxied stream's tokens are not counted against the per-minute
+token limit: only answers with ``usage`` are). Loaded adapters are remembered per server; a server that forgot one
 (it restarted: 404 for the model) gets it loaded again and the request once more. The
 tenant check (``api.served_models``), admission and the request timeout are the same as
 for the embedded worker.
@@ -25,7 +26,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from api.completions import REQUESTS, TOKENS, SlotStreamingResponse, admit
+from api.completions import REQUESTS, TOKENS, SlotStreamingResponse, admit, token_budget
 from api.errors import APIError
 from api.served_models import ServedModel
 
@@ -130,6 +131,9 @@ async def proxy_completion(request: Request, tenant_id: str, served: ServedModel
         usage = httpx.Response(200, content=body).json().get("usage") or {}
         TOKENS.labels("prompt").inc(int(usage.get("prompt_tokens") or 0))
         TOKENS.labels("completion").inc(int(usage.get("completion_tokens") or 0))
+        budget = token_budget(request)
+        if budget is not None:
+            budget.spend(tenant_id, int(usage.get("total_tokens") or 0))
     except (ValueError, AttributeError, TypeError):
         pass  # an answer without usage counts no tokens
     return Response(body, media_type="application/json")

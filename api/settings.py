@@ -139,6 +139,10 @@ class Settings(BaseSettings):
         default=4, ge=1, description="Completions a tenant may have running at once (more: 429)."
     )
     inference_timeout_s: float = Field(default=300.0, gt=0, description="Longest a completion may take.")
+    inference_tokens_per_minute_per_tenant: int | None = Field(
+        default=None, ge=1,
+        description="Prompt + completion tokens a tenant may use per minute (more: 429). Default: no limit.",
+    )
 
     @field_validator("kueue_priority_classes")
     @classmethod

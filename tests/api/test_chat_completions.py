@@ -219,3 +219,29 @@ def test_worker_refusals_and_failures_are_clear_errors(serving, engine, tenant_k
     down = post(serving(inference_url="http://127.0.0.1:9"))
     assert down.status_code == 503 and down.json()["error"]["code"] == "inference_unavailable"
     assert httpx.post(f"{base_url}/v1/chat/completions", json=body).status_code == 401
+
+
+def test_a_tenant_over_its_tokens_per_minute_gets_429_until_they_age_out(serving, tenant_key) -> None:
+    base_url = serving(inference_tokens_per_minute_per_tenant=10)
+    first, second = tenant_key(), tenant_key()
+    url, body = f"{base_url}/v1/chat/completions", {"model": "tunefleet-tiny-llama", "messages": MESSAGES}
+    # Each answer uses 5 prompt + 3 completion tokens; a request is admitted while under the limit.
+    assert [httpx.post(url, json=body, headers=first.headers).status_code for _ in range(2)] == [200, 200]
+    over = httpx.post(url, json=body, headers=first.headers)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "token_limit_exceeded"
+    assert 1 <= int(over.headers["Retry-After"]) <= 60
+    assert httpx.post(url, json=body, headers=second.headers).status_code == 200
+
+
+def test_token_budget_ages_out_by_the_minute() -> None:
+    from api.completions import TokenBudget
+
+    now = [1000.0]
+    budget = TokenBudget(10, clock=lambda: now[0])
+    budget.spend("t", 6)
+    now[0] += 20
+    budget.spend("t", 6)
+    assert budget.retry_after("t") == 40  # the first 6 age out 60 s after they were spent
+    assert budget.retry_after("other") is None
+    now[0] += 40
+    assert budget.retry_after("t") is None
