@@ -39,7 +39,7 @@ def answer_logps(model, tokenizer, rows: list[dict]) -> torch.Tensor:
                          for r in rows])
 
 
-@pytest.mark.parametrize("trainer", ["fsdp_qlora"])
+@pytest.mark.parametrize("trainer", ["fsdp_qlora", "jax"])
 def test_dpo_job_raises_held_out_preference_accuracy(service, tiny_model_dir: Path, tmp_path: Path,
                                                      trainer: str) -> None:
     from openai import OpenAI
@@ -71,6 +71,8 @@ def test_dpo_job_raises_held_out_preference_accuracy(service, tiny_model_dir: Pa
         assert rows[-1]["rewards/margin"] > rows[0]["rewards/margin"]
         valid = [r["valid_rewards/accuracy"] for r in rows if r["valid_rewards/accuracy"] is not None]
         assert valid, "no held-out reward metrics were reported"
+        events = oai.fine_tuning.jobs.list_events(job.id, limit=100).data
+        assert {e.type for e in events} <= {"message", "metrics"} and any(e.type == "metrics" for e in events)
         checkpoints = oai.fine_tuning.jobs.checkpoints.list(job.id).data
         assert checkpoints and all("rewards/accuracy" in c.metrics.to_dict() for c in checkpoints)
         adapter_dir = tmp_path / "adapter"
