@@ -207,7 +207,7 @@ def download_checkpoint_artifact(
 # ---- merged exports -----------------------------------------------------------------
 
 
-@router.post("/{job_id}/exports", status_code=202, response_model=ExportPublic,
+@router.post("/{job_id}/exports", response_model=ExportPublic,
              responses=error_responses(400, 404, 409))
 def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: CurrentKey,
                   settings: SettingsDep, queue: QueueDep) -> ExportPublic:
