@@ -9,8 +9,8 @@ no backward). Also printed: DPO per pair against SFT per example (twice the DPO 
 rows per example), the figure a user comparing epochs sees.
 
 Each trainer's own step functions are timed (torch: ``train_step`` / ``dpo_train_step``;
-JAX: the jitted step of ``compile_steps``, compiled before timing), in alternating rounds
-so machine load affects both alike; the median step time is reported.
+JAX: the jitted step of ``compile_steps``, compiled before timing), alternating step by
+step so machine load affects both alike; the median step time is reported.
 
 Run:  OMP_NUM_THREADS=2 .venv/bin/python bench/dpo_step_time.py [--steps 8] [--rounds 3]
 """
@@ -45,13 +45,14 @@ def make_batch(seed: int) -> Batch:
 
 
 def time_rounds(fns: dict[str, callable], steps: int, rounds: int) -> dict[str, float]:
+    """Median seconds per call; the functions alternate call by call, so a load spike on
+    this shared machine hits both alike."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
+    for _ in range(rounds * steps):
         for name, fn in fns.items():
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
