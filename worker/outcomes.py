@@ -16,7 +16,8 @@ STOPPED            pause -> paused, cancel -> cancelled, preempt (or a stop nobo
                    here asked for, e.g. a worker shutdown) -> queued; each resumes
                    from the latest checkpoint
 REQUEUE            queued from the latest checkpoint, one restart more; failed past
-                   ``max_restarts``
+                   ``max_restarts`` -- but a preemption by the cluster (the trainer
+                   checkpointed on its SIGTERM: a node drain, Kueue) counts none
 =================  ==============================================================
 
 Every terminal outcome closes the job's open usage segment and records that the run of
@@ -46,6 +47,9 @@ from worker.executors.base import ObservedChange, ObservedKind, StopReason
 
 log = logging.getLogger(__name__)
 
+# REQUEUE codes of a run the cluster took back after the trainer checkpointed on its SIGTERM
+# (worker.executors.pod_outcomes).
+CLUSTER_PREEMPTIONS = frozenset({"preempted_by_cluster", "preempted_by_kueue"})
 TERMINAL_KINDS = frozenset({ObservedKind.SUCCEEDED, ObservedKind.FAILED, ObservedKind.STOPPED, ObservedKind.REQUEUE})
 
 
@@ -96,6 +100,10 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
                    error={"code": code, "message": outcome.message, "param": None})
     elif outcome.kind == ObservedKind.STOPPED:
         _stopped(session, job, outcome, usage)
+    elif outcome.error_code in CLUSTER_PREEMPTIONS:  # like our own preemption: not a lost run
+        resume = resume_point(session, job)
+        transition(session, job, "queued", actor="executor", level="warn", usage=usage, resume_from=resume,
+                   message=f"{outcome.message}; resumes from {resume or 'the start'} (not counted as a restart).")
     else:  # REQUEUE: the run was lost through no fault of the job
         restarts = job.restarts or 0
         if restarts >= max_restarts:

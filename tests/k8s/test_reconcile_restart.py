@@ -207,6 +207,30 @@ def test_node_lost_requeues_then_fails_per_the_restart_policy(fake_api, settings
     assert any(f"node {second}" in e and "(gave up after 1 restarts)" in e for e in events), events
 
 
+def test_a_preemption_by_the_cluster_requeues_without_counting_a_restart(fake_api, settings, db_job):
+    """A node drain SIGTERMs the trainer, which checkpoints and exits 12: the Job's
+    podFailurePolicy ignores it and the job is requeued from its checkpoint like one of
+    our own preemptions -- with no restart allowed, twice, and it is still not failed."""
+    import signal
+
+    store = DbStore(settings, [rtx4090(2)], in_cluster=True, max_restarts=0)
+    ex = scheduler_process(fake_api, store.running_jobs)
+
+    def preempted() -> list[str]:
+        return [e for e in _job(settings, db_job)[3] if "received SIGTERM from the cluster" in e]
+
+    for launch in ("1", "2"):
+        # the pod of the job's run attempt 1, then 2
+        _cycle_until(store, ex, lambda want=launch: (p := _pod_of(fake_api, db_job)) is not None
+                     and p["metadata"]["labels"].get("tunefleet.io/run") == want)
+        fake_api.wait_for(lambda: db_job in ex.logs(db_job))  # its SIGTERM handler is set
+        fake_api.cluster.procs[_pod_of(fake_api, db_job)["metadata"]["uid"]].send_signal(signal.SIGTERM)
+        _cycle_until(store, ex, lambda want=launch: len(preempted()) == int(want))
+        status, restarts, _, _ = _job(settings, db_job)
+        assert status in ("queued", "running") and restarts == 0
+        assert "(not counted as a restart)" in preempted()[-1]
+
+
 def test_cancel_through_the_api_stops_the_pod(fake_api, settings, client, tenant_key, make_job):  # noqa: F811
     """The API only moves the job to ``cancelled``; the scheduler's next reconcile sees a
     live Job whose job is not running and stops it (SIGTERM, then the Job is deleted)."""
