@@ -106,7 +106,7 @@ def test_invalid_configuration_is_a_json_error(operator_env: Callable[..., None]
 
 
 # Long-running processes and raw file bytes have no JSON document to print.
-NO_JSON = {"serve", "worker", "scheduler", "files content"}
+NO_JSON = {"serve", "worker", "scheduler", "inference", "files content"}
 
 
 def test_every_command_but_processes_and_raw_bytes_takes_json() -> None:
