@@ -194,8 +194,18 @@ def tokenize_preference_file(path: str | Path, tokenizer: Any, max_seq_len: int)
 
 
 def load_preference_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None) -> PreferenceJobData:
-    """The spec's preference files as resumable :class:`PreferenceData` (validation unshuffled)."""
+    """The spec's preference files as resumable :class:`PreferenceData` (validation unshuffled).
+
+    Raises:
+        UserError: ``invalid_spec`` with ``data.packing`` set; ``invalid_dataset`` for a bad file.
+    """
     d = spec.data
+    if d.packing:
+        raise UserError(
+            "data.packing does not apply to DPO: the chosen and rejected answers of a pair are two "
+            "rows of one micro-batch and are never packed; set packing to false",
+            code="invalid_spec",
+        )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def data(path: str, shuffle: bool) -> PreferenceData:

@@ -87,6 +87,15 @@ def test_a_job_reads_its_preference_files(make_spec, tiny_tokenizer, tmp_path):
     assert chosen.n_label_tokens > 0 and rejected.n_label_tokens > 0
 
 
+def test_packing_a_dpo_job_is_refused(make_spec, tiny_tokenizer, tmp_path):
+    train = write_preference_file(tmp_path / "train.jsonl", 4)
+    spec = make_spec(method={"type": "dpo"}, data={"train_file": str(train), "validation_file": None,
+                                                   "format": "preference", "packing": True})
+    with pytest.raises(UserError) as err:
+        load_preference_data(spec, tiny_tokenizer)
+    assert err.value.code == "invalid_spec" and "packing" in str(err.value)
+
+
 def test_a_bad_preference_line_is_invalid_dataset(make_spec, tiny_tokenizer, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"input": {"messages": []}, "preferred_output": []}) + "\n", encoding="utf-8")
