@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
@@ -32,14 +33,15 @@ def job(completions: int = 1, condition: str | None = None, reason: str | None =
 def pod(index: int = 0, *, phase: str = "Running", node: str | None = "node-0", reason: str | None = None,
         message: str | None = None, waiting: str | None = None, exit_code: int | None = None,
         term_reason: str | None = None, term_message: str | None = None,
-        unschedulable: str | None = None) -> client.V1Pod:
+        unschedulable: str | None = None, finished: int | None = None) -> client.V1Pod:
     state = None
     if waiting is not None:
         state = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason=waiting, message="back-off"))
     elif exit_code is not None:
         state = client.V1ContainerState(terminated=client.V1ContainerStateTerminated(
             exit_code=exit_code, reason=term_reason or ("Completed" if exit_code == 0 else "Error"),
-            message=term_message))
+            message=term_message,
+            finished_at=None if finished is None else dt.datetime.fromtimestamp(LAUNCHED + finished, dt.UTC)))
     elif phase == "Running":
         state = client.V1ContainerState(running=client.V1ContainerStateRunning())
     statuses = [client.V1ContainerStatus(name="trainer", image="reg/trainer:1", image_id="", ready=phase == "Running",
@@ -96,6 +98,12 @@ ROWS = [
     ("user error of rank 1, rank 0 stopped", run(), job(2, "Failed", "PodFailurePolicy"),
      [pod(0, phase="Failed", exit_code=12), pod(1, phase="Failed", exit_code=10, term_message=USER_ERROR_LOG)],
      10, [(ObservedKind.FAILED, "nan_loss", None)]),
+    ("a drain of rank 0 first, then rank 1's collective broke", run(), job(2),
+     [pod(0, phase="Failed", exit_code=12, finished=5), pod(1, phase="Failed", exit_code=1, finished=9)],
+     10, [(ObservedKind.REQUEUE, "preempted_by_cluster", None)]),
+    ("rank 1 crashed first, then the Job stopped rank 0", run(), job(2, "Failed", "BackoffLimitExceeded"),
+     [pod(0, phase="Failed", exit_code=12, finished=9), pod(1, phase="Failed", exit_code=1, finished=5)],
+     10, [(ObservedKind.REQUEUE, "trainer_crashed", None)]),
     ("FailJob, its pods gone", run(), job(condition="Failed", reason="PodFailurePolicy", message=(
         "Container trainer for pod ns/tf-ftjob-1-3-0 failed with exit code 11 matching FailJob rule at index 2")),
      [], 10, [(ObservedKind.FAILED, "out_of_memory", None)]),

@@ -22,8 +22,8 @@ exit 10 / 11                       FAILED with the trainer's termination message
 exit 12                            STOPPED after a stop -- else REQUEUE
                                    ``preempted_by_cluster`` (e.g. a node drain), or
                                    ``preempted_by_kueue`` when Kueue suspended the Job
-several pods failed                the first that is not exit 12 (the Job's podFailurePolicy
-                                   then stopped the gang's other pods)
+several pods failed                the one that finished first, else the first not exit 12
+                                   (the Job controller then stopped the gang's other pods)
 Job Failed, DeadlineExceeded       FAILED ``max_runtime_exceeded`` (activeDeadlineSeconds)
 Job Failed, no failed pod visible  FAILED with the Job's message (podFailurePolicy FailJob)
                                    -- else REQUEUE ``trainer_crashed``
@@ -36,6 +36,7 @@ Job and pods gone                  STOPPED after a stop -- else REQUEUE ``job_lo
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -122,8 +123,10 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
                 out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"pod pending: {cond.message}"))
     failed = [(p, term) for p, term in terminated if term.exit_code != 0]
     if failed:
-        # A gang member's own failure, not the SIGTERM that the failure brought the others.
-        pod, term = min(failed, key=lambda f: f[1].exit_code == ExitCode.PREEMPTED)
+        # The failure that came first is the cause (the Job controller then stops the rest
+        # of the gang, which exit 12); within one second, the one that is not exit 12.
+        pod, term = min(failed, key=lambda f: (f[1].finished_at.timestamp() if f[1].finished_at else math.inf,
+                                               f[1].exit_code == ExitCode.PREEMPTED))
         if term.exit_code == ExitCode.PREEMPTED and run.stop_reason is None and _suspended(job):
             return [ObservedChange(jid, ObservedKind.REQUEUE, exit_code=term.exit_code,
                                    error_code="preempted_by_kueue", message=(
