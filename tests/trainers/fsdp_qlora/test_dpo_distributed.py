@@ -1,6 +1,7 @@
 """DPO on 2 ranks through the real entry point (``python -m trainers``, gloo, NF4 base)
-equals the same job in one process: the objective is normalized over the global batch,
-and each rank's reference forward is its FSDP-sharded base with the adapter off."""
+equals the same job in one process (the objective is normalized over the global batch,
+and each rank's reference forward is its FSDP-sharded base with the adapter off), and a
+2-rank run resumed from its sharded checkpoint continues it exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.trainers.fsdp_qlora.test_recipe_single import _run
 from trainers.common.preference import REWARD_KEYS
 
 
-def test_two_rank_dpo_qlora_job_equals_the_one_process_job(dpo_spec):  # noqa: F811
+def test_two_rank_dpo_qlora_job_equals_the_one_process_job_and_resumes(dpo_spec):  # noqa: F811
     from safetensors.torch import load_file
 
     common = {
@@ -47,3 +48,16 @@ def test_two_rank_dpo_qlora_job_equals_the_one_process_job(dpo_spec):  # noqa: F
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert max(float(b[k].abs().max()) for k in b if "lora_B" in k) > 1e-4  # it trained
+
+    # 2 ranks resumed from the 2-rank run's step-2 checkpoint (sharded DCP state) = step 3 of the run
+    step_2 = str(Path(two.checkpoint.dir) / "step-2")
+    resumed = dpo_spec("resumed", parallelism={"world_size": 2},
+                       **{**common, "checkpoint": {**common["checkpoint"], "resume_from": step_2}})
+    proc = _entry(resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = [json.loads(x) for x in (Path(resumed.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [3]
+    for k in ("train_loss", "grad_norm", *REWARD_KEYS):
+        assert again[0][k] == pytest.approx(rows[2][k], abs=1e-6), k
+    c = load_file(str(Path(resumed.output_dir) / "adapter" / "adapter_model.safetensors"))
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
