@@ -33,6 +33,9 @@ SCOPED: list[tuple[str, str, Any]] = [
     ("GET", "/v1/fine_tuning/jobs/{job_id}/artifacts", None),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/artifacts/{name}", None),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/stream", None),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/artifacts", None),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/artifacts/{checkpoint_file}", None),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/exports", {"format": "merged"}),
     ("GET", "/v1/models/{model_id}", None),
     ("DELETE", "/v1/models/{model_id}", None),  # last: the owner's call deletes the model
 ]
@@ -69,7 +72,8 @@ def test_route_table_covers_every_route(app) -> None:
         for method, operation in operations.items()
         if FOUNDATION_TAGS & set(operation.get("tags", []))
     }
-    listed = {(m, p) for m, p, _ in SCOPED + LISTS + ADMIN + JOB_TOKEN} | PUBLIC
+    # A checkpoint's file is the route's {name} too; the table fills it with the checkpoint's own file.
+    listed = {(m, p.replace("{checkpoint_file}", "{name}")) for m, p, _ in SCOPED + LISTS + ADMIN + JOB_TOKEN} | PUBLIC
     assert served == listed
 
 
@@ -83,6 +87,8 @@ def world(client, tenant_key, make_job, settings, db_session):
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
     checkpoint = settings.job_dir(job["id"]) / "checkpoints" / "step-1"
+    (checkpoint / "adapter").mkdir(parents=True)
+    (checkpoint / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
     report = {"seq": 1, "items": [
         {"type": "metric", "step": 1, "total_steps": 2, "train_loss": 2.0},
         {"type": "checkpoint", "step": 1, "location": str(checkpoint), "metrics": {"train_loss": 2.0}},
@@ -97,10 +103,12 @@ def world(client, tenant_key, make_job, settings, db_session):
     log = settings.job_dir(job["id"]) / "trainer.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("step 1 loss 2.0\n")
+    checkpoints = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints", headers=a.headers).json()["data"]
     names = {
         "file_id": job["training_file"], "job_id": job["id"],
         "name": "adapter/adapter_model.safetensors", "model_id": row.fine_tuned_model,
         "tenant_id": a.tenant_id, "key_id": "key-x",
+        "checkpoint_id": checkpoints[0]["id"], "checkpoint_file": "adapter_model.safetensors",
     }
     return {"a": a, "b": b, "names": names, "token": token}
 
@@ -116,7 +124,8 @@ def _call(client, method: str, path: str, body: Any, headers: dict[str, str]):
 
 
 FAKE_NAMES = {"file_id": "file-x", "job_id": "ftjob-x", "name": "adapter/a.bin",
-              "model_id": "m", "tenant_id": "org-x", "key_id": "key-x"}
+              "model_id": "m", "tenant_id": "org-x", "key_id": "key-x",
+              "checkpoint_id": "ftckpt-x", "checkpoint_file": "a.bin"}
 BAD_AUTH = ({}, {"Authorization": "Bearer tf_aaaaaaaa_" + "b" * 32},
             {"Authorization": "Basic abc"}, {"Authorization": "Bearer"})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 
 
 class Listener:
@@ -33,7 +34,7 @@ class Listener:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> Listener:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.trainers.tiny_datasets import write_tiny_datasets
 from tests.trainers.golden.job import TRAINERS, golden_spec, run_entry_point
+from tests.trainers.tiny_datasets import write_tiny_datasets
 from trainers.common.tiny_model import build_tiny_llama
 
 
