@@ -226,6 +226,16 @@ class JobCreate(Strict):
             )
         return method
 
+    @field_validator("packing")
+    @classmethod
+    def _no_packing_for_preference_pairs(cls, packing: bool, info: ValidationInfo) -> bool:
+        # A DPO micro-batch holds each pair's chosen and rejected rows side by side, one
+        # sequence a row, so there is nothing to pack; the trainers refuse it too.
+        method = info.data.get("method")
+        if packing and method is not None and method.type == "dpo":
+            raise ValueError("packing does not apply to a DPO job (each preference pair is two rows)")
+        return packing
+
     @property
     def method_type(self) -> MethodType:
         return self.method.type if self.method is not None else "supervised"

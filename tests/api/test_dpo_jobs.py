@@ -123,6 +123,7 @@ def test_a_mismatch_found_after_validation_fails_the_job(client, tenant_key, upl
         ({"method": {"type": "dpo"}, "hyperparameters": {"n_epochs": 2}}, "method"),
         ({"hyperparameters": {"n_epochs": 2},
           "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 3}}}}, "method"),
+        ({"method": {"type": "dpo"}, "packing": True}, "packing"),
     ],
 )
 def test_bad_dpo_bodies_name_the_field(client, tenant_key, processed_file, patch, param) -> None:
