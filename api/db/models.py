@@ -293,3 +293,27 @@ class PoolCapacity(Base):
     pool: Mapped[str] = mapped_column(String(128), primary_key=True)
     nodes: Mapped[list[Any]] = mapped_column(JSON, doc="[{name, gpus_total, gpus_free}]")
     observed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class RegisteredModel(Base):
+    """A base model an admin registered through ``POST /v1/models`` (api/model_registry.py).
+
+    It joins the YAML registry's entries once ``status`` is ``ready``; a Hub source is
+    ``fetching`` until the worker has downloaded and checked it (``failed`` with ``error``).
+    """
+
+    __tablename__ = "registered_models"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    source: Mapped[str] = mapped_column(String(1024), doc="local path, s3:// URI or Hub id[@revision]")
+    status: Mapped[str] = mapped_column(String(16), doc="ready | fetching | failed")
+    path: Mapped[str | None] = mapped_column(String(1024), doc="the checkpoint trainers read")
+    architecture: Mapped[str | None] = mapped_column(String(32))
+    max_seq_len: Mapped[int | None] = mapped_column(Integer)
+    params_b: Mapped[float | None] = mapped_column(Float)
+    hf_id: Mapped[str | None] = mapped_column(String(256))
+    revision: Mapped[str | None] = mapped_column(String(256), doc="Hub: the revision asked for")
+    commit_sha: Mapped[str | None] = mapped_column(String(64), doc="Hub: the commit fetched")
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, doc="{code, message} when failed")
+    created_by: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
