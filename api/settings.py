@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     # Bearer token Prometheus sends to GET /metrics (api/observability/metrics.py reads the
     # same variable); unset leaves /metrics open, which production refuses.
     metrics_token: SecretStr | None = None
+    # Who exports the database gauges (jobs, queues, GPUs, trainers, webhook outbox): "api"
+    # (every API process: right for one replica) or "scheduler" (the scheduler process alone,
+    # on metrics_port: several API replicas then do not multiply every count).
+    metrics_database_gauges: Literal["api", "scheduler"] = "api"
+    # Port of the worker's and the scheduler's /metrics and /healthz (0: not served).
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     public_url: str = "http://127.0.0.1:8000"
     executor: Literal["local", "kubernetes"] = "local"
     node_pools_file: Path | None = None
