@@ -22,6 +22,7 @@ HQQ or double-quantized one only in ``fsdp_qlora``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -154,11 +155,31 @@ def trainer_refusal(job: JobRequest, pool: NodePool) -> str:
 
 def candidate_pools(job: JobRequest, snapshot: CapacitySnapshot) -> tuple[list[_Candidate], list[Reason]]:
     """Pools whose family and memory can hold the job at all, and reasons for the rest."""
+    return _pool_candidates(job, snapshot.pools)
+
+
+def no_pool_fits(job: JobRequest, pools: Mapping[str, NodePool]) -> tuple[Reason, ...]:
+    """Why no pool of ``pools`` could hold the job even with all its GPUs free; ``()``
+    when one can.
+
+    Only the pools' configuration counts (trainer families, GPU memory, GPUs per job, a
+    pinned pool's existence), never their nodes or what runs on them, so the answer does
+    not change until the pools file or the job does: such a job would wait forever. Job
+    creation refuses it (400 ``no_pool_fits``) and the scheduler fails it when it is
+    queued, unless it asked to wait anyway (``JobRequest.queue_if_unfit``).
+    """
+    candidates, reasons = _pool_candidates(job, pools)
+    if candidates:
+        return ()
+    return tuple(reasons) or (Reason(ReasonCode.NO_POOL, "no node pool is configured"),)
+
+
+def _pool_candidates(job: JobRequest, pools: Mapping[str, NodePool]) -> tuple[list[_Candidate], list[Reason]]:
     out: list[_Candidate] = []
     reasons: list[Reason] = []
-    if job.pool is not None and job.pool not in snapshot.pools:
+    if job.pool is not None and job.pool not in pools:
         return [], [Reason(ReasonCode.POOL_PINNED_MISSING, f"pool {job.pool!r} does not exist", job.pool)]
-    for pool in snapshot.pools.values():
+    for pool in pools.values():
         if job.pool is not None and pool.name != job.pool:
             continue
         trainer = trainer_for(job, pool)

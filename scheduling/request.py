@@ -40,6 +40,9 @@ class JobRequest:
     gpus: int | None = None
     """A GPU count the user pinned (``placement.gpus``)."""
     preemptible: bool = True
+    queue_if_unfit: bool = False
+    """The user asked to queue the job although no pool can hold it (``placement.queue_if_unfit``:
+    a pool is being grown); otherwise such a job fails (``scheduling.placement.no_pool_fits``)."""
 
 
 def training_shape(adapter: Mapping[str, Any], hyperparameters: Mapping[str, Any],
@@ -100,7 +103,7 @@ def request_from_job(
         hyperparameters: the job's hyperparameters (resolved, or as requested).
         max_seq_len: the job's sequence length.
         trainer: ``auto``, ``jax_lora`` or ``fsdp_qlora`` (anything else counts as auto).
-        placement: the pins (``pool``, ``gpus``); the store merges an out-of-memory
+        placement: the pins (``pool``, ``gpus``) and ``queue_if_unfit``; the store merges an out-of-memory
             retry's larger gang under the user's pins.
         priority: the priority number.
         created_at: Unix seconds (queue order among equals).
@@ -123,4 +126,5 @@ def request_from_job(
         trainer=family,
         pool=placement.get("pool"),
         gpus=placement.get("gpus"),
+        queue_if_unfit=bool(placement.get("queue_if_unfit", False)),
     )
