@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     executor: Literal["local", "kubernetes"] = "local"
     node_pools_file: Path | None = None
     base_models_file: Path | None = None
+    # Hugging Face Hub repos admins may register as base models (api/hub.py): glob patterns
+    # of org/name, comma-separated, e.g. "Qwen/Qwen3-*,meta-llama/*". Unset: the Hub is off.
+    # huggingface_hub reads HF_TOKEN and HF_ENDPOINT (operator-set) from the environment.
+    hub_allowed_repos: str | None = None
+    hub_timeout_s: float = Field(default=30.0, gt=0, description="Per Hub request (metadata, read).")
     max_upload_bytes: int = Field(default=512 * MiB, ge=1)
     # Every other request body (JSON, forms, trainer reports), checked before routing.
     max_request_bytes: int = Field(default=8 * MiB, ge=1024)
