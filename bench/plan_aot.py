@@ -408,7 +408,7 @@ def estimator_memory(job: PlanJob, pool: NodePool):
     training = training_shape(adapter, {"micro_batch_size": job.batch}, job.seq)
     training = replace(training, checkpointing=job.remat != "none")
     est = estimate_on_pool(shape, training, pool, trainer="jax_lora", gpus=job.devices)
-    return est.memory, flops_per_token(shape, training)
+    return est.memory, flops_per_token(shape, training, "jax_lora")
 
 
 # --- one row ---------------------------------------------------------------------------

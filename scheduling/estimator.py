@@ -28,6 +28,18 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
                               recomputed), plus the logits and their fp32 loss copy
   + framework overhead        CUDA/ROCm context, allocator slack, runtime
 
+Two trainer-specific corrections, both read off the trainers' own plans (bench/plan_aot.py
+compiles jax_lora's real step for the real 8B/70B/405B configs and reads XLA's buffers;
+bench/plan_fsdp_qlora.py counts fsdp_qlora's sharded state from its meta-device build):
+
+- fsdp_qlora keeps the NF4 statistics (absmax and code) whole on every GPU: they belong
+  to bitsandbytes' quant state, not to the parameters FSDP shards or offloads.
+- jax_lora (mesh without a tensor axis) gathers the whole embedding table and LM head
+  on every device and upcasts the head to fp32 in the loss's backward; on accelerators
+  the recomputed layer's attention scores grow with seq^2. XLA assigns the compiled
+  step's buffers by liveness, so the loss's transients and the recomputed layer's share
+  memory (only the larger counts), and the slack left for the allocator is small.
+
 A DPO job (``objective="dpo"``) runs its preferred and its rejected answer in the same
 micro batch, so its policy forward saves activations and logits for twice the tokens;
 its reference forward (the same base with the adapter off, under no_grad) saves nothing
@@ -86,6 +98,19 @@ FRAMEWORK_OVERHEAD = {"gpu": int(0.75 * GIB), "cpu": int(0.47 * GIB)}
 JAX_CPU_RUNTIME_EXTRA = 290 * 2**20
 # Allocator slack on top of live tensors (caching allocator rounding, temporaries).
 ALLOCATOR_SLACK = 0.08
+# jax_lora's step is one compiled XLA program whose buffers XLA assigns ahead of time, so
+# its temporaries are counted by the terms below (XLA's own plan of the real 8B/70B/405B
+# steps, bench/plan_aot.py); what is left is the allocator's rounding and fragmentation.
+JAX_ALLOCATOR_SLACK = 0.02
+# jax_lora on an accelerator at long sequences: bytes per (query, key) pair per attention
+# head of one layer that the recomputed backward holds at once -- scores, probabilities
+# and their gradient, about 1.6 fp32 copies. Fitted to XLA's plan of Llama-3.1-405B on 8
+# devices at seq 2048 / 4096 / 8192 (temporaries 23.6 + 6.2 s + 3.15 s^2 GiB, s in units of
+# 2048 tokens: 806 B per token pair over 128 heads). That plan used the trainer's blockwise
+# CPU attention, whose blocks are all materialized; on accelerators the trainer calls
+# ``jax.nn.dot_product_attention``, whose XLA implementation materializes the full (not
+# causal-halved) score matrix too, and only a fused kernel would need none of it.
+ATTENTION_SCORE_BYTES = 6.3
 # On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
 # tensor has raised the dynamic mmap threshold, later tensors below it (up to 32 MiB) come
 # from the heap, and the freed memory stays resident. Measured (default malloc vs
@@ -249,9 +274,18 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     4-bit base, the dequantized layer on every accelerator)."""
     if n_gpus < 1:
         raise EstimateError("n_gpus must be >= 1")
+    jax_step = trainer == "jax_lora"
+    kind = "cpu" if accelerator == "cpu" else "gpu"
     qb = quantized_bytes_per_param(t)
-    weights_total = m.linear_params * qb + m.embedding_params * t.compute_bytes
-    layer_weights = m.linear_params_per_layer * qb
+    # The torch trainer's NF4 statistics (absmax and code) are attributes of bitsandbytes'
+    # quant state, not parameters: FSDP neither shards nor offloads them, so every rank
+    # holds all of them on its device (trainers/fsdp_qlora/quantize.py). jax_lora's are
+    # arrays of the train state, sharded like the codes.
+    stats_per_param = qb - 0.5 if t.quantization == "nf4" and not jax_step else 0.0
+    sharded_qb = qb - stats_per_param
+    weights_total = m.linear_params * sharded_qb + m.embedding_params * t.compute_bytes
+    quant_stats = int(m.linear_params * stats_per_param)
+    layer_weights = m.linear_params_per_layer * sharded_qb
     lora = lora_params(m, t)
     # One layer's linear kernels in the compute dtype: what 4-bit matmuls materialise
     # (bitsandbytes per matmul, jax_lora per projection inside its custom_vjp).
@@ -260,11 +294,18 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     # worker's mesh has no tensor axis (tensor=1) and FSDP gathers whole kernels for the
     # matmul. The torch trainer's copies are already in its slack, calibrated against the
     # anchors.
-    dequantized_live = dequantized if trainer == "jax_lora" else 0
-    weights = 0 if offload else int(weights_total / n_gpus)
+    dequantized_live = dequantized if jax_step else 0
+    weights = (0 if offload else int(weights_total / n_gpus)) + quant_stats
     # With more than one shard FSDP materialises a full layer while computing it (and
     # prefetches the next one); unsharded runs hold it already.
     gathered = int(2 * layer_weights) if n_gpus > 1 or offload else 0
+    # The mesh has no tensor axis, so the rules leave the vocabulary unsharded and
+    # jax_lora's step gathers the whole embedding table and LM head on every device.
+    tables = m.vocab * m.hidden * (1 if m.tie_embeddings else 2)
+    gathered_tables = tables * t.compute_bytes if jax_step and n_gpus > 1 else 0
+    # jax_lora's loss backward multiplies an fp32 cotangent by the 16-bit LM head, which
+    # XLA upcasts: an fp32 copy of the whole head (on any backend; none in fp32 compute).
+    head_fp32 = m.vocab * m.hidden * _FP32 if jax_step and t.compute_bytes < _FP32 else 0
     lora_b = lora * t.adapter_bytes
     lora_p = int(lora_b / n_gpus)
     grads = int(lora_b / n_gpus)
@@ -279,43 +320,75 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         acts = m.layers * per_layer + per_layer
     # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient.
     logits = tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
+    logits += head_fp32 + gathered_tables
+    if jax_step and kind == "gpu":
+        # The attention scores of the layer being recomputed (none with a fused kernel;
+        # see ATTENTION_SCORE_BYTES); without checkpointing every layer keeps its own.
+        scores = int(ATTENTION_SCORE_BYTES * m.heads * t.seq_len**2 * t.micro_batch * t.sequences_per_example)
+        layer_transients = gathered + dequantized_live + scores
+        if t.checkpointing:
+            layer_transients += 2 * per_layer
+        acts += scores * (1 if t.checkpointing else m.layers)
+        # XLA assigns the step's buffers by liveness: the loss (gathered tables, logits,
+        # the fp32 head) is done before the backward recomputes its first layer, so the
+        # two phases' transients share memory and only the larger one counts. The loss
+        # phase is shown in ``logits`` as far as it exceeds the layer phase.
+        logits = max(0, logits - layer_transients)
     if t.objective == "dpo":
         # The reference forward: one layer's intermediates and its logits with their fp32
         # log-softmax live at once, nothing kept for backward.
         acts += per_layer
         logits += tokens * m.vocab * (t.compute_bytes + _FP32)
     live = weights + gathered + dequantized_live + lora_p + grads + optim + acts + logits
-    buffers = FSDP_BUFFERS if n_gpus > 1 else 0
-    kind = "cpu" if accelerator == "cpu" else "gpu"
+    # XLA plans jax_lora's collectives' buffers itself (they are the gathered terms above).
+    buffers = FSDP_BUFFERS if n_gpus > 1 and not jax_step else 0
     if kind == "cpu":
         # glibc's heap keeps the torch trainer's freed dequantized kernels too. jax_lora's
         # live one sits in the compiled step's own temp buffer, which is not re-allocated
         # per matmul: measured NF4 peaks were 12-15 % under the estimate when the heap term
         # counted it (bench/RESULTS.md, 2026-11-30).
-        retained = dequantized if trainer != "jax_lora" else 0
+        retained = dequantized if not jax_step else 0
         slack = CPU_HEAP_RETAINED_LAYERS * (per_layer + retained)
     else:
-        slack = int(ALLOCATOR_SLACK * live)
+        slack = int((JAX_ALLOCATOR_SLACK if jax_step else ALLOCATOR_SLACK) * live)
     return MemoryBreakdown(
         weights=weights, gathered_layer=gathered, dequantized_layer=dequantized_live,
         lora_params=lora_p, lora_grads=grads, optimizer=optim, activations=acts, logits=logits,
         slack=slack + buffers,
-        framework=FRAMEWORK_OVERHEAD[kind] + (JAX_CPU_RUNTIME_EXTRA if kind == "cpu" and trainer == "jax_lora" else 0),
+        framework=FRAMEWORK_OVERHEAD[kind] + (JAX_CPU_RUNTIME_EXTRA if kind == "cpu" and jax_step else 0),
     )
 
 
-def flops_per_token(m: ModelShape, t: TrainingShape) -> float:
+def recomputed_fraction(m: ModelShape, trainer: str | None) -> float:
+    """Share of a checkpointed layer's linear FLOPs that its backward recomputes.
+
+    Torch's activation checkpointing reruns the whole layer. jax_lora's per-layer remat
+    is differentiated by XLA, which recomputes only what the backward reads: o_proj's
+    and down_proj's outputs feed nothing but residual adds, so those two matmuls are
+    dropped from the recompute (XLA's plan of the 70B/405B steps: 2.65 passes, not 3).
+    """
+    if trainer != "jax_lora":
+        return 1.0
+    shapes = m.module_shapes()
+    skipped = sum(math.prod(shapes[name]) for name in ("o_proj", "down_proj"))
+    return 1 - skipped / m.linear_params_per_layer
+
+
+def flops_per_token(m: ModelShape, t: TrainingShape, trainer: str | None = None) -> float:
     """Training FLOPs per token: forward 2P, input-grad backward 2P (the base is frozen,
-    so no weight gradients), recompute 2P with checkpointing; plus attention scores."""
-    p = m.linear_params + m.vocab * m.hidden
-    passes = 3 if t.checkpointing else 2
+    so no weight gradients), with checkpointing the decoder layers' recompute (the share
+    ``recomputed_fraction`` of their 2P; the LM head is not checkpointed); plus attention
+    scores (recomputed whole: the backward needs them)."""
+    head = m.vocab * m.hidden
+    recompute = recomputed_fraction(m, trainer) if t.checkpointing else 0.0
     attention = 2 * 2 * m.layers * t.seq_len * m.heads * m.hd  # QK^T and AV per token
     lora = 6 * lora_params(m, t)
-    per_token = passes * 2 * p + (passes + 1) * attention + lora
+    per_token = (2 + recompute) * 2 * m.linear_params + 2 * 2 * head
+    per_token += (3 + (1 if t.checkpointing else 0)) * attention + lora
     if t.objective == "dpo":
         # per planned token: two sequences, each also run once more through the reference
         # (a forward of the base: 2P, its attention, and the LoRA-free path).
-        per_token = 2 * (per_token + 2 * p + attention)
+        per_token = 2 * (per_token + 2 * (m.linear_params + head) + attention)
     return per_token
 
 
@@ -367,7 +440,7 @@ def tokens_per_second(m: ModelShape, t: TrainingShape, pool: NodePool, gpus: int
                       offload: bool = False) -> float:
     """Training throughput of ``gpus`` GPUs of ``pool``: peak FLOP/s x assumed MFU / FLOPs per token."""
     mfu = MFU.get(trainer, 0.35) * (OFFLOAD_SLOWDOWN if offload else 1.0)
-    return gpus * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t)
+    return gpus * pool.peak_tflops * 1e12 * mfu / flops_per_token(m, t, trainer)
 
 
 def base_model_shape(path: str, params_b: float | None, *, model_id: str) -> tuple[ModelShape, str]:

@@ -13,7 +13,9 @@ import torch
 from scheduling.estimator import (
     ALLOCATOR_SLACK,
     CPU_HEAP_RETAINED_LAYERS,
+    FSDP_BUFFERS,
     HEADROOM,
+    JAX_ALLOCATOR_SLACK,
     JAX_CPU_RUNTIME_EXTRA,
     KNOWN_MODELS,
     EstimateError,
@@ -25,6 +27,7 @@ from scheduling.estimator import (
     lora_params,
     memory_per_gpu,
     quantized_bytes_per_param,
+    recomputed_fraction,
 )
 from tests.worker.builders import mi300x, rtx4090
 
@@ -227,7 +230,11 @@ def test_jax_lora_on_nf4_holds_one_dequantized_layer():
         torch_ = memory_per_gpu(m, t, n, accelerator="amd-mi300x", trainer="fsdp_qlora")
         assert torch_ == memory_per_gpu(m, t, n, accelerator="amd-mi300x")
         assert (jax.dequantized_layer, torch_.dequantized_layer) == (layer, 0)
-        assert jax.total - torch_.total == pytest.approx(layer * (1 + ALLOCATOR_SLACK), abs=2)
+        # XLA plans the step's buffers (its collectives' too): a smaller slack, no FSDP buffers.
+        assert jax.slack == pytest.approx(JAX_ALLOCATOR_SLACK * (jax.total - jax.slack - jax.framework), abs=2)
+        buffers = FSDP_BUFFERS if n > 1 else 0
+        assert torch_.slack - buffers == pytest.approx(
+            ALLOCATOR_SLACK * (torch_.total - torch_.slack - torch_.framework), abs=2)
     # Nothing to dequantize on a bf16 base.
     lora = TrainingShape(method="lora")
     assert memory_per_gpu(m, lora, 8, accelerator="amd-mi300x", trainer="jax_lora").dequantized_layer == 0
@@ -252,7 +259,8 @@ SFT_VS_DPO = [
     ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, 1),
     ("8b lora 1k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024, cpu_offload="never"), rtx4090(), 1, 2),
     ("8b lora 2k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=2048, cpu_offload="never"), rtx4090(), 2, 4),
-    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, 2),
+    # jax_lora: one MI300X holds both (XLA reuses the loss's buffers for the layer's).
+    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, 1),
     ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, 8),
 ]
 
@@ -276,6 +284,8 @@ def test_dpo_needs_what_its_extra_activations_take(name, model, training, pool, 
     tokens = 2 * training.seq_len * training.micro_batch
     assert b.logits == doubled.logits + tokens * model.vocab * (training.compute_bytes + 4)
     # Speed: each planned token is two sequences, each trained and run once more through
-    # the reference (2 x (3 + 1) passes against 3 with checkpointing, less attention/LoRA).
+    # the reference (2 x (p + 1) passes against p = 2 + the recomputed share with
+    # checkpointing, less attention/LoRA).
     if sft.gpus == dpo.gpus:
-        assert 2.5 < dpo.eta_s / sft.eta_s < 2 * 4 / 3
+        passes = 2 + recomputed_fraction(model, sft.trainer)
+        assert 2.5 < dpo.eta_s / sft.eta_s < 2 * (passes + 1) / passes
