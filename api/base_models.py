@@ -13,16 +13,27 @@
 
 Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
 ``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start).
+
+Admins may also register models through ``POST /v1/models`` (api/model_registry.py):
+those rows of ``registered_models`` join the registry once ready. ``load_base_models``
+returns a ``BaseModelRegistry``, a read-only mapping of both that reads the registrations
+at each lookup, so every API process, the scheduler and the worker see a model as soon as
+it is registered (and no longer once it is deleted). YAML ids win over registrations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from functools import lru_cache
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
+from api.db.models import RegisteredModel
+from api.db.session import session_factory
 from api.settings import Settings
 from trainers.spec import Architecture
 
@@ -49,6 +60,10 @@ class BaseModelEntry(BaseModel):
         "its id and loads adapters on request: completions go there instead of the embedded worker.",
     )
 
+    revision: str | None = Field(
+        default=None, description="Hub models: the commit fetched (exported adapters cite it).",
+    )
+
     @property
     def public_id(self) -> str:
         """What an exported adapter's ``base_model_name_or_path`` says."""
@@ -68,9 +83,65 @@ def demo_model(models_dir: Path) -> BaseModelEntry:
     )
 
 
-def load_base_models(settings: Settings) -> dict[str, BaseModelEntry]:
-    """The registry as ``{id: entry}``; a broken YAML file is a start-up error."""
-    return dict(_load(settings.base_models_file, settings.models_dir))
+class BaseModelRegistry(Mapping[str, BaseModelEntry]):
+    """The YAML (or demo) entries and the ready registrations, as ``{id: entry}``."""
+
+    def __init__(self, declared: Mapping[str, BaseModelEntry],
+                 sessions: Callable[[], Session] | None) -> None:
+        self.declared = dict(declared)
+        self._sessions = sessions
+
+    def __getitem__(self, model_id: str) -> BaseModelEntry:
+        entry = self.declared.get(model_id)
+        if entry is not None:
+            return entry
+        if self._sessions is not None:
+            with self._sessions() as session:
+                row = session.get(RegisteredModel, model_id)
+                if row is not None and row.status == "ready":
+                    return registered_entry(row)
+        raise KeyError(model_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        return len(self.snapshot())
+
+    def snapshot(self) -> dict[str, BaseModelEntry]:
+        """Every entry now: declared ones, then ready registrations (one query)."""
+        entries = dict(self.declared)
+        if self._sessions is not None:
+            with self._sessions() as session:
+                rows = session.scalars(select(RegisteredModel).where(RegisteredModel.status == "ready")
+                                       .order_by(RegisteredModel.created_at))
+                for row in rows:
+                    entries.setdefault(row.id, registered_entry(row))
+        return entries
+
+    def keys(self):  # type: ignore[override] - one query instead of one per key
+        return self.snapshot().keys()
+
+    def values(self):  # type: ignore[override]
+        return self.snapshot().values()
+
+    def items(self):  # type: ignore[override]
+        return self.snapshot().items()
+
+
+def registered_entry(row: RegisteredModel) -> BaseModelEntry:
+    """A ready registration as a registry entry."""
+    return BaseModelEntry(
+        id=row.id, path=row.path or "", architecture=row.architecture or "llama",
+        params_b=row.params_b, max_seq_len=row.max_seq_len or 2048, owned_by="tunefleet",
+        hf_id=row.hf_id, revision=row.commit_sha,
+    )
+
+
+def load_base_models(settings: Settings) -> BaseModelRegistry:
+    """The registry; a broken YAML file is a start-up error."""
+    return BaseModelRegistry(dict(_load(settings.base_models_file, settings.models_dir)),
+                             session_factory(settings.resolved_database_url))
 
 
 @lru_cache(maxsize=8)

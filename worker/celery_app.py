@@ -32,6 +32,7 @@ TASK_MODULES = (
     "worker.tasks.scheduling",
     "worker.tasks.webhooks",
     "worker.tasks.exports",
+    "worker.tasks.hub_models",
 )
 
 
@@ -65,6 +66,9 @@ class WorkerHeartbeat(bootsteps.StartStopStep):
 
     @staticmethod
     def _beat(settings: Settings) -> None:
+        from worker.metrics import WORKER_HEARTBEAT
+
+        WORKER_HEARTBEAT.touch()  # the timer fired: the consumer runs (the pod's liveness)
         try:
             worker_heartbeat.beat(settings)
         except Exception:  # a missed beat shows in /readyz; never stop consuming for it

@@ -1,26 +1,35 @@
-"""``/v1/models``: base models of the registry and the tenant's fine-tuned adapters (which
-the tenant may delete)."""
+"""``/v1/models``: base models of the registry (the YAML file's and those admins register
+here) and the tenant's fine-tuned adapters (which the tenant may delete)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request
+from sqlalchemy import select
 
-from api.base_models import BaseModelEntry
+from api.base_models import BaseModelEntry, BaseModelRegistry
 from api.db.base import to_unix
-from api.db.models import Job
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.db.models import Job, RegisteredModel
+from api.deps import AdminDep, CurrentKey, CurrentTenant, QueueDep, SessionDep, SettingsDep
 from api.errors import APIError, error_responses, not_found
 from api.fine_tuned_models import delete_fine_tuned_model, tenant_adapters
-from api.schemas.models import ModelDeleted, ModelPublic, ModelsPublic
+from api.model_registry import delete_registered_model, register_model
+from api.schemas.models import ModelCreate, ModelDeleted, ModelPublic, ModelsPublic
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 def _base(entry: BaseModelEntry, started: int) -> dict[str, Any]:
     return {"id": entry.id, "object": "model", "created": started, "owned_by": entry.owned_by,
-            "kind": "base", "architecture": entry.architecture, "max_seq_len": entry.max_seq_len}
+            "kind": "base", "architecture": entry.architecture, "max_seq_len": entry.max_seq_len,
+            "revision": entry.revision}
+
+
+def _registered(row: RegisteredModel) -> dict[str, Any]:
+    return {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
+            "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
+            "source": row.source, "status": row.status, "revision": row.commit_sha, "error": row.error}
 
 
 def _adapter(job: Job) -> dict[str, Any]:
@@ -29,21 +38,41 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
+def _registry(request: Request) -> BaseModelRegistry:
+    return request.app.state.base_models
+
+
 @router.get("", response_model=ModelsPublic)
 def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
-    started = request.app.state.started_at
-    data = [_base(e, started) for e in request.app.state.base_models.values()]
+    """The declared base models, the registered ones ready to train on, the tenant's adapters."""
+    registry = _registry(request)
+    data = [_base(e, request.app.state.started_at) for e in registry.declared.values()]
+    ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
+    data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
     data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
     return {"object": "list", "data": data}
+
+
+@router.post("", response_model=ModelPublic, responses=error_responses(400, 403, 409))
+def create_model(body: ModelCreate, request: Request, session: SessionDep, key: AdminDep,
+                 settings: SettingsDep, queue: QueueDep) -> dict[str, Any]:
+    """Register a base model (admins). A directory or s3:// checkpoint is checked now and
+    answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
+    row = register_model(session, settings, _registry(request), body, admin_tenant_id=key.tenant_id,
+                         queue=queue)
+    return _registered(row)
 
 
 @router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
 def retrieve_model(
     model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
 ) -> dict[str, Any]:
-    entry = request.app.state.base_models.get(model_id)
+    entry = _registry(request).declared.get(model_id)
     if entry is not None:
         return _base(entry, request.app.state.started_at)
+    row = session.get(RegisteredModel, model_id)
+    if row is not None:
+        return _registered(row)
     job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
     if job is None:
         raise not_found("model", model_id)
@@ -52,13 +81,19 @@ def retrieve_model(
 
 @router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))
 def delete_model(
-    model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+    model_id: str, request: Request, session: SessionDep, key: CurrentKey, settings: SettingsDep
 ) -> ModelDeleted:
-    """Delete a fine-tuned model (its adapter and the job's other outputs); base models
-    cannot be deleted (403), a model whose job has not ended is a 409."""
-    if model_id in request.app.state.base_models:
+    """Delete a fine-tuned model (its adapter and the job's other outputs), or, with an
+    admin key, a registered base model. Other base models cannot be deleted: 403 for a
+    tenant, 409 for a model of the YAML file; a model whose job has not ended is a 409."""
+    registry = _registry(request)
+    is_base = model_id in registry.declared or session.get(RegisteredModel, model_id) is not None
+    if is_base and key.grants_admin:
+        delete_registered_model(session, registry, model_id)
+    elif is_base:
         raise APIError(403, "base_model_not_deletable",
-                       f"'{model_id}' is a base model; only fine-tuned models can be deleted.",
-                       param="model")
-    delete_fine_tuned_model(session, tenant, model_id, settings=settings)
+                       f"'{model_id}' is a base model; only fine-tuned models can be deleted "
+                       "(registered base models: by an admin).", param="model")
+    else:
+        delete_fine_tuned_model(session, key.tenant, model_id, settings=settings)
     return ModelDeleted(id=model_id)

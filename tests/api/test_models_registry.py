@@ -1,0 +1,246 @@
+"""Base models admins register through ``POST /v1/models``: checked at registration, listed
+for every tenant, trained on; Hub ids fetched by the worker from a fake Hub (HF_ENDPOINT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from api.ids import new_id
+from tests.hub.fake_hub import FakeHub
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.model_files import save_tiny_family
+
+    return save_tiny_family(tmp_path_factory.mktemp("models") / "qwen3", "qwen3")
+
+
+@pytest.fixture
+def settings(settings):
+    return settings.model_copy(update={"hub_allowed_repos": "tiny-org/*, other/exact"})
+
+
+def _error(response) -> tuple[int, str, str | None]:
+    error = response.json()["error"]
+    return response.status_code, error["code"], error["param"]
+
+
+def test_a_registered_checkpoint_is_listed_for_every_tenant_and_trains(
+        client, admin_key, tenant_key, make_job, tiny_qwen3: Path) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    tenant = tenant_key()
+    model_id = f"acme/qwen3-{new_id('m')}"
+    body = {"id": model_id, "source": str(tiny_qwen3)}
+    assert _error(client.post("/v1/models", headers=tenant.headers, json=body))[:2] == (403, "permission_denied")
+
+    created = client.post("/v1/models", headers=admin, json=body)
+    assert created.status_code == 200, created.text
+    model = created.json()
+    assert (model["id"], model["kind"], model["status"], model["architecture"], model["max_seq_len"]) == (
+        model_id, "base", "ready", "qwen3", 512)
+
+    listed = {m["id"]: m for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    assert listed[model_id]["status"] == "ready" and "tunefleet-tiny-llama" in listed
+    job = make_job(tenant.headers, model=model_id)
+    assert job["model"] == model_id and job["status"] in ("validating_files", "queued")
+
+    assert _error(client.post("/v1/models", headers=admin, json=body)) == (409, "model_exists", "id")
+    assert _error(client.post("/v1/models", headers=admin,
+                              json={"id": "tunefleet-tiny-llama", "source": str(tiny_qwen3)}))[:2] == (
+        409, "model_exists")
+    assert _error(client.post("/v1/models", headers=admin, json={"id": "x", "source": "models/a/b"})
+                  ) == (400, "invalid_model_source", "source")
+
+
+def _index(model_dir: Path, weight_map: dict[str, str]) -> None:
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_broken_checkpoint_is_a_400_at_registration(client, admin_key, tiny_qwen3: Path,
+                                                      tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    with safe_open(tiny_qwen3 / "model.safetensors", "np") as f:
+        tensors = list(f.keys())
+
+    def broken(name: str, breakage) -> tuple[int, str, str | None]:
+        copy = tmp_path / name
+        shutil.copytree(tiny_qwen3, copy)
+        breakage(copy)
+        return _error(client.post("/v1/models", headers=admin,
+                                  json={"id": f"broken-{name}-{new_id('m')}", "source": str(copy)}))
+
+    def config(**change):
+        def apply(d: Path) -> None:
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        return apply
+
+    cases = {
+        "no-config": (lambda d: (d / "config.json").unlink(), "model_config_unreadable"),
+        "bad-config": (lambda d: (d / "config.json").write_text("{not json"), "model_config_unreadable"),
+        "gemma": (config(model_type="gemma2"), "unsupported_architecture"),
+        "no-tokenizer": (lambda d: (d / "tokenizer.json").unlink(), "tokenizer_missing"),
+        "no-weights": (lambda d: (d / "model.safetensors").unlink(), "weights_missing"),
+        "index-missing-shard": (lambda d: _index(d, {t: "model-00002-of-00002.safetensors" for t in tensors}),
+                                "inconsistent_weights"),
+        "index-extra-tensor": (lambda d: _index(d, {**{t: "model.safetensors" for t in tensors},
+                                                    "lm_head.bias": "model.safetensors"}), "inconsistent_weights"),
+        "index-lacks-tensor": (lambda d: _index(d, {t: "model.safetensors" for t in tensors[1:]}),
+                               "inconsistent_weights"),
+        "truncated-shard": (lambda d: (d / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{"),
+                            "inconsistent_weights"),
+    }
+    got = {name: broken(name, breakage) for name, (breakage, _) in cases.items()}
+    assert got == {name: (400, code, "source") for name, (_, code) in cases.items()}
+    # the same checkpoint with a consistent index registers
+    indexed = tmp_path / "indexed"
+    shutil.copytree(tiny_qwen3, indexed)
+    _index(indexed, {t: "model.safetensors" for t in tensors})
+    ok = client.post("/v1/models", headers=admin, json={"id": f"indexed-{new_id('m')}", "source": str(indexed)})
+    assert ok.status_code == 200 and ok.json()["status"] == "ready", ok.text
+
+
+def test_admins_delete_registered_base_models_only(client, admin_key, tenant_key, make_job,
+                                                   tiny_qwen3: Path) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    tenant = tenant_key()
+    model_id = f"acme/deletable-{new_id('m')}"
+    assert client.post("/v1/models", headers=admin, json={"id": model_id, "source": str(tiny_qwen3)}).status_code == 200
+    assert _error(client.delete(f"/v1/models/{model_id}", headers=tenant.headers))[:2] == (
+        403, "base_model_not_deletable")
+    assert _error(client.delete("/v1/models/tunefleet-tiny-llama", headers=admin)) == (
+        409, "model_declared_in_file", "model")
+
+    job = make_job(tenant.headers, model=model_id)
+    in_use = client.delete(f"/v1/models/{model_id}", headers=admin)
+    assert _error(in_use)[:2] == (409, "model_in_use") and job["id"] in in_use.json()["error"]["message"]
+    assert client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=tenant.headers).status_code == 200
+
+    deleted = client.delete(f"/v1/models/{model_id}", headers=admin)
+    assert deleted.status_code == 200 and deleted.json() == {"id": model_id, "object": "model", "deleted": True}
+    assert model_id not in {m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    assert client.get(f"/v1/models/{model_id}", headers=tenant.headers).status_code == 404
+    refused = client.post("/v1/fine_tuning/jobs", headers=tenant.headers,
+                          json={"model": model_id, "training_file": job["training_file"]})
+    assert _error(refused) == (400, "invalid_model", "model")
+    assert tiny_qwen3.joinpath("config.json").is_file()  # the operator's files stay
+
+
+# ---- Hub ids ---------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_hub(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch):
+    hub = FakeHub()
+    endpoint, server = hub.serve()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield hub
+    server.shutdown()
+
+
+def _fetch(settings, model_id: str) -> str:
+    """The worker's task body (tunefleet.fetch_hub_model)."""
+    from api.db.session import session_scope
+    from api.model_registry import fetch_registered_model
+
+    with session_scope(settings.resolved_database_url) as session:
+        return fetch_registered_model(session, settings, model_id)
+
+
+def test_a_hub_model_is_fetched_once_checked_and_trained_on(
+        client, settings, admin_key, tenant_key, inline_queue, make_job, fake_hub: FakeHub,
+        tiny_qwen3: Path) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    repo_id = f"tiny-org/qwen3-{new_id('r')}"
+    repo = fake_hub.add_repo(repo_id, tiny_qwen3)
+
+    created = client.post("/v1/models", headers=admin, json={"source": f"{repo_id}@main"})
+    assert created.status_code == 200, created.text
+    assert (created.json()["id"], created.json()["status"]) == (repo_id, "fetching")
+    assert ("tunefleet.fetch_hub_model", (repo_id,), {}) in inline_queue.sent
+    tenant = tenant_key()
+    refused = client.post("/v1/fine_tuning/jobs", headers=tenant.headers, json={"model": repo_id, "training_file": "x"})
+    assert _error(refused)[:2] == (400, "invalid_model")  # not trainable before it is fetched
+
+    assert _fetch(settings, repo_id) == "ready"
+    model = client.get(f"/v1/models/{repo_id}", headers=tenant.headers).json()
+    assert (model["status"], model["revision"], model["architecture"]) == ("ready", repo.sha, "qwen3")
+    snapshot = settings.models_dir / "hub" / repo_id / repo.sha
+    assert (snapshot / "model.safetensors").read_bytes() == (tiny_qwen3 / "model.safetensors").read_bytes()
+    job = make_job(tenant.headers, model=repo_id)
+    assert job["model"] == repo_id
+
+    # a second registration of the same commit reuses the download
+    downloads = sum(1 for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path)
+    pinned = f"pinned-{new_id('m')}"
+    assert client.post("/v1/models", headers=admin,
+                       json={"id": pinned, "source": f"{repo_id}@{repo.sha}"}).status_code == 200
+    assert _fetch(settings, pinned) == "ready"
+    assert sum(1 for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path) == downloads
+
+
+def test_hub_ids_the_operator_does_not_allow_are_refused(client, admin_key) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    assert _error(client.post("/v1/models", headers=admin, json={"source": "other/model"})) == (
+        400, "hub_repo_not_allowed", "source")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_hub_off_by_default(backend, tmp_path: Path, sqlite_template: Path, tenant_key) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tests.conftest import InlineQueue, make_settings
+
+    data = tmp_path / "off"
+    data.mkdir()
+    shutil.copyfile(sqlite_template, data / "tunefleet.db")
+    off = make_settings(data)
+    from api.auth import create_api_key, create_tenant
+    from api.db.session import session_scope
+
+    with session_scope(off.resolved_database_url) as session:
+        _, key = create_api_key(session, create_tenant(session, "root", is_admin=True), is_admin=True)
+    with TestClient(create_app(off, queue=InlineQueue(off))) as client:
+        refused = client.post("/v1/models", headers={"Authorization": f"Bearer {key}"},
+                              json={"source": "Qwen/Qwen3-8B"})
+    assert _error(refused) == (400, "hub_disabled", "source")
+
+
+def test_gated_missing_and_unreachable_hub_models_fail_with_their_codes(
+        client, settings, admin_key, fake_hub: FakeHub, tiny_qwen3: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import free_port
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    gated = f"tiny-org/gated-{new_id('r')}"
+    fake_hub.add_repo(gated, tiny_qwen3, gated=True)
+    fake_hub.tokens.add("hf_granted")
+    cases = {gated: "model_access_denied", f"tiny-org/missing-{new_id('r')}": "model_not_found"}
+    for repo_id, code in cases.items():
+        assert client.post("/v1/models", headers=admin, json={"source": repo_id}).status_code == 200
+        assert _fetch(settings, repo_id) == "failed"
+        model = client.get(f"/v1/models/{repo_id}", headers=admin).json()
+        assert (model["status"], model["error"]["code"]) == ("failed", code)
+
+    endpoint = os.environ["HF_ENDPOINT"]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    offline = f"tiny-org/offline-{new_id('r')}"
+    assert client.post("/v1/models", headers=admin, json={"source": offline}).status_code == 200
+    assert _fetch(settings, offline) == "failed"
+    assert client.get(f"/v1/models/{offline}", headers=admin).json()["error"]["code"] == "hub_unreachable"
+
+    # with a granted token the gated repo registers (a failed registration is deleted first)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_granted")
+    assert client.delete(f"/v1/models/{gated}", headers=admin).status_code == 200
+    assert client.post("/v1/models", headers=admin, json={"source": gated}).status_code == 200
+    assert _fetch(settings, gated) == "ready"
