@@ -85,3 +85,39 @@ def nan_copy(model_dir: Path, dest: Path) -> Path:
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+def install_demo_model(models_dir: Path) -> Path:
+    """The registry's demo model ``tunefleet-tiny-llama`` at ``models_dir/tiny-llama``,
+    built as ``tunefleet serve`` builds it (``tunefleet.demo.ensure_demo_model``).
+
+    A service always has the files of the models it lists (``serve`` builds the demo
+    model), so the estimates of jobs on it read its real ``config.json``. Built once per
+    machine into a cache keyed by the builder's source (a changed builder builds anew),
+    then copied: a few hundred KB per test.
+    """
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from trainers.common import tiny_model
+    from tunefleet import demo
+
+    key = hashlib.sha256(
+        Path(demo.__file__).read_bytes() + Path(tiny_model.__file__).read_bytes()
+    ).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / "tunefleet-test-models" / f"demo-{key}"
+    if not (cache / "config.json").is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache.parent))
+        demo.ensure_demo_model(staging)
+        try:
+            os.rename(staging / "tiny-llama", cache)
+        except OSError:  # another test process finished its build first: use that one
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    target = Path(models_dir) / "tiny-llama"
+    if not (target / "config.json").is_file():
+        shutil.copytree(cache, target, dirs_exist_ok=True)
+    return target

@@ -129,6 +129,15 @@ class ModelShapePublic(BaseModel):
     shape_source: str
 
 
+class UnfitReasonPublic(BaseModel):
+    """Why one pool can never hold the job (its configuration, not what runs on it)."""
+
+    pool: str | None
+    code: str = Field(description="pool_pinned_missing, trainer_cannot_train, gpus_above_pool_limit, "
+                      "memory_does_not_fit or no_pool.")
+    message: str
+
+
 class EstimatePublic(BaseModel):
     object: Literal["fine_tuning.estimate"] = "fine_tuning.estimate"
     model: ModelShapePublic
@@ -137,6 +146,11 @@ class EstimatePublic(BaseModel):
     reasons: list[str]
     pools: list[PoolEstimatePublic]
     chosen: ChosenPublic | None
+    unfit: list[UnfitReasonPublic] = Field(
+        default_factory=list,
+        description="When no pool can hold the job even with every GPU free, each pool's reason "
+        "(creating it answers 400 no_pool_fits unless placement.queue_if_unfit); empty otherwise.",
+    )
     notes: list[str]
 
 

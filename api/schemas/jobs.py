@@ -151,6 +151,12 @@ class Adapter(Strict):
 class Placement(Strict):
     pool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
     gpus: Annotated[int, Field(strict=True, ge=1, le=4096), AcceptWholeFloats] | None = None
+    queue_if_unfit: StrictBool = Field(
+        default=False,
+        description="Queue the job although no node pool can hold it even when idle (a pool "
+        "that is being added or grown); otherwise creation answers 400 no_pool_fits and a "
+        "queued job that no pool fits any more fails with that code.",
+    )
 
 
 class EvalSettings(Strict):

@@ -2,7 +2,7 @@
 
 ``settings`` is overridden with a ``backend`` parameter: ``sqlite`` (a migrated copy of
 the template) or ``postgres`` (the session's Alembic-migrated database; tests isolate
-by tenant, so they can share it).
+by tenant, so they can share it). Its data dir holds the demo model's files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import make_settings
+from tests.model_files import install_demo_model
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -28,9 +29,14 @@ def settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     if backend == "postgres":
-        return make_settings(data_dir, database_url=request.getfixturevalue("pg_url"))
-    shutil.copyfile(request.getfixturevalue("sqlite_template"), data_dir / "tunefleet.db")
-    return make_settings(data_dir)
+        made = make_settings(data_dir, database_url=request.getfixturevalue("pg_url"))
+    else:
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), data_dir / "tunefleet.db")
+        made = make_settings(data_dir)
+    # The files of the model the registry lists, as `tunefleet serve` builds them: jobs on
+    # it are estimated (and placed) from its real config.
+    install_demo_model(made.models_dir)
+    return made
 
 
 def chat_lines(n: int = 12) -> bytes:

@@ -18,7 +18,8 @@ def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job,
         hyperparameters={"n_epochs": 2},
         suffix="demo-1", seed=7, metadata={"team": "nlp"},
         adapter={"method": "qlora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        trainer="fsdp_qlora", placement={"gpus": 2}, priority="high", max_seq_len=256,
+        # The embedded local pool has one slot: two GPUs wait for a pool that is being added.
+        trainer="fsdp_qlora", placement={"gpus": 2, "queue_if_unfit": True}, priority="high", max_seq_len=256,
         packing=True,
     )
     assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
@@ -33,7 +34,7 @@ def test_create_resolves_auto_and_keeps_extensions(client, tenant_key, make_job,
                               "double_quant": False}
     assert (job["trainer"], job["priority"], job["max_seq_len"], job["packing"]) == (
         "fsdp_qlora", 75, 256, True)
-    assert job["placement"] == {"gpus": 2} and job["seed"] == 7
+    assert job["placement"] == {"gpus": 2, "queue_if_unfit": True} and job["seed"] == 7
     assert job["user_provided_suffix"] == "demo-1" and job["metadata"] == {"team": "nlp"}
     assert "tunefleet.schedule" in inline_queue.names()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import pytest
 import torch
@@ -46,8 +47,8 @@ def test_merged_export_loads_in_transformers_with_the_logits_of_base_plus_adapte
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    settings.models_dir.mkdir(parents=True, exist_ok=True)
-    os.symlink(tiny_base, settings.models_dir / "tiny-llama")  # the registry's demo model
+    shutil.rmtree(settings.models_dir / "tiny-llama")  # the registry's demo model is this one here
+    os.symlink(tiny_base, settings.models_dir / "tiny-llama")
     owner, stranger = tenant_key(), tenant_key()
     job_id = make_job(owner.headers)["id"]
     row, token = start_running(db_session, job_id)
