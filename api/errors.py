@@ -23,6 +23,10 @@ invalid_request                400   a field has the wrong type/value (``param``
                                      or a value the database cannot store
 invalid_cursor                 400   ``after`` does not name an object of this list
 invalid_model                  400   unknown base model (``param`` = ``model``)
+no_pool_fits                   400   job creation: no node pool can hold the job even when
+                                     idle (``details.pools``: each pool's reason), unless
+                                     ``placement.queue_if_unfit``; also the error of a
+                                     queued job no pool fits any more (pools file changed)
 invalid_file                   400   training/validation file missing, invalid or of
                                      another tenant (``param`` = the field)
 file_not_ready                 400   the file is still being validated

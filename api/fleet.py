@@ -43,6 +43,7 @@ from scheduling.placement import (
     Placement,
     PreemptionPolicy,
     estimate_for,
+    no_pool_fits,
     place_job,
     trainer_for,
     trainer_refusal,
@@ -318,7 +319,8 @@ def estimate(
     ``chosen`` is where the scheduler would place the job now (``fit``, or
     ``fit_after_preemption``); when the fleet is busy (``no_fit``) it is the pool the job
     would take on an idle fleet, with the reasons it waits; None when no pool can ever
-    hold it.
+    hold it. ``unfit`` lists, when no pool's configuration can hold the job at all
+    (``scheduling.placement.no_pool_fits``), each pool's reason; it is empty otherwise.
     """
     req = inp.request
     rows: list[dict[str, Any]] = []
@@ -356,6 +358,10 @@ def estimate(
         "reasons": list(now.messages()),
         "pools": rows,
         "chosen": chosen,
+        "unfit": [
+            {"pool": r.pool, "code": r.code.value, "message": r.message}
+            for r in no_pool_fits(req, {p.name: p for p in pools})
+        ],
         "notes": list(inp.notes),
     }
 

@@ -8,6 +8,10 @@ waits in ``validating_files`` and is advanced by ``advance_after_validation``.
 A file's validated format must suit the job's method: a DPO job trains on preference
 files only and a supervised job on any other format (400 ``file_method_mismatch`` when
 the file is already validated, else the job fails with that code once it is).
+
+A job that no node pool can hold even with every GPU free (the estimate's ``unfit``
+reasons) is refused with 400 ``no_pool_fits`` instead of being queued to wait forever,
+unless the body asks to queue it anyway (``placement.queue_if_unfit``).
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ def create_job(
         validation_file=validation.id if validation else None, status="validating_files",
         hyperparameters=requested, method={"type": body.method_type},
         adapter=body.adapter.model_dump(), trainer=body.trainer_name,
-        placement=body.placement.model_dump(exclude_none=True), priority=body.priority_value,
+        placement=body.placement.model_dump(exclude_defaults=True), priority=body.priority_value,
         max_seq_len=max_seq_len, packing=body.packing,
         eval=body.eval.model_dump(exclude_none=True), suffix=body.suffix,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
@@ -195,6 +199,10 @@ def create_job(
         queued = _queue_if_files_ready(session, job)
         if estimate is not None:
             job.estimate = _estimate_or_error(estimate, job)
+            refusal = no_pool_fits_error(job.estimate, queue_anyway=body.placement.queue_if_unfit)
+            if refusal is not None:
+                session.rollback()  # nothing of the refused job stays: row, events, key
+                raise refusal
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race: answer like a retry.
@@ -216,6 +224,23 @@ def _estimate_or_error(estimate: Callable[[Job], dict[str, Any]], job: Job) -> d
         log.warning("estimate for %s failed: %s", job.id, exc, exc_info=True)
         code = getattr(exc, "code", None) or "estimate_failed"
         return {"object": "fine_tuning.estimate", "error": {"code": code, "message": str(exc)}}
+
+
+def no_pool_fits_error(estimate: dict[str, Any], *, queue_anyway: bool) -> APIError | None:
+    """400 ``no_pool_fits`` when the estimate found that no pool can hold the job even
+    with every GPU free (its ``unfit`` reasons, one per pool), unless the body asked to
+    queue it anyway (``placement.queue_if_unfit``). Such a job would wait forever."""
+    unfit = estimate.get("unfit") or []
+    if not unfit or queue_anyway:
+        return None
+    reasons = "; ".join(r["message"] for r in unfit)
+    return APIError(
+        400, "no_pool_fits",
+        f"No node pool can hold this job, even with all its GPUs free ({reasons}). Use a "
+        "smaller model, max_seq_len, micro batch or adapter, another trainer or pool, or set "
+        "placement.queue_if_unfit to queue it for a pool that is being added or grown.",
+        param="placement", details={"pools": unfit},
+    )
 
 
 def _queue_if_files_ready(session: Session, job: Job) -> bool:
