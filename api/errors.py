@@ -67,6 +67,8 @@ token_limit_exceeded           429   completions: the organization's tokens of t
                                      used up (``Retry-After``)
 model_loading                  503   completions: the base model is being loaded (``Retry-After``)
 model_unavailable              503   completions: the base model's files are not on this machine
+model_unavailable              400   job creation, estimates: a local base model's directory or
+                                     its ``config.json`` is missing (``param`` = ``model``)
 inference_unavailable          503   completions: the inference worker / server is not reachable
 model_load_failed              503   completions: the base model failed to load (the next request retries)
 adapter_load_failed            503   completions: the adapter does not load on its base model

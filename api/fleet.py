@@ -370,6 +370,7 @@ def _estimate_error(exc: EstimateError) -> APIError:
     param = {
         "model_not_found": "model",
         "model_config_unavailable": "model",
+        "model_unavailable": "model",
         "invalid_model_config": "model",
         "invalid_adapter": "adapter",
     }.get(exc.code)

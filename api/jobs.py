@@ -39,6 +39,7 @@ from api.lifecycle import add_event, lock_job, transition
 from api.pagination import check_limit, page_newest_first
 from api.queue import SCHEDULE, TaskQueue
 from api.schemas.jobs import JobCreate, jobs_page_json
+from scheduling.estimator import missing_model_files
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
 MAX_FIRST_ERRORS = 5
@@ -129,6 +130,17 @@ def base_model_and_seq_len(
     return model, max_seq_len
 
 
+def require_model_files(model: BaseModelEntry) -> None:
+    """400 ``model_unavailable`` for a local base model whose files are not there (its
+    directory or ``config.json``): the job could never load it, and its estimate would be
+    a guess. ``s3://`` models are the trainer's to find (``missing_model_files``)."""
+    missing = missing_model_files(model.path, model.id)
+    if missing is not None:
+        raise APIError(400, "model_unavailable",
+                       f"{missing}. Put the model's Hugging Face files there, or choose another "
+                       "model (GET /v1/models).", param="model")
+
+
 def create_job(
     session: Session,
     tenant: Tenant,
@@ -163,7 +175,8 @@ def create_job(
                                param="Idempotency-Key")
             return session.get_one(Job, earlier.job_id)
 
-    _, max_seq_len = base_model_and_seq_len(body, base_models)
+    model, max_seq_len = base_model_and_seq_len(body, base_models)
+    require_model_files(model)
     training = _usable_file(session, tenant, body.training_file, "training_file")
     validation = (
         _usable_file(session, tenant, body.validation_file, "validation_file")

@@ -22,6 +22,7 @@ from scheduling.estimator import (
     ModelShape,
     TrainingShape,
     activation_bytes_per_layer,
+    base_model_shape,
     candidate_gpu_counts,
     estimate_on_pool,
     lora_params,
@@ -289,3 +290,16 @@ def test_dpo_needs_what_its_extra_activations_take(name, model, training, pool, 
     if sft.gpus == dpo.gpus:
         passes = 2 + recomputed_fraction(model, sft.trainer)
         assert 2.5 < dpo.eta_s / sft.eta_s < 2 * (passes + 1) / passes
+
+
+def test_a_local_model_without_its_files_gets_no_guessed_shape(tmp_path):
+    """Only an s3:// model (whose files are the trainer's to find) falls back to the known
+    model nearest its params_b; a local one without its directory or config.json is an
+    error, whatever params_b it declares."""
+    (tmp_path / "no-config").mkdir()
+    for path, missing in ((tmp_path / "gone", "does not exist"), (tmp_path / "no-config", "has no config.json")):
+        with pytest.raises(EstimateError, match=missing) as caught:
+            base_model_shape(str(path), 7.0, model_id="m")
+        assert caught.value.code == "model_unavailable"
+    shape, source = base_model_shape("s3://models/llama-2-7b", 6.7, model_id="m")
+    assert shape == KNOWN_MODELS["llama-2-7b"] and source.startswith("nearest known model")
