@@ -66,6 +66,9 @@ class WorkerHeartbeat(bootsteps.StartStopStep):
 
     @staticmethod
     def _beat(settings: Settings) -> None:
+        from worker.metrics import WORKER_HEARTBEAT
+
+        WORKER_HEARTBEAT.touch()  # the timer fired: the consumer runs (the pod's liveness)
         try:
             worker_heartbeat.beat(settings)
         except Exception:  # a missed beat shows in /readyz; never stop consuming for it

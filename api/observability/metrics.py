@@ -4,7 +4,10 @@ Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (several uvicorn/Celery w
 processes), counters and histograms are written to that directory by every process and
 ``/metrics`` aggregates them with ``MultiProcessCollector``; the directory must be
 emptied at deployment start (prometheus-client's rule). Without it, the in-process
-default registry is served. The database gauges (``collectors.py``) are added either way.
+default registry is served. The database gauges (``collectors.py``) are added when
+``TUNEFLEET_METRICS_DATABASE_GAUGES`` is ``api`` (one API replica); with ``scheduler`` the
+scheduler process exports them instead, once for the whole deployment, so summing over
+every scraped replica counts each job once.
 
 The latency histogram is labelled by the route TEMPLATE (``/v1/fine_tuning/jobs/{job_id}``),
 never the raw path, so ids do not explode the label cardinality.
@@ -92,18 +95,23 @@ class RequestLatencyMiddleware:
 router = APIRouter(include_in_schema=False)
 
 
-def _registry(request: Request) -> CollectorRegistry:
-    registry: CollectorRegistry
+def process_registry() -> CollectorRegistry:
+    """This process's counters and histograms: every process's in multiprocess mode."""
+    registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
-        registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
-        registry = CollectorRegistry()
         # The in-process metrics of the default registry, without re-registering them.
         registry.register(_DefaultRegistryCollector())
-    registry.register(DatabaseCollector(lambda: request.app.state.session_factory))
+    return registry
+
+
+def _registry(request: Request) -> CollectorRegistry:
+    registry = process_registry()
+    if request.app.state.settings.metrics_database_gauges == "api":
+        registry.register(DatabaseCollector(lambda: request.app.state.session_factory))
     return registry
 
 

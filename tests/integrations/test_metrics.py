@@ -39,6 +39,16 @@ def value(families: dict[str, list[Any]], name: str, **labels: str) -> float:
 
 
 @pytest.fixture
+def settings(settings: Any) -> Any:
+    """The suite's settings with the files of the demo model the registry lists, as
+    ``tunefleet serve`` builds them: jobs on it are estimated from its real config."""
+    from tests.model_files import install_demo_model
+
+    install_demo_model(settings.models_dir)
+    return settings
+
+
+@pytest.fixture
 def capacity() -> Iterator[None]:
     from api.observability.collectors import set_pool_capacity_provider
 
@@ -141,3 +151,181 @@ def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capaci
     assert used and used <= exposed, used - exposed
     # Nothing queued: the queue gauges still report 0 for every known pool.
     assert value(m, "tunefleet_queue_depth", pool="mi300x") == 0
+
+
+# ---- every component of a deployment, scraped as Prometheus does ----------------------------
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from tunefleet.cli.main import app; app()", *args]
+
+
+def _uvicorn(port: int, workers: int = 1) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app", "--host", "127.0.0.1",
+            f"--port={port}", f"--workers={workers}", "--log-level=warning"]
+
+
+def _wait_ok(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a component exited during start-up"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never answered 200")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _summed(targets: list[dict[str, list[Any]]], name: str, by: str) -> dict[str, float]:
+    """``sum by (<by>) (<name>)`` over every scraped target."""
+    total: dict[str, float] = {}
+    for families in targets:
+        for sample in (s for samples in families.values() for s in samples if s.name == name):
+            total[sample.labels[by]] = total.get(sample.labels[by], 0.0) + sample.value
+    return total
+
+
+def test_database_gauges_are_exported_once_across_api_replicas(service: Service, tmp_path: Path) -> None:
+    """Two API processes and the scheduler on one database, set up as the chart sets them up
+    (``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``): ``sum by (status)`` over all three
+    targets equals the database's counts."""
+    from sqlalchemy import func, select
+
+    from api.db.models import Job
+    from api.db.session import session_scope
+    from tests.conftest import free_port, settings_env
+
+    env = {**settings_env(service.settings), "TUNEFLEET_METRICS_DATABASE_GAUGES": "scheduler",
+           # One cycle at start-up, then none during the test: the counts stay put.
+           "TUNEFLEET_SCHEDULE_INTERVAL_S": "3600"}
+    api_ports = [free_port(), free_port()]
+    scheduler_port = free_port()
+    procs = [_start(_uvicorn(port), env, tmp_path / f"api-{port}.log") for port in api_ports]
+    procs.append(_start(_cli("scheduler"), {**env, "TUNEFLEET_METRICS_PORT": str(scheduler_port)},
+                        tmp_path / "scheduler.log"))
+    try:
+        for port in api_ports:
+            _wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
+        _wait_ok(f"http://127.0.0.1:{scheduler_port}/healthz", procs)  # its first cycle ran
+        with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+            fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+            ids = [client.jobs.create(model=DEMO_MODEL, training_file=fid).id for _ in range(4)]
+        JobDriver(service, ids[0]).start(pool="local", gpus=1)
+        finished = JobDriver(service, ids[1])
+        finished.start(pool="local", gpus=1)
+        finished.finish("succeeded")
+
+        targets = [scrape(f"http://127.0.0.1:{port}") for port in api_ports]
+        targets.append(scrape(f"http://127.0.0.1:{scheduler_port}"))
+        with session_scope(service.settings.resolved_database_url) as session:
+            in_db = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples().all())
+    finally:
+        _stop(procs)
+    assert in_db == {"queued": 2, "running": 1, "succeeded": 1}
+    assert _summed(targets, "tunefleet_jobs", "status") == in_db
+    assert _summed(targets, "tunefleet_queue_depth", "pool") == {"any": 2, "local": 0}
+    assert _summed(targets, "tunefleet_gpus_allocated", "pool") == {"local": 1}
+    up = [s.value for t in targets for s in t.get("tunefleet_metrics_database_up", [])]
+    assert up == [1]  # one target collected them, and from the database
+    # The API replicas still export their own request latency; the scheduler its last cycle.
+    assert all("tunefleet_http_request_duration_seconds" in t for t in targets[:2])
+    assert value(targets[2], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
+
+
+def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(
+        service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tunefleet worker`` serves /metrics: the failed delivery it attempted is counted there."""
+    from api.queue import DELIVER_WEBHOOK, CeleryQueue
+    from api.webhooks import events
+    from api.webhooks.config import get_webhook_settings
+    from tests.conftest import free_port, settings_env
+    from tests.integrations.webhook_receiver import Receiver
+
+    monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
+    get_webhook_settings.cache_clear()
+    receiver = Receiver().start()
+    receiver.answer = lambda received: 500
+    port = free_port()
+    env = {**settings_env(service.settings), "TUNEFLEET_METRICS_PORT": str(port),
+           "TUNEFLEET_WEBHOOK_ALLOW_PRIVATE": "true", "TUNEFLEET_WEBHOOK_RETRY_BASE_S": "3600"}
+    worker = _start(_cli("worker", "--concurrency=2", "--loglevel=INFO"), env, tmp_path / "worker.log")
+    try:
+        _wait_ok(f"http://127.0.0.1:{port}/healthz", [worker])  # the consumer has beaten
+        before = scrape(f"http://127.0.0.1:{port}")
+        assert value(before, "tunefleet_webhook_delivery_failures_total") == 0
+        queue = CeleryQueue(service.settings)
+        events.set_dispatcher(lambda delivery_id: queue.send(DELIVER_WEBHOOK, delivery_id))
+        with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+            client.webhooks.create(url=receiver.url)
+            fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+            job_id = client.jobs.create(model=DEMO_MODEL, training_file=fid).id
+        JobDriver(service, job_id).start()  # fine_tuning.job.running -> the receiver says 500
+        receiver.wait_for(lambda received: len(received) >= 1, timeout=60)
+        import time
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            after = scrape(f"http://127.0.0.1:{port}")
+            if value(after, "tunefleet_webhook_delivery_failures_total") >= 1:
+                break
+            time.sleep(0.3)
+    finally:
+        events.set_dispatcher(None)
+        get_webhook_settings.cache_clear()
+        _stop([worker])
+        receiver.stop()
+    # Exactly the one attempt made (retries are an hour away).
+    assert value(after, "tunefleet_webhook_delivery_failures_total") == 1
+    assert len(receiver.received) == 1
+
+
+def test_two_uvicorn_workers_report_one_histogram(service: Service, tmp_path: Path) -> None:
+    """uvicorn --workers=2 with PROMETHEUS_MULTIPROC_DIR (as the chart runs the API): every
+    scrape, whichever process answers it, counts the requests of both processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import free_port, settings_env
+
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    port = free_port()
+    env = {**settings_env(service.settings), "PROMETHEUS_MULTIPROC_DIR": str(multiproc)}
+    api = _start(_uvicorn(port, workers=2), env, tmp_path / "api.log")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ok(f"{base}/healthz", [api])
+        with httpx.Client(timeout=10) as http:
+            http.get(f"{base}/healthz")  # warm-up requests are counted too: reset the tally below
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda _: httpx.get(f"{base}/healthz", timeout=10).status_code, range(200)))
+            assert codes == [200] * 200
+            scrapes = [scrape(base) for _ in range(6)]
+    finally:
+        _stop([api])
+    expected = {s.labels["route"]: s.value for s in scrapes[0]["tunefleet_http_request_duration_seconds"]
+                if s.name.endswith("_count") and s.labels["route"] == "/healthz"}
+    assert expected["/healthz"] >= 202  # 200 + the warm-up + the readiness polls
+    for families in scrapes:
+        assert value(families, "tunefleet_http_request_duration_seconds_count", route="/healthz") == expected["/healthz"]
+    # Both processes served requests (each writes its own file), yet every scrape agrees.
+    writers = {p.name for p in multiproc.glob("histogram_*.db")}
+    assert len(writers) == 2, writers

@@ -74,8 +74,11 @@ def worker(
     loglevel: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (validation, scheduling, local jobs, webhooks)."""
-    load_settings()
+    settings = load_settings()
     from worker.celery_app import app as celery_app
+    from worker.metrics import start_worker_metrics
+
+    start_worker_metrics(settings)  # /metrics and /healthz on TUNEFLEET_METRICS_PORT, if set
 
     celery_app.worker_main(
         ["worker", f"--pool={pool}", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
@@ -92,6 +95,9 @@ def scheduler() -> None:
         typer.echo(f"the scheduler loop is not available in this build ({exc}); jobs stay "
                    "queued until a `tunefleet.schedule` task runs", err=True)
         raise typer.Exit(1) from exc
+    from worker.metrics import start_scheduler_metrics
+
+    start_scheduler_metrics(settings)  # /metrics and /healthz on TUNEFLEET_METRICS_PORT, if set
     run_forever(settings)
 
 

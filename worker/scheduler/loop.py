@@ -25,6 +25,7 @@ from scheduling.placement import PreemptionPolicy
 from scheduling.pools import load_pools
 from worker.executors.base import Executor
 from worker.executors.manifests import ManifestOptions
+from worker.metrics import scheduler_cycled
 from worker.scheduler.cycle import CycleConfig, CycleResult, run_cycle
 from worker.scheduler.lock import SchedulerLock, make_lock
 from worker.scheduler.store import DbStore
@@ -165,6 +166,7 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
                          len(result.plan.preemptions), len(result.plan.waiting), result.seconds)
         except Exception:
             log.exception("scheduling cycle failed")
+        scheduler_cycled()  # the loop is not stuck (the pod's liveness, a Prometheus gauge)
         cycles += 1
         if max_cycles is not None and cycles >= max_cycles:
             break

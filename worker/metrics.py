@@ -1,0 +1,93 @@
+"""Prometheus endpoints of the Celery worker and the scheduler (``TUNEFLEET_METRICS_PORT``).
+
+Both processes serve ``/metrics`` and ``/healthz`` from a thread of their own
+(``api.observability.exporter``); the chart scrapes them with a PodMonitor and probes
+``/healthz``:
+
+- worker: its counters (webhook delivery failures counted by the delivery task). The
+  default ``threads`` pool runs tasks in this process; a ``prefork`` pool needs
+  ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are aggregated. Alive while the
+  consumer's heartbeat timer fires (``WORKER_HEARTBEAT``, touched by ``worker.celery_app``).
+- scheduler: the database gauges when ``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``
+  (one scheduler runs per deployment, so they are exported once however many API replicas
+  are scraped) and ``tunefleet_scheduler_last_cycle_timestamp_seconds``. Alive while its
+  loop keeps cycling (``SCHEDULER_HEARTBEAT``, touched by ``worker.scheduler.loop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+
+from api.observability.exporter import Heartbeat, serve_metrics
+from api.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# The consumer beats every 10 s (api.worker_heartbeat.BEAT_INTERVAL_S); three missed beats
+# and more mean it stopped consuming.
+WORKER_HEARTBEAT = Heartbeat("the worker's consumer", stale_after_s=45.0)
+SCHEDULER_HEARTBEAT = Heartbeat("the scheduling loop", stale_after_s=120.0)
+
+
+class _LastCycle:
+    """``tunefleet_scheduler_last_cycle_timestamp_seconds``: alerts on a stalled loop."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tunefleet_scheduler_last_cycle_timestamp_seconds",
+                                   "Unix time the scheduling loop last finished a cycle")
+        if self.at is not None:
+            family.add_metric([], self.at)
+        yield family
+
+
+LAST_CYCLE = _LastCycle()
+
+
+def scheduler_cycled() -> None:
+    """Called by the scheduling loop after every cycle, whatever its outcome."""
+    SCHEDULER_HEARTBEAT.touch()
+    LAST_CYCLE.at = time.time()
+
+
+def _token(settings: Settings) -> str | None:
+    return settings.metrics_token.get_secret_value() if settings.metrics_token else None
+
+
+def start_worker_metrics(settings: Settings) -> None:
+    """Serve the worker's ``/metrics`` and ``/healthz`` when ``metrics_port`` is set."""
+    if not settings.metrics_port:
+        return
+    from api.observability.metrics import process_registry
+
+    serve_metrics(settings.metrics_port, process_registry(), WORKER_HEARTBEAT.stale_reason,
+                  token=_token(settings))
+    log.info("worker metrics on :%d/metrics", settings.metrics_port)
+
+
+def start_scheduler_metrics(settings: Settings) -> None:
+    """Serve the scheduler's ``/metrics`` (with the database gauges when it exports them)."""
+    if not settings.metrics_port:
+        return
+    from api.db.session import session_factory
+    from api.observability.collectors import DatabaseCollector, set_pool_capacity_provider
+    from api.observability.metrics import process_registry
+    from scheduling.pools import load_pools
+
+    registry = process_registry()
+    registry.register(LAST_CYCLE)
+    if settings.metrics_database_gauges == "scheduler":
+        pools = load_pools(settings.node_pools_file)
+        totals = {p.name: p.gpus_per_node * p.nodes for p in pools}
+        set_pool_capacity_provider(lambda: totals)
+        factory = session_factory(settings.resolved_database_url)
+        registry.register(DatabaseCollector(lambda: factory))
+    serve_metrics(settings.metrics_port, registry, SCHEDULER_HEARTBEAT.stale_reason, token=_token(settings))
+    log.info("scheduler metrics on :%d/metrics (database gauges: %s)", settings.metrics_port,
+             settings.metrics_database_gauges)
