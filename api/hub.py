@@ -2,9 +2,11 @@
 
 The operator allows the Hub with ``TUNEFLEET_HUB_ALLOWED_REPOS`` (glob patterns of
 ``org/name``); unset, Hub ids are refused. An allowed repo is downloaded once, by the
-worker, with ``huggingface_hub.snapshot_download`` into
-``<data>/models/hub/<org>/<name>/<commit sha>/``: the revision asked for (default ``main``)
-is resolved to its commit first, and a commit already downloaded is reused.
+worker, with ``huggingface_hub.snapshot_download`` into a scratch directory and moved into
+the artifact store as ``models/hub/<org>/<name>/<commit sha>/`` (a bucket, or the local
+``<data>/artifacts``), where trainer pods read it like any ``s3://`` base model. The
+revision asked for (default ``main``) is resolved to its commit first, and a commit already
+in the store (its completion marker written last) is reused.
 
 ``huggingface_hub`` reads ``HF_TOKEN`` (gated and private repos) and ``HF_ENDPOINT`` (a
 mirror) from the environment. Both are set by the operator, never by a tenant, so the
@@ -22,8 +24,8 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
+from api.artifacts import ArtifactStore
 from api.settings import Settings
 
 # org/name as the Hub allows them, then an optional @revision (branch, tag or commit).
@@ -52,7 +54,7 @@ class HubRef:
 
 @dataclass(frozen=True)
 class HubSnapshot:
-    path: Path
+    location: str  # in the artifact store: a directory or s3:// prefix
     commit_sha: str
 
 
@@ -77,8 +79,8 @@ def check_allowed(ref: HubRef, settings: Settings) -> None:
                        f"service may fetch: {', '.join(patterns)}.")
 
 
-def fetch_snapshot(ref: HubRef, settings: Settings) -> HubSnapshot:
-    """Download ``ref`` (or reuse the commit already downloaded) and return where it is.
+def fetch_snapshot(ref: HubRef, settings: Settings, store: ArtifactStore) -> HubSnapshot:
+    """Download ``ref`` into ``store`` (or reuse the commit already there); where it is.
 
     Raises:
         HubError: ``model_not_found`` (no such repo or revision), ``model_access_denied``
@@ -92,19 +94,23 @@ def fetch_snapshot(ref: HubRef, settings: Settings) -> HubSnapshot:
         sha = api.repo_info(ref.repo_id, revision=ref.revision, timeout=settings.hub_timeout_s).sha
     if not sha:
         raise HubError("model_not_found", f"The Hub gave no commit for '{ref}'.")
-    target = settings.models_dir / "hub" / ref.repo_id / sha
-    if (target / _COMPLETE).is_file():
-        return HubSnapshot(target, sha)
-    partial = target.with_name(f"{sha}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    with _hub_errors(ref):
-        snapshot_download(ref.repo_id, revision=sha, local_dir=partial, endpoint=endpoint,
-                          etag_timeout=settings.hub_timeout_s)
-    shutil.rmtree(partial / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
-    (partial / _COMPLETE).write_text(sha, encoding="utf-8")
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return HubSnapshot(target, sha)
+    prefix = f"models/hub/{ref.repo_id}/{sha}"
+    if store.exists(f"{prefix}/{_COMPLETE}"):
+        return HubSnapshot(store.location(prefix), sha)
+    scratch = settings.tmp_dir / "hub" / ref.repo_id.replace("/", "--") / sha
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        with _hub_errors(ref):
+            snapshot_download(ref.repo_id, revision=sha, local_dir=scratch, endpoint=endpoint,
+                              etag_timeout=settings.hub_timeout_s)
+        for path in sorted(scratch.rglob("*")):
+            relative = path.relative_to(scratch)
+            if path.is_file() and relative.parts[0] != ".cache":  # huggingface_hub's own metadata
+                store.put_file(f"{prefix}/{relative.as_posix()}", path, move=True)
+        store.put_bytes(f"{prefix}/{_COMPLETE}", sha.encode())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return HubSnapshot(store.location(prefix), sha)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import LocalArtifactStore, store_for
+from api.artifacts import artifact_store, store_for
 from api.base_models import BaseModelRegistry
 from api.checkpoint_checks import CheckpointInfo, check_checkpoint, checkpoint_error
 from api.db.models import TERMINAL_STATUSES, Job, RegisteredModel
@@ -99,14 +99,14 @@ def fetch_registered_model(session: Session, settings: Settings, model_id: str) 
     try:
         if ref is None:
             raise HubError("invalid_model_source", f"source '{row.source}' is not a Hub id.")
-        snapshot = fetch_snapshot(ref, settings)
-        info = check_checkpoint(LocalArtifactStore(str(snapshot.path)))
+        snapshot = fetch_snapshot(ref, settings, artifact_store(settings))
+        info = check_checkpoint(store_for(snapshot.location, s3_endpoint_url=settings.s3_endpoint_url))
     except HubError as exc:
         row.status, row.error = "failed", {"code": exc.code, "message": exc.message}
     except APIError as exc:  # a checkpoint check
         row.status, row.error = "failed", {"code": exc.code, "message": exc.message}
     else:
-        _mark_ready(row, str(snapshot.path), info)
+        _mark_ready(row, snapshot.location, info)
         row.commit_sha = snapshot.commit_sha
     if row.status == "failed":
         log.warning("Hub model %s (%s) failed: %s", model_id, row.source, row.error)

@@ -173,7 +173,7 @@ def test_a_hub_model_is_fetched_once_checked_and_trained_on(
     assert _fetch(settings, repo_id) == "ready"
     model = client.get(f"/v1/models/{repo_id}", headers=tenant.headers).json()
     assert (model["status"], model["revision"], model["architecture"]) == ("ready", repo.sha, "qwen3")
-    snapshot = settings.models_dir / "hub" / repo_id / repo.sha
+    snapshot = Path(settings.resolved_artifact_url) / "models" / "hub" / repo_id / repo.sha
     assert (snapshot / "model.safetensors").read_bytes() == (tiny_qwen3 / "model.safetensors").read_bytes()
     job = make_job(tenant.headers, model=repo_id)
     assert job["model"] == repo_id
