@@ -31,13 +31,29 @@ def db_upgrade(
     """Apply the database migrations (creates the schema on an empty database)."""
     from api.db.migrate import current_revision, upgrade
 
-    url = load_settings(json_out).resolved_database_url
+    url = _database_url(json_out)
     upgrade(url, revision)
     now = current_revision(url)
     if json_out:
         print_json({"object": "database", "revision": now})
     else:
         typer.echo(f"database at revision {now}")
+
+
+def _database_url(json_out: bool) -> str:
+    """``TUNEFLEET_DATABASE_URL`` as the service reads it, and nothing else checked.
+
+    Migrations need only the database: the serving checks of production (secret key,
+    broker, metrics token) are not theirs, and the Helm chart's migration hook runs before
+    the release's Secrets exist, with the database URL alone.
+    """
+    from api.settings import Settings
+
+    try:
+        return Settings(env="development").resolved_database_url
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        report_error({"message": f"invalid configuration: {exc}", "code": "invalid_configuration"}, json_out)
+        raise typer.Exit(EXIT_INVALID_CONFIGURATION) from exc
 
 
 @admin_app.command("create-tenant")
