@@ -36,8 +36,11 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
         queue: where tasks are sent; a ``CeleryQueue`` on the configured broker when None
             (tests pass a queue that runs tasks inline or records them).
     """
+    deployed = settings is None  # `uvicorn --factory`: the settings of the environment
     settings = settings or get_settings()
     settings.ensure_dirs()
+    if deployed:
+        _ensure_admin_key(settings)
     app = FastAPI(
         title="tunefleet",
         version="0.1.0",
@@ -74,6 +77,22 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     # request (api/rate_limits.py).
     rate_limits.install(app, settings)
     return app
+
+
+def _ensure_admin_key(settings: Settings) -> None:
+    """The deployment's admin key: ``TUNEFLEET_ADMIN_API_KEY`` installed, or one generated
+    and printed once, at the first start (the Helm chart and the compose file start the API
+    straight from uvicorn, and nothing else would)."""
+    from sqlalchemy.exc import IntegrityError
+
+    from tunefleet.cli.operator import ensure_admin_key
+
+    try:
+        new_key = ensure_admin_key(settings)
+    except IntegrityError:  # another replica or worker process installed it at the same time
+        return
+    if new_key is not None and settings.admin_api_key is None:
+        print(f"tunefleet: the first admin API key (shown once): {new_key}", flush=True)
 
 
 def _is_file_upload(scope: dict) -> bool:
