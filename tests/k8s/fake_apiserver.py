@@ -19,10 +19,10 @@ indexes, Job conditions, ``podFailurePolicy`` rules -- FailJob, Ignore with a re
 pod, Count towards ``backoffLimit`` -- and ``activeDeadlineSeconds``), scheduler
 (nodeSelector, tolerations, GPU requests against node allocatable; Unschedulable
 otherwise), kubelet (runs a scheduled pod's container command as a local process, with env
-from values/Secrets/fieldRefs, ConfigMap volumes written to a per-pod directory, SIGTERM +
-grace period on deletion, the termination message file; an evicted or node-lost pod gets
-the DisruptionTarget condition) and garbage collector (ownerReferences,
-``ttlSecondsAfterFinished``).
+from values/Secrets/fieldRefs and every key of envFrom Secrets/ConfigMaps, ConfigMap volumes
+written to a per-pod directory, SIGTERM + grace period on deletion, the termination message
+file; an evicted or node-lost pod gets the DisruptionTarget condition) and garbage
+collector (ownerReferences, ``ttlSecondsAfterFinished``).
 
 Local processes cannot see container paths, so the kubelet maps every volume mount
 path (but an emptyDir's at a writable path this machine has, such as /tmp: the paths of
@@ -549,6 +549,10 @@ class FakeCluster:
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")
             if ref and ("secrets", ns, ref["name"]) not in self.objects:
                 return False
+        for source in pod["spec"]["containers"][0].get("envFrom") or []:
+            ref, resource = (source["secretRef"], "secrets") if "secretRef" in source else (source["configMapRef"], "configmaps")
+            if not ref.get("optional") and (resource, ns, ref["name"]) not in self.objects:
+                return False
         return True
 
     def _start(self, pod: dict[str, Any]) -> None:
@@ -588,6 +592,13 @@ class FakeCluster:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")}
         env["OMP_NUM_THREADS"] = "1"
         env["HOSTNAME"] = spec.get("hostname") or pod["metadata"]["name"]
+        for source in container.get("envFrom") or []:  # every key; env below takes precedence
+            if "secretRef" in source:
+                sec = self.objects.get(("secrets", ns, source["secretRef"]["name"])) or {}
+                data = {k: base64.b64decode(v).decode() for k, v in (sec.get("data") or {}).items()}
+            else:
+                data = (self.objects.get(("configmaps", ns, source["configMapRef"]["name"])) or {}).get("data") or {}
+            env.update({source.get("prefix", "") + k: v for k, v in data.items()})
         for e in container.get("env") or []:
             if "value" in e:
                 env[e["name"]] = rewrite(e["value"])
