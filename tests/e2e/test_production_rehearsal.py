@@ -1,0 +1,245 @@
+"""The production path rehearsed from the Helm chart, as an operator deploys it.
+
+The chart is rendered with production values (``environment: production``, external
+PostgreSQL and Redis, an S3 artifact store -- a moto server -- with static keys by value,
+the Kubernetes executor on two node pools, a metrics token, a trainer PriorityClass and
+runtime limit, Kueue with WorkloadPriorityClasses). The migration Job's container, then
+the API's, worker's and scheduler's, run as local processes exactly as rendered
+(``tests/e2e/rehearsal.py`` lists what a process gets that a pod would not). The rendered
+objects of the training namespace (its Namespace, the trainer credentials Secret) are
+created in the fake Kubernetes API server, whose kubelet runs each trainer pod with the
+env, envFrom, mounts and command the executor gave it: a credential or setting the chart
+or the executor forgets fails the job here as it would on a cluster.
+
+Through the official ``openai`` SDK a file is uploaded and a job created on a base model
+that lives in the bucket (``s3://``); the test plays Kueue (the Job is created suspended
+and admitted after a delay); the job trains on the pool that holds it, its adapter is
+written to the bucket and downloads through the API; ``/metrics`` answers with the
+metrics token only. Production refuses webhook targets on private addresses, which is all
+this machine has: the test checks that refusal, not a delivery (the delivery path is
+rehearsed on PostgreSQL + Redis in tests/integrations/test_webhooks_production.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+import socket
+import time
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.conftest import PG_ADMIN_DSN, free_port
+from tests.e2e.conftest import tiny_model_dir  # noqa: F401 (fixture)
+from tests.e2e.rehearsal import Container, apply_to_fake_cluster, process_env, rendered, wait_until
+from tests.k8s.fake_apiserver import FakeApiServer
+from tests.k8s.test_e2e_fake_cluster import RTX_POOL, SMALL_POOL
+from tunefleet.demo import demo_examples
+
+pytestmark = pytest.mark.slow
+
+FULL = "tf-tunefleet"
+TRAINING_NS = "tunefleet-training"
+BUCKET = "tunefleet-artifacts"
+MODEL_ID = "tiny-llama-s3"
+ACCESS_KEY, SECRET_KEY = "AKIAREHEARSAL0000000", "rehearsal/secret/key/0000000000000000000"
+
+
+def _host_address() -> str:
+    """An address of this machine that is not loopback (production refuses a loopback
+    public URL: trainer pods could not reach it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(("198.51.100.1", 9))  # no packet is sent: this only picks the route
+            address = sock.getsockname()[0]
+    except OSError:  # no route out: an address the host name resolves to
+        address = socket.gethostbyname(socket.gethostname())
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but loopback to serve the API on")
+    return address
+
+
+@pytest.fixture
+def database():
+    """A new, empty PostgreSQL database: the migration Job creates its schema."""
+    psycopg = pytest.importorskip("psycopg")
+    name = f"tunefleet_rehearsal_{secrets.token_hex(4)}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, admin_key: str,
+            metrics_token: str) -> dict:
+    pools = [{**p, "trainer_image": "ghcr.io/tunefleet/trainer-torch-cuda:rehearsal"} for p in (SMALL_POOL, RTX_POOL)]
+    return {
+        "environment": "production",
+        "publicUrl": public_url,
+        "database": {"url": database},
+        "broker": {"url": broker},
+        "artifacts": {"url": f"s3://{BUCKET}/tunefleet",
+                      "s3": {"endpointUrl": s3, "region": "us-east-1", "accessKeyId": ACCESS_KEY,
+                             "secretAccessKey": SECRET_KEY}},
+        "auth": {"adminApiKey": admin_key, "metricsToken": metrics_token},
+        "training": {"namespace": TRAINING_NS, "createNamespace": True, "priorityClassName": "training-batch",
+                     "maxRuntimeSeconds": 3600},
+        "kueue": {"enabled": True, "localQueue": "gpu-jobs", "createLocalQueue": True, "clusterQueue": "team-a",
+                  "priorityClasses": {"low": "batch-low", "normal": "batch", "high": "batch-high"}},
+        "pools": pools,
+        "baseModels": [{"id": MODEL_ID, "path": f"s3://{BUCKET}/models/tiny-llama", "params_b": 0.0001,
+                        "max_seq_len": 512}],
+        # one uvicorn process and two Celery threads: the machine running this is small
+        "api": {"port": port, "workers": 1},
+        "worker": {"concurrency": 2},
+        "scheduler": {"intervalSeconds": 1},
+    }
+
+
+def _upload_model(s3: str, model_dir: Path) -> None:
+    bucket = boto3.client("s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY)
+    bucket.create_bucket(Bucket=BUCKET)
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_file():
+            bucket.upload_file(str(path), BUCKET, f"models/tiny-llama/{path.relative_to(model_dir)}")
+
+
+def _kubeconfig(path: Path, url: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "control-plane", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "control-plane"}}]}))
+    return path
+
+
+def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
+    tmp_path, tiny_model_dir, redis_url, database, s3_endpoint  # noqa: F811
+):
+    port = free_port()
+    public_url = f"http://{_host_address()}:{port}"
+    admin_key = f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}"
+    metrics_token = secrets.token_urlsafe(24)
+    docs = rendered(_values(database=database, broker=redis_url, s3=s3_endpoint, public_url=public_url, port=port,
+                            admin_key=admin_key, metrics_token=metrics_token))
+    _upload_model(s3_endpoint, tiny_model_dir)
+
+    with FakeApiServer(tmp_path / "k8s") as api:
+        c = api.cluster
+        created = apply_to_fake_cluster(c, docs, TRAINING_NS)
+        assert f"Secret/{FULL}-trainer-s3" in created, created  # the static keys, where trainer pods read them
+        for pool in (SMALL_POOL, RTX_POOL):
+            c.add_node(f"{pool['name']}-0", labels=pool["node_selector"], gpus=pool["gpus_per_node"],
+                       resource_name=pool["resource_name"],
+                       taints=[{"key": t["key"], "effect": t["effect"], **({"value": t["value"]} if "value" in t else {})}
+                               for t in pool["tolerations"]])
+        kubeconfig = _kubeconfig(tmp_path / "kubeconfig", api.url)
+
+        def container(kind: str, component: str, *, cluster_access: bool = True) -> Container:
+            return Container.from_chart(docs, kind, f"{FULL}-{component}", tmp_path / component,
+                                        process_env(kubeconfig if cluster_access else None, tmp_path / "home"))
+
+        (tmp_path / "home").mkdir()
+        migrations = container("Job", "migrations", cluster_access=False)
+        assert migrations.run(timeout=180) == 0, migrations.tail()
+        roles = [container("Deployment", name) for name in ("api", "worker", "scheduler")]
+        for role in roles:
+            role.start()
+        try:
+            _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path)
+        except BaseException:
+            print(*(r.tail() for r in [migrations, *roles]),
+                  *(c.read_log(p["metadata"]["uid"])[-3000:] for p in c.pods()), sep="\n")
+            raise
+        finally:
+            for role in roles:
+                role.stop()
+
+
+def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path) -> None:
+    api_role = roles[0]
+    wait_until(lambda: _ready(public_url) or not api_role.alive(), 90, "the API to be ready")
+    assert api_role.alive(), "the API exited"
+    oai = OpenAI(api_key=admin_key, base_url=f"{public_url}/v1", max_retries=0, timeout=30.0)
+    http = httpx.Client(base_url=f"{public_url}/v1", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+
+    # production refuses a webhook on a private address (all this machine has)
+    refused = http.post("/webhooks", json={"url": f"{public_url}/hooks"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "webhook_url_not_public", refused.text
+
+    body = "".join(json.dumps(e) + "\n" for e in demo_examples()[:16]).encode()
+    uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune")
+    wait_until(lambda: oai.files.retrieve(uploaded.id).status != "uploaded", 90, "file validation")
+    assert oai.files.retrieve(uploaded.id).status == "processed"
+    job = oai.fine_tuning.jobs.create(
+        model=MODEL_ID, training_file=uploaded.id, seed=3, hyperparameters={"n_epochs": 1, "batch_size": 8},
+        extra_body={"max_seq_len": 48, "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}})
+
+    # Kueue: the Job is created suspended in the LocalQueue; the test admits it a little later
+    def suspended_job():
+        return next((j for j in c.list("jobs", TRAINING_NS) if j["metadata"]["labels"].get("tunefleet.io/job-id")
+                     == job.id), None)
+
+    k8s_job = wait_until(suspended_job, 120, "the training Job")
+    labels = k8s_job["metadata"]["labels"]
+    assert k8s_job["spec"]["suspend"] is True
+    assert labels["kueue.x-k8s.io/queue-name"] == "gpu-jobs" and labels["kueue.x-k8s.io/priority-class"] == "batch"
+    pod = k8s_job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == RTX_POOL["node_selector"]  # the small pool cannot hold it
+    assert pod["priorityClassName"] == "training-batch" and k8s_job["spec"]["activeDeadlineSeconds"] == 3600
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"{FULL}-trainer-s3"}}]
+    time.sleep(2)
+    assert not c.pods(job.id), "pods of a Job Kueue has not admitted"
+    wait_until(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
+               30, "the 'waiting for Kueue' event")
+    code, _ = c.patch("jobs", TRAINING_NS, k8s_job["metadata"]["name"], {"spec": {"suspend": False}})
+    assert code == 200
+
+    done = wait_until(lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed", "cancelled")
+                      and j, 300, "the job to finish")
+    assert done.status == "succeeded", done.error
+    assert done.model_extra["pool"] == RTX_POOL["name"] and done.trained_tokens
+    assert done.fine_tuned_model
+
+    # the adapter is in the bucket, and downloads through the API
+    bucket = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY)
+    keys = [o["Key"] for o in bucket.list_objects_v2(Bucket=BUCKET, Prefix="tunefleet/").get("Contents", [])]
+    assert any(k.endswith("adapter/adapter_model.safetensors") for k in keys), keys
+    listing = {a["name"]: a for a in http.get(f"/fine_tuning/jobs/{job.id}/artifacts").json()["data"]}
+    artifact = listing["adapter/adapter_model.safetensors"]
+    got = http.get(f"/fine_tuning/jobs/{job.id}/artifacts/adapter/adapter_model.safetensors", follow_redirects=True)
+    assert got.status_code == 200 and len(got.content) == artifact["bytes"]
+
+    # /metrics: the metrics token and nothing else
+    assert httpx.get(f"{public_url}/metrics", timeout=10).status_code == 401
+    scraped = httpx.get(f"{public_url}/metrics", headers={"Authorization": f"Bearer {metrics_token}"}, timeout=10)
+    assert scraped.status_code == 200 and "tunefleet_" in scraped.text
+    for role in roles:
+        assert role.alive(), role.tail()
+
+
+def _ready(public_url: str) -> bool:
+    try:
+        return httpx.get(f"{public_url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
