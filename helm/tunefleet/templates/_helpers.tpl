@@ -218,6 +218,8 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
       name: {{ include "tunefleet.authSecret" . }}
       key: admin-api-key
       optional: true
+- name: TUNEFLEET_METRICS_DATABASE_GAUGES
+  value: scheduler
 - name: TUNEFLEET_METRICS_TOKEN
   valueFrom:
     secretKeyRef:
@@ -236,6 +238,29 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
       name: {{ . }}
       key: AWS_SECRET_ACCESS_KEY
 {{- end }}
+{{- end }}
+
+{{/* The worker's and the scheduler's /metrics and /healthz: port, and probes of /healthz. */}}
+{{- define "tunefleet.metricsPort" -}}
+ports:
+  - name: metrics
+    containerPort: {{ .Values.metrics.port }}
+    protocol: TCP
+{{- end }}
+{{- define "tunefleet.metricsProbes" -}}
+startupProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  periodSeconds: 5
+  failureThreshold: 36
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  periodSeconds: 20
+  timeoutSeconds: 5
+  failureThreshold: 3
 {{- end }}
 
 {{/* Writable scratch space: the root filesystem is read-only. */}}
