@@ -17,12 +17,12 @@ from scheduling.placement import Placement
 from scheduling.pools import NodePool
 from scheduling.request import JobRequest
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
-from worker.scheduler.cycle import Admission, Admitted, Waiting
+from worker.scheduler.cycle import Admission, Admitted, Unfit, Waiting
 
 # The moves the cycle makes, as ``api.lifecycle`` allows them: admission, a failed
 # launch or a preemption back to the queue, and a run's end.
 TRANSITIONS = {
-    "queued": {"running"},
+    "queued": {"running", "failed"},
     "running": {"queued", "succeeded", "failed"},
 }
 
@@ -112,6 +112,13 @@ class MemoryStore:
                 if row.queue_reason != w.reason:
                     row.queue_reason = w.reason
                     row.events.append(w.reason)
+
+    def fail_unfit(self, unfit: Sequence[Unfit]) -> None:
+        with self._lock:
+            for item in unfit:
+                row = self.jobs[item.job.job_id]
+                if row.status == "queued":
+                    transition(row, "failed", item.message, queue_reason=None, queue_position=None)
 
     def apply_observed(self, changes: list[ObservedChange]) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 import itertools
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -230,3 +231,38 @@ def test_the_memory_store_moves_status_only_through_its_transition_rules():
     with pytest.raises(TransitionRefused):
         transition(row, "queued", "requeued after the end")
     assert row.status == "succeeded" and row.events == ["admitted", "the trainer finished"]
+
+
+def test_a_job_no_pool_can_hold_fails_and_leaves_the_queue_positions_to_the_others():
+    huge = make_job().lora("405b").id("huge").created(0).build()  # no 24 GB pool holds 405B in bf16
+    jobs = [huge] + [small(created=i) for i in range(1, 5)]
+    plan = plan_cycle(jobs, cluster(rtx4090(1)), now=0.0)
+    assert [u.job.job_id for u in plan.unfit] == ["huge"]
+    assert [r.code.value for r in plan.unfit[0].reasons] == ["memory_does_not_fit"]
+    assert plan.unfit[0].reasons[0].message.startswith("rtx4090: ")
+    assert "huge" not in {w.job.job_id for w in plan.waiting}
+    assert len(plan.admissions) == 2 and [w.position for w in plan.waiting] == [1, 2]
+
+
+def test_a_job_that_asked_to_queue_anyway_waits_with_its_reason():
+    huge = replace(make_job().lora("405b").id("huge").build(), queue_if_unfit=True)
+    plan = plan_cycle([huge], cluster(rtx4090(1)), now=0.0)
+    assert plan.unfit == [] and [w.job.job_id for w in plan.waiting] == ["huge"]
+    assert "rtx4090: needs" in plan.waiting[0].reason
+
+
+def test_a_queued_job_whose_pool_left_the_pools_file_fails_with_no_pool_fits():
+    """The scheduler restarted on a pools file without the job's pool: the pinned job and
+    the one only that pool's family could train fail; a busy pool's jobs still wait."""
+    store = MemoryStore()
+    pinned = store.submit(small(id="pinned", pool="rtx4090"))
+    hqq = store.submit(make_job().qlora("7b", quantization="hqq4").id("hqq").tokens(10**6).build())
+    first = store.submit(make_job().lora("7b").trainer("jax_lora").id("first").tokens(10**6).created(1).build())
+    waits = store.submit(make_job().lora("405b").id("waits").created(50).build())
+    run_cycle(store, MemoryExecutor([mi300x(1)]))
+    assert (pinned.status, hqq.status) == ("failed", "failed")
+    assert "pool 'rtx4090' does not exist" in pinned.events[-1]
+    assert pinned.events[-1].startswith("No node pool can hold this job, even with all its GPUs free")
+    assert "mi300x: runs jax_lora, job needs fsdp_qlora (hqq4 base)" in hqq.events[-1]
+    assert first.status == "running"
+    assert waits.status == "queued" and waits.queue_reason.startswith("waiting: mi300x")

@@ -262,7 +262,8 @@ def test_waiting_reasons_skip_jobs_that_left_the_queue(settings, client, tenant_
 
 def test_the_adapter_decides_whether_a_jax_pool_takes_a_qlora_job(settings, client, tenant_key, make_job):  # noqa: F811
     """The store maps the stored adapter (double_quant included) onto the job's training
-    shape; a JAX-only pool then trains an NF4 base and refuses a double-quantized one."""
+    shape; a JAX-only pool then trains an NF4 base and refuses a double-quantized one,
+    which no pool can ever hold: it fails with no_pool_fits instead of waiting."""
     _tiny_config(settings)
     a = tenant_key()
     nf4, double_quant = (make_job(a.headers, adapter={"method": "qlora"})["id"] for _ in range(2))
@@ -276,10 +277,10 @@ def test_the_adapter_decides_whether_a_jax_pool_takes_a_qlora_job(settings, clie
     spec = dict(ex.launches)[nf4]
     assert (spec["trainer"], spec["adapter"]["quantization"], spec["adapter"]["double_quant"]) == (
         "jax_lora", "nf4", False)
-    waiting = client.get(f"{JOBS}/{double_quant}", headers=a.headers).json()
-    assert waiting["status"] == "queued"
-    assert waiting["queue_reason"].startswith(
-        "local: runs jax_lora, job needs fsdp_qlora (nf4 base with double_quant)")
+    refused = client.get(f"{JOBS}/{double_quant}", headers=a.headers).json()
+    assert refused["status"] == "failed" and refused["error"]["code"] == "no_pool_fits"
+    assert "(local: runs jax_lora, job needs fsdp_qlora (nf4 base with double_quant))" in (
+        refused["error"]["message"])
 
 
 def test_a_queued_dpo_job_is_placed_with_its_dpo_shape_and_spec(settings, client, tenant_key, make_job):  # noqa: F811

@@ -9,12 +9,16 @@
 3. plan (``plan_cycle``, pure): 3a. order the heads (priority, tenant dominant share,
    age); 3b. place each head on a working copy of the snapshot; 3c. admit it when it
    fits, consuming the working copy; 3d. otherwise it waits, with a reason and a
-   position (and preempts, or holds a reservation for backfill);
+   position (and preempts, or holds a reservation for backfill), unless no pool could
+   hold it even with every GPU free (``no_pool_fits``: the pools file changed under a
+   queued job), which would wait forever: it fails, unless it asked to wait
+   (``placement.queue_if_unfit``);
 4. admit: the admissions' transitions are committed, then each job is launched with all
    its GPUs at once;
 5. preempt: the victims get SIGTERM (checkpoint, then requeued by step 1 of a later
    cycle, resuming from the checkpoint);
-6. requeue: the waiting jobs' reasons and positions are written.
+6. requeue: the waiting jobs' reasons and positions are written, and the jobs no pool
+   can hold fail with ``no_pool_fits`` and each pool's reason.
 
 ``plan_cycle`` is pure: (queued jobs, capacity snapshot, recent usage, clock) -> what to
 admit, whom to preempt, and why everyone else waits. ``run_cycle`` does the I/O around
@@ -45,9 +49,11 @@ from scheduling.placement import (
     PreemptionPolicy,
     candidate_pools,
     estimate_for,
+    no_pool_fits,
     place_job,
     trainer_for,
 )
+from scheduling.reasons import Reason
 from scheduling.request import JobRequest
 from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
 
@@ -90,6 +96,21 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class Unfit:
+    """A queued job no pool can hold even with every GPU free (it would wait forever)."""
+
+    job: JobRequest
+    reasons: tuple[Reason, ...]
+
+    @property
+    def message(self) -> str:
+        return (f"No node pool can hold this job, even with all its GPUs free "
+                f"({'; '.join(r.message for r in self.reasons)}): the node pools changed since it was "
+                "queued. Create it again for a pool that holds it, or with placement.queue_if_unfit "
+                "to wait for a pool that is being added or grown.")
+
+
+@dataclass(frozen=True)
 class Admitted:
     """An admission the store wrote: what the executor launches."""
 
@@ -103,6 +124,8 @@ class CyclePlan:
     admissions: list[Admission] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     waiting: list[Waiting] = field(default_factory=list)
+    unfit: list[Unfit] = field(default_factory=list)
+    """Jobs that fail: no pool can ever hold them (and they did not ask to wait anyway)."""
     reservations: dict[str, tuple[str, float]] = field(default_factory=dict)
     """node -> (job id holding the reservation, expected start time)."""
 
@@ -172,7 +195,12 @@ def plan_cycle(queued: Iterable[JobRequest], snapshot: CapacitySnapshot, *, now:
             queue.charge(job.tenant, placement.pool or "", placement.gpus)
             plan.admissions.append(Admission(job, placement))
             continue
-        # (3d) the rest wait, with a reason and a position.
+        # (3d) the rest wait, with a reason and a position; one no pool can ever hold fails.
+        if placement.mode == "no_fit" and not job.queue_if_unfit:
+            never = no_pool_fits(job, working.pools)
+            if never:
+                plan.unfit.append(Unfit(job, never))
+                continue
         position += 1
         if placement.mode == "fit_after_preemption":
             for victim_id in placement.victims:
@@ -254,6 +282,11 @@ class SchedulerStore(Protocol):
         position among the waiting jobs of this cycle (1 = next)."""
         ...
 
+    def fail_unfit(self, unfit: Sequence[Unfit]) -> None:
+        """queued -> failed with error ``no_pool_fits`` and ``Unfit.message``, for each job
+        still queued (one cancelled meanwhile stays cancelled)."""
+        ...
+
     def publish_capacity(self, snapshot: CapacitySnapshot) -> None:
         """Record the pools' nodes as observed in the cluster (for the API's pool view);
         called only with a snapshot that came from the cluster, not from the config."""
@@ -309,8 +342,10 @@ def run_cycle(store: SchedulerStore, executor: Executor, *, clock: Clock = time.
             victim = store.preempting(pre.victim_id, pre.for_job)
             if victim is not None:
                 executor.stop(victim, StopReason.PREEMPT)
-        # (6) requeue the rest with their reasons and positions.
+        # (6) requeue the rest with their reasons and positions; fail those no pool can hold.
         store.set_waiting(plan.waiting)
+        if plan.unfit:
+            store.fail_unfit(plan.unfit)
         return CycleResult(ran=True, plan=plan, observed=len(changes), seconds=time.perf_counter() - t0)
     finally:
         if lock is not None:

@@ -42,7 +42,7 @@ from scheduling.request import JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment
 from worker.executors.base import ObservedChange, RunningRow
 from worker.outcomes import apply_outcome
-from worker.scheduler.cycle import Admission, Admitted, Waiting
+from worker.scheduler.cycle import Admission, Admitted, Unfit, Waiting
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,15 @@ class DbStore:
 
     def set_waiting(self, waiting: Sequence[Waiting]) -> None:
         self._write_waiting([(w.job.job_id, w.reason, w.position) for w in waiting])
+
+    def fail_unfit(self, unfit: Sequence[Unfit]) -> None:
+        for item in unfit:
+            with session_scope(self.url) as session:
+                job = lock_job(session, item.job.job_id)
+                if job is None or job.status != "queued":
+                    continue
+                transition(session, job, "failed", actor="scheduler", message=item.message, level="error",
+                           error={"code": "no_pool_fits", "message": item.message, "param": "placement"})
 
     def _write_waiting(self, items: Sequence[tuple[str, str, int | None]]) -> None:
         """(job id, reason, position) of waiting jobs: one UPDATE per chunk for those whose
