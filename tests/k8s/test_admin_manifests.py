@@ -35,8 +35,13 @@ pools:
 
 @pytest.fixture
 def cli_env(settings, tmp_path, monkeypatch):
-    """The CLI's settings: the test database and data dir, the pools above, trainer options."""
+    """The CLI's settings: the test database and data dir, the pools above, trainer options,
+    and the files of the demo model the registry lists (a job on a model without them is
+    refused)."""
     from api.settings import get_settings
+    from tests.model_files import install_demo_model
+
+    install_demo_model(settings.models_dir)
 
     pools = tmp_path / "pools.yaml"
     pools.write_text(POOLS, encoding="utf-8")
