@@ -80,6 +80,8 @@ def start_scheduler_metrics(settings: Settings) -> None:
     from api.observability.metrics import process_registry
     from scheduling.pools import load_pools
 
+    # A slow configured interval must not read as a stuck loop.
+    SCHEDULER_HEARTBEAT.stale_after_s = max(120.0, 4 * settings.schedule_interval_s)
     registry = process_registry()
     registry.register(LAST_CYCLE)
     if settings.metrics_database_gauges == "scheduler":

@@ -137,9 +137,21 @@ def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capaci
     import json
     import re
 
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.deploy.test_chart_monitoring import rule_expressions
+    from worker.metrics import LAST_CYCLE, scheduler_cycled
+
     dashboard = json.loads((REPO / "deploy/grafana/tunefleet-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"\btunefleet_[a-z_]+", e)}
+    # Every series is aggregated across the scraped pods: none is drawn once per replica.
+    for expr in exprs:
+        for side in expr.split(" / "):
+            assert re.match(r"\s*(sum|max|histogram_quantile)\b", side), expr
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"pool", "job"} <= variables
+    assert all("$pool" in e for e in exprs if "pool" in e and "tunefleet_http" not in e)
+    used = {m for e in exprs + rule_expressions() for m in re.findall(r"\btunefleet_[a-z_]+", e)}
     with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
         client.jobs.list()
         fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
@@ -148,6 +160,11 @@ def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capaci
     driver.report(driver.metric(1, 2, 1.0))
     m = scrape(service.base_url)
     exposed = {s.name for samples in m.values() for s in samples}
+    # The scheduler's own gauge, from its collector.
+    scheduler_cycled()
+    registry = CollectorRegistry()
+    registry.register(LAST_CYCLE)
+    exposed |= {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert used and used <= exposed, used - exposed
     # Nothing queued: the queue gauges still report 0 for every known pool.
     assert value(m, "tunefleet_queue_depth", pool="mi300x") == 0
