@@ -64,6 +64,11 @@ class ModelSpec(_Strict):
         description="The model's public id (e.g. meta-llama/Llama-3.1-8B): exported adapters name it as "
         "their base_model_name_or_path, so they load outside this service. None: the path.",
     )
+    revision: str | None = Field(
+        default=None, max_length=64,
+        description="The Hub commit of the base model (a model fetched from the Hub): exported adapters "
+        "record it as their revision, so they load onto the weights they were trained on.",
+    )
 
 
 class DataSpec(_Strict):

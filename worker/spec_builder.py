@@ -273,7 +273,7 @@ def build_spec(
         job_id=job.id,
         trainer=trainer,  # type: ignore[arg-type]
         model=ModelSpec(path=models[job.model].path, architecture=models[job.model].architecture,
-                        name=models[job.model].public_id),
+                        name=models[job.model].public_id, revision=models[job.model].revision),
         data=DataSpec(
             train_file=files.location(train.location),
             validation_file=valid_location,

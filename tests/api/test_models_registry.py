@@ -177,6 +177,19 @@ def test_a_hub_model_is_fetched_once_checked_and_trained_on(
     assert (snapshot / "model.safetensors").read_bytes() == (tiny_qwen3 / "model.safetensors").read_bytes()
     job = make_job(tenant.headers, model=repo_id)
     assert job["model"] == repo_id
+    spec = _spec(settings, job["id"])
+    assert (spec.model.path, spec.model.revision, spec.model.architecture) == (str(snapshot), repo.sha, "qwen3")
+    # the adapter a trainer exports for it names the base and its commit
+    from trainers.common.outputs import finish_adapter
+    from trainers.common.peft_export import ADAPTER_CONFIG, MODEL_CARD
+
+    adapter = settings.data_path / "adapter-out"
+    adapter.mkdir()
+    (adapter / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA"}))
+    finish_adapter(adapter, spec)
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == (repo_id, repo.sha)
+    assert repo.sha in (adapter / MODEL_CARD).read_text()
 
     # a second registration of the same commit reuses the download
     downloads = sum(1 for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path)
@@ -185,6 +198,17 @@ def test_a_hub_model_is_fetched_once_checked_and_trained_on(
                        json={"id": pinned, "source": f"{repo_id}@{repo.sha}"}).status_code == 200
     assert _fetch(settings, pinned) == "ready"
     assert sum(1 for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path) == downloads
+
+
+def _spec(settings, job_id: str):
+    """The trainer spec the scheduler would build for the job (one CPU process)."""
+    from api.db.models import Job
+    from api.db.session import session_scope
+    from worker.spec_builder import build_spec
+
+    with session_scope(settings.resolved_database_url) as session:
+        return build_spec(session, session.get_one(Job, job_id), settings, pool_accelerator="cpu",
+                          pool_families=("fsdp_qlora",), gpus=1, token="t")
 
 
 def test_hub_ids_the_operator_does_not_allow_are_refused(client, admin_key) -> None:

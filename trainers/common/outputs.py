@@ -58,8 +58,10 @@ def finish_adapter(adapter_dir: str | Path, spec: Any) -> None:
             "applied to the unquantized base it is close to, not the same as, what training saw."
         )
     base = adapter_base_model(spec)
+    if spec.model.revision:
+        notes.append(f"Trained on `{base}` at Hub commit `{spec.model.revision}` (the adapter's revision).")
     complete_adapter_dir(
-        adapter_dir, base_model=base,
+        adapter_dir, base_model=base, revision=spec.model.revision,
         tokenizer_dir=None if spec.model.path.startswith("s3://") else spec.model.path,
         card=model_card(base_model=base, title=f"Fine-tuned adapter of job {spec.job_id}",
                         training=training, notes=notes),

@@ -219,10 +219,12 @@ def complete_adapter_dir(
     base_model: str,
     tokenizer_dir: str | Path | None,
     card: str,
+    revision: str | None = None,
 ) -> None:
     """Make a written adapter directory stand on its own.
 
-    Sets ``base_model_name_or_path`` in ``adapter_config.json`` to ``base_model``, copies the
+    Sets ``base_model_name_or_path`` in ``adapter_config.json`` to ``base_model`` (and
+    ``revision``, the base's Hub commit, when known: peft loads the base at it), copies the
     tokenizer files found in ``tokenizer_dir`` (a local base model directory; None when the
     base lives elsewhere, e.g. in S3), and writes ``card`` as ``README.md``.
     """
@@ -232,6 +234,8 @@ def complete_adapter_dir(
     config_path = out / ADAPTER_CONFIG
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = base_model
+    if revision is not None:
+        config["revision"] = revision
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
         for name in TOKENIZER_FILES:
