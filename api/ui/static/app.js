@@ -221,6 +221,6 @@
     form.addEventListener("submit", (event) => event.preventDefault());
   });
 
-  window.tf = { api, apiAll, ApiError, Unreachable, fmt, el, pill, progressBar, emptyState, notice,
+  window.tf = { api, apiAll, csrfToken, ApiError, Unreachable, fmt, el, pill, progressBar, emptyState, notice,
     confirmAction, every, page, setBanner, STATUS_LABELS };
 })();

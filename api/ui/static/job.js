@@ -148,6 +148,8 @@
     }
     renderStats();
     renderDetails();
+    // The playground (playground.js) follows the job's state without its own polling.
+    document.dispatchEvent(new CustomEvent("tf:job", { detail: job }));
   }
 
   function renderStats() {
