@@ -23,6 +23,19 @@ invalid_request                400   a field has the wrong type/value (``param``
                                      or a value the database cannot store
 invalid_cursor                 400   ``after`` does not name an object of this list
 invalid_model                  400   unknown base model (``param`` = ``model``)
+model_exists                   409   POST /v1/models: the id is taken (YAML or a registration)
+invalid_model_source           400   ... a source not a directory, s3:// prefix nor Hub id
+model_config_unreadable        400   ... a checkpoint without a readable config.json (or its sizes)
+unsupported_architecture       400   ... a model_type the trainers do not train
+tokenizer_missing              400   ... a checkpoint without tokenizer files
+weights_missing                400   ... a checkpoint without safetensors weights
+inconsistent_weights           400   ... a safetensors index that disagrees with the shards
+model_source_unreadable        400   ... a source that cannot be read (S3 credentials, bucket)
+hub_disabled                   400   ... a Hub id while ``TUNEFLEET_HUB_ALLOWED_REPOS`` is unset
+hub_repo_not_allowed           400   ... a Hub repo that none of those patterns match
+base_model_not_deletable       403   deleting a base model with a tenant key
+model_declared_in_file         409   deleting a base model of ``TUNEFLEET_BASE_MODELS_FILE``
+model_in_use                   409   deleting a registered base model a job still trains on
 no_pool_fits                   400   job creation: no node pool can hold the job even when
                                      idle (``details.pools``: each pool's reason), unless
                                      ``placement.queue_if_unfit``; also the error of a
