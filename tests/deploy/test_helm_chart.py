@@ -371,7 +371,9 @@ def test_pdbs_and_network_policies():
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tunefleet-training"}}
     } in sources
     control = one(docs, "NetworkPolicy", f"{FULL}-control-plane")
-    assert control["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in control["spec"]
+    # Workers and the scheduler let in their metrics port (Prometheus) and nothing else.
+    assert control["spec"]["policyTypes"] == ["Ingress"]
+    assert control["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
 
 
 def test_trainer_pods_connect_out_only_to_the_api_dns_their_gang_and_the_store():
