@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from api.ids import new_id
+from tests.api.test_artifact_store import s3_endpoint  # noqa: F401 (the moto_server fixture)
 from tests.hub.fake_hub import FakeHub
 
 
@@ -268,3 +269,35 @@ def test_gated_missing_and_unreachable_hub_models_fail_with_their_codes(
     assert client.delete(f"/v1/models/{gated}", headers=admin).status_code == 200
     assert client.post("/v1/models", headers=admin, json={"source": gated}).status_code == 200
     assert _fetch(settings, gated) == "ready"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_checkpoints_and_hub_models_in_a_bucket(backend, settings, fake_hub: FakeHub, tiny_qwen3: Path,
+                                                request: pytest.FixtureRequest) -> None:
+    """Kubernetes mode: an s3:// source is checked through S3, a Hub model lands in the bucket."""
+    from api.artifacts import artifact_store, store_for
+    from api.checkpoint_checks import check_checkpoint
+    from api.errors import APIError
+    from api.hub import HubRef, fetch_snapshot
+
+    endpoint = request.getfixturevalue("s3_endpoint")
+    in_s3 = settings.model_copy(update={"artifact_url": f"s3://tf-artifacts/{new_id('reg')}",
+                                        "s3_endpoint_url": endpoint})
+    bucket = artifact_store(in_s3)
+    for path in tiny_qwen3.iterdir():
+        bucket.put_file(f"ckpt/{path.name}", path)
+    checkpoint = store_for(bucket.location("ckpt"), s3_endpoint_url=endpoint)
+    assert check_checkpoint(checkpoint).architecture == "qwen3"
+    checkpoint.delete("tokenizer.json")
+    with pytest.raises(APIError) as caught:
+        check_checkpoint(checkpoint)
+    assert caught.value.code == "tokenizer_missing"
+
+    repo_id = f"tiny-org/s3-{new_id('r')}"
+    repo = fake_hub.add_repo(repo_id, tiny_qwen3)
+    snapshot = fetch_snapshot(HubRef(repo_id, None), in_s3, bucket)
+    assert snapshot.location == bucket.location(f"models/hub/{repo_id}/{repo.sha}")
+    stored = store_for(snapshot.location, s3_endpoint_url=endpoint)
+    assert stored.read_bytes("model.safetensors") == (tiny_qwen3 / "model.safetensors").read_bytes()
+    assert check_checkpoint(stored).max_seq_len == 512
+    assert not any((in_s3.tmp_dir / "hub").rglob("*.safetensors"))  # the scratch copy is gone
