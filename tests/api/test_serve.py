@@ -1,5 +1,6 @@
 """``tunefleet serve``: one command starts API + worker + scheduler, prints an admin key,
-validates an upload through its own worker, and stops every child on SIGTERM."""
+builds the demo model it lists, validates an upload through its own worker, answers a
+completion on that model through its inference worker, and stops every child on SIGTERM."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # the first start builds the demo model (torch import)
         while True:
             try:
                 if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
@@ -75,14 +76,19 @@ def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
             assert time.monotonic() < deadline, "the embedded worker did not validate the file"
             time.sleep(0.3)
         assert httpx.get(f"{base}/readyz").json()["status"] == "ok"
-        # The inference worker answers the API over its channel (the secret both derive):
-        # no demo model was built, so the worker itself says the model is not there.
-        deadline = time.monotonic() + 60
-        while (error := httpx.post(f"{base}/v1/completions", headers=headers, timeout=30, json={
-                "model": "tunefleet-tiny-llama", "prompt": "hi"}).json()["error"])["code"] == "inference_unavailable":
+        # serve built the files of the model it lists (without --demo) ...
+        model_dir = data / "models" / "tiny-llama"
+        assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+        assert f"base model tunefleet-tiny-llama: {model_dir}" in log_path.read_text()
+        # ... and the inference worker answers the API over its channel (the secret both
+        # derive) with a completion of that model.
+        deadline = time.monotonic() + 120
+        while (done := httpx.post(f"{base}/v1/completions", headers=headers, timeout=60, json={
+                "model": "tunefleet-tiny-llama", "prompt": "hi", "max_tokens": 2})).status_code != 200:
+            assert done.json()["error"]["code"] in ("inference_unavailable", "model_loading"), done.text
             assert time.monotonic() < deadline, "the inference worker did not come up"
             time.sleep(0.5)
-        assert error["code"] == "model_unavailable", error
+        assert done.json()["model"] == "tunefleet-tiny-llama" and done.json()["usage"]["completion_tokens"] >= 1
         children = _children(proc.pid)
         assert children, "no worker/scheduler subprocesses"
     finally:

@@ -2,7 +2,7 @@
 
 ``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
 sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
-permissions), then runs the API (uvicorn, in this process), a Celery worker, the
+permissions), builds the files of the demo model the default registry lists, then runs the API (uvicorn, in this process), a Celery worker, the
 scheduler loop and the inference worker (subprocesses) together, and stops them all on
 Ctrl-C or SIGTERM. The production roles run the same code one per process/pod:
 ``tunefleet db upgrade`` (``tunefleet.cli.admin``), ``uvicorn --factory api.main:create_app``,
@@ -131,6 +131,24 @@ def start_demo(settings, base_url: str, admin_key: str) -> None:
     submit(settings, base_url, admin_key)
 
 
+def ensure_listed_models(settings) -> None:
+    """Build the demo model's files when the registry lists it (no
+    ``TUNEFLEET_BASE_MODELS_FILE``): ``serve`` lists ``tunefleet-tiny-llama``, so its files
+    are there for jobs to train and chats to load. A few MB, built once into the data dir
+    (``tunefleet.demo.ensure_demo_model``)."""
+    if settings.base_models_file is not None:
+        return
+    try:
+        from tunefleet.demo import ensure_demo_model
+
+        path = ensure_demo_model(settings.models_dir)
+    except ImportError as exc:  # a server-only install: no torch/transformers to build it with
+        typer.echo(f"  demo model tunefleet-tiny-llama not built ({exc}); install the torch extra "
+                   "to train on this machine", err=True)
+        return
+    typer.echo(f"  base model tunefleet-tiny-llama: {path}")
+
+
 def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
     import httpx
 
@@ -197,6 +215,7 @@ def serve(
     new_key = ensure_admin_key(settings)
     url = settings.public_url
     typer.echo(f"tunefleet {url}  (data: {settings.data_path})")
+    ensure_listed_models(settings)
     typer.echo(f"  OpenAI-compatible API: {url}/v1   docs: {url}/docs")
     if new_key is not None:
         typer.echo(f"  admin API key (shown once; also in {settings.data_path / 'admin_key'}):")
