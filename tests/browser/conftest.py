@@ -114,6 +114,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         "TUNEFLEET_ENV": "test",
         "TUNEFLEET_BASE_MODELS_FILE": str(models_file),
         "TUNEFLEET_NODE_POOLS_FILE": str(pools_file),
+        # serve's default (the API's port + 1) may be taken: the inference worker gets its own.
+        "TUNEFLEET_INFERENCE_URL": f"http://127.0.0.1:{_free_port()}",
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
