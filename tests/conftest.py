@@ -5,7 +5,9 @@ Fixtures (function scope unless noted):
 ``settings``
     ``api.settings.Settings`` with a fresh temporary data dir, a SQLite database already
     migrated by Alembic (a copy of a session-wide template, so it costs milliseconds),
-    and the server-less broker ``sqla+sqlite:///<data>/broker.db``. ``env="test"``.
+    and the server-less broker ``sqla+sqlite:///<data>/broker.db``. ``env="test"``. Its
+    data dir holds the files of the demo model the registry lists, as ``serve`` builds
+    them (``tests.model_files.install_demo_model``).
 ``db_session``
     A SQLAlchemy session on ``settings``' database (closed afterwards).
 ``inline_queue``
@@ -103,10 +105,14 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def settings(tmp_path: Path, sqlite_template: Path):
+    from tests.model_files import install_demo_model
+
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     shutil.copyfile(sqlite_template, data_dir / "tunefleet.db")
-    return make_settings(data_dir)
+    made = make_settings(data_dir)
+    install_demo_model(made.models_dir)
+    return made
 
 
 @pytest.fixture(scope="session")
