@@ -1,0 +1,184 @@
+"""The job page's playground in Chromium against the real service and inference worker.
+
+A job trains for real (two epochs: a checkpoint after each), then the page streams its
+fine-tuned model's greedy answer next to the base model's; both columns must hold exactly
+what a direct API call with the same request returns, for the final model and for an
+earlier checkpoint. With the organization's completion slots all taken, the playground
+shows the 429 with when to retry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.browser.test_dashboard_flows import _processed_file
+
+pytestmark = pytest.mark.browser
+
+PROMPT = "Spell backwards: bank"
+MAX_TOKENS = 12
+# TUNEFLEET_INFERENCE_MAX_CONCURRENT_PER_TENANT's default, which the service runs with.
+TENANT_SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def trained_job(service) -> dict:
+    """A succeeded job of the admin's organization with two checkpoints."""
+    with service.api() as api:
+        job = api.post("/v1/fine_tuning/jobs", json={
+            "model": "tunefleet-tiny-llama", "training_file": _processed_file(api), "seed": 7,
+            # A high learning rate, so the adapter visibly changes the greedy answer.
+            "hyperparameters": {"n_epochs": 2, "batch_size": 8, "learning_rate_multiplier": 20.0},
+            "max_seq_len": 48,
+        })
+        assert job.status_code == 200, job.text
+        job_id = job.json()["id"]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            job = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(0.5)
+        assert job["status"] == "succeeded", f"{job}\n{service.log_tail(80)}"
+        job["checkpoints"] = api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert len(job["checkpoints"]) >= 2, job["checkpoints"]
+    return job
+
+
+def _greedy(service, model: str) -> str:
+    """The content of the same greedy request, asked over the API directly (not streamed)."""
+    with service.api() as api:
+        for _ in range(150):
+            answer = api.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": PROMPT}],
+                "temperature": 0, "top_p": 1, "max_tokens": MAX_TOKENS,
+            })
+            if answer.status_code != 503:
+                break
+            time.sleep(1)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["message"]["content"]
+
+
+def _open_playground(page, service, job_id: str) -> list[str]:
+    """Open the job page's playground for a greedy request; returns the page's script errors."""
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.goto(f"{service.url}/ui/jobs/{job_id}")
+    page.wait_for_selector("#playground:not(.hidden)")
+    page.fill("#pg-prompt", PROMPT)
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", str(MAX_TOKENS))
+    return errors
+
+
+def _send_and_wait(page, service, errors: list[str]) -> None:
+    page.click("#pg-send")
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    finished = ("['pg-col-tuned', 'pg-col-base'].every((id) => "
+                "['done', 'error'].includes(document.getElementById(id).dataset.state))")
+    try:
+        page.wait_for_function(finished, timeout=90_000)
+    except PlaywrightTimeout:
+        columns = {name: _column(page, name) for name in ("tuned", "base")}
+        raise AssertionError(f"the playground did not finish: {columns}; form: "
+                             f"{page.inner_text('#pg-form-error')!r}; script errors: {errors}; service log:\n{service.log_tail(60)}") from None
+
+
+def _column(page, name: str) -> dict:
+    return page.eval_on_selector(f"#pg-col-{name}", """(node) => ({
+        state: node.dataset.state, model: node.dataset.model, retries: Number(node.dataset.loadingRetries),
+        code: node.dataset.code || null,
+        text: node.querySelector('[data-role=output]').textContent,
+        status: node.querySelector('[data-role=status]').textContent})""")
+
+
+def test_playground_streams_the_fine_tuned_and_base_answers(service, page_for, trained_job: dict,
+                                                            screenshots: Path) -> None:
+    page = page_for(service.admin_key)
+    errors = _open_playground(page, service, trained_job["id"])
+    # The select lists the final model first, then each checkpoint as a model of its own.
+    options = page.eval_on_selector_all("#pg-model option", "(nodes) => nodes.map((o) => o.value)")
+    assert options[0] == trained_job["fine_tuned_model"]
+    assert sorted(options[1:]) == sorted(c["fine_tuned_model_checkpoint"] for c in trained_job["checkpoints"]
+                                         if c["fine_tuned_model_checkpoint"] != trained_job["fine_tuned_model"])
+
+    # The first completions since the service started: the base model loads while the
+    # playground waits Retry-After and asks again.
+    _send_and_wait(page, service, errors)
+    tuned, base = _column(page, "tuned"), _column(page, "base")
+    page.screenshot(path=screenshots / "20-playground-streamed.png", full_page=True)
+    assert tuned["state"] == "done" and base["state"] == "done", (tuned, base)
+    assert tuned["retries"] + base["retries"] >= 1, "the base model was already loaded: nothing waited for it"
+    assert (tuned["model"], base["model"]) == (trained_job["fine_tuned_model"], "tunefleet-tiny-llama")
+    assert tuned["text"] and base["text"]
+    assert tuned["text"] == _greedy(service, trained_job["fine_tuned_model"])
+    assert base["text"] == _greedy(service, "tunefleet-tiny-llama")
+    assert tuned["text"] != base["text"], "the adapter changes nothing: the columns cannot be told apart"
+    assert "tokens" in tuned["status"] and "finish:" in tuned["status"], tuned["status"]
+
+    # An earlier checkpoint answers with its own adapter.
+    earliest = min(trained_job["checkpoints"], key=lambda c: c["step_number"])["fine_tuned_model_checkpoint"]
+    page.select_option("#pg-model", earliest)
+    _send_and_wait(page, service, errors)
+    checkpoint = _column(page, "tuned")
+    assert checkpoint["state"] == "done" and checkpoint["model"] == earliest, checkpoint
+    assert checkpoint["text"] and checkpoint["text"] == _greedy(service, earliest)
+
+
+def test_playground_shows_when_to_retry_a_429(service, page_for, trained_job: dict, screenshots: Path) -> None:
+    page = page_for(service.admin_key)
+    errors = _open_playground(page, service, trained_job["id"])
+    # Take every completion slot of the organization: streams the test does not read, of
+    # the base model's greedy answer to PROMPT (its random weights do not end that one in
+    # thousands of tokens); the inference worker runs one generation per base at a time,
+    # so the others wait for it.
+    stop = threading.Event()
+
+    def hold() -> None:
+        with httpx.Client(base_url=service.url, timeout=None,
+                          headers={"Authorization": f"Bearer {service.admin_key}"}) as client, \
+                client.stream("POST", "/v1/chat/completions", json={
+                    "model": "tunefleet-tiny-llama", "messages": [{"role": "user", "content": PROMPT}],
+                    "temperature": 0, "max_tokens": 100_000, "stream": True}):
+            stop.wait(120)
+
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(TENANT_SLOTS)]
+    for holder in holders:
+        holder.start()
+    try:
+        # The slots are taken once a direct request is refused (one admitted before a
+        # holder waits for the generation and times out here; it still holds a slot).
+        probe = None
+        with httpx.Client(base_url=service.url, timeout=3.0,
+                          headers={"Authorization": f"Bearer {service.admin_key}"}) as api:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    probe = api.post("/v1/chat/completions", json={
+                        "model": "tunefleet-tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 1})
+                except httpx.TimeoutException:
+                    continue
+                if probe.status_code == 429:
+                    break
+                time.sleep(0.2)
+        assert probe is not None and probe.status_code == 429, probe and probe.text
+        _send_and_wait(page, service, errors)
+        page.screenshot(path=screenshots / "21-playground-429.png", full_page=True)
+        for name in ("tuned", "base"):
+            col = _column(page, name)
+            assert col["state"] == "error" and col["code"] == "too_many_requests", col
+            assert col["status"].startswith(f"Too many requests, retry in {probe.headers['Retry-After']} s."), col
+            assert col["text"] == ""
+    finally:
+        stop.set()
+        for holder in holders:
+            holder.join(timeout=30)
