@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,8 +98,8 @@ def fetch_snapshot(ref: HubRef, settings: Settings, store: ArtifactStore) -> Hub
     prefix = f"models/hub/{ref.repo_id}/{sha}"
     if store.exists(f"{prefix}/{_COMPLETE}"):
         return HubSnapshot(store.location(prefix), sha)
-    scratch = settings.tmp_dir / "hub" / ref.repo_id.replace("/", "--") / sha
-    shutil.rmtree(scratch, ignore_errors=True)
+    # one scratch directory per download: two registrations of one commit may fetch at once
+    scratch = settings.tmp_dir / "hub" / f"{ref.repo_id.replace('/', '--')}-{sha}-{secrets.token_hex(4)}"
     try:
         with _hub_errors(ref):
             snapshot_download(ref.repo_id, revision=sha, local_dir=scratch, endpoint=endpoint,
