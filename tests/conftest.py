@@ -27,8 +27,9 @@ Fixtures (function scope unless noted):
     postgres, trust auth) migrated with Alembic, dropped at the end. Skipped when
     PostgreSQL is unreachable, FAILS instead under ``CI=true``.
 ``redis_url`` (session)
-    ``redis://127.0.0.1:6379/<db>`` (a DB number chosen per session, flushed before and
-    after). Skipped / failing like ``pg_url``.
+    ``redis://127.0.0.1:6379/<db>`` (a DB number 1-15 claimed by this test process, so
+    concurrent sessions and xdist workers do not share one; flushed before and after).
+    Skipped / failing like ``pg_url``.
 ``celery_worker``
     Factory: ``celery_worker(settings) -> Popen``: a real ``celery -A worker.celery_app
     worker --pool solo`` subprocess configured through ``TUNEFLEET_*`` variables,
@@ -145,7 +146,8 @@ def redis_url() -> Iterator[str]:
     try:
         import redis
 
-        db = 1 + os.getpid() % 15
+        claims = redis.Redis(host="127.0.0.1", port=6379, db=0, socket_connect_timeout=3)
+        db = _claim_redis_db(claims)
         client = redis.Redis(host="127.0.0.1", port=6379, db=db, socket_connect_timeout=3)
         client.ping()
     except Exception as exc:
@@ -157,6 +159,55 @@ def redis_url() -> Iterator[str]:
     finally:
         client.flushdb()
         client.close()
+        if claims.get(_redis_claim_key(db)) == str(os.getpid()).encode():
+            claims.delete(_redis_claim_key(db))
+        claims.close()
+
+
+def _redis_claim_key(db: int) -> str:
+    return f"tunefleet-test:redis-db:{db}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim_redis_db(claims: Any) -> int:
+    """A Redis DB number (1-15) no other live test process on this machine holds.
+
+    Concurrent pytest processes (xdist workers, several sessions) each claim one through
+    a key in DB 0 holding their pid; a claim whose process is gone is taken over. When
+    all 15 are held, the pid-derived number is shared (flushed by each holder)."""
+    import redis
+
+    pid = os.getpid()
+    start = pid % 15
+    for i in range(15):
+        db = 1 + (start + i) % 15
+        key = _redis_claim_key(db)
+        if claims.set(key, pid, nx=True, ex=6 * 3600):
+            return db
+        holder = claims.get(key)
+        if holder is None or not holder.isdigit() or _pid_alive(int(holder)):
+            continue
+        # a dead holder's claim is taken over, by one process only (WATCH: compare-and-set)
+        with claims.pipeline() as pipe:
+            try:
+                pipe.watch(key)
+                if pipe.get(key) == holder:
+                    pipe.multi()
+                    pipe.set(key, pid, ex=6 * 3600)
+                    pipe.execute()
+                    return db
+            except redis.WatchError:
+                pass
+    return 1 + start
 
 
 @pytest.fixture
@@ -322,3 +373,41 @@ def celery_worker(tmp_path: Path) -> Iterator[Callable[[Any], subprocess.Popen[b
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# ---- parallel runs (pytest-xdist) ------------------------------------------------------
+
+# Tests that share an expensive fixture run on one worker under `--dist loadgroup`, so the
+# fixture is built once, as in a serial run: each directory here (a `tunefleet serve` +
+# Chromium, the golden entry-point runs), and each module that defines a module-scoped
+# fixture. The groups are derived from node ids on the controller (which collects
+# nothing), through xdist's scheduler hook; the other tests are spread one by one.
+_SHARED_DIRS = ("tests/browser/", "tests/trainers/golden/")
+_module_groups: dict[str, bool] = {}
+
+
+def _xdist_group(nodeid: str) -> str | None:
+    for prefix in _SHARED_DIRS:
+        if nodeid.startswith(prefix):
+            return prefix.rstrip("/")
+    module = nodeid.split("::", 1)[0]
+    if module not in _module_groups:
+        try:
+            source = (REPO / module).read_text()
+        except OSError:
+            source = ""
+        _module_groups[module] = 'scope="module"' in source
+    return module if _module_groups[module] else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedFixtureScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_group(nodeid) or super()._split_scope(nodeid)
+
+    return SharedFixtureScheduling(config, log)
