@@ -32,6 +32,7 @@ from api.db.job_versions import job_list_version
 from api.db.models import ApiKey, Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
 from api.errors import APIError, not_found
 from api.files import get_file
+from api.hub import parse_hub_id
 from api.hyperparameters import resolve_hyperparameters
 from api.ids import hash_secret, new_id, new_job_token
 from api.job_pages import JobPageCache, PageKey
@@ -119,8 +120,10 @@ def base_model_and_seq_len(
     model = base_models.get(body.model)
     if model is None:
         known = ", ".join(sorted(base_models)) or "none"
+        hint = (" A Hugging Face Hub id is a base model once an admin has registered it "
+                "(POST /v1/models) and it is fetched." if parse_hub_id(body.model) else "")
         raise APIError(400, "invalid_model",
-                       f"Unknown base model '{body.model}'. Available: {known}.", param="model")
+                       f"Unknown base model '{body.model}'. Available: {known}.{hint}", param="model")
     check_trainer(body)
     max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len > model.max_seq_len:

@@ -170,6 +170,7 @@ def test_a_hub_model_is_fetched_once_checked_and_trained_on(
     tenant = tenant_key()
     refused = client.post("/v1/fine_tuning/jobs", headers=tenant.headers, json={"model": repo_id, "training_file": "x"})
     assert _error(refused)[:2] == (400, "invalid_model")  # not trainable before it is fetched
+    assert "POST /v1/models" in refused.json()["error"]["message"]
 
     assert _fetch(settings, repo_id) == "ready"
     model = client.get(f"/v1/models/{repo_id}", headers=tenant.headers).json()
