@@ -12,16 +12,20 @@ environment. A process is not a pod, so a few things are rewritten or given, all
 - mount paths: each mount of a container (``/etc/tunefleet``, the ``/tmp`` emptyDir) is a
   directory of its own, and the container's env values and arguments name that directory
   instead of the mount path.
+- container ports: pods have a network namespace each, processes share one, so a port two
+  containers declare (the worker's and the scheduler's ``metrics``) is a free port of each
+  process: env values and arguments that name it name that port instead.
 - the images' programs (``tunefleet``, ``uvicorn``) are this virtualenv's.
 
-Hosts and ports are not rewritten: the values name this machine's (PostgreSQL, Redis, the
-S3 endpoint, the public URL), as an operator names their own.
+Hosts are not rewritten: the values name this machine's (PostgreSQL, Redis, the S3
+endpoint, the public URL and the API's port), as an operator names their own.
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.deploy.chart import find, render
 
 VENV_BIN = Path(sys.executable).parent
@@ -77,10 +81,13 @@ class Container:
     log: Path
     proc: subprocess.Popen | None = None
     mounts: dict[str, Path] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)  # container port name -> local port
 
     @classmethod
     def from_chart(cls, docs: tuple[dict[str, Any], ...], kind: str, name: str, root: Path,
-                   base_env: dict[str, str]) -> Container:
+                   base_env: dict[str, str], shared_ports: tuple[str, ...] = ()) -> Container:
+        """The container of the rendered ``kind`` ``name``; its ports named in
+        ``shared_ports`` (declared by other containers too) get free local ports."""
         (obj,) = find(docs, kind, name)
         pod = obj["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -103,7 +110,14 @@ class Container:
             else:
                 assert "emptyDir" in vol, f"{name}: volume {m['name']} is neither a ConfigMap, a Secret nor an emptyDir"
 
+        ports = {p["name"]: (p["containerPort"], free_port()) for p in container.get("ports") or []
+                 if p.get("name") in shared_ports}
+
         def rewrite(text: str) -> str:
+            for declared, local in ports.values():
+                if text == str(declared):
+                    return str(local)
+                text = re.sub(rf"([=:]){declared}\b", rf"\g<1>{local}", text)
             for path in sorted(mounts, key=len, reverse=True):
                 if text == path or text.startswith(path + "/") or f"={path}" in text:
                     return text.replace(path, str(mounts[path]), 1)
@@ -133,7 +147,8 @@ class Container:
         argv = [rewrite(a) for a in (container.get("command") or []) + (container.get("args") or [])]
         if argv[0] in ("tunefleet", "uvicorn"):
             argv[0] = str(VENV_BIN / argv[0])
-        return cls(name=name, argv=argv, env=env, root=root, log=root / "log", mounts=mounts)
+        return cls(name=name, argv=argv, env=env, root=root, log=root / "log", mounts=mounts,
+                   ports={n: local for n, (_, local) in ports.items()})
 
     def start(self) -> Container:
         with self.log.open("ab") as out:

@@ -2,10 +2,11 @@
 
 The chart is rendered with production values (``environment: production``, external
 PostgreSQL and Redis, an S3 artifact store -- a moto server -- with static keys by value,
-the Kubernetes executor on two node pools, a metrics token, a trainer PriorityClass and
-runtime limit, Kueue with WorkloadPriorityClasses). The migration Job's container, then
-the API's, worker's and scheduler's, run as local processes exactly as rendered
-(``tests/e2e/rehearsal.py`` lists what a process gets that a pod would not). The rendered
+a trainer ServiceAccount (IRSA), the Kubernetes executor on two node pools, a metrics
+token, a trainer PriorityClass and runtime limit, Kueue with WorkloadPriorityClasses).
+The migration Job's container, then the API's, worker's and scheduler's, run as local
+processes exactly as rendered (``tests/e2e/rehearsal.py`` lists what a process gets that
+a pod would not). The rendered
 objects of the training namespace (its Namespace, the trainer credentials Secret) are
 created in the fake Kubernetes API server, whose kubelet runs each trainer pod with the
 env, envFrom, mounts and command the executor gave it: a credential or setting the chart
@@ -14,10 +15,11 @@ or the executor forgets fails the job here as it would on a cluster.
 Through the official ``openai`` SDK a file is uploaded and a job created on a base model
 that lives in the bucket (``s3://``); the test plays Kueue (the Job is created suspended
 and admitted after a delay); the job trains on the pool that holds it, its adapter is
-written to the bucket and downloads through the API; ``/metrics`` answers with the
-metrics token only. Production refuses webhook targets on private addresses, which is all
-this machine has: the test checks that refusal, not a delivery (the delivery path is
-rehearsed on PostgreSQL + Redis in tests/integrations/test_webhooks_production.py).
+written to the bucket and downloads through the API; the API's, worker's and scheduler's
+``/metrics`` answer the metrics token only, and their database gauges count the job once.
+Production refuses webhook targets on private addresses, which is all this machine has:
+the test checks that refusal, not a delivery (the delivery path is rehearsed on
+PostgreSQL + Redis in tests/integrations/test_webhooks_production.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import httpx
 import pytest
 import yaml
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import PG_ADMIN_DSN, free_port
 from tests.e2e.conftest import tiny_model_dir  # noqa: F401 (fixture)
@@ -48,6 +51,7 @@ FULL = "tf-tunefleet"
 TRAINING_NS = "tunefleet-training"
 BUCKET = "tunefleet-artifacts"
 MODEL_ID = "tiny-llama-s3"
+ROLE_ARN = "arn:aws:iam::123456789012:role/tunefleet-trainer"
 ACCESS_KEY, SECRET_KEY = "AKIAREHEARSAL0000000", "rehearsal/secret/key/0000000000000000000"
 
 
@@ -101,7 +105,8 @@ def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, 
                              "secretAccessKey": SECRET_KEY}},
         "auth": {"adminApiKey": admin_key, "metricsToken": metrics_token},
         "training": {"namespace": TRAINING_NS, "createNamespace": True, "priorityClassName": "training-batch",
-                     "maxRuntimeSeconds": 3600},
+                     "maxRuntimeSeconds": 3600,
+                     "serviceAccount": {"create": True, "annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}}},
         "kueue": {"enabled": True, "localQueue": "gpu-jobs", "createLocalQueue": True, "clusterQueue": "team-a",
                   "priorityClasses": {"low": "batch-low", "normal": "batch", "high": "batch-high"}},
         "pools": pools,
@@ -156,7 +161,8 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
 
         def container(kind: str, component: str, *, cluster_access: bool = True) -> Container:
             return Container.from_chart(docs, kind, f"{FULL}-{component}", tmp_path / component,
-                                        process_env(kubeconfig if cluster_access else None, tmp_path / "home"))
+                                        process_env(kubeconfig if cluster_access else None, tmp_path / "home"),
+                                        shared_ports=("metrics",))
 
         (tmp_path / "home").mkdir()
         migrations = container("Job", "migrations", cluster_access=False)
@@ -207,6 +213,8 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     assert pod["nodeSelector"] == RTX_POOL["node_selector"]  # the small pool cannot hold it
     assert pod["priorityClassName"] == "training-batch" and k8s_job["spec"]["activeDeadlineSeconds"] == 3600
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"{FULL}-trainer-s3"}}]
+    # the identity for IRSA / workload identity, with no Kubernetes API token
+    assert pod["serviceAccountName"] == f"{FULL}-trainer" and pod["automountServiceAccountToken"] is False
     time.sleep(2)
     assert not c.pods(job.id), "pods of a Job Kueue has not admitted"
     wait_until(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
@@ -230,10 +238,17 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     got = http.get(f"/fine_tuning/jobs/{job.id}/artifacts/adapter/adapter_model.safetensors", follow_redirects=True)
     assert got.status_code == 200 and len(got.content) == artifact["bytes"]
 
-    # /metrics: the metrics token and nothing else
-    assert httpx.get(f"{public_url}/metrics", timeout=10).status_code == 401
-    scraped = httpx.get(f"{public_url}/metrics", headers={"Authorization": f"Bearer {metrics_token}"}, timeout=10)
-    assert scraped.status_code == 200 and "tunefleet_" in scraped.text
+    # /metrics of every component: the metrics token and nothing else; the database gauges
+    # summed over all of them count the job once
+    endpoints = [f"{public_url}/metrics", *(f"http://127.0.0.1:{r.ports['metrics']}/metrics" for r in roles[1:])]
+    succeeded = 0.0
+    for url in endpoints:
+        assert httpx.get(url, timeout=10).status_code == 401, url
+        scraped = httpx.get(url, headers={"Authorization": f"Bearer {metrics_token}"}, timeout=10)
+        assert scraped.status_code == 200, (url, scraped.text[:500])
+        succeeded += sum(s.value for f in text_string_to_metric_families(scraped.text) if f.name == "tunefleet_jobs"
+                         for s in f.samples if s.labels.get("status") == "succeeded")
+    assert succeeded == 1, succeeded
     for role in roles:
         assert role.alive(), role.tail()
 
