@@ -53,7 +53,7 @@ from scheduling.placement import (
     place_job,
     trainer_for,
 )
-from scheduling.reasons import Reason
+from scheduling.reasons import WAITING, Reason
 from scheduling.request import JobRequest
 from worker.executors.base import Executor, JobRef, ObservedChange, StopReason
 
@@ -196,7 +196,10 @@ def plan_cycle(queued: Iterable[JobRequest], snapshot: CapacitySnapshot, *, now:
             plan.admissions.append(Admission(job, placement))
             continue
         # (3d) the rest wait, with a reason and a position; one no pool can ever hold fails.
-        if placement.mode == "no_fit" and not job.queue_if_unfit:
+        # A job some pool could hold always has a waiting reason (quota, free GPUs): only
+        # the others are asked about (a busy cycle of thousands of waiting jobs stays cheap).
+        if (placement.mode == "no_fit" and not job.queue_if_unfit
+                and not any(r.code in WAITING for r in placement.reasons)):
             never = no_pool_fits(job, working.pools)
             if never:
                 plan.unfit.append(Unfit(job, never))
