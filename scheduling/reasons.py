@@ -38,7 +38,9 @@ class ReasonCode(str, enum.Enum):
     """Jobs already told to stop are releasing the GPUs the job will get."""
 
 
-# Reasons that pass as the cluster changes: shown together after "waiting: ".
+# Reasons that pass as the cluster changes: shown together after "waiting: ". A job that
+# waits without one of them has no pool that could ever hold it (``no_pool_fits``): the
+# scheduler fails it unless it asked to wait anyway.
 WAITING = frozenset({ReasonCode.QUOTA_EXCEEDED, ReasonCode.INSUFFICIENT_GPUS})
 
 
