@@ -17,9 +17,14 @@ that lives in the bucket (``s3://``); the test plays Kueue (the Job is created s
 and admitted after a delay); the job trains on the pool that holds it, its adapter is
 written to the bucket and downloads through the API; the API's, worker's and scheduler's
 ``/metrics`` answer the metrics token only, and their database gauges count the job once.
+Then two more jobs: one whose trainer pod is OOMKilled (failed, out_of_memory, not
+retried), one cancelled while it trains.
+
 Production refuses webhook targets on private addresses, which is all this machine has:
 the test checks that refusal, not a delivery (the delivery path is rehearsed on
-PostgreSQL + Redis in tests/integrations/test_webhooks_production.py).
+PostgreSQL + Redis in tests/integrations/test_webhooks_production.py). Not rehearsed
+here: a preemption (by a higher-priority job or by Kueue re-suspending the Job), and
+several API replicas.
 """
 
 from __future__ import annotations
@@ -249,8 +254,48 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
         succeeded += sum(s.value for f in text_string_to_metric_families(scraped.text) if f.name == "tunefleet_jobs"
                          for s in f.samples if s.labels.get("status") == "succeeded")
     assert succeeded == 1, succeeded
+    _oom_killed_and_cancelled(c, oai, uploaded.id)
     for role in roles:
         assert role.alive(), role.tail()
+
+
+def _admit(c, oai, job_id: str) -> dict:
+    """Play Kueue for ``job_id``: its Job, once created suspended, is let run; the Job."""
+    k8s_job = wait_until(lambda: next((j for j in c.list("jobs", TRAINING_NS) if j["metadata"]["labels"].get(
+        "tunefleet.io/job-id") == job_id), None), 120, f"the training Job of {job_id}")
+    assert k8s_job["spec"]["suspend"] is True
+    code, _ = c.patch("jobs", TRAINING_NS, k8s_job["metadata"]["name"], {"spec": {"suspend": False}})
+    assert code == 200
+    return k8s_job
+
+
+def _oom_killed_and_cancelled(c, oai, file_id: str) -> None:
+    """Two long jobs at once on the 2-GPU pool: one trainer pod is OOMKilled (the job fails
+    with out_of_memory, not retried), the other job is cancelled while it trains (its pod
+    is stopped and its Job deleted)."""
+    long = {"model": MODEL_ID, "training_file": file_id, "seed": 3,
+            "hyperparameters": {"n_epochs": 50, "batch_size": 4},
+            "extra_body": {"max_seq_len": 48, "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj"]}}}
+    oom, cancelled = oai.fine_tuning.jobs.create(**long), oai.fine_tuning.jobs.create(**long)
+    for job in (oom, cancelled):
+        _admit(c, oai, job.id)
+    for job in (oom, cancelled):
+        wait_until(lambda j=job: (oai.fine_tuning.jobs.retrieve(j.id).model_extra.get("current_step") or 0) >= 1, 180,
+                   f"{job.id} to train")
+    (pod,) = [p for p in c.pods(oom.id) if p["status"].get("phase") == "Running"]
+    c.oom_kill(pod["metadata"]["name"])
+    oai.fine_tuning.jobs.cancel(cancelled.id)
+
+    failed = wait_until(lambda: (j := oai.fine_tuning.jobs.retrieve(oom.id)).status in ("failed", "succeeded") and j,
+                        60, "the OOM-killed job to fail")
+    assert failed.status == "failed" and failed.error.code == "out_of_memory", failed.error
+    assert wait_until(lambda: oai.fine_tuning.jobs.retrieve(cancelled.id).status == "cancelled", 60, "the cancel")
+    wait_until(lambda: not c.list("jobs", TRAINING_NS, f"tunefleet.io/job-id={cancelled.id}"), 60,
+               "the cancelled job's Kubernetes Job to be deleted")
+    launched = [o for _, r, _, t, o in c.history if r == "jobs" and t == "ADDED"
+                and o["metadata"]["labels"].get("tunefleet.io/job-id") == oom.id]
+    assert len(launched) == 1  # out of memory is not retried
+    assert not any(p.poll() is None for p in c.procs.values()), "a trainer process outlived its job"
 
 
 def _ready(public_url: str) -> bool:
