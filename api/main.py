@@ -8,6 +8,7 @@ through ``api.deps``. It does not migrate the database: ``tunefleet db upgrade``
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi import FastAPI
@@ -26,6 +27,8 @@ from api.routes import admin, files, health, inference, jobs, models, outputs, r
 from api.routes import fleet as fleet_routes
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = None) -> FastAPI:
@@ -83,13 +86,16 @@ def _ensure_admin_key(settings: Settings) -> None:
     """The deployment's admin key: ``TUNEFLEET_ADMIN_API_KEY`` installed, or one generated
     and printed once, at the first start (the Helm chart and the compose file start the API
     straight from uvicorn, and nothing else would)."""
-    from sqlalchemy.exc import IntegrityError
+    from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
     from tunefleet.cli.operator import ensure_admin_key
 
     try:
         new_key = ensure_admin_key(settings)
     except IntegrityError:  # another replica or worker process installed it at the same time
+        return
+    except SQLAlchemyError as exc:  # /readyz reports the database; the next start installs the key
+        logger.warning("admin API key not installed: the database is not ready (%s)", exc)
         return
     if new_key is not None and settings.admin_api_key is None:
         print(f"tunefleet: the first admin API key (shown once): {new_key}", flush=True)
