@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import kubernetes_validate
 import pytest
@@ -158,3 +159,14 @@ def test_a_body_that_cannot_run_there_says_why(args, body, code, param, cli_env,
     assert result.exit_code == 2, result.output
     error = json.loads(result.output.strip().splitlines()[-1])["error"]
     assert (error["code"], error["param"]) == (code, param), error
+
+
+def test_a_model_without_its_files_is_a_clear_error(cli_env, tmp_path, client, tenant_key, settings):
+    body = {"model": "tunefleet-tiny-llama", "training_file": _training_file(client, tenant_key)}
+    shutil.rmtree(settings.models_dir)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(body), encoding="utf-8")
+    result = _invoke("--pool", "rtx4090", "--body", str(path), "--json")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.output.strip().splitlines()[-1])["error"]
+    assert (error["code"], error["param"]) == ("model_unavailable", "model"), error

@@ -51,6 +51,7 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
     from api.jobs import base_model_and_seq_len
     from api.schemas.jobs import JobCreate
     from scheduling.capacity import CapacitySnapshot
+    from scheduling.model_shapes import EstimateError
     from scheduling.placement import place_job
     from scheduling.pools import load_pools
     from scheduling.request import planned_tokens
@@ -81,10 +82,14 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
         hp = resolve_hyperparameters(job_body.requested_hyperparameters().model_dump(exclude_none=True),
                                      int((train.validation or {}).get("n_examples") or 0), method=method)
         placement_pin = {**job_body.placement.model_dump(exclude_none=True), "pool": pool.name}
-        inp = job_request(job_id=PREVIEW_JOB_ID, tenant_id=tenant, entry=entry, adapter=job_body.adapter.model_dump(),
-                          hyperparameters=hp, max_seq_len=max_seq_len, trainer=job_body.trainer_name,
-                          placement=placement_pin, priority=job_body.priority_value,
-                          total_tokens=planned_tokens(hp, max_seq_len), method_type=method)
+        try:
+            inp = job_request(job_id=PREVIEW_JOB_ID, tenant_id=tenant, entry=entry,
+                              adapter=job_body.adapter.model_dump(), hyperparameters=hp, max_seq_len=max_seq_len,
+                              trainer=job_body.trainer_name, placement=placement_pin,
+                              priority=job_body.priority_value, total_tokens=planned_tokens(hp, max_seq_len),
+                              method_type=method)
+        except EstimateError as exc:  # e.g. model_unavailable: the model's files are not there
+            raise PreviewError(exc.code, str(exc), "model") from exc
         # The pool idle, with as many nodes as one job may span.
         idle = pool.model_copy(update={"nodes": max(pool.nodes, pool.max_nodes_per_job)})
         placement = place_job(inp.request, CapacitySnapshot.from_pools([idle]))
