@@ -40,8 +40,17 @@ browser-deps:
 services:
 	@bash scripts/ensure-services.sh
 
+# `make test TEST_WORKERS=3` runs the suite on 3 pytest-xdist processes (most of its time
+# is spent waiting on real subprocesses: services, trainers, Celery workers), each with one
+# OpenMP thread so torch processes do not fight over the cores; tests that share an
+# expensive fixture stay on one worker (--dist loadgroup, groups in tests/conftest.py).
+# The default, 0, runs it serially in one process with two threads.
+TEST_WORKERS ?= 0
+TEST_XDIST   := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+TEST_THREADS := $(if $(filter 0,$(TEST_WORKERS)),2,1)
+
 test: install browser-deps services
-	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest $(TEST_XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc
 
 test-fast: install
