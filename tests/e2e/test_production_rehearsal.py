@@ -274,7 +274,8 @@ def _oom_killed_and_cancelled(c, oai, file_id: str) -> None:
     with out_of_memory, not retried), the other job is cancelled while it trains (its pod
     is stopped and its Job deleted)."""
     long = {"model": MODEL_ID, "training_file": file_id, "seed": 3,
-            "hyperparameters": {"n_epochs": 50, "batch_size": 4},
+            # 800 steps: minutes at this machine's pace, so both are stopped while they train
+            "hyperparameters": {"n_epochs": 50, "batch_size": 1},
             "extra_body": {"max_seq_len": 48, "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj"]}}}
     oom, cancelled = oai.fine_tuning.jobs.create(**long), oai.fine_tuning.jobs.create(**long)
     for job in (oom, cancelled):
