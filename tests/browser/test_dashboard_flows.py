@@ -369,7 +369,8 @@ def test_a_waiting_job_shows_the_schedulers_reason_and_position(service, page_fo
     with service.api(service.other_key) as api:
         job = api.post("/v1/fine_tuning/jobs", json={
             "model": "tunefleet-tiny-llama", "training_file": _processed_file(api), "priority": "low",
-            "placement": {"gpus": 64}, "hyperparameters": {"max_steps": 5},
+            # No pool holds 64 GPUs: the job would be refused (no_pool_fits) unless it asks to wait.
+            "placement": {"gpus": 64, "queue_if_unfit": True}, "hyperparameters": {"max_steps": 5},
         })
         assert job.status_code == 200, job.text
         job_id = job.json()["id"]
@@ -413,7 +414,10 @@ def test_a_dpo_job_charts_its_reward_metrics(service, page_for, screenshots: Pat
     page = page_for(service.admin_key)
     page.goto(f"{service.url}/ui/jobs/{job_id}")
     page.wait_for_selector("#card-reward-accuracy:not(.hidden)")
-    assert "DPO · β 0.1" in page.inner_text("#job-details")
+    # beta shows "auto" until the service has validated the files and resolved the job's
+    # hyperparameters (then 0.1, OpenAI's default); the page follows the job as it polls.
+    _wait_js(page, service, "document.querySelector('#job-details').innerText.includes('DPO · β 0.1')",
+             timeout_ms=60_000, what="the details to show the resolved beta")
     assert _wait_status(page, {"succeeded", "failed"}, timeout_s=240) == "succeeded", service.log_tail(120)
     _wait_js(page, service, "Number(document.querySelector('#chart-reward-accuracy').dataset.points || 0) >= 4",
              timeout_ms=30_000, what="the reward accuracy chart to hold every step")

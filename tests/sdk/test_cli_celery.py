@@ -23,6 +23,7 @@ import redis
 from typer.testing import CliRunner
 
 from tests.conftest import make_settings, settings_env
+from tests.model_files import install_demo_model
 from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, chat_jsonl
 from tunefleet.cli import app
 
@@ -37,6 +38,7 @@ def test_cli_flow_with_redis_broker_and_celery_worker(
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     settings = make_settings(data_dir, database_url=empty_pg_url, broker_url=redis_url)
+    install_demo_model(settings.models_dir)  # a service has the files of the models it lists
     for name in [k for k in os.environ if k.startswith("TUNEFLEET_") and k != "TUNEFLEET_CONFIG"]:
         monkeypatch.delenv(name)
     for name, value in settings_env(settings).items():
@@ -89,7 +91,11 @@ def _user_commands(js: Callable[..., Any], worker: Any, tmp_path: Path, *, base_
     rejected = js("files", "upload", str(bad), "--timeout", "60", "--json", code=3)
     assert (2, "unrecognized_role") in {(e["line"], e["code"]) for e in rejected["validation"]["errors"]}
 
-    job = js("jobs", "create", "-m", DEMO_MODEL, "-t", uploaded["id"], "--gpus", "64", "--json")
+    # No pool holds 64 GPUs: such a job is refused at creation unless it asks to wait anyway.
+    wait_anyway = tmp_path / "body.json"
+    wait_anyway.write_text(json.dumps({"placement": {"queue_if_unfit": True}}), encoding="utf-8")
+    job = js("jobs", "create", "-m", DEMO_MODEL, "-t", uploaded["id"], "--gpus", "64",
+             "--body", str(wait_anyway), "--json")
     assert job["status"] in ("validating_files", "queued") and job["queue_reason"] is None
     deadline = time.monotonic() + 60
     while not (seen := js("jobs", "get", job["id"], "--json"))["queue_reason"]:
