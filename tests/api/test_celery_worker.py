@@ -40,8 +40,11 @@ def test_worker_validates_and_queues(broker_settings, tenant_key, celery_worker)
         bad = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
                           files={"file": ("b.jsonl", BAD_LINES)}).json()
         assert good["status"] == bad["status"] == "uploaded"
+        # More GPUs than the local pool has, queued anyway: the job stays queued once its file
+        # is validated (it would start training otherwise, now that the model's files are there).
         job = client.post("/v1/fine_tuning/jobs", headers=headers, json={
-            "model": "tunefleet-tiny-llama", "training_file": good["id"]}).json()
+            "model": "tunefleet-tiny-llama", "training_file": good["id"],
+            "placement": {"gpus": 64, "queue_if_unfit": True}}).json()
         assert job["status"] == "validating_files"
 
         def status(file_id: str) -> str | None:

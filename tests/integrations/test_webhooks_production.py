@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import make_settings
+from tests.model_files import install_demo_model
 from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
     receiver,
     sdk,
@@ -26,4 +27,6 @@ from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
 def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Any:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    return make_settings(data_dir, database_url=pg_url, broker_url=redis_url)
+    made = make_settings(data_dir, database_url=pg_url, broker_url=redis_url)
+    install_demo_model(made.models_dir)  # a service has the files of the models it lists
+    return made
