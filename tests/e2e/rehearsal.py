@@ -29,7 +29,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,13 +198,3 @@ def apply_to_fake_cluster(cluster: Any, docs: tuple[dict[str, Any], ...], namesp
         assert code == 201, body
         created.append(f"{doc['kind']}/{doc['metadata']['name']}")
     return created
-
-
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")

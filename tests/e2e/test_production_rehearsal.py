@@ -45,7 +45,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import IN_CI, PG_ADMIN_DSN, free_port
 from tests.e2e.conftest import tiny_model_dir  # noqa: F401 (fixture)
-from tests.e2e.rehearsal import Container, apply_to_fake_cluster, process_env, rendered, wait_until
+from tests.e2e.rehearsal import Container, apply_to_fake_cluster, process_env, rendered
+from tests.e2e.test_local_training import wait_for
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.test_e2e_fake_cluster import RTX_POOL, SMALL_POOL
 from tunefleet.demo import demo_examples
@@ -193,7 +194,7 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
 
 def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path) -> None:
     api_role = roles[0]
-    wait_until(lambda: _ready(public_url) or not api_role.alive(), 90, "the API to be ready")
+    wait_for(lambda: _ready(public_url) or not api_role.alive(), 90, "the API to be ready")
     assert api_role.alive(), "the API exited"
     oai = OpenAI(api_key=admin_key, base_url=f"{public_url}/v1", max_retries=0, timeout=30.0)
     http = httpx.Client(base_url=f"{public_url}/v1", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
@@ -204,7 +205,7 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
 
     body = "".join(json.dumps(e) + "\n" for e in demo_examples()[:16]).encode()
     uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune")
-    wait_until(lambda: oai.files.retrieve(uploaded.id).status != "uploaded", 90, "file validation")
+    wait_for(lambda: oai.files.retrieve(uploaded.id).status != "uploaded", 90, "file validation")
     assert oai.files.retrieve(uploaded.id).status == "processed"
     job = oai.fine_tuning.jobs.create(
         model=MODEL_ID, training_file=uploaded.id, seed=3, hyperparameters={"n_epochs": 1, "batch_size": 8},
@@ -215,7 +216,7 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
         return next((j for j in c.list("jobs", TRAINING_NS) if j["metadata"]["labels"].get("tunefleet.io/job-id")
                      == job.id), None)
 
-    k8s_job = wait_until(suspended_job, 120, "the training Job")
+    k8s_job = wait_for(suspended_job, 120, "the training Job")
     labels = k8s_job["metadata"]["labels"]
     assert k8s_job["spec"]["suspend"] is True
     assert labels["kueue.x-k8s.io/queue-name"] == "gpu-jobs" and labels["kueue.x-k8s.io/priority-class"] == "batch"
@@ -227,12 +228,12 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     assert pod["serviceAccountName"] == f"{FULL}-trainer" and pod["automountServiceAccountToken"] is False
     time.sleep(2)
     assert not c.pods(job.id), "pods of a Job Kueue has not admitted"
-    wait_until(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
+    wait_for(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
                30, "the 'waiting for Kueue' event")
     code, _ = c.patch("jobs", TRAINING_NS, k8s_job["metadata"]["name"], {"spec": {"suspend": False}})
     assert code == 200
 
-    done = wait_until(lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed", "cancelled")
+    done = wait_for(lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed", "cancelled")
                       and j, 300, "the job to finish")
     assert done.status == "succeeded", done.error
     assert done.model_extra["pool"] == RTX_POOL["name"] and done.trained_tokens
@@ -266,7 +267,7 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
 
 def _admit(c, oai, job_id: str) -> dict:
     """Play Kueue for ``job_id``: its Job, once created suspended, is let run; the Job."""
-    k8s_job = wait_until(lambda: next((j for j in c.list("jobs", TRAINING_NS) if j["metadata"]["labels"].get(
+    k8s_job = wait_for(lambda: next((j for j in c.list("jobs", TRAINING_NS) if j["metadata"]["labels"].get(
         "tunefleet.io/job-id") == job_id), None), 120, f"the training Job of {job_id}")
     assert k8s_job["spec"]["suspend"] is True
     code, _ = c.patch("jobs", TRAINING_NS, k8s_job["metadata"]["name"], {"spec": {"suspend": False}})
@@ -286,18 +287,18 @@ def _oom_killed_and_cancelled(c, oai, file_id: str) -> None:
     for job in (oom, cancelled):
         _admit(c, oai, job.id)
     for job in (oom, cancelled):
-        wait_until(lambda j=job: (oai.fine_tuning.jobs.retrieve(j.id).model_extra.get("current_step") or 0) >= 1, 180,
+        wait_for(lambda j=job: (oai.fine_tuning.jobs.retrieve(j.id).model_extra.get("current_step") or 0) >= 1, 180,
                    f"{job.id} to train")
     (pod,) = [p for p in c.pods(oom.id) if p["status"].get("phase") == "Running"]
     c.oom_kill(pod["metadata"]["name"])
     oai.fine_tuning.jobs.cancel(cancelled.id)
 
-    failed = wait_until(lambda: (j := oai.fine_tuning.jobs.retrieve(oom.id)).status in ("failed", "succeeded") and j,
+    failed = wait_for(lambda: (j := oai.fine_tuning.jobs.retrieve(oom.id)).status in ("failed", "succeeded") and j,
                         60, "the OOM-killed job to fail")
     assert failed.status == "failed" and failed.error.code == "out_of_memory", failed.error
-    assert wait_until(lambda: oai.fine_tuning.jobs.retrieve(cancelled.id).status == "cancelled", 60, "the cancel")
-    wait_until(lambda: not c.list("jobs", TRAINING_NS, f"tunefleet.io/job-id={cancelled.id}"), 60,
-               "the cancelled job's Kubernetes Job to be deleted")
+    assert wait_for(lambda: oai.fine_tuning.jobs.retrieve(cancelled.id).status == "cancelled", 60, "the cancel")
+    wait_for(lambda: not c.list("jobs", TRAINING_NS, f"tunefleet.io/job-id={cancelled.id}"), 60,
+             "the cancelled job's Kubernetes Job to be deleted")
     launched = [o for _, r, _, t, o in c.history if r == "jobs" and t == "ADDED"
                 and o["metadata"]["labels"].get("tunefleet.io/job-id") == oom.id]
     assert len(launched) == 1  # out of memory is not retried
