@@ -260,7 +260,10 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
         succeeded += sum(s.value for f in text_string_to_metric_families(scraped.text) if f.name == "tunefleet_jobs"
                          for s in f.samples if s.labels.get("status") == "succeeded")
     assert succeeded == 1, succeeded
-    _oom_killed_and_cancelled(c, oai, uploaded.id)
+    long_body = "".join(json.dumps(e) + "\n" for e in demo_examples()[:16] * 8).encode()
+    long_file = oai.files.create(file=("long.jsonl", io.BytesIO(long_body)), purpose="fine-tune")
+    wait_for(lambda: oai.files.retrieve(long_file.id).status == "processed", 90, "the long file's validation")
+    _oom_killed_and_cancelled(c, oai, long_file.id)
     for role in roles:
         assert role.alive(), role.tail()
 
@@ -280,7 +283,8 @@ def _oom_killed_and_cancelled(c, oai, file_id: str) -> None:
     with out_of_memory, not retried), the other job is cancelled while it trains (its pod
     is stopped and its Job deleted)."""
     long = {"model": MODEL_ID, "training_file": file_id, "seed": 3,
-            # 800 steps: minutes at this machine's pace, so both are stopped while they train
+            # 6400 steps (128 lines x 50 epochs): minutes even on a quiet machine (800 steps
+            # took 25 s), so both are stopped while they train
             "hyperparameters": {"n_epochs": 50, "batch_size": 1},
             "extra_body": {"max_seq_len": 48, "adapter": {"method": "lora", "r": 4, "target_modules": ["q_proj"]}}}
     oom, cancelled = oai.fine_tuning.jobs.create(**long), oai.fine_tuning.jobs.create(**long)

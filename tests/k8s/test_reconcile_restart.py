@@ -44,12 +44,13 @@ def _close_executors():
         _open.pop().close()
 
 
-def scheduler_process(api, running_jobs, *, mode="sleep", stop_delay_s=0.0, orphan_grace_s=1.0) -> KubernetesExecutor:
+def scheduler_process(api, running_jobs, *, job_statuses=None, mode="sleep", stop_delay_s=0.0,
+                      orphan_grace_s=1.0) -> KubernetesExecutor:
     """The executor one scheduler process builds (background informers, as in the service)."""
     ex = KubernetesExecutor(
         api.api_client(), [rtx4090(2)], options=ManifestOptions(namespace=NAMESPACE, termination_grace_period_s=10),
         command=[sys.executable, FAKE_TRAINER, "--spec", SPEC_FILE], watch_timeout_s=1, running_jobs=running_jobs,
-        orphan_grace_s=orphan_grace_s,
+        job_statuses=job_statuses, orphan_grace_s=orphan_grace_s,
         extra_env={"FAKE_TRAINER_MODE": mode, "FAKE_TRAINER_STOP_DELAY_S": str(stop_delay_s)})
     ex.start()
     _open.append(ex)
@@ -231,27 +232,42 @@ def test_a_preemption_by_the_cluster_requeues_without_counting_a_restart(fake_ap
         assert "(not counted as a restart)" in preempted()[-1]
 
 
-def test_cancel_through_the_api_stops_the_pod(fake_api, settings, client, tenant_key, make_job):  # noqa: F811
+def test_cancel_through_the_api_stops_the_pod_at_once(fake_api, settings, client, tenant_key, make_job):  # noqa: F811
     """The API only moves the job to ``cancelled``; the scheduler's next reconcile sees a
-    live Job whose job is not running and stops it (SIGTERM, then the Job is deleted)."""
+    live Job whose job the database has cancelled and stops it in that cycle (SIGTERM,
+    then the Job is deleted), without the grace a trainer that ended by itself gets."""
     _tiny_config(settings)
     key = tenant_key()
     job_id = make_job(key.headers)["id"]
     store = DbStore(settings, [rtx4090(2)], in_cluster=True)
-    ex = scheduler_process(fake_api, store.running_jobs)
+    ex = scheduler_process(fake_api, store.running_jobs, job_statuses=store.job_statuses, orphan_grace_s=300.0)
     _cycle_until(store, ex, lambda: _pod_of(fake_api, job_id))
     fake_api.wait_for(lambda: job_id in ex.logs(job_id))
     uid = _pod_of(fake_api, job_id)["metadata"]["uid"]
     assert client.post(f"{JOBS}/{job_id}/cancel", headers=key.headers).json()["status"] == "cancelled"
     batch = client_batch(fake_api)
-    cancelled = time.monotonic()
-    run_cycle(store, ex)
-    assert fake_api.cluster.procs[uid].poll() is None  # within the grace: not yet
-    _cycle_until(store, ex, lambda: not batch.list_namespaced_job(NAMESPACE).items)
-    assert time.monotonic() - cancelled >= 1.0
+    _cycle_until(store, ex, lambda: not batch.list_namespaced_job(NAMESPACE).items, timeout=20)
     assert "SIGTERM: checkpoint written" in fake_api.cluster.read_log(uid)
     assert _job(settings, job_id)[0] == "cancelled"
     assert ("patch", "jobs") in fake_api.cluster.requests  # the reason went on the Job first
+
+
+def test_a_job_no_longer_running_for_another_reason_is_stopped_after_the_grace(fake_api, settings, db_job):
+    """A Job whose job left ``running`` other than by the API's cancel or pause (here: the
+    row says succeeded, as after the trainer's final report) gets ``orphan_grace_s`` to
+    exit by itself before it is stopped."""
+    store = DbStore(settings, [rtx4090(2)], in_cluster=True)
+    ex = scheduler_process(fake_api, store.running_jobs, job_statuses=store.job_statuses, orphan_grace_s=1.0)
+    _cycle_until(store, ex, lambda: _pod_of(fake_api, db_job))
+    uid = _pod_of(fake_api, db_job)["metadata"]["uid"]
+    with session_scope(settings.resolved_database_url) as s:
+        s.get(Job, db_job).status = "succeeded"
+    batch = client_batch(fake_api)
+    ended = time.monotonic()
+    run_cycle(store, ex)
+    assert fake_api.cluster.procs[uid].poll() is None  # within the grace: not yet
+    _cycle_until(store, ex, lambda: not batch.list_namespaced_job(NAMESPACE).items)
+    assert time.monotonic() - ended >= 1.0
 
 
 def client_batch(api):

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,10 @@ from worker.executors.pod_outcomes import TrackedRun, job_condition, observe
 log = logging.getLogger(__name__)
 
 JSON = {"Content-Type": "application/json"}  # client 37 sends bodies without a media type otherwise
+
+# A live Job whose job the API moved to one of these statuses is stopped at once, for
+# this reason: cancelled ends it, paused lets the trainer write its checkpoint first.
+STOPPED_BY_THE_API = {"cancelled": StopReason.CANCEL, "paused": StopReason.PAUSE}
 
 
 class Informer:
@@ -144,6 +148,7 @@ class KubernetesExecutor:
                  clock: Callable[[], float] = time.time, watch_timeout_s: int = 5,
                  command: list[str] | None = None, extra_env: dict[str, str] | None = None,
                  running_jobs: Callable[[], Iterable[RunningRow]] | None = None,
+                 job_statuses: Callable[[Collection[str]], Mapping[str, str]] | None = None,
                  orphan_grace_s: float = 30.0) -> None:
         self.batch = client.BatchV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
@@ -158,6 +163,9 @@ class KubernetesExecutor:
         # The database's running jobs, to adopt and to stop orphans by (None: only what
         # this process launched is observed, as in tests of the executor alone).
         self.running_jobs = running_jobs
+        # The database status of jobs that are not running (``DbStore.job_statuses``):
+        # which of their live Jobs to stop at once (``STOPPED_BY_THE_API``).
+        self.job_statuses = job_statuses
         # A trainer that reported its own end has a moment to exit before its Job counts
         # as an orphan (its log stays readable until the Job's TTL).
         self.orphan_grace_s = orphan_grace_s
@@ -365,16 +373,20 @@ class KubernetesExecutor:
             # (cancelled or paused through the API; skipped when a stop is under way)
             candidates = [jid for jid in live if jid and jid not in running
                           and (jid not in self.tracked or self.tracked[jid].stop_reason is None)]
+        statuses = self.job_statuses(candidates) if self.job_statuses is not None and candidates else {}
         now = self.clock()
         self._orphan_since = {jid: self._orphan_since.get(jid, now) for jid in candidates}
-        orphans = [jid for jid, since in self._orphan_since.items() if now - since >= self.orphan_grace_s]
-        for jid in orphans:
+        for jid, since in list(self._orphan_since.items()):
+            reason = STOPPED_BY_THE_API.get(statuses.get(jid, ""))
+            if reason is None and now - since < self.orphan_grace_s:
+                continue
             self._orphan_since.pop(jid)
-            log.info("job %s is no longer running in the database: stopping its Kubernetes Job", jid)
+            log.info("job %s is %s in the database: stopping its Kubernetes Job", jid,
+                     statuses.get(jid, "no longer running"))
             with self._lock:
                 if jid not in self.tracked:
                     self.tracked[jid] = self._adopted(None, newest[jid], job_id=jid)
-            self.stop(_Ref(jid), StopReason.CANCEL)
+            self.stop(_Ref(jid), reason or StopReason.CANCEL)
 
     def _adopted(self, row: RunningRow | None, job: Any, job_id: str = "") -> TrackedRun:
         """What to track for a job launched by another process (or before a restart)."""

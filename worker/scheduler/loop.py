@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +48,13 @@ class Components:
 
 
 def make_executor(settings: Settings, pools: list[Any], *,
-                  running_jobs: Callable[[], Iterable[Any]] | None = None) -> Executor:
+                  running_jobs: Callable[[], Iterable[Any]] | None = None,
+                  job_statuses: Callable[[Collection[str]], Mapping[str, str]] | None = None) -> Executor:
     """The executor the settings ask for (``TUNEFLEET_EXECUTOR``).
 
-    ``running_jobs`` (the store's) lets the Kubernetes executor adopt the running jobs
-    of a previous scheduler process and stop Jobs of jobs cancelled or paused meanwhile.
+    ``running_jobs`` and ``job_statuses`` (the store's) let the Kubernetes executor adopt
+    the running jobs of a previous scheduler process and stop the Jobs of jobs cancelled
+    or paused through the API.
     """
     if settings.executor == "kubernetes":
         from kubernetes import client, config
@@ -66,7 +68,7 @@ def make_executor(settings: Settings, pools: list[Any], *,
         extra_env = trainer_env(settings, os.environ) or None
         options = manifest_options(settings)
         ex = KubernetesExecutor(client.ApiClient(), pools, extra_env=extra_env, options=options,
-                                running_jobs=running_jobs)
+                                running_jobs=running_jobs, job_statuses=job_statuses)
         ex.start()
         return ex
     from api.queue import CeleryQueue
@@ -122,7 +124,7 @@ def build_components(settings: Settings) -> Components:
 
     pools = load_pools(settings.node_pools_file)
     store = DbStore(settings, pools, in_cluster=settings.executor == "kubernetes")
-    executor = make_executor(settings, pools, running_jobs=store.running_jobs)
+    executor = make_executor(settings, pools, running_jobs=store.running_jobs, job_statuses=store.job_statuses)
     engine = get_engine(settings.resolved_database_url)
     return Components(store, executor, make_lock(settings, engine), cycle_config(settings))
 

@@ -20,7 +20,7 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,13 @@ class DbStore:
                                    .where(Job.status == "running")).all()
         return [RunningRow(jid, tenant, int(priority or 0), pool, gpus, _timestamp(started))
                 for jid, tenant, priority, pool, gpus, started in rows]
+
+    def job_statuses(self, job_ids: Collection[str]) -> dict[str, str]:
+        """The status of each of these jobs that has a row (what a Job that outlived its
+        job's ``running`` is stopped by)."""
+        with session_scope(self.url) as session:
+            rows = session.execute(select(Job.id, Job.status).where(Job.id.in_(list(job_ids)))).all()
+        return {jid: status for jid, status in rows}
 
     def recent_gpu_seconds(self, since: float) -> dict[tuple[str, str], float]:
         """GPU-seconds per (tenant, pool) since ``since`` (the fair-share window): the
