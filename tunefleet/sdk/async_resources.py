@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -17,7 +17,7 @@ from tunefleet.sdk import requests as rq
 from tunefleet.sdk.downloads import ArtifactWriter, download_plan, listed_sha256
 from tunefleet.sdk.pagination import AsyncPage
 from tunefleet.sdk.streaming import JobStream
-from tunefleet.sdk.transport import RequestOptions
+from tunefleet.sdk.transport import AsyncTransport, RequestOptions
 from tunefleet.sdk.types import (
     Artifact,
     DeletedObject,
@@ -35,16 +35,13 @@ from tunefleet.sdk.types import (
 )
 from tunefleet.sdk.waiting import WaitDeadline
 
-if TYPE_CHECKING:
-    from tunefleet.sdk.client import AsyncTunefleet
-
 
 class _AsyncResource:
-    def __init__(self, client: AsyncTunefleet) -> None:
-        self._client = client
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
 
     async def _send(self, options: RequestOptions) -> httpx.Response:
-        return await self._client._transport.request(options)
+        return await self._transport.request(options)
 
     async def _json(self, options: RequestOptions) -> Any:
         response = await self._send(options)
@@ -111,9 +108,7 @@ class AsyncFiles(_AsyncResource):
 
 class AsyncJobs(_AsyncResource):
     def _bind(self, data: Any) -> FineTuningJob:
-        job = FineTuningJob.model_validate(data)
-        job._jobs = self
-        return job
+        return FineTuningJob.bound(data, self)
 
     async def create(self, *, model: str, training_file: str, idempotency_key: str | None = None,
                      **fields: Any) -> FineTuningJob:
@@ -204,7 +199,7 @@ class AsyncJobs(_AsyncResource):
     async def stream(self, job_id: str, *, last_event_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """Live events and metrics of a job (SSE). Ends when the service closes the stream
         (the job ended); a dropped connection is resumed with ``Last-Event-ID``."""
-        stream = JobStream(job_id, last_event_id, self._client._transport.max_retries)
+        stream = JobStream(job_id, last_event_id, self._transport.max_retries)
         while True:
             response = await self._send(stream.request())
             try:

@@ -12,7 +12,7 @@ Arguments left out come from the environment or the config file (see
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
@@ -32,9 +32,15 @@ from tunefleet.sdk.transport import (
     SyncTransport,
 )
 
+HttpClientT = TypeVar("HttpClientT", httpx.Client, httpx.AsyncClient)
+TransportT = TypeVar("TransportT", SyncTransport, AsyncTransport)
 
-class Tunefleet:
-    """Synchronous client. Resources: ``files``, ``jobs``, ``node_pools``, ``models``, ``webhooks``."""
+
+class _Client(Generic[HttpClientT, TransportT]):
+    """What both clients share: the configuration resolved once and the transport built
+    from it; each client names its transport class and attaches its resources to it."""
+
+    _transport_class: type[TransportT]
 
     def __init__(
         self,
@@ -44,20 +50,32 @@ class Tunefleet:
         timeout: httpx.Timeout | float | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
         default_headers: Mapping[str, str] | None = None,
-        http_client: httpx.Client | None = None,
+        http_client: HttpClientT | None = None,
     ) -> None:
         config = resolve_config(base_url, api_key)
         self.base_url = config.base_url
         self.api_key = config.api_key
-        self._transport = SyncTransport(
+        self._transport: TransportT = self._transport_class(
             base_url=config.base_url, api_key=config.api_key, timeout=timeout, max_retries=max_retries,
             default_headers=default_headers, http_client=http_client,
         )
-        self.files = Files(self)
-        self.jobs = Jobs(self)
-        self.node_pools = NodePools(self)
-        self.models = Models(self)
-        self.webhooks = Webhooks(self)
+        self._attach_resources(self._transport)
+
+    def _attach_resources(self, transport: TransportT) -> None:
+        raise NotImplementedError
+
+
+class Tunefleet(_Client[httpx.Client, SyncTransport]):
+    """Synchronous client. Resources: ``files``, ``jobs``, ``node_pools``, ``models``, ``webhooks``."""
+
+    _transport_class = SyncTransport
+
+    def _attach_resources(self, transport: SyncTransport) -> None:
+        self.files = Files(transport)
+        self.jobs = Jobs(transport)
+        self.node_pools = NodePools(transport)
+        self.models = Models(transport)
+        self.webhooks = Webhooks(transport)
 
     def health(self) -> dict[str, Any]:
         """``GET /healthz``: is the API process up."""
@@ -73,31 +91,17 @@ class Tunefleet:
         self.close()
 
 
-class AsyncTunefleet:
+class AsyncTunefleet(_Client[httpx.AsyncClient, AsyncTransport]):
     """Asynchronous client; every resource method is a coroutine (``stream`` an async iterator)."""
 
-    def __init__(
-        self,
-        *,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: httpx.Timeout | float | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        default_headers: Mapping[str, str] | None = None,
-        http_client: httpx.AsyncClient | None = None,
-    ) -> None:
-        config = resolve_config(base_url, api_key)
-        self.base_url = config.base_url
-        self.api_key = config.api_key
-        self._transport = AsyncTransport(
-            base_url=config.base_url, api_key=config.api_key, timeout=timeout, max_retries=max_retries,
-            default_headers=default_headers, http_client=http_client,
-        )
-        self.files = AsyncFiles(self)
-        self.jobs = AsyncJobs(self)
-        self.node_pools = AsyncNodePools(self)
-        self.models = AsyncModels(self)
-        self.webhooks = AsyncWebhooks(self)
+    _transport_class = AsyncTransport
+
+    def _attach_resources(self, transport: AsyncTransport) -> None:
+        self.files = AsyncFiles(transport)
+        self.jobs = AsyncJobs(transport)
+        self.node_pools = AsyncNodePools(transport)
+        self.models = AsyncModels(transport)
+        self.webhooks = AsyncWebhooks(transport)
 
     async def health(self) -> dict[str, Any]:
         return (await self._transport.request(RequestOptions("GET", "/healthz"))).json()

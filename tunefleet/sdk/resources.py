@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -20,7 +20,7 @@ from tunefleet.sdk import requests as rq
 from tunefleet.sdk.downloads import ArtifactWriter, download_plan, listed_sha256
 from tunefleet.sdk.pagination import SyncPage
 from tunefleet.sdk.streaming import JobStream
-from tunefleet.sdk.transport import RequestOptions
+from tunefleet.sdk.transport import RequestOptions, SyncTransport
 from tunefleet.sdk.types import (
     Artifact,
     DeletedObject,
@@ -38,16 +38,13 @@ from tunefleet.sdk.types import (
 )
 from tunefleet.sdk.waiting import WaitDeadline
 
-if TYPE_CHECKING:
-    from tunefleet.sdk.client import Tunefleet
-
 
 class _Resource:
-    def __init__(self, client: Tunefleet) -> None:
-        self._client = client
+    def __init__(self, transport: SyncTransport) -> None:
+        self._transport = transport
 
     def _send(self, options: RequestOptions) -> httpx.Response:
-        return self._client._transport.request(options)
+        return self._transport.request(options)
 
     def _json(self, options: RequestOptions) -> Any:
         response = self._send(options)
@@ -113,9 +110,7 @@ class Files(_Resource):
 
 class Jobs(_Resource):
     def _bind(self, data: Any) -> FineTuningJob:
-        job = FineTuningJob.model_validate(data)
-        job._jobs = self
-        return job
+        return FineTuningJob.bound(data, self)
 
     def create(self, *, model: str, training_file: str, idempotency_key: str | None = None,
                **fields: Any) -> FineTuningJob:
@@ -200,7 +195,7 @@ class Jobs(_Resource):
     def stream(self, job_id: str, *, last_event_id: str | None = None) -> Iterator[StreamEvent]:
         """Live events and metrics of a job (SSE). Ends when the service closes the stream
         (the job ended); a dropped connection is resumed with ``Last-Event-ID``."""
-        stream = JobStream(job_id, last_event_id, self._client._transport.max_retries)
+        stream = JobStream(job_id, last_event_id, self._transport.max_retries)
         while True:
             response = self._send(stream.request())
             try:

@@ -130,6 +130,31 @@ class _TransportBase:
             timeout=timeout,
         )
 
+    def _adopt_client(self, http_client: Any, client_class: type[Any]) -> Any:
+        """The ``httpx`` client to send with: the caller's (pointed at the service, with the
+        SDK's headers; the caller closes it) or a new one of ``client_class`` we own."""
+        self._owns_client = http_client is None
+        if http_client is None:
+            return client_class(base_url=self.base_url, headers=self.headers)
+        http_client.base_url = self.base_url
+        http_client.headers.update(self.headers)
+        return http_client
+
+    def _delay_after_transport_error(self, exc: httpx.TransportError, request: httpx.Request,
+                                     options: RequestOptions, attempt: int) -> float:
+        """Seconds to wait before retrying after ``exc``; raises the SDK's error when no retry is left."""
+        retryable = not _is_replay_unsafe_exc(exc) or options.replayable
+        if retryable and attempt < self.max_retries:
+            return backoff_seconds(attempt, None)
+        raise _connection_error(exc, request) from exc
+
+    def _delay_after_error_status(self, response: httpx.Response, options: RequestOptions, attempt: int) -> float:
+        """Seconds to wait before retrying after an error answer (already read and closed);
+        raises the SDK's error for it when it is not retried."""
+        if should_retry_status(response.status_code, options) and attempt < self.max_retries:
+            return backoff_seconds(attempt, response)
+        raise error_from_response(response)
+
 
 def _is_replay_unsafe_exc(exc: httpx.TransportError) -> bool:
     """Transport errors after which the service may already have acted."""
@@ -144,11 +169,7 @@ def _connection_error(exc: httpx.TransportError, request: httpx.Request) -> APIC
 class SyncTransport(_TransportBase):
     def __init__(self, *, http_client: httpx.Client | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._owns_client = http_client is None
-        self.client = http_client or httpx.Client(base_url=self.base_url, headers=self.headers)
-        if http_client is not None:
-            self.client.base_url = self.base_url
-            self.client.headers.update(self.headers)
+        self.client: httpx.Client = self._adopt_client(http_client, httpx.Client)
 
     def close(self) -> None:
         if self._owns_client:
@@ -163,31 +184,21 @@ class SyncTransport(_TransportBase):
                 response = self.client.send(request, stream=options.stream,
                                             follow_redirects=options.follow_redirects)
             except httpx.TransportError as exc:
-                retryable = not _is_replay_unsafe_exc(exc) or options.replayable
-                if retryable and attempt < self.max_retries:
-                    time.sleep(backoff_seconds(attempt, None))
-                    attempt += 1
-                    continue
-                raise _connection_error(exc, request) from exc
-            if response.is_success:
-                return response
-            response.read()
-            response.close()
-            if should_retry_status(response.status_code, options) and attempt < self.max_retries:
-                time.sleep(backoff_seconds(attempt, response))
-                attempt += 1
-                continue
-            raise error_from_response(response)
+                delay = self._delay_after_transport_error(exc, request, options, attempt)
+            else:
+                if response.is_success:
+                    return response
+                response.read()
+                response.close()
+                delay = self._delay_after_error_status(response, options, attempt)
+            time.sleep(delay)
+            attempt += 1
 
 
 class AsyncTransport(_TransportBase):
     def __init__(self, *, http_client: httpx.AsyncClient | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._owns_client = http_client is None
-        self.client = http_client or httpx.AsyncClient(base_url=self.base_url, headers=self.headers)
-        if http_client is not None:
-            self.client.base_url = self.base_url
-            self.client.headers.update(self.headers)
+        self.client: httpx.AsyncClient = self._adopt_client(http_client, httpx.AsyncClient)
 
     async def close(self) -> None:
         if self._owns_client:
@@ -201,18 +212,12 @@ class AsyncTransport(_TransportBase):
                 response = await self.client.send(request, stream=options.stream,
                                                   follow_redirects=options.follow_redirects)
             except httpx.TransportError as exc:
-                retryable = not _is_replay_unsafe_exc(exc) or options.replayable
-                if retryable and attempt < self.max_retries:
-                    await asyncio.sleep(backoff_seconds(attempt, None))
-                    attempt += 1
-                    continue
-                raise _connection_error(exc, request) from exc
-            if response.is_success:
-                return response
-            await response.aread()
-            await response.aclose()
-            if should_retry_status(response.status_code, options) and attempt < self.max_retries:
-                await asyncio.sleep(backoff_seconds(attempt, response))
-                attempt += 1
-                continue
-            raise error_from_response(response)
+                delay = self._delay_after_transport_error(exc, request, options, attempt)
+            else:
+                if response.is_success:
+                    return response
+                await response.aread()
+                await response.aclose()
+                delay = self._delay_after_error_status(response, options, attempt)
+            await asyncio.sleep(delay)
+            attempt += 1

@@ -92,6 +92,14 @@ class FineTuningJob(APIObject):
     # The resource that fetched this job, so ``job.wait()`` / ``job.refresh()`` work.
     _jobs: Any = PrivateAttr(default=None)
 
+    @classmethod
+    def bound(cls, data: Any, jobs: Any) -> FineTuningJob:
+        """``data`` parsed as a job whose ``wait`` and ``refresh`` go through ``jobs``
+        (the sync or async jobs resource that fetched it)."""
+        job = cls.model_validate(data)
+        job._jobs = jobs
+        return job
+
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_JOB_STATUSES
