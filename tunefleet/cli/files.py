@@ -14,8 +14,8 @@ from tunefleet.cli.options import (
     AllOpt,
     ApiKeyOpt,
     BaseUrlOpt,
-    JsonOpt,
     LimitOpt,
+    client_command,
     connected,
     page_items,
 )
@@ -29,6 +29,7 @@ from tunefleet.cli.render import (
     status_text,
     table,
 )
+from tunefleet.sdk.client import Tunefleet
 from tunefleet.sdk.types import FileObject
 
 files_app = typer.Typer(help="Upload and inspect training files.", no_args_is_help=True)
@@ -56,57 +57,50 @@ def print_file(f: FileObject) -> None:
 
 
 @files_app.command("upload")
+@client_command
 def files_upload(
+    client: Tunefleet,
+    json_out: bool,
     path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL file.")],
     purpose: Annotated[str, typer.Option(help="File purpose.")] = "fine-tune",
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait for validation.")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for validation.")] = 300.0,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Upload a training file and show its validation result (line-numbered errors)."""
-    with connected(json_out, base_url, api_key) as client:
-        if not json_out:
-            console.print(Text(f"uploading {path.name} ({fmt_bytes(path.stat().st_size)}) ..."))
-        f = client.files.upload(path, purpose=purpose, wait=wait, timeout=timeout)
-        if json_out:
-            print_json(f)
-        else:
-            print_file(f)
-        if f.status == "error":
-            raise typer.Exit(EXIT_JOB_FAILED)
+    if not json_out:
+        console.print(Text(f"uploading {path.name} ({fmt_bytes(path.stat().st_size)}) ..."))
+    f = client.files.upload(path, purpose=purpose, wait=wait, timeout=timeout)
+    if json_out:
+        print_json(f)
+    else:
+        print_file(f)
+    if f.status == "error":
+        raise typer.Exit(EXIT_JOB_FAILED)
 
 
 @files_app.command("list")
+@client_command
 def files_list(
+    client: Tunefleet,
+    json_out: bool,
     purpose: Annotated[str | None, typer.Option(help="Only files of this purpose.")] = None,
     limit: LimitOpt = 20,
     after: AfterOpt = None,
     fetch_all: AllOpt = False,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """List uploaded files, newest first."""
-    with connected(json_out, base_url, api_key) as client:
-        items, has_more = page_items(client.files.list(purpose=purpose, limit=limit, after=after), fetch_all)
-        rows = ((f.id, f.filename, fmt_bytes(f.bytes), status_text(f.status), fmt_time(f.created_at)) for f in items)
-        print_list(json_out, items, "files", ["id", "filename", "size", "status", "created"], rows,
-                   has_more=has_more, show_next_cursor=True)
+    items, has_more = page_items(client.files.list(purpose=purpose, limit=limit, after=after), fetch_all)
+    rows = ((f.id, f.filename, fmt_bytes(f.bytes), status_text(f.status), fmt_time(f.created_at)) for f in items)
+    print_list(json_out, items, "files", ["id", "filename", "size", "status", "created"], rows,
+               has_more=has_more, show_next_cursor=True)
 
 
 @files_app.command("get")
-def files_get(
-    file_id: str,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
+@client_command
+def files_get(client: Tunefleet, json_out: bool, file_id: str) -> None:
     """Show one file with its validation result."""
-    with connected(json_out, base_url, api_key) as client:
-        f = client.files.retrieve(file_id)
-        print_json(f) if json_out else print_file(f)
+    f = client.files.retrieve(file_id)
+    print_json(f) if json_out else print_file(f)
 
 
 @files_app.command("content")
@@ -117,6 +111,7 @@ def files_content(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Print (or save) a file's content."""
+    # Raw bytes go to stdout (or the file), so this command has no --json.
     with connected(False, base_url, api_key) as client:
         data = client.files.content(file_id)
         if output:
@@ -126,13 +121,8 @@ def files_content(
 
 
 @files_app.command("delete")
-def files_delete(
-    file_id: str,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
+@client_command
+def files_delete(client: Tunefleet, json_out: bool, file_id: str) -> None:
     """Delete a file (refused while a live job uses it)."""
-    with connected(json_out, base_url, api_key) as client:
-        result = client.files.delete(file_id)
-        print_json(result) if json_out else console.print(f"deleted {result.id}")
+    result = client.files.delete(file_id)
+    print_json(result) if json_out else console.print(f"deleted {result.id}")

@@ -24,6 +24,7 @@ from tunefleet.cli.options import (
     BaseUrlOpt,
     JsonOpt,
     LimitOpt,
+    client_command,
     connected,
     page_items,
 )
@@ -258,42 +259,39 @@ def jobs_list(
 
 
 @jobs_app.command("get")
-def jobs_get(job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
+@client_command
+def jobs_get(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Show one job."""
-    with connected(json_out, base_url, api_key) as client:
-        job = client.jobs.retrieve(job_id)
-        print_json(job) if json_out else _print_job(job)
+    job = client.jobs.retrieve(job_id)
+    print_json(job) if json_out else _print_job(job)
 
 
-def _print_status(job: FineTuningJob) -> None:
-    console.print(Text.assemble(f"{job.id}: ", status_text(job.status)))
-
-
-def _control(action: str, job_id: str, json_out: bool, base_url: str | None, api_key: str | None) -> None:
-    with connected(json_out, base_url, api_key) as client:
-        job = getattr(client.jobs, action)(job_id)
-        print_json(job) if json_out else _print_status(job)
+def _print_status(job: FineTuningJob, json_out: bool) -> None:
+    if json_out:
+        print_json(job)
+    else:
+        console.print(Text.assemble(f"{job.id}: ", status_text(job.status)))
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
-                api_key: ApiKeyOpt = None) -> None:
+@client_command
+def jobs_cancel(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Cancel a job (a running trainer checkpoints and stops)."""
-    _control("cancel", job_id, json_out, base_url, api_key)
+    _print_status(client.jobs.cancel(job_id), json_out)
 
 
 @jobs_app.command("pause")
-def jobs_pause(job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
-               api_key: ApiKeyOpt = None) -> None:
+@client_command
+def jobs_pause(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Pause a job; it keeps its last checkpoint and frees its GPUs."""
-    _control("pause", job_id, json_out, base_url, api_key)
+    _print_status(client.jobs.pause(job_id), json_out)
 
 
 @jobs_app.command("resume")
-def jobs_resume(job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
-                api_key: ApiKeyOpt = None) -> None:
+@client_command
+def jobs_resume(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Resume a paused job from its last checkpoint."""
-    _control("resume", job_id, json_out, base_url, api_key)
+    _print_status(client.jobs.resume(job_id), json_out)
 
 
 @jobs_app.command("watch")
@@ -312,76 +310,68 @@ def jobs_watch(
 
 
 @jobs_app.command("wait")
+@client_command
 def jobs_wait(
+    client: Tunefleet,
+    json_out: bool,
     job_id: str,
     timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds.")] = None,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Block until the job ends; exit 0 if it succeeded, 3 otherwise, 4 on timeout."""
-    with connected(json_out, base_url, api_key) as client:
-        job = client.jobs.wait(job_id, timeout=timeout)
-        print_json(job) if json_out else _print_status(job)
+    job = client.jobs.wait(job_id, timeout=timeout)
+    _print_status(job, json_out)
     if job.status != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
 
 
 @jobs_app.command("events")
+@client_command
 def jobs_events(
+    client: Tunefleet,
+    json_out: bool,
     job_id: str,
     limit: LimitOpt = 20,
     after: AfterOpt = None,
     fetch_all: AllOpt = False,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """List a job's events, newest first."""
-    with connected(json_out, base_url, api_key) as client:
-        items, has_more = page_items(client.jobs.list_events(job_id, limit=limit, after=after), fetch_all)
-        rows = ((fmt_time(e.created_at), e.level, e.message) for e in items)
-        print_list(json_out, items, f"events of {job_id}", ["time", "level", "message"], rows, has_more=has_more)
+    items, has_more = page_items(client.jobs.list_events(job_id, limit=limit, after=after), fetch_all)
+    rows = ((fmt_time(e.created_at), e.level, e.message) for e in items)
+    print_list(json_out, items, f"events of {job_id}", ["time", "level", "message"], rows, has_more=has_more)
 
 
 @jobs_app.command("checkpoints")
-def jobs_checkpoints(
-    job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None
-) -> None:
+@client_command
+def jobs_checkpoints(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """List a job's checkpoints with their metrics."""
-    with connected(json_out, base_url, api_key) as client:
-        items = list(client.jobs.list_checkpoints(job_id))
-        rows = ((c.id, c.step_number, fmt_value((c.metrics or {}).get("train_loss")),
-                 fmt_value((c.metrics or {}).get("valid_loss")), fmt_time(c.created_at)) for c in items)
-        print_list(json_out, items, f"checkpoints of {job_id}", ["id", "step", "train loss", "valid loss", "created"],
-                   rows, has_more=False)
+    items = list(client.jobs.list_checkpoints(job_id))
+    rows = ((c.id, c.step_number, fmt_value((c.metrics or {}).get("train_loss")),
+             fmt_value((c.metrics or {}).get("valid_loss")), fmt_time(c.created_at)) for c in items)
+    print_list(json_out, items, f"checkpoints of {job_id}", ["id", "step", "train loss", "valid loss", "created"],
+               rows, has_more=False)
 
 
 @jobs_app.command("metrics")
-def jobs_metrics(
-    job_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None
-) -> None:
+@client_command
+def jobs_metrics(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Print a job's training metrics (every step)."""
-    with connected(json_out, base_url, api_key) as client:
-        items = list(client.jobs.metrics(job_id))
-        rows = ((m.step, m.total_steps, fmt_value(m.train_loss), fmt_value(m.valid_loss), fmt_value(m.learning_rate),
-                 fmt_value(m.tokens_per_s)) for m in items)
-        print_list(json_out, items, f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows,
-                   has_more=False)
+    items = list(client.jobs.metrics(job_id))
+    rows = ((m.step, m.total_steps, fmt_value(m.train_loss), fmt_value(m.valid_loss), fmt_value(m.learning_rate),
+             fmt_value(m.tokens_per_s)) for m in items)
+    print_list(json_out, items, f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows,
+               has_more=False)
 
 
 @jobs_app.command("logs")
+@client_command
 def jobs_logs(
+    client: Tunefleet,
+    json_out: bool,
     job_id: str,
     tail: Annotated[int | None, typer.Option(min=1, help="Only the last N lines.")] = None,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Print the trainer's log (the last --tail lines; the service's default is 200)."""
-    with connected(json_out, base_url, api_key) as client:
-        text = client.jobs.logs(job_id, tail=tail)
-    lines = text.splitlines()
+    lines = client.jobs.logs(job_id, tail=tail).splitlines()
     if json_out:
         print_json({"job_id": job_id, "lines": lines})
     else:
@@ -390,18 +380,17 @@ def jobs_logs(
 
 
 @jobs_app.command("download")
+@client_command
 def jobs_download(
+    client: Tunefleet,
+    json_out: bool,
     job_id: str,
     dest: Annotated[Path, typer.Option("--dest", "-o", help="Directory to write the artifacts into.")] = Path("."),
     prefix: Annotated[str, typer.Option(help="Only artifacts under this prefix, e.g. 'adapter/'.")] = "",
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Download a job's artifacts (adapter, config, metrics), each checked against its sha256."""
-    with connected(json_out, base_url, api_key) as client:
-        artifacts = [a for a in client.jobs.list_artifacts(job_id) if a.name.startswith(prefix)]
-        paths = client.jobs.download(job_id, dest, prefix=prefix)
+    artifacts = [a for a in client.jobs.list_artifacts(job_id) if a.name.startswith(prefix)]
+    paths = client.jobs.download(job_id, dest, prefix=prefix)
     if json_out:
         print_json({"job_id": job_id, "files": [
             {"name": a.name, "path": str(p), "bytes": a.bytes, "sha256": a.sha256} for a, p in zip(artifacts, paths)

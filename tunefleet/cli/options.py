@@ -3,7 +3,8 @@
 Client commands take ``--json`` for scripts plus ``--base-url`` / ``--api-key`` (else
 ``TUNEFLEET_BASE_URL`` / ``TUNEFLEET_API_KEY``, else the config file written by
 ``tunefleet login``) and talk to the service through the SDK inside ``connected``, which
-turns SDK errors into a message (or JSON on stderr) and a stable exit code. Operator
+turns SDK errors into a message (or JSON on stderr) and a stable exit code;
+``client_command`` gives a command those three options and the connected client. Operator
 commands read the service's own settings through ``load_settings``.
 
 Exit codes: 0 ok; 1 the service answered an error or could not be reached; 2 usage
@@ -14,7 +15,9 @@ cancelled, or a file failed validation; 4 a wait timed out.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -65,6 +68,36 @@ def connected(json_out: bool, base_url: str | None, api_key: str | None) -> Iter
     """A client for one command; SDK errors inside (configuration included) end the command."""
     with exit_on_error(json_out), Tunefleet(base_url=base_url, api_key=api_key) as client:
         yield client
+
+
+# The options every client command ends with, in this order (see ``client_command``).
+CONNECTION_PARAMETERS = [
+    inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=JsonOpt),
+    inspect.Parameter("base_url", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=BaseUrlOpt),
+    inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ApiKeyOpt),
+]
+
+
+def client_command(func: Callable[..., None]) -> Callable[..., None]:
+    """Make ``func(client, json_out, <its own arguments and options>)`` a client command.
+
+    The command line gets ``--json``, ``--base-url`` and ``--api-key`` after ``func``'s own
+    parameters, and ``func`` runs with a client from ``connected``: every command connects,
+    and ends on SDK errors, the same way. Typer builds the command from the signature
+    set here, so ``client`` and ``json_out`` never appear as options of their own.
+    """
+    own = list(inspect.signature(func).parameters.values())[2:]
+    parameters = [*own, *CONNECTION_PARAMETERS]
+
+    @functools.wraps(func)
+    def command(*, json_out: bool = False, base_url: str | None = None, api_key: str | None = None,
+                **options: Any) -> None:
+        with connected(json_out, base_url, api_key) as client:
+            func(client, json_out, **options)
+
+    command.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+    return command
 
 
 def page_items(page: Any, fetch_all: bool) -> tuple[list[Any], bool]:

@@ -6,24 +6,24 @@ from typing import Annotated
 
 import typer
 
-from tunefleet.cli.options import ApiKeyOpt, BaseUrlOpt, JsonOpt, connected
+from tunefleet.cli.options import client_command
 from tunefleet.cli.render import console, fmt_time, key_values, print_json, print_list
+from tunefleet.sdk.client import Tunefleet
 
 webhooks_app = typer.Typer(help="Signed webhook endpoints for job events.", no_args_is_help=True)
 
 
 @webhooks_app.command("create")
+@client_command
 def webhooks_create(
+    client: Tunefleet,
+    json_out: bool,
     url: str,
     event: Annotated[list[str] | None, typer.Option("--event", help="Event type, repeatable; default all.")] = None,
     description: Annotated[str | None, typer.Option(help="Free text.")] = None,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Register an endpoint; prints its signing secret once."""
-    with connected(json_out, base_url, api_key) as client:
-        ep = client.webhooks.create(url=url, events=event, description=description)
+    ep = client.webhooks.create(url=url, events=event, description=description)
     if json_out:
         print_json(ep)
     else:
@@ -33,43 +33,40 @@ def webhooks_create(
 
 
 @webhooks_app.command("list")
-def webhooks_list(json_out: JsonOpt = False, base_url: BaseUrlOpt = None, api_key: ApiKeyOpt = None) -> None:
+@client_command
+def webhooks_list(client: Tunefleet, json_out: bool) -> None:
     """List endpoints."""
-    with connected(json_out, base_url, api_key) as client:
-        items = list(client.webhooks.list())
+    items = list(client.webhooks.list())
     rows = ((e.id, e.url, ", ".join(e.events), e.enabled, fmt_time(e.created_at)) for e in items)
     print_list(json_out, items, "webhooks", ["id", "url", "events", "enabled", "created"], rows, has_more=False)
 
 
 @webhooks_app.command("delete")
-def webhooks_delete(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
-                    api_key: ApiKeyOpt = None) -> None:
+@client_command
+def webhooks_delete(client: Tunefleet, json_out: bool, endpoint_id: str) -> None:
     """Delete an endpoint."""
-    with connected(json_out, base_url, api_key) as client:
-        result = client.webhooks.delete(endpoint_id)
+    result = client.webhooks.delete(endpoint_id)
     print_json(result) if json_out else console.print(f"deleted {result.id}")
 
 
 @webhooks_app.command("rotate-secret")
+@client_command
 def webhooks_rotate(
+    client: Tunefleet,
+    json_out: bool,
     endpoint_id: str,
     grace_period_s: Annotated[int | None, typer.Option(help="Seconds the old secret keeps signing.")] = None,
-    json_out: JsonOpt = False,
-    base_url: BaseUrlOpt = None,
-    api_key: ApiKeyOpt = None,
 ) -> None:
     """Issue a new signing secret; the old one also signs during the grace period."""
-    with connected(json_out, base_url, api_key) as client:
-        ep = client.webhooks.rotate_secret(endpoint_id, grace_period_s=grace_period_s)
+    ep = client.webhooks.rotate_secret(endpoint_id, grace_period_s=grace_period_s)
     print_json(ep) if json_out else console.print(f"new secret: {ep.secret}")
 
 
 @webhooks_app.command("deliveries")
-def webhooks_deliveries(endpoint_id: str, json_out: JsonOpt = False, base_url: BaseUrlOpt = None,
-                        api_key: ApiKeyOpt = None) -> None:
+@client_command
+def webhooks_deliveries(client: Tunefleet, json_out: bool, endpoint_id: str) -> None:
     """The delivery log of an endpoint: each event, attempts, last answer."""
-    with connected(json_out, base_url, api_key) as client:
-        items = client.webhooks.list_deliveries(endpoint_id).data
+    items = client.webhooks.list_deliveries(endpoint_id).data
     rows = ((d.id, d.event_type, d.status, d.attempts, d.response_status, d.last_error) for d in items)
     print_list(json_out, items, f"deliveries of {endpoint_id}", ["id", "event", "status", "attempts", "http", "error"],
                rows)
