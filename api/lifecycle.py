@@ -19,6 +19,10 @@ Statuses::
                           ^  \\        |  \\
                           |   paused <-+   (running -> queued: preemption / restart,
                           +----/              with resume_from = last checkpoint)
+
+With Kueue, the scheduler's admission leaves the job ``queued`` with
+``awaiting_start_since`` set (its Job waits, suspended, for Kueue); it turns ``running``
+when the trainer starts, and any other transition ends the wait.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from api.db.models import TERMINAL_STATUSES, Job, JobEvent
 from api.db.session import begin_write
 from api.errors import APIError
 from api.ids import new_id
-from scheduling.usage import close_segment
+from scheduling.usage import close_segment, drop_pending, start_pending
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +76,16 @@ def _rule(from_states: str, to: str, actors: frozenset[str] | set[str], why: str
 RULES: tuple[Rule, ...] = (
     _rule("validating_files", "queued", {"system"}, "all files validated"),
     _rule("validating_files", "failed", {"system"}, "a file failed validation"),
-    _rule("queued", "running", {"scheduler"}, "admitted on a node pool"),
+    # The scheduler admits; a job admitted while the cluster's own queue (Kueue) holds its
+    # launch starts running when its trainer does, as the executor or the trainer's
+    # first report sees first.
+    _rule("queued", "running", {"scheduler", "executor", "trainer"}, "admitted on a node pool"),
     _rule("running", "queued", {"scheduler", "executor", "system"},
           "preempted or restarted from its last checkpoint"),
-    _rule("queued", "queued", {"scheduler", "system"}, "requeued"),
+    _rule("queued", "queued", {"scheduler", "executor", "system"}, "requeued"),
     _rule("running", "succeeded", {"executor", "trainer"}, "the trainer exported the adapter"),
     _rule("running", "failed", {"executor", "trainer", "system"}, "the trainer failed"),
-    _rule("queued", "failed", {"scheduler", "system"}, "the job can never be placed"),
+    _rule("queued", "failed", {"scheduler", "executor", "system"}, "the job can never be placed or start"),
     _rule("queued running", "paused", PEOPLE | {"system"}, "paused (a checkpoint is kept)"),
     _rule("paused", "queued", PEOPLE | {"system"}, "resumed from its last checkpoint"),
     _rule("validating_files queued running paused", "cancelled", PEOPLE | {"system"},
@@ -185,6 +192,12 @@ def transition(
         if not hasattr(Job, name):
             raise TypeError(f"Job has no column {name!r}")
         setattr(job, name, value)
+    if job.awaiting_start_since is not None and "awaiting_start_since" not in changes:
+        # The admitted launch the cluster held either started (its usage segment opens
+        # now) or never will: any transition ends the wait.
+        job.awaiting_start_since = None
+        if "usage" not in changes:
+            job.usage = start_pending(job.usage, now=now.timestamp()) if to == "running" else drop_pending(job.usage)
     if from_status == "running" and to != "running" and "usage" not in changes and job.usage:
         # GPUs are held only while running: whoever moves the job out (a cancel or pause
         # through the API, a report, an executor) ends its usage segment here, so none
@@ -213,6 +226,18 @@ def transition(
     for hook in _hooks:
         hook(session, job, from_status, to, actor)
     return event
+
+
+def start_admitted_launch(session: Session, job: Job, *, actor: Actor | str) -> bool:
+    """Move a job admitted while the cluster (Kueue) held its launch to ``running``: its
+    trainer started. Whichever sees it first -- the executor (the pod runs) or the
+    report endpoint (the trainer reports) -- calls this; False when there was nothing to
+    start (the job is not waiting, or the other one was first)."""
+    if job.status != "queued" or job.awaiting_start_since is None:
+        return False
+    transition(session, job, "running", actor=actor, queue_reason=None,
+               message="Kueue started the Job: the trainer is running.")
+    return True
 
 
 def add_event(

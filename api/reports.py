@@ -28,7 +28,7 @@ from api.db.base import utcnow
 from api.db.models import Artifact, Checkpoint, Job, JobEvent, JobMetric, ReportBatch
 from api.errors import APIError
 from api.ids import hash_secret, new_id
-from api.lifecycle import add_event
+from api.lifecycle import add_event, lock_job, start_admitted_launch
 from api.schemas.jobs import checkpoint_model_id, fine_tuned_model_id
 from api.schemas.reports import (
     PREFERENCE_METRICS,
@@ -90,8 +90,8 @@ def accepts_reports(session: Session, job: Job, *, now: dt.datetime | None = Non
     After that the token is dead for good: a stolen or leaked token of a finished job
     cannot post events or overwrite ``error``. When the job runs again it gets a new token.
     """
-    if job.status == "running":
-        return True
+    if job.status == "running" or job.awaiting_start_since is not None:
+        return True  # (a trainer Kueue started reports before the scheduler has seen it run)
     changes = session.scalars(
         select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.type == "status")
         .order_by(JobEvent.seq.desc()).limit(3)
@@ -226,6 +226,8 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
     ) is not None:
         return False
     session.add(ReportBatch(job_id=job.id, seq=batch.seq, n_items=len(batch.items)))
+    if job.awaiting_start_since is not None:  # Kueue started it: the first report says so
+        start_admitted_launch(session, lock_job(session, job.id) or job, actor="trainer")
     for item in batch.items:
         if isinstance(item, MetricItem):
             _apply_metric(session, job, item)

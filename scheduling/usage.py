@@ -38,6 +38,32 @@ def open_segment(usage: dict[str, Any] | None, *, pool: str, gpus: int, now: flo
     return summarize(out, now)
 
 
+def pending_segment(usage: dict[str, Any] | None, *, pool: str, gpus: int, price_per_gpu_hour: float,
+                    trainer: str | None = None) -> dict[str, Any]:
+    """A copy of ``usage`` with a segment that opens when the run really starts
+    (``start_pending``): a job admitted onto a pool whose cluster still has to start it
+    (Kueue) holds no GPUs until then, and is billed none."""
+    out = dict(usage or {})
+    out["pending_segment"] = {"pool": pool, "gpus": gpus, "price_per_gpu_hour": price_per_gpu_hour}
+    if trainer:
+        out["trainer"] = trainer
+    return out
+
+
+def start_pending(usage: dict[str, Any] | None, *, now: float) -> dict[str, Any]:
+    """A copy of ``usage`` with its pending segment (if any) opened at ``now``."""
+    out = dict(usage or {})
+    pending = out.pop("pending_segment", None)
+    return open_segment(out, now=now, **pending) if pending else out
+
+
+def drop_pending(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``usage`` without its pending segment: the run it was for never started."""
+    if not usage or "pending_segment" not in usage:
+        return usage
+    return {k: v for k, v in usage.items() if k != "pending_segment"}
+
+
 def close_segment(usage: dict[str, Any] | None, *, now: float) -> dict[str, Any]:
     """A copy of ``usage`` with its open segment (if any) ended at ``now``."""
     out = dict(usage or {})

@@ -9,6 +9,8 @@ happens to the job:
 =================  ==============================================================
 outcome            job (when it is still ``running`` at the outcome's attempt)
 =================  ==============================================================
+STARTED            of a job admitted while Kueue held its launch: running (so is
+                   any outcome of a trainer that ran, with an exit code)
 SUCCEEDED          succeeded, the metrics stored as its ``result_files`` CSV
 FAILED             failed with the trainer's code; out of GPU memory on a GPU count
                    the scheduler chose: queued for the pool's next larger gang
@@ -38,7 +40,7 @@ from api.artifacts import ArtifactStore
 from api.db.models import Job
 from api.files import create_result_file
 from api.jobs import latest_checkpoint
-from api.lifecycle import add_event, transition
+from api.lifecycle import add_event, start_admitted_launch, transition
 from scheduling.estimator import candidate_gpu_counts
 from scheduling.pools import NodePool
 from scheduling.usage import close_segment
@@ -71,8 +73,17 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
     """
     attempt = job.attempt or 0
     stale = outcome.attempt is not None and outcome.attempt != attempt
+    awaiting = job.status == "queued" and job.awaiting_start_since is not None
+    if awaiting and not stale and (outcome.kind == ObservedKind.STARTED or (
+            outcome.kind in TERMINAL_KINDS and outcome.exit_code is not None)):
+        # Kueue let the admitted launch run (a trainer that exited ran, even if its pod
+        # was never seen Running): the job runs from now.
+        start_admitted_launch(session, job, actor="executor")
+        awaiting = False
+        if outcome.kind == ObservedKind.STARTED:
+            return job.status
     if outcome.kind not in TERMINAL_KINDS:
-        if not stale:
+        if not stale and not (awaiting and outcome.message == job.queue_reason):
             add_event(session, job, outcome.message or outcome.kind.value,
                       level="info" if outcome.kind == ObservedKind.STARTED else "warn")
         return job.status
@@ -82,7 +93,7 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
                                 f" the job is at attempt {attempt} now, so this changes nothing.")
         return job.status
     job.exited_attempt = max(job.exited_attempt or 0, attempt)
-    if job.status != "running":
+    if job.status != "running" and not awaiting:
         return _after_stop(session, job, outcome, now)
     usage = close_segment(job.usage, now=now)
     if outcome.kind == ObservedKind.SUCCEEDED:

@@ -153,6 +153,11 @@ class Job(Base):
         "whose ``attempt`` is newer is not admitted again until that run has stopped (or the "
         "scheduler's stop deadline passed), so two trainers never write one job's checkpoints."
     )
+    awaiting_start_since: Mapped[dt.datetime | None] = mapped_column(
+        doc="Set while the job is ``queued`` but admitted: its Kubernetes Job exists and waits for the "
+        "cluster's own admission (Kueue) to start it. The next transition clears it (``api.lifecycle``): "
+        "to ``running`` when the trainer starts, to anything else when it never did."
+    )
     usage: Mapped[dict[str, Any] | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

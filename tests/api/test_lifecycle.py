@@ -21,9 +21,10 @@ ALLOWED: dict[tuple[str, str], set[str]] = {
     ("validating_files", "queued"): {"system"},
     ("validating_files", "failed"): {"system"},
     ("validating_files", "cancelled"): PEOPLE | {"system"},
-    ("queued", "running"): {"scheduler"},
-    ("queued", "queued"): {"scheduler", "system"},
-    ("queued", "failed"): {"scheduler", "system"},
+    # executor / trainer: a launch admitted while Kueue held it starts, or never does
+    ("queued", "running"): {"scheduler", "executor", "trainer"},
+    ("queued", "queued"): {"scheduler", "executor", "system"},
+    ("queued", "failed"): {"scheduler", "executor", "system"},
     ("queued", "paused"): PEOPLE | {"system"},
     ("queued", "cancelled"): PEOPLE | {"system"},
     ("running", "queued"): {"scheduler", "executor", "system"},

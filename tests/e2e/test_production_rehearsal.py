@@ -230,6 +230,8 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     assert not c.pods(job.id), "pods of a Job Kueue has not admitted"
     wait_for(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
                30, "the 'waiting for Kueue' event")
+    held = oai.fine_tuning.jobs.retrieve(job.id)  # admitted by tunefleet, not started by Kueue: still queued
+    assert held.status == "queued" and held.model_extra["queue_reason"].startswith("admitted, waiting for Kueue"), held
     code, _ = c.patch("jobs", TRAINING_NS, k8s_job["metadata"]["name"], {"spec": {"suspend": False}})
     assert code == 200
 

@@ -365,8 +365,26 @@ class FakeCluster:
                 if not pods:
                     self.remove("jobs", ns, name)
                 continue
-            if spec.get("suspend") or any(c["type"] in ("Complete", "Failed") for c in status.get("conditions", [])):
+            if any(c["type"] in ("Complete", "Failed") for c in status.get("conditions", [])):
                 continue
+            if spec.get("suspend"):
+                # Suspending a Job that runs (Kueue evicting it) deletes its active pods,
+                # gracefully; the Job keeps its startTime and gets a Suspended condition.
+                live = [p for p in pods if p["status"].get("phase") in ("Pending", "Running")
+                        and "deletionTimestamp" not in p["metadata"]]
+                for p in live:
+                    self._delete_pod(ns, p["metadata"]["name"])
+                if status.get("startTime") and not any(c["type"] == "Suspended" for c in status.get("conditions", [])):
+                    status["conditions"] = [*status.get("conditions", []), {
+                        "type": "Suspended", "status": "True", "reason": "JobSuspended",
+                        "message": "Job suspended", "lastTransitionTime": _now()}]
+                    status["active"] = 0
+                    self._bump("jobs", ns, "MODIFIED", job)
+                continue
+            if any(c["type"] == "Suspended" for c in status.get("conditions", [])) and not pods:
+                # resumed: a new start time, new pods
+                status["conditions"] = [c for c in status["conditions"] if c["type"] != "Suspended"]
+                status.pop("startTime", None)
             indexed = spec.get("completionMode") == "Indexed"
             if not status.get("startTime") and not pods:
                 for i in range(spec["parallelism"]):

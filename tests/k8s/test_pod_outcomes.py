@@ -21,13 +21,14 @@ def run(stop: StopReason | None = None, attempt: int | None = 3) -> TrackedRun:
 
 
 def job(completions: int = 1, condition: str | None = None, reason: str | None = None,
-        message: str | None = None, suspend: bool | None = None) -> client.V1Job:
+        message: str | None = None, suspend: bool | None = None, started: bool = False) -> client.V1Job:
     conditions = ([client.V1JobCondition(type=condition, status="True", reason=reason, message=message)]
                   if condition else None)
     return client.V1Job(metadata=client.V1ObjectMeta(name="tf-ftjob-1-3"),
                         spec=client.V1JobSpec(completions=completions, template=client.V1PodTemplateSpec(),
                                               active_deadline_seconds=3600, suspend=suspend),
-                        status=client.V1JobStatus(conditions=conditions))
+                        status=client.V1JobStatus(conditions=conditions, start_time=(
+                            dt.datetime(2026, 1, 1, tzinfo=dt.UTC) if started else None)))
 
 
 def pod(index: int = 0, *, phase: str = "Running", node: str | None = "node-0", reason: str | None = None,
@@ -119,6 +120,10 @@ ROWS = [
     ("Kueue suspended the running Job", run(), job(suspend=True), [pod(phase="Failed", exit_code=12)], 10,
      [(ObservedKind.REQUEUE, "preempted_by_kueue", None)]),
     ("suspended, not admitted by Kueue yet", run(), job(suspend=True), [], 10, [(ObservedKind.WAITING, None, None)]),
+    ("Kueue suspended the running Job, its pods gone unseen", run(), job(suspend=True, started=True), [], 10,
+     [(ObservedKind.REQUEUE, "preempted_by_kueue", None)]),
+    ("suspended again while its trainer checkpoints", run(), job(suspend=True, started=True),
+     [pod(phase="Running")], 10, [(ObservedKind.STARTED, None, None)]),
     ("gone after our stop", run(StopReason.PREEMPT), None, [], 10, [(ObservedKind.STOPPED, None, StopReason.PREEMPT)]),
     ("gone without a stop", run(), None, [], 10, [(ObservedKind.REQUEUE, "job_lost", None)]),
     ("not listed yet", run(), None, [], 1, []),

@@ -12,6 +12,8 @@ observed                           change
 =================================  ==========================================================
 pod Running                        STARTED
 Job suspended, no pods yet         WAITING "admitted, waiting for Kueue (LocalQueue X)"
+Job suspended again after it       REQUEUE ``preempted_by_kueue`` (not a restart)
+started, its pods gone
 Pending, PodScheduled=False        WAITING (the scheduler's message); REQUEUE
                                    ``unschedulable`` after ``max_pending_s``
 ImagePullBackOff / ErrImagePull    FAILED ``image_pull_failed``
@@ -155,6 +157,13 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
         return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="job_lost",
                                message="the Kubernetes Job disappeared; requeued")]
     if _suspended(job) and not pods:
+        if job.status is not None and job.status.start_time is not None and run.stop_reason is None:
+            # It ran and Kueue suspended it again, and its pods are gone without our
+            # having seen their exit (the pod objects were removed first): the trainer
+            # had its SIGTERM grace to checkpoint, like any preemption.
+            return [ObservedChange(jid, ObservedKind.REQUEUE, error_code="preempted_by_kueue", message=(
+                "Kueue suspended the Job (its quota went to other workloads) and its pods are gone; "
+                "requeued from its checkpoint"))]
         queue = (job.metadata.labels or {}).get(kueue.QUEUE_LABEL, "?") if job.metadata else "?"
         out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"admitted, waiting for Kueue (LocalQueue {queue})"))
     if any(p.status and p.status.phase == "Running" for p in pods):

@@ -39,7 +39,7 @@ from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import EstimateError, ModelShape, base_model_shape
 from scheduling.pools import NodePool
 from scheduling.request import JobRequest, request_from_job
-from scheduling.usage import close_segment, gpu_seconds_since, open_segment
+from scheduling.usage import close_segment, gpu_seconds_since, open_segment, pending_segment
 from worker.executors.base import ObservedChange, RunningRow
 from worker.outcomes import apply_outcome
 from worker.scheduler.cycle import Admission, Admitted, Unfit, Waiting
@@ -84,6 +84,8 @@ class DbStore:
         self.in_cluster = in_cluster
         self.clock = clock
         self.max_restarts = settings.max_restarts if max_restarts is None else max_restarts
+        # Kueue's LocalQueue when the Kubernetes executor leaves starting Jobs to Kueue.
+        self.kueue_queue = settings.kueue_queue if in_cluster else None
         self._reasons: dict[str, str | None] = {}
         self._positions: dict[str, int | None] = {}
 
@@ -94,7 +96,9 @@ class DbStore:
         unplaceable: list[tuple[str, str, int | None]] = []
         with session_scope(self.url) as session:
             # Only the columns placement needs (10,000 rows: a third of the time of whole rows).
-            rows = session.execute(select(*_QUEUE_COLUMNS).where(Job.status == "queued")).all()
+            # (a job admitted while Kueue holds its launch is queued but placed already)
+            rows = session.execute(select(*_QUEUE_COLUMNS).where(
+                Job.status == "queued", Job.awaiting_start_since.is_(None))).all()
         self._reasons = {j.id: j.queue_reason for j in rows}
         self._positions = {j.id: j.queue_position for j in rows}
         shapes: dict[str, ModelShape | EstimateError] = {}  # per base model, read once per cycle
@@ -147,10 +151,11 @@ class DbStore:
         )
 
     def running_jobs(self) -> list[RunningRow]:
-        """Every job ``running`` now: what the executor must be observing."""
+        """Every job ``running`` now, or admitted and waiting for Kueue to start it: what
+        the executor must be observing."""
         with session_scope(self.url) as session:
             rows = session.execute(select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
-                                   .where(Job.status == "running")).all()
+                                   .where(or_(Job.status == "running", Job.awaiting_start_since.is_not(None)))).all()
         return [RunningRow(jid, tenant, int(priority or 0), pool, gpus, _timestamp(started))
                 for jid, tenant, priority, pool, gpus, started in rows]
 
@@ -224,25 +229,37 @@ class DbStore:
                                error={"code": exc.code, "message": str(exc)})
                     continue
                 est = placement.estimate
-                transition(
-                    session, job, "running", actor="scheduler", flush=False,
-                    message=f"Admitted on pool {pool.name}: {placement.gpus}x {pool.accelerator} "
-                            f"({placement.trainer}).",
-                    data={"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
-                    pool=pool.name, gpus=placement.gpus, queue_reason=None, job_token_hash=hash_secret(token),
-                    attempt=(job.attempt or 0) + 1,
+                admitted = f"Admitted on pool {pool.name}: {placement.gpus}x {pool.accelerator} ({placement.trainer})"
+                changes = {
+                    "data": {"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
+                    "pool": pool.name, "gpus": placement.gpus, "job_token_hash": hash_secret(token),
+                    "attempt": (job.attempt or 0) + 1,
                     # Keep the estimate shown at creation; add the one this admission used.
-                    estimate={**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate,
-                    usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
-                                       price_per_gpu_hour=pool.price_per_gpu_hour, trainer=placement.trainer),
-                )
+                    "estimate": {**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate}
+                if self.kueue_queue:
+                    # Kueue starts the Job (created suspended) when its own quota allows:
+                    # until then the job stays queued, holds no GPUs and is billed nothing.
+                    waiting = f"admitted, waiting for Kueue (LocalQueue {self.kueue_queue})"
+                    transition(session, job, "queued", actor="scheduler", flush=False,
+                               message=f"{admitted}; waiting for Kueue (LocalQueue {self.kueue_queue}) to start it.",
+                               queue_reason=waiting, awaiting_start_since=utcnow(), **changes,
+                               usage=pending_segment(job.usage, pool=pool.name, gpus=placement.gpus,
+                                                     price_per_gpu_hour=pool.price_per_gpu_hour,
+                                                     trainer=placement.trainer))
+                    self._reasons[job.id] = waiting
+                else:
+                    transition(session, job, "running", actor="scheduler", flush=False, message=f"{admitted}.",
+                               queue_reason=None, **changes,
+                               usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
+                                                  price_per_gpu_hour=pool.price_per_gpu_hour,
+                                                  trainer=placement.trainer))
                 out.append(Admitted(adm, JobHandle(job.id, job.tenant_id, int(job.priority or 0), job.attempt), spec))
         return out
 
     def launch_failed(self, req: JobRequest, error: Exception) -> None:
         with session_scope(self.url) as session:
             job = lock_job(session, req.job_id)
-            if job is not None and job.status == "running":
+            if job is not None and (job.status == "running" or job.awaiting_start_since is not None):
                 transition(session, job, "queued", actor="scheduler",
                            message=f"Launch failed ({error}); requeued.", level="warn",
                            usage=close_segment(job.usage, now=self.clock()), exited_attempt=job.attempt)
