@@ -308,6 +308,17 @@ def _json_type(value: Any) -> str:
     return "an object"
 
 
+def _tag_of(value: Any, tag: str, where: str, code: str) -> str:
+    """The string ``tag`` field that says what the object ``value`` is (a content part's
+    ``type``, a message's ``role``, a ShareGPT turn's ``from``); FormatError(code) otherwise."""
+    if not isinstance(value, dict):
+        raise FormatError(code, f"{where} must be an object, got {_json_type(value)}")
+    kind = value.get(tag)
+    if not isinstance(kind, str):
+        raise FormatError(code, f"{where} needs a string '{tag}'")
+    return kind
+
+
 def _text_field(obj: dict[str, Any], key: str, *, required: bool, allow_empty: bool) -> str:
     if key not in obj or obj[key] is None:
         if required:
@@ -333,11 +344,7 @@ def _content_text(value: Any, where: str) -> str:
     texts: list[str] = []
     for j, part in enumerate(value):
         at = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise FormatError("invalid_type", f"{at} must be an object, got {_json_type(part)}")
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            raise FormatError("invalid_type", f"{at} needs a string 'type'")
+        kind = _tag_of(part, "type", at, "invalid_type")
         if kind != "text":
             raise FormatError(
                 "unsupported_content_type",
@@ -397,11 +404,7 @@ class _LineMessages:
         return tuple(self.parse(m, f"{where}[{i}]") for i, m in enumerate(raw))
 
     def parse(self, m: Any, where: str) -> Message:
-        if not isinstance(m, dict):
-            raise FormatError("invalid_messages", f"{where} must be an object, got {_json_type(m)}")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise FormatError("invalid_messages", f"{where} needs a string 'role'")
+        role = _tag_of(m, "role", where, "invalid_messages")
         if role not in ROLES and role != "function":
             raise FormatError(
                 "unrecognized_role", f"{where}.role '{role}' is not one of system, user, assistant, tool"
@@ -566,11 +569,7 @@ def _parse_sharegpt(obj: dict[str, Any]) -> Example:
     messages: list[Message] = []
     for i, turn in enumerate(raw):
         where = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            raise FormatError("invalid_messages", f"{where} must be an object, got {_json_type(turn)}")
-        speaker = turn.get("from")
-        if not isinstance(speaker, str):
-            raise FormatError("invalid_messages", f"{where} needs a string 'from'")
+        speaker = _tag_of(turn, "from", where, "invalid_messages")
         if speaker not in SHAREGPT_ROLES:
             raise FormatError(
                 "unrecognized_role", f"{where}.from '{speaker}' is not one of {', '.join(SHAREGPT_ROLES)}"

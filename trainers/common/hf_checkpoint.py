@@ -1,9 +1,12 @@
 """Which file and bytes hold each tensor of a Hugging Face safetensors checkpoint.
 
-Both trainers read their base model through :func:`read_checkpoint_index`, so a broken
-checkpoint fails the same way on either, before any weight is read:
+Both trainers read their base model through :func:`read_config_json` and
+:func:`read_checkpoint_index`, so a broken model directory fails the same way on either,
+before any weight is read:
 
-- ``model_not_found``: neither ``model.safetensors`` nor ``model.safetensors.index.json``;
+- ``model_not_found``: no ``config.json``, or neither ``model.safetensors`` nor
+  ``model.safetensors.index.json``;
+- ``corrupt_model``: ``config.json`` is not valid JSON or not an object;
 - ``corrupt_model``: the index is not JSON or has no ``weight_map``, a shard it names is
   missing, a shard's header cannot be parsed, a tensor the index names is not in its
   shard, or a tensor's bytes lie past the end of its file (a truncated download).
@@ -24,6 +27,7 @@ from typing import Any
 
 from trainers.errors import UserError
 
+CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit; a larger length is garbage
@@ -75,6 +79,21 @@ def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise UserError(f"{path} is not a readable safetensors file: {exc}", code="corrupt_model") from exc
     return tensors
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The raw ``config.json`` of the model in ``model_dir``; each trainer validates the
+    fields it needs. See the module docstring for the errors."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"no {CONFIG_FILE} in the model directory {model_dir}", code="model_not_found")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc}", code="corrupt_model") from exc
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} does not hold a config object", code="corrupt_model")
+    return raw
 
 
 def _weight_map(index: Path) -> dict[str, str]:

@@ -51,16 +51,16 @@ def trainable_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return {"adapter": adapter, "optim": optim}
 
 
+def _dcp_path(directory: str | Path) -> str:
+    return str(Path(directory) / DCP_DIR)
+
+
 def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
     """Every rank writes its shards of the adapter and optimizer state under ``directory``."""
     import torch.distributed.checkpoint as dcp
 
-    state = trainable_state(model, optimizer)
-    path = Path(directory) / DCP_DIR
-    if ctx.distributed:
-        dcp.save(state, checkpoint_id=str(path))
-    else:
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    # A single process has no process group: DCP reads and writes without collectives.
+    dcp.save(trainable_state(model, optimizer), checkpoint_id=_dcp_path(directory), no_dist=not ctx.distributed)
 
 
 def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
@@ -74,12 +74,7 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     from trainers.fsdp_qlora.train_step import init_optimizer_state
 
     init_optimizer_state(optimizer)
-    state = trainable_state(model, optimizer)
-    path = Path(directory) / DCP_DIR
-    if ctx.distributed:
-        dcp.load(state, checkpoint_id=str(path))
-    else:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    dcp.load(trainable_state(model, optimizer), checkpoint_id=_dcp_path(directory), no_dist=not ctx.distributed)
 
 
 def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,6 @@ raises :class:`UserError` with a stable code.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.common.hf_checkpoint import read_checkpoint_index
+from trainers.common.hf_checkpoint import read_checkpoint_index, read_config_json
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
@@ -160,15 +159,7 @@ def read_model_config(model_dir: str | Path) -> Any:
         UserError(corrupt_model): config.json is not valid JSON (or not an object).
         UserError(unsupported_architecture): ``model_type`` is not one of ``SUPPORTED_MODEL_TYPES``.
     """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise UserError(f"model config not found: {path}", code="model_not_found")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc}", code="corrupt_model") from exc
-    if not isinstance(raw, dict):
-        raise UserError(f"{path} does not hold a config object", code="corrupt_model")
+    raw = read_config_json(model_dir)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(

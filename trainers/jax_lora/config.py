@@ -24,7 +24,6 @@ accepted.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from trainers.common.hf_checkpoint import read_config_json
 from trainers.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -148,16 +148,7 @@ class DecoderConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> DecoderConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise UserError(f"no config.json in the model directory {model_dir}", code="model_not_found")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path} is not valid JSON: {exc}", code="corrupt_model") from exc
-        if not isinstance(raw, dict):
-            raise UserError(f"{path} does not hold a config object", code="corrupt_model")
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_config_json(model_dir))
 
 
 # The trainer's modules predate the other families and still use this name.

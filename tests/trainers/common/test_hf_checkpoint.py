@@ -107,3 +107,32 @@ def test_no_weights_at_all_is_model_not_found(trainer, tiny_model_dir, tmp_path)
     with pytest.raises(UserError) as exc:
         (_open_jax if trainer == "jax_lora" else _open_fsdp)(model)
     assert exc.value.code == "model_not_found"
+
+
+def _read_config(trainer: str, model_dir: Path) -> None:
+    if trainer == "jax_lora":
+        from trainers.jax_lora.config import DecoderConfig
+
+        DecoderConfig.from_pretrained(model_dir)
+    else:
+        from trainers.fsdp_qlora.loading import read_model_config
+
+        read_model_config(model_dir)
+
+
+@pytest.mark.parametrize(("how", "code"), [("missing", "model_not_found"), ("not JSON", "corrupt_model"),
+                                           ("not an object", "corrupt_model")])
+@pytest.mark.parametrize("trainer", ["jax_lora", "fsdp_qlora"])
+def test_a_broken_config_json_is_the_same_error_on_both_trainers(trainer, how, code, tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = model / "config.json"
+    if how == "missing":
+        config.unlink()
+    elif how == "not JSON":
+        config.write_text("{not json")
+    else:
+        config.write_text("[1, 2]")
+    with pytest.raises(UserError) as exc:
+        _read_config(trainer, model)
+    assert exc.value.code == code, exc.value.message
