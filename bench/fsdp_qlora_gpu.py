@@ -25,7 +25,9 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
@@ -117,6 +119,20 @@ def _peak_flops() -> float:
     return PEAK_BF16_FLOPS["H100"]
 
 
+def _timed_steps(step: Callable[[int], Any], steps: int, warmup: int) -> tuple[float, Any]:
+    """Run ``step(0)``, ``step(1)``, ... for ``warmup + steps`` steps from a fresh memory
+    peak; the seconds the last ``steps`` took (device synchronized) and the last result."""
+    _reset_peak()
+    t0 = time.perf_counter()
+    for s in range(warmup + steps):
+        if s == warmup:
+            _sync()
+            t0 = time.perf_counter()
+        out = step(s)
+    _sync()
+    return time.perf_counter() - t0, out
+
+
 def _ids(seq: int, bs: int):
     import torch
 
@@ -144,15 +160,12 @@ def bench_ours(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> d
     ids = _ids(seq, bs).numpy()
     batch = Batch(ids, ids.copy(), np.broadcast_to(np.arange(seq), ids.shape).copy(), np.ones_like(ids),
                   np.ones_like(ids))
-    _reset_peak()
-    for s in range(warmup + steps):
-        if s == warmup:
-            _sync()
-            t0 = time.perf_counter()
+
+    def step(s: int) -> Any:
         with torch.autocast(_device(), dtype=torch.bfloat16):
-            stats = train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
-    _sync()
-    dt = time.perf_counter() - t0
+            return train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
+
+    dt, stats = _timed_steps(step, steps, warmup)
     return {"load_s": load_s, "tokens_per_s": steps * seq * bs / dt, "loss": stats.loss,
             "load_peak_rss_gib": report.peak_rss_bytes / 2**30}
 
@@ -178,19 +191,17 @@ def bench_plain(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = _ids(seq, bs).to(_device())
-    _reset_peak()
-    for s in range(warmup + steps):
-        if s == warmup:
-            _sync()
-            t0 = time.perf_counter()
+
+    def step(s: int) -> Any:
         with torch.autocast(_device(), dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    _sync()
-    dt = time.perf_counter() - t0
+        return loss
+
+    dt, loss = _timed_steps(step, steps, warmup)
     return {"load_s": load_s, "tokens_per_s": steps * seq * bs / dt, "loss": float(loss)}
 
 

@@ -31,14 +31,16 @@ MIX = [  # (weight, model, method, quantization, seq)
 ]
 
 
-def pools() -> list[NodePool]:
+def pools(mi300x_nodes: int = 200, rtx4090_nodes: int = 800) -> list[NodePool]:
+    """The scheduler benches' two pools (this one's 1,000 nodes by default): nodes of
+    8x MI300X for jax_lora and of 2x RTX 4090 for fsdp_qlora, in that config order."""
     return [
         NodePool(name="mi300x", accelerator="amd-mi300x", gpu_memory_bytes=192 * GIB, gpus_per_node=8,
                  resource_name="amd.com/gpu", trainers=("jax_lora",), price_per_gpu_hour=3.0,
-                 max_nodes_per_job=4, peak_tflops=1307, nodes=200),
+                 max_nodes_per_job=4, peak_tflops=1307, nodes=mi300x_nodes),
         NodePool(name="rtx4090", accelerator="nvidia-rtx-4090", gpu_memory_bytes=24 * GIB, gpus_per_node=2,
                  resource_name="nvidia.com/gpu", trainers=("fsdp_qlora",), price_per_gpu_hour=0.4,
-                 max_nodes_per_job=4, peak_tflops=165, nodes=800),
+                 max_nodes_per_job=4, peak_tflops=165, nodes=rtx4090_nodes),
     ]
 
 

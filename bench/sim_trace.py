@@ -48,6 +48,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+# scheduler_cycle is bench/scheduler_cycle.py (a script's own folder is on sys.path).
+from scheduler_cycle import pools
+
 from scheduling.capacity import CapacitySnapshot, RunningJob
 from scheduling.estimator import (
     KNOWN_MODELS,
@@ -99,17 +102,6 @@ MIX = [  # weight, model, method, quantization (nf4: no double quant), seq, toke
     (7, "llama-3.1-70b", "lora", "none", 2048, (1, 5)),
     (3, "llama-3.1-405b", "lora", "none", 2048, (0.5, 2)),
 ]
-
-
-def pools() -> list[NodePool]:
-    return [
-        NodePool(name="mi300x", accelerator="amd-mi300x", gpu_memory_bytes=192 * GIB, gpus_per_node=8,
-                 resource_name="amd.com/gpu", trainers=("jax_lora",), price_per_gpu_hour=3.0,
-                 max_nodes_per_job=4, peak_tflops=1307, nodes=4),
-        NodePool(name="rtx4090", accelerator="nvidia-rtx-4090", gpu_memory_bytes=24 * GIB, gpus_per_node=2,
-                 resource_name="nvidia.com/gpu", trainers=("fsdp_qlora",), price_per_gpu_hour=0.4,
-                 max_nodes_per_job=4, peak_tflops=165, nodes=32),
-    ]
 
 
 @dataclass
@@ -373,7 +365,7 @@ def main() -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     n, seed, memory_model = args.jobs, args.seed, args.memory_model
-    cluster = pools()
+    cluster = pools(mi300x_nodes=4, rtx4090_nodes=32)
     t0 = time.perf_counter()
     trace = make_trace(n, seed, cluster, memory_model=memory_model, four_bit_share=args.four_bit_share)
     results = {}
