@@ -8,15 +8,18 @@ Both processes serve ``/metrics`` and ``/healthz`` from a thread of their own
   default ``threads`` pool runs tasks in this process; a ``prefork`` pool needs
   ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are aggregated. Alive while the
   consumer's heartbeat timer fires (``WORKER_HEARTBEAT``, touched by ``worker.celery_app``).
-- scheduler: the database gauges when ``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``
-  (one scheduler runs per deployment, so they are exported once however many API replicas
-  are scraped) and ``tunefleet_scheduler_last_cycle_timestamp_seconds``. Alive while its
+- scheduler: the database gauges when ``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``,
+  from the one replica that holds the exporter lease (``GAUGE_EXPORTER``; the loop takes
+  and keeps it), so they are exported once however many API and scheduler replicas are
+  scraped;
+  and ``tunefleet_scheduler_last_cycle_timestamp_seconds``. Alive while its
   loop keeps cycling (``SCHEDULER_HEARTBEAT``, touched by ``worker.scheduler.loop``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -50,10 +53,19 @@ class _LastCycle:
 LAST_CYCLE = _LastCycle()
 
 
-def scheduler_cycled() -> None:
-    """Called by the scheduling loop after every cycle, whatever its outcome."""
+# Set while this scheduler process holds the exporter lease
+# (``worker.scheduler.lock.make_lock(..., exporter=True)``): only then does it export the
+# database gauges.
+GAUGE_EXPORTER = threading.Event()
+
+
+def scheduler_cycled(*, exporting: bool | None = None) -> None:
+    """Called by the scheduling loop after every cycle, whatever its outcome; ``exporting``:
+    whether it holds the exporter lease now (None: it does not take part)."""
     SCHEDULER_HEARTBEAT.touch()
     LAST_CYCLE.at = time.time()
+    if exporting is not None:
+        (GAUGE_EXPORTER.set if exporting else GAUGE_EXPORTER.clear)()
 
 
 def _token(settings: Settings) -> str | None:
@@ -89,7 +101,7 @@ def start_scheduler_metrics(settings: Settings) -> None:
         totals = {p.name: p.gpus_per_node * p.nodes for p in pools}
         set_pool_capacity_provider(lambda: totals)
         factory = session_factory(settings.resolved_database_url)
-        registry.register(DatabaseCollector(lambda: factory))
+        registry.register(DatabaseCollector(lambda: factory, enabled=GAUGE_EXPORTER.is_set))
     serve_metrics(settings.metrics_port, registry, SCHEDULER_HEARTBEAT.stale_reason, token=_token(settings))
     log.info("scheduler metrics on :%d/metrics (database gauges: %s)", settings.metrics_port,
              settings.metrics_database_gauges)

@@ -41,10 +41,16 @@ def _pool_of(job_pool: str | None, placement: dict[str, Any] | None) -> str:
 class DatabaseCollector(Collector):
     """Yields the state gauges from one short read-only session per scrape."""
 
-    def __init__(self, session_factory: Callable[[], sessionmaker[Session]]) -> None:
+    def __init__(self, session_factory: Callable[[], sessionmaker[Session]], *,
+                 enabled: Callable[[], bool] | None = None) -> None:
+        """``enabled``: asked at every scrape; False yields nothing (a standby scheduler
+        replica leaves the gauges to the active one)."""
         self._session_factory = session_factory
+        self._enabled = enabled
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self._enabled is not None and not self._enabled():
+            return
         try:
             with self._session_factory()() as session:
                 yield from self._collect(session)

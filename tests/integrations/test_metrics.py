@@ -222,8 +222,9 @@ def _summed(targets: list[dict[str, list[Any]]], name: str, by: str) -> dict[str
 
 
 def test_database_gauges_are_exported_once_across_api_replicas(service: Service, tmp_path: Path) -> None:
-    """Two API processes and the scheduler on one database, set up as the chart sets them up
-    (``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``): ``sum by (status)`` over all three
+    """Two API processes and two scheduler replicas (one active, one standby that finds
+    the scheduler lease taken) on one database, set up as the chart sets them up
+    (``TUNEFLEET_METRICS_DATABASE_GAUGES=scheduler``): ``sum by (status)`` over all four
     targets equals the database's counts."""
     from sqlalchemy import func, select
 
@@ -235,14 +236,19 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
            # One cycle at start-up, then none during the test: the counts stay put.
            "TUNEFLEET_SCHEDULE_INTERVAL_S": "3600"}
     api_ports = [free_port(), free_port()]
-    scheduler_port = free_port()
+    scheduler_port, standby_port = free_port(), free_port()
     procs = [_start(_uvicorn(port), env, tmp_path / f"api-{port}.log") for port in api_ports]
     procs.append(_start(_cli("scheduler"), {**env, "TUNEFLEET_METRICS_PORT": str(scheduler_port)},
                         tmp_path / "scheduler.log"))
     try:
         for port in api_ports:
             _wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
-        _wait_ok(f"http://127.0.0.1:{scheduler_port}/healthz", procs)  # its first cycle ran
+        _wait_ok(f"http://127.0.0.1:{scheduler_port}/healthz", procs)  # its first cycle ran, with the lease
+        # The active replica keeps the lease (its cycles renew it): the standby's cycle
+        # finds it held and skips.
+        procs.append(_start(_cli("scheduler"), {**env, "TUNEFLEET_METRICS_PORT": str(standby_port)},
+                            tmp_path / "standby.log"))
+        _wait_ok(f"http://127.0.0.1:{standby_port}/healthz", procs)
         with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
             fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
             ids = [client.jobs.create(model=DEMO_MODEL, training_file=fid).id for _ in range(4)]
@@ -253,6 +259,7 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
 
         targets = [scrape(f"http://127.0.0.1:{port}") for port in api_ports]
         targets.append(scrape(f"http://127.0.0.1:{scheduler_port}"))
+        targets.append(scrape(f"http://127.0.0.1:{standby_port}"))
         with session_scope(service.settings.resolved_database_url) as session:
             in_db = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples().all())
     finally:
@@ -266,6 +273,7 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
     # The API replicas still export their own request latency; the scheduler its last cycle.
     assert all("tunefleet_http_request_duration_seconds" in t for t in targets[:2])
     assert value(targets[2], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
+    assert "tunefleet_jobs" not in targets[3] and value(targets[3], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
 
 
 def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(

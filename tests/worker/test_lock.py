@@ -60,3 +60,31 @@ def test_postgres_advisory_lock(pg_url):
     a.release()
     assert b.acquire()
     b.release()
+
+
+@pytest.mark.parametrize("backend", ["file", "redis", "postgres"])
+def test_the_gauge_exporter_lease_is_apart_from_the_schedulers(backend, tmp_path, request):
+    """A replica keeps the exporter lease while another takes the scheduler's for a cycle,
+    and a second replica gets neither while they are held, on every lock store."""
+    from tests.conftest import make_settings
+    from worker.scheduler.lock import make_lock
+
+    overrides, engine = {}, None
+    if backend == "redis":
+        overrides["broker_url"] = request.getfixturevalue("redis_url")
+    elif backend == "postgres":
+        from api.db.session import get_engine
+
+        overrides["database_url"] = request.getfixturevalue("pg_url")
+        engine = get_engine(overrides["database_url"])
+    settings = make_settings(tmp_path, **overrides)
+    exporter, scheduler = make_lock(settings, engine, exporter=True), make_lock(settings, engine)
+    other_exporter, other_scheduler = make_lock(settings, engine, exporter=True), make_lock(settings, engine)
+    assert exporter.acquire() and scheduler.acquire()
+    assert not other_exporter.acquire() and not other_scheduler.acquire()
+    scheduler.release()  # the end of a cycle: the other replica may run the next one
+    assert other_scheduler.acquire() and not other_exporter.acquire() and exporter.acquire()
+    for lock in (exporter, other_scheduler):
+        lock.release()
+    assert other_exporter.acquire()
+    other_exporter.release()

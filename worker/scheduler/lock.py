@@ -155,13 +155,21 @@ class PostgresAdvisoryLock:
             self._conn = None
 
 
-def make_lock(settings: Any, engine: Any = None) -> SchedulerLock:
-    """The lock that fits the deployment: Redis broker > PostgreSQL DB > a file in the data dir."""
+# The exporter lease (``make_lock(..., exporter=True)``): unlike the scheduler's, which
+# each cycle takes and gives back, a scheduler replica keeps it while it lives, and only
+# its holder exports the database gauges -- once per deployment, however many replicas.
+EXPORTER_LOCK_NAME = "tunefleet:gauge-exporter"
+EXPORTER_ADVISORY_KEY = ADVISORY_KEY + 1
+
+
+def make_lock(settings: Any, engine: Any = None, *, exporter: bool = False) -> SchedulerLock:
+    """The lock that fits the deployment: Redis broker > PostgreSQL DB > a file in the data
+    dir. ``exporter``: the gauge exporter's lease instead of the scheduler's."""
     broker = settings.resolved_broker_url
     if broker.startswith(("redis://", "rediss://")):
         import redis
 
-        return RedisLock(redis.Redis.from_url(broker))
+        return RedisLock(redis.Redis.from_url(broker), key=EXPORTER_LOCK_NAME if exporter else LOCK_NAME)
     if settings.resolved_database_url.startswith("postgresql") and engine is not None:
-        return PostgresAdvisoryLock(engine)
-    return FileLock(Path(settings.data_path) / "scheduler.lock")
+        return PostgresAdvisoryLock(engine, key=EXPORTER_ADVISORY_KEY if exporter else ADVISORY_KEY)
+    return FileLock(Path(settings.data_path) / ("gauge-exporter.lock" if exporter else "scheduler.lock"))

@@ -129,6 +129,17 @@ def build_components(settings: Settings) -> Components:
     return Components(store, executor, make_lock(settings, engine), cycle_config(settings))
 
 
+def _holds(lease: SchedulerLock | None) -> bool | None:
+    """Take or renew ``lease`` (None: no lease to hold); a broken lock store holds nothing."""
+    if lease is None:
+        return None
+    try:
+        return lease.acquire()
+    except Exception:
+        log.exception("the gauge exporter lease could not be taken")
+        return False
+
+
 def run_once(components: Components) -> CycleResult:
     """One cycle; waits for a cycle running in another thread of this process to end first."""
     with components.mutex:
@@ -150,6 +161,11 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     from api.queue import CeleryQueue
 
     queue = CeleryQueue(settings)
+    exporter = None
+    if settings.metrics_database_gauges == "scheduler" and settings.metrics_port:
+        from api.db.session import get_engine
+
+        exporter = make_lock(settings, get_engine(settings.resolved_database_url), exporter=True)
     last_sweep = 0.0
     while not stop.is_set():
         started = time.monotonic()
@@ -168,7 +184,9 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
                          len(result.plan.preemptions), len(result.plan.waiting), result.seconds)
         except Exception:
             log.exception("scheduling cycle failed")
-        scheduler_cycled()  # the loop is not stuck (the pod's liveness, a Prometheus gauge)
+        # The loop is not stuck (the pod's liveness, a Prometheus gauge); whether this
+        # replica exports the database gauges (it holds, or just took, their lease).
+        scheduler_cycled(exporting=_holds(exporter))
         cycles += 1
         if max_cycles is not None and cycles >= max_cycles:
             break
@@ -176,3 +194,5 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     close = getattr(components.executor, "close", None)
     if close:
         close()
+    if exporter is not None:
+        exporter.release()
