@@ -117,3 +117,42 @@ def rule_expressions() -> list[str]:
     """Every alert expression of the rendered PrometheusRule (for the exposure test)."""
     (rule,) = find(docs_for(MONITORING), "PrometheusRule")
     return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def _selectors(expr) -> list:
+    """Every vector selector of a parsed PromQL expression (promql_parser's AST)."""
+    import promql_parser
+
+    if isinstance(expr, promql_parser.VectorSelector):
+        return [expr]
+    found = []
+    for field in ("expr", "lhs", "rhs", "param", "vector_selector"):
+        child = getattr(expr, field, None)
+        if child is not None and not isinstance(child, str | int | float):
+            found += _selectors(child)
+    for arg in getattr(expr, "args", None) or []:
+        found += _selectors(arg)
+    return found
+
+
+def test_every_alert_and_dashboard_query_is_valid_promql() -> None:
+    """Prometheus would refuse a rule it cannot parse (the whole PrometheusRule group) and
+    Grafana shows an error panel: both sets of expressions go through a PromQL parser (the
+    dashboard's ``$pool``/``$job`` variables stand inside label matchers, as Grafana
+    substitutes them). Each names tunefleet metrics only."""
+    import json
+
+    import promql_parser
+
+    from tests.conftest import REPO
+
+    dashboard = json.loads((REPO / "deploy/grafana/tunefleet-dashboard.json").read_text())
+    exprs = rule_expressions() + [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) > 5
+    for expr in exprs:
+        try:
+            parsed = promql_parser.parse(expr.replace("$pool", "gpu-pool").replace("$job", "ftjob-x"))
+        except ValueError as exc:
+            raise AssertionError(f"{expr!r}: {exc}") from None
+        names = {s.name for s in _selectors(parsed)}
+        assert names and all(n.startswith("tunefleet_") for n in names), (expr, names)
