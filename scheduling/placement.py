@@ -162,8 +162,9 @@ def no_pool_fits(job: JobRequest, pools: Mapping[str, NodePool]) -> tuple[Reason
     """Why no pool of ``pools`` could hold the job even with all its GPUs free; ``()``
     when one can.
 
-    Only the pools' configuration counts (trainer families, GPU memory, GPUs per job, a
-    pinned pool's existence), never their nodes or what runs on them, so the answer does
+    Only the pools' configuration counts (trainer families, GPU memory, GPUs per job, the
+    tenant's quota without borrowing, a pinned pool's existence), never their nodes or
+    what runs on them, so the answer does
     not change until the pools file or the job does: such a job would wait forever. Job
     creation refuses it (400 ``no_pool_fits``) and the scheduler fails it when it is
     queued, unless it asked to wait anyway (``JobRequest.queue_if_unfit``).
@@ -195,6 +196,12 @@ def _pool_candidates(job: JobRequest, pools: Mapping[str, NodePool]) -> tuple[li
         est = estimate_for(job, pool, trainer)
         if not est.fits:
             reasons.append(Reason(ReasonCode.MEMORY_DOES_NOT_FIT, f"{pool.name}: {est.reasons[0]}", pool.name))
+            continue
+        quota = pool.quota_for(job.tenant)
+        if quota is not None and not pool.quota_borrowing and est.gpus > quota:
+            # Not even with the tenant's other jobs gone: the quota itself is too small.
+            reasons.append(Reason(ReasonCode.QUOTA_BELOW_JOB, (
+                f"{pool.name}: the tenant's quota is {quota} GPUs and the job needs {est.gpus}"), pool.name))
             continue
         out.append(_Candidate(pool, trainer, est))
     return out, reasons

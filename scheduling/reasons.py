@@ -28,6 +28,8 @@ class ReasonCode(str, enum.Enum):
     """The job does not fit the pool's GPU memory at any allowed GPU count."""
     NO_POOL = "no_pool"
     """No pool is configured at all."""
+    QUOTA_BELOW_JOB = "quota_below_job"
+    """The tenant's GPU quota in the pool (without borrowing) is smaller than the job."""
     QUOTA_EXCEEDED = "quota_exceeded"
     """The tenant's GPU quota in the pool is used up (waits for its own jobs)."""
     INSUFFICIENT_GPUS = "insufficient_gpus"

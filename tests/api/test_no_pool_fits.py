@@ -121,3 +121,23 @@ def test_a_queued_job_whose_pool_left_the_pools_file_fails_at_the_next_cycle(
     waiting = client.get(f"{JOBS}/{patient['id']}", headers=headers).json()
     assert waiting["status"] == "queued"
     assert waiting["queue_reason"].startswith("pool 'jaxonly' does not exist; position ")
+
+
+def test_a_job_larger_than_the_tenants_quota_is_refused(client, tenant_key, processed_file, settings,
+                                                       tmp_path: Path) -> None:
+    """A quota without borrowing that is smaller than the job never lets it run, however
+    idle the pool: refused at creation, like a pool that is too small."""
+    quota = tmp_path / "quota_pools.yaml"
+    quota.write_text(POOLS_YAML.replace("peak_tflops: 0.5}\n", "peak_tflops: 0.5, max_gpus_per_tenant: {'*': 0}}\n"))
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+
+    app = create_app(make_settings(settings.data_path, database_url=settings.resolved_database_url,
+                                   node_pools_file=quota))
+    with TestClient(app) as quota_client:
+        response = _create(quota_client, tenant_key().headers, processed_file)
+    assert response.status_code == 400, response.text
+    pools = response.json()["error"]["details"]["pools"]
+    assert ("jaxonly", "quota_below_job") in [(p["pool"], p["code"]) for p in pools]
+    assert "jaxonly: the tenant's quota is 0 GPUs and the job needs 1" in response.json()["error"]["message"]
