@@ -56,6 +56,17 @@ def feed(mirror: TrackerMirror, out: Path) -> None:
     mirror.add({"type": "artifacts", "location": str(out), "files": []})
 
 
+def mirror_without_warnings(spec: TrainerSpec, out: Path, tracker: str) -> None:
+    """Mirror the job whose outputs are in ``out`` to ``tracker``, the one tracker ``spec``
+    names, through the whole run (``feed``); it must start and finish without a warning."""
+    warnings: list[str] = []
+    mirror = mirror_from_spec(spec, warn=warnings.append)
+    assert mirror is not None and [t.name for t in mirror.trackers] == [tracker], warnings
+    feed(mirror, out)
+    mirror.close()
+    assert warnings == []
+
+
 def local_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A file store as the operator's tracking server (``MLFLOW_TRACKING_URI``): a job's own
     ``tracking_uri`` may only name a public http(s) server."""
@@ -71,12 +82,7 @@ def test_mlflow_run_has_metrics_params_and_adapter(tmp_path: Path, monkeypatch: 
     uri = local_mlflow(tmp_path, monkeypatch)
     spec = make_spec(tmp_path, [{"type": "mlflow", "project": "exp-a", "name": "run-a"}])
     digests = write_adapter(tmp_path / "out")
-    warnings: list[str] = []
-    mirror = mirror_from_spec(spec, warn=warnings.append)
-    assert mirror is not None and [t.name for t in mirror.trackers] == ["mlflow"], warnings
-    feed(mirror, tmp_path / "out")
-    mirror.close()
-    assert warnings == []
+    mirror_without_warnings(spec, tmp_path / "out", "mlflow")
 
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("exp-a")
@@ -186,12 +192,7 @@ def test_wandb_offline_run_has_metrics_and_adapter(tmp_path: Path, monkeypatch: 
     spec = make_spec(tmp_path, [{"type": "wandb", "project": "proj-b", "name": "run-b"}])
     adapter_dir = tmp_path / "out" / "adapter"
     write_adapter(tmp_path / "out")
-    warnings: list[str] = []
-    mirror = mirror_from_spec(spec, warn=warnings.append)
-    assert mirror is not None and [t.name for t in mirror.trackers] == ["wandb"], warnings
-    feed(mirror, tmp_path / "out")
-    mirror.close()
-    assert warnings == []
+    mirror_without_warnings(spec, tmp_path / "out", "wandb")
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     # wandb-core (a separate process) may still be writing the log when finish() returns:
     # wait for its `exit` record, which it writes last.

@@ -21,7 +21,14 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from tests.conftest import REPO, settings_env
 from tests.integrations.webhook_receiver import Receiver
-from tests.sdk.conftest import DEMO_MODEL, JobDriver, Service, chat_jsonl
+from tests.sdk.conftest import (
+    DEMO_MODEL,
+    JobDriver,
+    Service,
+    cached_settings_env,
+    chat_jsonl,
+    queued_job,
+)
 from tunefleet import BadRequestError, NotFoundError, Tunefleet
 
 
@@ -31,15 +38,21 @@ def webhook_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     from api.webhooks import events
     from api.webhooks.config import get_webhook_settings
 
-    def set_env(**values: str) -> None:
-        for key, value in values.items():
-            monkeypatch.setenv(f"TUNEFLEET_WEBHOOK_{key.upper()}", value)
-        get_webhook_settings.cache_clear()
-
-    get_webhook_settings.cache_clear()
-    yield set_env
-    get_webhook_settings.cache_clear()
+    with cached_settings_env(monkeypatch, "TUNEFLEET_WEBHOOK_", get_webhook_settings) as set_env:
+        yield set_env
     events.set_dispatcher(None)
+
+
+@pytest.fixture
+def dispatched(webhook_env: Any) -> list[str]:
+    """Receivers on this machine allowed, and the delivery ids the service hands to its
+    queue after each commit, recorded instead of sent: the test runs each attempt itself."""
+    from api.webhooks import events
+
+    webhook_env(allow_private="true")
+    ids: list[str] = []
+    events.set_dispatcher(lambda delivery_id: ids.append(delivery_id) or True)
+    return ids
 
 
 @pytest.fixture
@@ -174,11 +187,6 @@ def test_job_events_are_signed_delivered_and_retried_by_celery(
     assert log_rows["fine_tuning.job.running"].attempts == 1
 
 
-def _job(sdk: Tunefleet, service: Service) -> JobDriver:
-    fid = sdk.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
-    return JobDriver(service, sdk.jobs.create(model=DEMO_MODEL, training_file=fid).id)
-
-
 def _deliveries(service: Service, endpoint_id: str) -> list[Any]:
     from api.db.session import session_scope
     from api.webhooks.models import WebhookDelivery
@@ -201,16 +209,11 @@ def _attempt(service: Service, delivery_id: str, **overrides: Any) -> Any:
 
 
 def test_rotation_signs_with_both_secrets_during_the_grace_window(
-    sdk: Tunefleet, service: Service, webhook_env: Any, receiver: Receiver
+    sdk: Tunefleet, service: Service, dispatched: list[str], receiver: Receiver
 ) -> None:
-    from api.webhooks import events
-
-    webhook_env(allow_private="true")
-    dispatched: list[str] = []
-    events.set_dispatcher(lambda d: dispatched.append(d) or True)
     old = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.running"])
     new = sdk.webhooks.rotate_secret(old.id, grace_period_s=3600)
-    driver = _job(sdk, service)
+    driver = JobDriver(service, queued_job(service))
     driver.start()
     (delivery,) = _deliveries(service, old.id)
     assert dispatched == [delivery.id]  # sent to the queue only after the commit
@@ -232,17 +235,13 @@ def test_rotation_signs_with_both_secrets_during_the_grace_window(
         Webhook(new.secret).verify(second.body, second.headers)
 
 
-def test_failures_back_off_then_give_up_and_filters_apply(
-    sdk: Tunefleet, service: Service, webhook_env: Any, receiver: Receiver
-) -> None:
+@pytest.mark.usefixtures("dispatched")
+def test_failures_back_off_then_give_up_and_filters_apply(sdk: Tunefleet, service: Service, receiver: Receiver) -> None:
     from api.observability.metrics import WEBHOOK_FAILURES
-    from api.webhooks import events
 
-    webhook_env(allow_private="true")
-    events.set_dispatcher(lambda d: True)
     receiver.answer = lambda received: 503
     ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.succeeded"])
-    driver = _job(sdk, service)
+    driver = JobDriver(service, queued_job(service))
     driver.start()
     assert _deliveries(service, ep.id) == []  # not subscribed to `running`
     driver.finish("succeeded")
@@ -267,17 +266,13 @@ def test_failures_back_off_then_give_up_and_filters_apply(
 
 
 def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
-    sdk: Tunefleet, service: Service, webhook_env: Any, receiver: Receiver
+    sdk: Tunefleet, service: Service, dispatched: list[str], receiver: Receiver
 ) -> None:
     from api.db.session import session_factory
     from api.lifecycle import lock_job, transition
-    from api.webhooks import events
 
-    webhook_env(allow_private="true")
-    dispatched: list[str] = []
-    events.set_dispatcher(lambda d: dispatched.append(d) or True)
     ep = sdk.webhooks.create(url=receiver.url)
-    driver = _job(sdk, service)
+    driver = JobDriver(service, queued_job(service))
 
     session = session_factory(service.settings.resolved_database_url)()
     job = lock_job(session, driver.job_id)
@@ -294,20 +289,17 @@ def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
     assert row.last_error.startswith("webhook_url_not_public")
 
 
-def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, webhook_env: Any,
-                                    receiver: Receiver) -> None:
+@pytest.mark.usefixtures("dispatched")
+def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: Receiver) -> None:
     from api.db.session import session_scope
-    from api.webhooks import events
     from api.webhooks.models import WebhookEndpoint
 
-    webhook_env(allow_private="true")
-    events.set_dispatcher(lambda d: True)
     ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.running"])
     with session_scope(service.settings.resolved_database_url) as session:
         stored = session.get(WebhookEndpoint, ep.id).secret
     assert ep.secret not in stored and ep.secret[6:] not in stored and stored.startswith("fernet1:")
 
-    driver = _job(sdk, service)
+    driver = JobDriver(service, queued_job(service))
     driver.start()
     (delivery,) = _deliveries(service, ep.id)
     from api.webhooks.config import WebhookSettings

@@ -17,6 +17,7 @@ batches POSTed to the internal report endpoint with that token), then the execut
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -45,6 +46,16 @@ BAD_JSONL = (
     b'{"messages": [{"role": "wizard", "content": "hi"}]}\n'
     b"not json\n"
 )
+
+
+def queued_job(service: Service) -> str:
+    """The id of a new job of the demo model on a small validated chat file (it waits in
+    the queue until a ``JobDriver`` moves it)."""
+    from tunefleet import Tunefleet
+
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+        return client.jobs.create(model=DEMO_MODEL, training_file=fid).id
 
 
 @dataclass
@@ -151,6 +162,25 @@ def empty_pg_url(pg_url: str) -> Iterator[str]:
         dispose_engine(url)
         with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextlib.contextmanager
+def cached_settings_env(monkeypatch: pytest.MonkeyPatch, prefix: str,
+                        get_settings: Any) -> Iterator[Callable[..., None]]:
+    """``set_env(key=value, ...)`` sets ``{prefix}KEY`` for this process and clears the
+    ``functools.cache`` of ``get_settings`` (settings are read once), so the next read
+    sees it; the cache is cleared on the way in and out too, so no test sees another's."""
+
+    def set_env(**values: str) -> None:
+        for key, value in values.items():
+            monkeypatch.setenv(f"{prefix}{key.upper()}", value)
+        get_settings.cache_clear()
+
+    get_settings.cache_clear()
+    try:
+        yield set_env
+    finally:
+        get_settings.cache_clear()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl
+from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job
 from tunefleet.cli import app
 
 
@@ -107,15 +107,11 @@ def test_jobs_commands(cli: Any, service: Service, tmp_path: Path) -> None:
 
 
 def test_wait_exit_codes(cli: Any, service: Service) -> None:
-    from tunefleet import Tunefleet
-
-    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
-        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
-        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
-    timeout = cli("jobs", "wait", job.id, "--timeout", "0.2", "--json", code=4)
+    job_id = queued_job(service)
+    timeout = cli("jobs", "wait", job_id, "--timeout", "0.2", "--json", code=4)
     assert json.loads(timeout.stderr)["error"]["code"] == "wait_timeout"
-    cli("jobs", "cancel", job.id)
-    assert js(cli("jobs", "wait", job.id, "--json", code=3))["status"] == "cancelled"
+    cli("jobs", "cancel", job_id)
+    assert js(cli("jobs", "wait", job_id, "--json", code=3))["status"] == "cancelled"
 
 
 def test_login_and_config(cli: Any, service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,12 +223,8 @@ def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service
     """Standalone `jobs watch --json`: one JSON message per line, exit 3 when the job fails."""
     import threading
 
-    from tunefleet import Tunefleet
-
-    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
-        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
-        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
-    driver = JobDriver(service, job.id)
+    job_id = queued_job(service)
+    driver = JobDriver(service, job_id)
     driver.start()
     driver.report(driver.metric(1, 4, 2.25))
 
@@ -243,13 +235,13 @@ def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service
 
     helper = threading.Timer(0.5, fail_later)  # the watcher is attached by then
     helper.start()
-    result = cli("jobs", "watch", job.id, "--json", "--poll-interval", "0.1", code=3)
+    result = cli("jobs", "watch", job_id, "--json", "--poll-interval", "0.1", code=3)
     helper.join()
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert lines[0]["event"] == "job" and lines[0]["data"]["id"] == job.id
+    assert lines[0]["event"] == "job" and lines[0]["data"]["id"] == job_id
     assert [m["data"]["train_loss"] for m in lines if m["event"] == "metric"] == [2.25, 1.75]
     assert any(m["event"] == "event" and m["data"]["message"] == "loss is NaN at step 3" for m in lines)
     assert lines[-1]["event"] == "job" and lines[-1]["data"]["status"] == "failed"
     # A job that has ended already: the final state at once, same exit code.
-    again = [json.loads(line) for line in cli("jobs", "watch", job.id, "--json", code=3).stdout.splitlines()]
+    again = [json.loads(line) for line in cli("jobs", "watch", job_id, "--json", code=3).stdout.splitlines()]
     assert again[-1]["data"]["status"] == "failed"

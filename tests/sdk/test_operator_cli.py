@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.sdk.conftest import cached_settings_env
 from tunefleet.cli import app
 
 
@@ -28,15 +29,8 @@ def operator_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
     for name in [k for k in os.environ if k.startswith("TUNEFLEET_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("TUNEFLEET_DATA_DIR", str(tmp_path / "data"))
-
-    def set_env(**values: str) -> None:
-        for key, value in values.items():
-            monkeypatch.setenv(f"TUNEFLEET_{key.upper()}", value)
-        get_settings.cache_clear()
-
-    get_settings.cache_clear()
-    yield set_env
-    get_settings.cache_clear()
+    with cached_settings_env(monkeypatch, "TUNEFLEET_", get_settings) as set_env:
+        yield set_env
 
 
 def operator(*args: str, code: int = 0) -> Any:

@@ -21,8 +21,7 @@ import time
 
 import pytest
 
-from tests.sdk.conftest import DEMO_MODEL, JobDriver, Service, chat_jsonl
-from tunefleet import Tunefleet
+from tests.sdk.conftest import JobDriver, Service, queued_job
 
 # Rendering does not depend on the database: one backend is enough here.
 pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
@@ -61,10 +60,8 @@ def run_in_pty(args: list[str], env: dict[str, str], timeout: float) -> tuple[in
 
 
 def test_watch_shows_live_progress_and_final_status(service: Service) -> None:
-    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
-        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
-        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
-    driver = JobDriver(service, job.id)
+    job_id = queued_job(service)
+    driver = JobDriver(service, job_id)
     driver.start()
     driver.report(driver.metric(1, 4, 2.75, tokens_per_s=1500.0))
 
@@ -82,7 +79,7 @@ def test_watch_shows_live_progress_and_final_status(service: Service) -> None:
     env = {**os.environ, **service.env, "TERM": "xterm-256color", "OMP_NUM_THREADS": "1"}
     env.pop("COLUMNS", None)
     code, screen = run_in_pty(
-        [sys.executable, "-c", "from tunefleet.cli import app; app()", "jobs", "watch", job.id], env, timeout=60
+        [sys.executable, "-c", "from tunefleet.cli import app; app()", "jobs", "watch", job_id], env, timeout=60
     )
     trainer.join()
     text = ANSI.sub("", screen)
@@ -91,22 +88,20 @@ def test_watch_shows_live_progress_and_final_status(service: Service) -> None:
     assert "1,504 tok/s" in text and "loss 1.5000" in text
     assert re.search(r"ETA \d+:\d\d", text)
     assert "[info] exported the adapter" in text
-    assert f"{job.id} succeeded" in text
+    assert f"{job_id} succeeded" in text
     assert "\x1b[" in screen  # it really drew a live terminal display, not plain lines
 
 
 def test_watch_of_a_failed_job_exits_3(service: Service) -> None:
-    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
-        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
-        job = client.jobs.create(model=DEMO_MODEL, training_file=fid)
-    driver = JobDriver(service, job.id)
+    job_id = queued_job(service)
+    driver = JobDriver(service, job_id)
     driver.start()
     driver.report({"type": "error", "code": "nan_loss", "message": "loss became NaN at step 3"})
     driver.finish("failed")
     env = {**os.environ, **service.env, "TERM": "xterm-256color"}
     code, screen = run_in_pty(
-        [sys.executable, "-c", "from tunefleet.cli import app; app()", "jobs", "watch", job.id], env, timeout=60
+        [sys.executable, "-c", "from tunefleet.cli import app; app()", "jobs", "watch", job_id], env, timeout=60
     )
     text = ANSI.sub("", screen)
     assert code == 3, text
-    assert f"{job.id} failed: loss became NaN at step 3" in text
+    assert f"{job_id} failed: loss became NaN at step 3" in text

@@ -21,38 +21,27 @@ _LLAMA_31 = {"model_type": "llama", "attention_bias": False, "mlp_bias": False, 
              "max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
              "rope_scaling": LLAMA_31_ROPE, "rope_theta": 500000.0, "tie_word_embeddings": False,
              "vocab_size": 128256, "pretraining_tp": 1}
+# What the published configs of one family share, as _LLAMA_31 for Llama 3.1.
+_QWEN25 = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+           "use_sliding_window": False}
+_QWEN3 = {"model_type": "qwen3", "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
+          "max_position_embeddings": 40960, "max_window_layers": 36, "num_attention_heads": 32,
+          "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+          "rope_theta": 1000000, "sliding_window": None, "use_sliding_window": False, "vocab_size": 151936}
 
 PUBLISHED_CONFIGS: dict[str, dict] = {
-    "Qwen/Qwen2.5-7B": {
-        "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
-        "max_position_embeddings": 131072, "max_window_layers": 28, "num_attention_heads": 28,
-        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-        "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
-        "vocab_size": 152064,
-    },
+    "Qwen/Qwen2.5-7B": {**_QWEN25, "hidden_size": 3584, "intermediate_size": 18944,
+                        "max_position_embeddings": 131072, "max_window_layers": 28, "num_attention_heads": 28,
+                        "num_hidden_layers": 28, "num_key_value_heads": 4, "sliding_window": 131072,
+                        "tie_word_embeddings": False, "vocab_size": 152064},
     "Qwen/Qwen2.5-3B": {  # tied embeddings and Qwen's 151,936-token vocabulary
-        "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008,
-        "max_position_embeddings": 32768, "max_window_layers": 36, "num_attention_heads": 16,
-        "num_hidden_layers": 36, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-        "sliding_window": 32768, "tie_word_embeddings": True, "use_sliding_window": False,
-        "vocab_size": 151936,
+        **_QWEN25, "hidden_size": 2048, "intermediate_size": 11008, "max_position_embeddings": 32768,
+        "max_window_layers": 36, "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 2,
+        "sliding_window": 32768, "tie_word_embeddings": True, "vocab_size": 151936,
     },
-    "Qwen/Qwen3-8B": {
-        "model_type": "qwen3", "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
-        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-        "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
-    "Qwen/Qwen3-4B": {  # tied, and head_dim (128) != hidden / heads (80)
-        "model_type": "qwen3", "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 2560, "intermediate_size": 9728, "max_position_embeddings": 40960,
-        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-        "sliding_window": None, "tie_word_embeddings": True, "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
+    "Qwen/Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
+    # tied, and head_dim (128) != hidden / heads (80)
+    "Qwen/Qwen3-4B": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
     "mistralai/Mistral-7B-v0.3": {
         "model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
         "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
