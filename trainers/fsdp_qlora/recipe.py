@@ -186,19 +186,20 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             else nullcontext()
         )
 
+        def write_adapter(d: Path, adapter: dict[str, torch.Tensor]) -> None:
+            """The gathered ``adapter`` as a finished PEFT adapter directory (rank 0 only)."""
+            write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
+                               target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
+            finish_adapter(d, spec)
+
         def checkpoint_now() -> Path:
             adapter = gather_adapter_state(model)  # collective: every rank
-
-            def write_adapter(d: Path) -> None:
-                write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
-                                   target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
-                finish_adapter(d, spec)
-
             state = TrainerState(step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
                                  metrics=dict(last), extra={"tokens_seen": tokens_seen,
                                                             "world_size": ctx.world_size})
             path = save_checkpoint_distributed(spec.checkpoint.dir, state, model, optimizer, ctx,
-                                               keep_last=spec.checkpoint.keep_last, write_adapter=write_adapter)
+                                               keep_last=spec.checkpoint.keep_last,
+                                               write_adapter=lambda d: write_adapter(d, adapter))
             if ctx.is_main:
                 reporter.checkpoint(step, str(path), dict(last))
             return path
@@ -249,10 +250,7 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
         checkpoint_now()
         adapter = gather_adapter_state(model)
         if ctx.is_main:
-            write_peft_adapter(output_dir / ADAPTER_DIR, peft_weights(adapter), r=a.r, alpha=a.alpha,
-                               dropout=a.dropout, target_modules=a.target_modules,
-                               base_model_name_or_path=spec.model.path)
-            finish_adapter(output_dir / ADAPTER_DIR, spec)
+            write_adapter(output_dir / ADAPTER_DIR, adapter)
             write_training_config(output_dir, spec)
             (output_dir / "data_stats.json").write_text(json.dumps(data.stats(), indent=2), encoding="utf-8")
             files = finalize_outputs(output_dir)
