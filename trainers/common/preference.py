@@ -36,7 +36,7 @@ from trainers.common.data import (
     TrainingData,
     epoch_order,
 )
-from trainers.common.job_data import JobData
+from trainers.common.job_data import JobData, load_job_data
 from trainers.errors import UserError
 
 REWARD_NAMES = ("chosen", "rejected", "accuracy", "margin")
@@ -219,3 +219,10 @@ def load_preference_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None
         train=data(d.train_file, d.shuffle),
         validation=data(d.validation_file, False) if d.validation_file else None,
     )
+
+
+def load_training_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None) -> JobData | PreferenceJobData:
+    """What the spec's method trains on: preference pairs for DPO
+    (:func:`load_preference_data`), examples otherwise (``job_data.load_job_data``)."""
+    load = load_preference_data if spec.method.type == "dpo" else load_job_data
+    return load(spec, tokenizer, pad_to=pad_to)

@@ -55,7 +55,6 @@ from trainers.common.checkpointing import (
 from trainers.common.data import DataCursor
 from trainers.common.job_data import (
     check_inputs_exist,
-    load_job_data,
     load_tokenizer,
     total_optimizer_steps,
 )
@@ -74,7 +73,7 @@ from trainers.common.outputs import (
     write_training_config,
 )
 from trainers.common.peft_export import write_peft_adapter
-from trainers.common.preference import load_preference_data
+from trainers.common.preference import load_training_data
 from trainers.common.schedules import learning_rate_at
 from trainers.errors import Preempted, UserError
 from trainers.fsdp_qlora.checkpoint import (
@@ -149,7 +148,7 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
         # DPO reads preference pairs: a micro-batch is micro_batch_size pairs, chosen then
         # rejected rows (trainers.common.preference); the rest of the loop is the same.
         dpo = PreferenceObjective(spec.method.beta, spec.method.sft_weight) if spec.method.type == "dpo" else None
-        data = load_preference_data(spec, tokenizer) if dpo else load_job_data(spec, tokenizer)
+        data = load_training_data(spec, tokenizer)
         total_steps = total_optimizer_steps(spec, data.train)
         micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
 
