@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import secrets
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,26 +29,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tunefleet.demo import DEMO_MODEL_ID, demo_examples, ensure_demo_model
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(what)
-
+from bench.service_harness import embedded_service, upload_jsonl, wait_for
+from tunefleet.demo import DEMO_MODEL_ID, demo_examples
 
 
 def main() -> None:
@@ -59,26 +38,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
 
-    data_dir = Path(tempfile.mkdtemp(prefix="tf-bench-"))
-    port = _free_port()
-    key = f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}"
-    env = {**os.environ, "TUNEFLEET_DATA_DIR": str(data_dir), "TUNEFLEET_ADMIN_API_KEY": key,
-           "TUNEFLEET_SCHEDULE_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"}
-    ensure_demo_model(data_dir / "models")  # built once before timing, as `serve --demo` does
-    log = (data_dir / "serve.log").open("wb")
-    serve = subprocess.Popen(
-        [sys.executable, "-c", "from tunefleet.cli import app; app()", "serve", "--port", str(port)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
     results = []
-    try:
-        _wait(lambda: _get_ok(f"{base}/healthz"), 120, "the API")
-        http = httpx.Client(base_url=f"{base}/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        body = "".join(__import__("json").dumps(e) + "\n" for e in demo_examples(64)).encode()
-        file_id = http.post("/files", data={"purpose": "fine-tune"},
-                            files={"file": ("demo.jsonl", body, "application/jsonl")}).json()["id"]
-        _wait(lambda: http.get(f"/files/{file_id}").json()["status"] == "processed", 60, "validation")
+    with embedded_service({"TUNEFLEET_SCHEDULE_INTERVAL_S": "0.5"}) as service:
+        http = service.http
+        file_id = upload_jsonl(http, demo_examples(64), "demo.jsonl")
         time.sleep(5)  # let the worker and scheduler settle after start-up
         for run in range(args.runs):
             t0 = time.time()
@@ -88,30 +51,17 @@ def main() -> None:
                 "max_seq_len": 64,
             }).json()
             job_id = job["id"]
-            running = _wait(lambda j=job_id: _status_time(http, j, "running"), 120, "running")
-            first = _wait(lambda j=job_id: _first_metric_time(http, j), 180, "first step")
-            _wait(lambda j=job_id: http.get(f"/fine_tuning/jobs/{j}").json()["status"] in
-                  ("succeeded", "failed", "cancelled"), 300, "the end")
+            running = wait_for(lambda j=job_id: _status_time(http, j, "running"), 120, "running")
+            first = wait_for(lambda j=job_id: _first_metric_time(http, j), 180, "first step")
+            wait_for(lambda j=job_id: http.get(f"/fine_tuning/jobs/{j}").json()["status"] in
+                     ("succeeded", "failed", "cancelled"), 300, "the end")
             results.append((running - t0, first - t0))
             print(f"run {run}: running after {running - t0:.2f} s, first step after {first - t0:.2f} s", flush=True)
-    finally:
-        serve.terminate()
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            serve.kill()
     admit = statistics.median(r[0] for r in results)
     first = statistics.median(r[1] for r in results)
     load = os.getloadavg()[0]
     print(f"median: running after {admit:.2f} s, first step after {first:.2f} s (goal <= 15 s)")
     _record(admit, first, results, load, args.runs)
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _status_time(http: httpx.Client, job_id: str, status: str) -> float | None:
