@@ -8,6 +8,7 @@ quantization blocks); logits and LoRA gradients against peft on that same 4-bit 
 
 from __future__ import annotations
 
+import bitsandbytes.functional as bnb_functional
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -25,8 +26,6 @@ from trainers.jax_lora.model import PROJECTIONS, forward, param_axes, param_shap
 from trainers.jax_lora.nf4 import NF4_LEVELS, dequantize, nf4_project, quantize_kernel
 from trainers.jax_lora.sharding import check_replication, make_mesh, sharding_report, tree_shardings
 from trainers.jax_lora.step import StepConfig, make_loss_and_grads
-
-bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 
 def _weight(dtype: torch.dtype, seed: int = 0, shape: tuple[int, int] = (96, 192)) -> torch.Tensor:
