@@ -9,12 +9,21 @@ environment. A process is not a pod, so a few things are rewritten or given, all
   not write: the image's ``PATH`` (its virtualenv) and ``PYTHONUNBUFFERED``, a ``HOME``,
   and the API server's address (``KUBECONFIG`` standing in for the in-cluster service
   account, whose paths are fixed); one OpenMP thread, because the machine is shared.
+  ``PYTHONPATH`` names this checkout: the image's code is the code under test, not
+  whichever checkout the virtualenv's editable install points to (the ``tunefleet``
+  program would import that one).
 - mount paths: each mount of a container (``/etc/tunefleet``, the ``/tmp`` emptyDir) is a
   directory of its own, and the container's env values and arguments name that directory
   instead of the mount path.
 - container ports: pods have a network namespace each, processes share one, so a port two
-  containers declare (the worker's and the scheduler's ``metrics``) is a free port of each
-  process: env values and arguments that name it name that port instead.
+  containers declare (the worker's and the scheduler's ``metrics``, the ``http`` port of a
+  second API replica) is a free port of each process: env values that are that port and
+  arguments that name it name the free port instead (a URL in an env value names a
+  Service, which is not rewritten).
+- trainer images: the fake kubelet runs this machine's interpreter, so what the trainer
+  image sets is given to it (``trainer_image_env``: the ``HOME`` of its ``USER``, its
+  ``HF_HOME``), and it enforces ``readOnlyRootFilesystem`` (``read_only_root``) as a node
+  does: the trainer may write to its volumes only.
 - the images' programs (``tunefleet``, ``uvicorn``) are this virtualenv's.
 
 Hosts are not rewritten: the values name this machine's (PostgreSQL, Redis, the S3
@@ -44,6 +53,19 @@ VENV_BIN = Path(sys.executable).parent
 FAKE_CLUSTER_KINDS = {"Namespace": "namespaces", "Secret": "secrets", "ConfigMap": "configmaps"}
 
 
+TRAINER_DOCKERFILE = REPO / "deploy" / "docker" / "trainer-torch-cuda.Dockerfile"
+
+
+def trainer_image_env() -> dict[str, str]:
+    """The environment the trainer image sets that matters to where a trainer writes: the
+    home directory of the user it runs as (its working directory too) and ``HF_HOME``."""
+    text = TRAINER_DOCKERFILE.read_text()
+    home = re.search(r"useradd [^\n]*--home-dir (\S+)", text)
+    hf_home = re.search(r"\bHF_HOME=(\S+)", text)
+    assert home and hf_home, f"{TRAINER_DOCKERFILE} no longer names its user's home or HF_HOME"
+    return {"HOME": home.group(1), "HF_HOME": hf_home.group(1)}
+
+
 def rendered(values: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     """Every object the chart renders for ``values`` (``helm template``)."""
     docs: list[dict[str, Any]] = []
@@ -55,7 +77,7 @@ def rendered(values: dict[str, Any]) -> tuple[dict[str, Any], ...]:
 
 def process_env(kubeconfig: Path | None, home: Path) -> dict[str, str]:
     """``PROCESS_ENV`` of the module docstring."""
-    env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
+    env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
            "HOME": str(home), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
     if kubeconfig is not None:
         env["KUBECONFIG"] = str(kubeconfig)
@@ -112,11 +134,12 @@ class Container:
         ports = {p["name"]: (p["containerPort"], free_port()) for p in container.get("ports") or []
                  if p.get("name") in shared_ports}
 
-        def rewrite(text: str) -> str:
+        def rewrite(text: str, *, argument: bool = False) -> str:
             for declared, local in ports.values():
                 if text == str(declared):
                     return str(local)
-                text = re.sub(rf"([=:]){declared}\b", rf"\g<1>{local}", text)
+                if argument:
+                    text = re.sub(rf"([=:]){declared}\b", rf"\g<1>{local}", text)
             for path in sorted(mounts, key=len, reverse=True):
                 if text == path or text.startswith(path + "/") or f"={path}" in text:
                     return text.replace(path, str(mounts[path]), 1)
@@ -143,7 +166,7 @@ class Container:
                 assert ref.get("optional"), f"{name}: env {item['name']}: {kind_} {ref['name']} has no {ref['key']}"
                 continue
             env[item["name"]] = value
-        argv = [rewrite(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+        argv = [rewrite(a, argument=True) for a in (container.get("command") or []) + (container.get("args") or [])]
         if argv[0] in ("tunefleet", "uvicorn"):
             argv[0] = str(VENV_BIN / argv[0])
         return cls(name=name, argv=argv, env=env, root=root, log=root / "log", mounts=mounts,

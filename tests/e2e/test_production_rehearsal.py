@@ -4,27 +4,31 @@ The chart is rendered with production values (``environment: production``, exter
 PostgreSQL and Redis, an S3 artifact store -- a moto server -- with static keys by value,
 a trainer ServiceAccount (IRSA), the Kubernetes executor on two node pools, a metrics
 token, a trainer PriorityClass and runtime limit, Kueue with WorkloadPriorityClasses).
-The migration Job's container, then the API's, worker's and scheduler's, run as local
-processes exactly as rendered (``tests/e2e/rehearsal.py`` lists what a process gets that
-a pod would not). The rendered
+The migration Job's container, then the API's (each of its replicas), worker's and
+scheduler's, run as local processes exactly as rendered (``tests/e2e/rehearsal.py`` lists
+what a process gets that a pod would not). The rendered
 objects of the training namespace (its Namespace, the trainer credentials Secret) are
 created in the fake Kubernetes API server, whose kubelet runs each trainer pod with the
-env, envFrom, mounts and command the executor gave it: a credential or setting the chart
-or the executor forgets fails the job here as it would on a cluster.
+env, envFrom, mounts and command the executor gave it, and with what the trainer image
+sets (its HOME) on a read-only root filesystem: it writes to its volumes only. Its
+scheduler fits the trainer's CPU and memory requests on the pool's nodes. A credential,
+setting or writable volume the chart or the executor forgets fails the job here as it
+would on a cluster.
 
 Through the official ``openai`` SDK a file is uploaded and a job created on a base model
 that lives in the bucket (``s3://``); the test plays Kueue (the Job is created suspended
 and admitted after a delay); the job trains on the pool that holds it, its adapter is
 written to the bucket and downloads through the API; the API's, worker's and scheduler's
-``/metrics`` answer the metrics token only, and their database gauges count the job once.
+``/metrics`` answer the metrics token only, and their database gauges, summed over every
+replica, count the job once.
 Then two more jobs: one whose trainer pod is OOMKilled (failed, out_of_memory, not
 retried), one cancelled while it trains.
 
 Production refuses webhook targets on private addresses, which is all this machine has:
 the test checks that refusal, not a delivery (the delivery path is rehearsed on
 PostgreSQL + Redis in tests/integrations/test_webhooks_production.py). Not rehearsed
-here: a preemption (by a higher-priority job or by Kueue re-suspending the Job), and
-several API replicas.
+here: a preemption (by a higher-priority job or by Kueue re-suspending the Job), so
+neither is the Job's podFailurePolicy for it.
 """
 
 from __future__ import annotations
@@ -44,8 +48,15 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import IN_CI, PG_ADMIN_DSN, free_port
+from tests.deploy.chart import find
 from tests.e2e.conftest import tiny_model_dir  # noqa: F401 (fixture)
-from tests.e2e.rehearsal import Container, apply_to_fake_cluster, process_env, rendered
+from tests.e2e.rehearsal import (
+    Container,
+    apply_to_fake_cluster,
+    process_env,
+    rendered,
+    trainer_image_env,
+)
 from tests.e2e.test_local_training import wait_for
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.test_e2e_fake_cluster import RTX_POOL, SMALL_POOL
@@ -59,6 +70,11 @@ BUCKET = "tunefleet-artifacts"
 MODEL_ID = "tiny-llama-s3"
 ROLE_ARN = "arn:aws:iam::123456789012:role/tunefleet-trainer"
 ACCESS_KEY, SECRET_KEY = "AKIAREHEARSAL0000000", "rehearsal/secret/key/0000000000000000000"
+TRAINER_IMAGE = "ghcr.io/tunefleet/trainer-torch-cuda:rehearsal"
+# The rtx4090 pool's CPU and memory per trainer GPU, and its nodes' allocatable: two 1-GPU
+# trainers fit a node at these requests, not at the pools file's defaults (4 CPU, 16 GiB).
+RTX_TRAINER_RESOURCES = {"cpu_per_gpu": 1.5, "memory_gib_per_gpu": 6, "memory_limit_gib_per_gpu": 8}
+RTX_NODE = {"cpu": "4", "memory": "16Gi"}
 
 
 def _host_address() -> str:
@@ -105,7 +121,8 @@ def s3_endpoint():
 
 def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, admin_key: str,
             metrics_token: str) -> dict:
-    pools = [{**p, "trainer_image": "ghcr.io/tunefleet/trainer-torch-cuda:rehearsal"} for p in (SMALL_POOL, RTX_POOL)]
+    pools = [{**SMALL_POOL, "trainer_image": TRAINER_IMAGE},
+             {**RTX_POOL, "trainer_image": TRAINER_IMAGE, "trainer_resources": RTX_TRAINER_RESOURCES}]
     return {
         "environment": "production",
         "publicUrl": public_url,
@@ -163,29 +180,42 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
         c = api.cluster
         created = apply_to_fake_cluster(c, docs, TRAINING_NS)
         assert f"Secret/{FULL}-trainer-s3" in created, created  # the static keys, where trainer pods read them
-        for pool in (SMALL_POOL, RTX_POOL):
+        for pool, size in ((SMALL_POOL, {}), (RTX_POOL, RTX_NODE)):
             c.add_node(f"{pool['name']}-0", labels=pool["node_selector"], gpus=pool["gpus_per_node"],
                        resource_name=pool["resource_name"],
                        taints=[{"key": t["key"], "effect": t["effect"], **({"value": t["value"]} if "value" in t else {})}
-                               for t in pool["tolerations"]])
+                               for t in pool["tolerations"]], **size)
+        # the trainer image's HOME and HF_HOME, and its read-only root filesystem
+        c.images[TRAINER_IMAGE] = trainer_image_env()
+        c.read_only_root = True
         kubeconfig = _kubeconfig(tmp_path / "kubeconfig", api.url)
 
-        def container(kind: str, component: str, *, cluster_access: bool = True) -> Container:
-            return Container.from_chart(docs, kind, f"{FULL}-{component}", tmp_path / component,
+        def container(kind: str, component: str, *, cluster_access: bool = True, replica: int = 0) -> Container:
+            # a second replica of a Deployment is one more pod: its ports are its own
+            return Container.from_chart(docs, kind, f"{FULL}-{component}", tmp_path / f"{component}-{replica}",
                                         process_env(kubeconfig if cluster_access else None, tmp_path / "home"),
-                                        shared_ports=("metrics",))
+                                        shared_ports=("metrics", "http") if replica else ("metrics",))
 
         (tmp_path / "home").mkdir()
+        # Helm runs the migration Job before it creates the Deployments because it is a hook
+        (hook,) = find(docs, "Job", f"{FULL}-migrations")
+        assert {"pre-install", "pre-upgrade"} <= set(hook["metadata"]["annotations"]["helm.sh/hook"].split(","))
         migrations = container("Job", "migrations", cluster_access=False)
         assert migrations.run(timeout=180) == 0, migrations.tail()
-        roles = [container("Deployment", name) for name in ("api", "worker", "scheduler")]
+        # every replica of the API -- the chart's default of two, so that database gauges every
+        # replica exported would count twice -- one worker and the scheduler
+        (api_deployment,) = find(docs, "Deployment", f"{FULL}-api")
+        assert api_deployment["spec"]["replicas"] == 2
+        roles = [container("Deployment", "api", replica=i) for i in range(api_deployment["spec"]["replicas"])]
+        roles += [container("Deployment", name) for name in ("worker", "scheduler")]
         for role in roles:
             role.start()
         try:
             _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path)
         except BaseException:
             print(*(r.tail() for r in [migrations, *roles]),
-                  *(c.read_log(p["metadata"]["uid"])[-3000:] for p in c.pods()), sep="\n")
+                  # every trainer pod that started, deleted ones too (a relaunch deletes them)
+                  *(f"----- pod {uid} -----\n{c.read_log(uid)[-3000:]}" for uid in c.pod_dirs), sep="\n")
             raise
         finally:
             for role in roles:
@@ -193,9 +223,12 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
 
 
 def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path) -> None:
-    api_role = roles[0]
-    wait_for(lambda: _ready(public_url) or not api_role.alive(), 90, "the API to be ready")
-    assert api_role.alive(), "the API exited"
+    *api_replicas, worker, scheduler = roles
+    # the first replica behind the public URL (the Service), the others on their own ports
+    apis = {public_url: api_replicas[0], **{f"http://127.0.0.1:{r.ports['http']}": r for r in api_replicas[1:]}}
+    for url, api_role in apis.items():
+        wait_for(lambda u=url, r=api_role: _ready(u) or not r.alive(), 90, f"the API replica at {url} to be ready")
+        assert api_role.alive(), f"the API replica at {url} exited"
     oai = OpenAI(api_key=admin_key, base_url=f"{public_url}/v1", max_retries=0, timeout=30.0)
     http = httpx.Client(base_url=f"{public_url}/v1", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
 
@@ -226,6 +259,12 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"{FULL}-trainer-s3"}}]
     # the identity for IRSA / workload identity, with no Kubernetes API token
     assert pod["serviceAccountName"] == f"{FULL}-trainer" and pod["automountServiceAccountToken"] is False
+    # the pool's CPU and memory for one GPU (what the scheduler fits on its nodes), the memory
+    # limit that gets an out-of-memory trainer OOMKilled alone
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1500m", "memory": "6Gi", "nvidia.com/gpu": "1"},
+                                                 "limits": {"memory": "8Gi", "nvidia.com/gpu": "1"}}
+    # what the fake kubelet enforces: the trainer writes to its volumes only
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     time.sleep(2)
     assert not c.pods(job.id), "pods of a Job Kueue has not admitted"
     wait_for(lambda: any("waiting for Kueue" in e.message for e in oai.fine_tuning.jobs.list_events(job.id).data),
@@ -253,7 +292,8 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
 
     # /metrics of every component: the metrics token and nothing else; the database gauges
     # summed over all of them count the job once
-    endpoints = [f"{public_url}/metrics", *(f"http://127.0.0.1:{r.ports['metrics']}/metrics" for r in roles[1:])]
+    endpoints = [f"{url}/metrics" for url in apis] + [
+        f"http://127.0.0.1:{r.ports['metrics']}/metrics" for r in (worker, scheduler)]
     succeeded = 0.0
     for url in endpoints:
         assert httpx.get(url, timeout=10).status_code == 401, url

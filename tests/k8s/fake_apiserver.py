@@ -17,8 +17,8 @@ runs the *unmodified* official ``kubernetes`` client against it:
 Behind the API sit a tiny job controller (pods for Jobs, ``Indexed`` completion
 indexes, Job conditions, ``podFailurePolicy`` rules -- FailJob, Ignore with a replacement
 pod, Count towards ``backoffLimit`` -- and ``activeDeadlineSeconds``), scheduler
-(nodeSelector, tolerations, GPU requests against node allocatable; Unschedulable
-otherwise), kubelet (runs a scheduled pod's container command as a local process, with env
+(nodeSelector, tolerations, GPU, CPU and memory requests against node allocatable;
+Unschedulable otherwise), kubelet (runs a scheduled pod's container command as a local process, with env
 from values/Secrets/fieldRefs and every key of envFrom Secrets/ConfigMaps, ConfigMap volumes
 written to a per-pod directory, SIGTERM + grace period on deletion, the termination message
 file; an evicted or node-lost pod gets the DisruptionTarget condition) and garbage
@@ -31,6 +31,14 @@ paths in the command, env values and mounted ConfigMap files; pod DNS names of a
 headless Service resolve to 127.0.0.1 the same way. Tests can inject failures:
 ``fail_image`` (ImagePullBackOff), ``oom_kill`` (OOMKilled), ``evict`` (Evicted),
 ``lose_node`` (node lost), and ``expire_history`` (forces 410 on old watches).
+
+A test may also give the environment an image sets (``images``: its ``ENV``, the ``HOME``
+of its ``USER``), which a container gets before its own env, and turn on
+``read_only_root``: a container whose ``securityContext`` asks for
+``readOnlyRootFilesystem`` may then write to its volumes only (and to ``/dev``, a mount of
+every container), as on a node. A local process cannot be given a read-only root, so its
+Python is: an audit hook (``sitecustomize`` on its ``PYTHONPATH``) refuses every write
+outside those paths with EROFS, where the kernel would.
 """
 
 from __future__ import annotations
@@ -59,6 +67,38 @@ NAMESPACED = {"pods": ("", "v1", "Pod"), "services": ("", "v1", "Service"), "con
               "secrets": ("", "v1", "Secret"), "jobs": ("batch", "v1", "Job")}
 CLUSTER = {"namespaces": ("", "v1", "Namespace"), "nodes": ("", "v1", "Node")}
 HISTORY = 10_000
+# The audit hook of ``read_only_root`` (module docstring): ``writable.json`` next to it
+# lists the paths a container may write under.
+READ_ONLY_ROOT_HOOK = """\
+import errno, json, os, sys
+from pathlib import Path
+
+_WRITABLE = tuple(json.loads(Path(__file__).with_name("writable.json").read_text()))
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_PATH_ARGS = {"os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.truncate": (0,),
+              "os.rename": (0, 1), "os.replace": (0, 1), "os.link": (1,), "os.symlink": (1,)}
+
+
+def _refuse(path):
+    if isinstance(path, int):  # a file descriptor already open
+        return
+    real = os.path.realpath(os.fsdecode(path))
+    if not any(real == root or real.startswith(root + os.sep) for root in _WRITABLE):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+
+def _hook(event, args):
+    if event == "open":
+        path, mode, flags = args
+        if (any(c in mode for c in "wax+") if isinstance(mode, str) else flags & _WRITE_FLAGS):
+            _refuse(path)
+    elif event in _PATH_ARGS:
+        for i in _PATH_ARGS[event]:
+            _refuse(args[i])
+
+
+sys.addaudithook(_hook)
+"""
 
 
 def _now() -> str:
@@ -68,6 +108,19 @@ def _now() -> str:
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
+
+
+_QUANTITY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9,
+                      "T": 1e12, "m": 1e-3}
+
+
+def _quantity(value: str | float) -> float:
+    """A Kubernetes quantity ("500m", "16Gi", "2") as a number."""
+    text = str(value)
+    for suffix, factor in _QUANTITY_SUFFIXES.items():
+        if text.endswith(suffix):
+            return float(text[:-len(suffix)]) * factor
+    return float(text)
 
 
 def _match_labels(obj: dict[str, Any], selector: str | None) -> bool:
@@ -133,6 +186,8 @@ class FakeCluster:
         self.pod_dirs: dict[str, Path] = {}
         self.kill_reason: dict[str, tuple[str, str, int]] = {}  # pod uid -> (reason, message, exit code)
         self.replaced: set[str] = set()  # uids of failed pods a podFailurePolicy Ignore replaced
+        self.images: dict[str, dict[str, str]] = {}  # image -> the environment it sets
+        self.read_only_root = False  # enforce readOnlyRootFilesystem (module docstring)
 
     # --- store -------------------------------------------------------------------------
     def _bump(self, resource: str, ns: str, type_: str, obj: dict[str, Any]) -> None:
@@ -278,7 +333,9 @@ class FakeCluster:
                 pod["metadata"]["deletionGracePeriodSeconds"] = grace
                 self._bump("pods", ns, "MODIFIED", pod)
                 proc.send_signal(signal.SIGTERM)
-                threading.Timer(grace, lambda: proc.poll() is None and proc.kill()).start()
+                killer = threading.Timer(grace, lambda: proc.poll() is None and proc.kill())
+                killer.daemon = True  # the test's process exits without waiting out a grace period
+                killer.start()
             return  # removed by the kubelet loop once the process has exited
         self.remove("pods", ns, name)
 
@@ -300,8 +357,10 @@ class FakeCluster:
 
     # --- test controls -----------------------------------------------------------------
     def add_node(self, name: str, *, labels: dict[str, str], gpus: int, resource_name: str | None,
-                 taints: list[dict[str, str]] | None = None) -> None:
-        allocatable = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+                 taints: list[dict[str, str]] | None = None, cpu: str = "192", memory: str = "2Ti") -> None:
+        """A Ready node; its CPU and memory by default those of an 8-GPU server, which hold
+        the trainers of the chart's pools."""
+        allocatable = {"cpu": cpu, "memory": memory, "pods": "110"}
         if resource_name:
             allocatable[resource_name] = str(gpus)
         self.create("nodes", "", {"metadata": {"name": name, "labels": dict(labels)},
@@ -457,12 +516,14 @@ class FakeCluster:
             "spec": spec, "status": {"phase": "Pending"}})
 
     @staticmethod
-    def _requests(pod: dict[str, Any]) -> dict[str, int]:
-        out: dict[str, int] = {}
+    def _requests(pod: dict[str, Any]) -> dict[str, float]:
+        """What the pod's containers request (a resource with a limit only requests its limit)."""
+        out: dict[str, float] = {}
         for c in pod["spec"]["containers"]:
-            for k, v in ((c.get("resources") or {}).get("requests") or (c.get("resources") or {}).get("limits") or {}).items():
-                if k.endswith("/gpu"):
-                    out[k] = out.get(k, 0) + int(v)
+            resources = c.get("resources") or {}
+            for k, v in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items():
+                if k.endswith("/gpu") or k in ("cpu", "memory"):
+                    out[k] = out.get(k, 0) + _quantity(v)
         return out
 
     @staticmethod
@@ -479,7 +540,7 @@ class FakeCluster:
 
     def _scheduler(self) -> None:
         nodes = [o for (r, _, _), o in self.objects.items() if r == "nodes"]
-        used: dict[str, dict[str, int]] = {}
+        used: dict[str, dict[str, float]] = {}
         for (r, _, _), p in self.objects.items():
             if r == "pods" and p["spec"].get("nodeName") and p["status"].get("phase") in ("Pending", "Running"):
                 for k, v in self._requests(p).items():
@@ -503,8 +564,10 @@ class FakeCluster:
                     reasons.append("had untolerated taint")
                     continue
                 alloc = node["status"]["allocatable"]
-                if any(int(alloc.get(k, 0)) - used.get(node["metadata"]["name"], {}).get(k, 0) < v for k, v in want.items()):
-                    reasons.append("Insufficient " + ", ".join(want))
+                short = [k for k, v in want.items()
+                         if _quantity(alloc.get(k, 0)) - used.get(node["metadata"]["name"], {}).get(k, 0) < v]
+                if short:
+                    reasons.append("Insufficient " + ", ".join(short))
                     continue
                 chosen = node
                 break
@@ -608,6 +671,7 @@ class FakeCluster:
                 for key, value in ((sec or {}).get("data") or {}).items():
                     (Path(mapping[m["mountPath"]]) / key).write_bytes(base64.b64decode(value))
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")}
+        env.update({k: rewrite(v) for k, v in self.images.get(container["image"], {}).items()})
         env["OMP_NUM_THREADS"] = "1"
         env["HOSTNAME"] = spec.get("hostname") or pod["metadata"]["name"]
         for source in container.get("envFrom") or []:  # every key; env below takes precedence
@@ -639,6 +703,15 @@ class FakeCluster:
                     env[e["name"]] = pod["metadata"]["name"]
                 elif path == "metadata.namespace":
                     env[e["name"]] = ns
+        if self.read_only_root and (container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+            writable = [mapping.get(m["mountPath"], m["mountPath"]) for m in container.get("volumeMounts") or []
+                        if not m.get("readOnly")]
+            guard = root / "read-only-root"
+            guard.mkdir()
+            (guard / "sitecustomize.py").write_text(READ_ONLY_ROOT_HOOK)
+            (guard / "writable.json").write_text(json.dumps(
+                [os.path.realpath(p) for p in (*writable, mapping[tlog], "/dev")]))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(guard), env.get("PYTHONPATH"))))
         argv = [rewrite(a) for a in (container.get("command") or []) + (container.get("args") or [])]
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable  # every "image" runs this machine's interpreter
