@@ -87,18 +87,38 @@ def classify(exc: BaseException) -> TrainerError:
     for e in _chain(exc):
         if isinstance(e, MemoryError) or _is_framework_oom(e):
             return OutOfMemory(f"out of memory: {e}")
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return DiskFull(f"no space left on device: {e}")
+        if _is_disk_full(e):
+            return DiskFull(f"no space left on device ({e}); free disk space where the job writes its "
+                            "checkpoints and outputs, then run it again")
     err = TrainerError(f"{type(exc).__name__}: {exc}", code="internal_error")
     return err
 
 
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in _DISK_FULL_ERRNOS
+    # Writers in Rust (safetensors) raise their own type, the OS error only in the text.
+    return any(f"(os error {number})" in str(exc) for number in _DISK_FULL_ERRNOS)
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes and contexts, and the per-rank errors a wrapper carries:
+    torch.distributed.checkpoint raises one ``CheckpointException`` whose ``failures``
+    maps each rank to its (exception, traceback), not chained as a cause."""
     seen: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in seen:
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop(0)
+        if cur is None or any(cur is s for s in seen):
+            continue
         seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
+        failures = getattr(cur, "failures", None)
+        wrapped = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()] \
+            if isinstance(failures, dict) else []
+        todo += [cur.__cause__, cur.__context__, *(w for w in wrapped if isinstance(w, BaseException))]
     return seen
 
 

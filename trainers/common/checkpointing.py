@@ -8,7 +8,8 @@ Layout (docs/internals.md)::
 
 A checkpoint is written into a hidden temporary directory next to its final place and
 renamed into place once every file is fsynced, so a crash (or SIGKILL) mid-write never
-leaves a half checkpoint that :func:`latest_checkpoint` would pick. Framework tensors
+leaves a half checkpoint that :func:`latest_checkpoint` would pick; a write that fails
+(``ENOSPC``) removes its temporary directory. Framework tensors
 are the recipe's business: it passes a ``write_tensors(dir)`` callback.
 
 Resuming: :func:`resolve_resume` is the one rule both recipes follow for
@@ -151,9 +152,15 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    write_tensors(tmp)
-    (tmp / TRAINER_STATE).write_text(json.dumps(state.to_dict(), indent=1), encoding="utf-8")
-    _fsync_tree(tmp)
+    try:
+        write_tensors(tmp)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state.to_dict(), indent=1), encoding="utf-8")
+        _fsync_tree(tmp)
+    except BaseException:
+        # A save that failed (a full disk, most often) leaves nothing behind: its partial
+        # files would keep the disk full for the error report that comes next.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # the same step again (e.g. SIGTERM right after a periodic save)
         old = base / f".old-step-{state.step}-{os.getpid()}"
         os.replace(final, old)

@@ -24,7 +24,8 @@ Delivery guarantees, and how:
   memory for the next tick. The resumed run's reporter finds them in the spool and
   sends them first.
 - ``close()`` forms a last batch and tries to deliver everything within a deadline;
-  what is left stays spooled.
+  what is left stays spooled. Items it cannot spool (the disk is full) are sent from
+  memory after the spooled batches: the trainer's last word (its error) still arrives.
 
 Without a URL (standalone use) each item is appended to a local JSONL file instead.
 Uses httpx's sync client; one sender thread, so ordering needs no extra locking.
@@ -179,8 +180,14 @@ class Reporter:
         self._wake.set()
         self._thread.join()
         deadline = self._clock() + timeout_s
-        self._form_batches()
-        delivered = self._send_spooled(deadline=deadline)
+        try:
+            self._form_batches()
+        except OSError:
+            # The spool cannot be written (a full disk): the last items -- the trainer's
+            # error among them -- go out from memory after the spooled batches, rather
+            # than die with this process.
+            log.exception("reporter: spooling failed at close; sending the last items from memory")
+        delivered = self._send_spooled(deadline=deadline) and self._send_unspooled(deadline=deadline)
         if self._client is not None:
             self._client.close()
         return delivered
@@ -244,20 +251,49 @@ class Reporter:
             if self.rejected is not None:
                 return False
             path = self._spool / f"{seq:012d}.json"
-            body = json.loads(path.read_text(encoding="utf-8"))
-            while not self._post(body):
-                if self.rejected is not None:
-                    return False
-                self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
-                if deadline is None:
-                    self._retry_at = self._clock() + self._backoff_s  # the thread retries then
-                    return False
-                if self._clock() + self._backoff_s > deadline:
-                    return False
-                time.sleep(self._backoff_s)
-            self._backoff_s = 0.0
+            if not self._deliver(json.loads(path.read_text(encoding="utf-8")), deadline=deadline):
+                return False
             path.unlink()
-            self.sent_batches += 1
+        return True
+
+    def _send_unspooled(self, *, deadline: float) -> bool:
+        """Send the items ``close`` could not spool, from memory, in numbered batches.
+
+        Their seqs are taken as spooled ones would be, and persisted where the disk still
+        lets (a restarted process must not reuse one the API applied)."""
+        if self._client is None:
+            return not self._pending
+        while self._pending:
+            if self.rejected is not None:
+                return False
+            with self._lock:
+                items = self._pending[: self.max_items_per_batch]
+                seq = self._next_seq
+                self._next_seq = seq + 1
+            try:
+                self._write_text(self._spool / NEXT_SEQ_FILE, str(seq + 1))  # type: ignore[operator]
+            except OSError:
+                log.warning("reporter: cannot persist the next seq %d (disk full?)", seq + 1)
+            if not self._deliver({"seq": seq, "items": items}, deadline=deadline):
+                return False
+            with self._lock:
+                del self._pending[: len(items)]
+        return True
+
+    def _deliver(self, body: dict[str, Any], *, deadline: float | None) -> bool:
+        """Post one batch until acknowledged, backing off between tries (see ``_send_spooled``)."""
+        while not self._post(body):
+            if self.rejected is not None:
+                return False
+            self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
+            if deadline is None:
+                self._retry_at = self._clock() + self._backoff_s  # the thread retries then
+                return False
+            if self._clock() + self._backoff_s > deadline:
+                return False
+            time.sleep(self._backoff_s)
+        self._backoff_s = 0.0
+        self.sent_batches += 1
         return True
 
     def _post(self, body: dict[str, Any]) -> bool:
@@ -301,10 +337,14 @@ class Reporter:
     @staticmethod
     def _write_text(path: Path, text: str) -> None:
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a half-written file would hold disk space for nothing
+            raise
         os.replace(tmp, path)
 
     def _write_json(self, path: Path, obj: Any) -> None:

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -256,12 +257,24 @@ def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOut
         job = lock_job(session, job_id)
         if job is None:
             return "deleted"
+        outcome = _with_reported_error(job, outcome)
         change = observed_change(job_id, job.attempt or 0 if attempt is None else attempt, outcome, stop_reason)
         if job.status == "running" and (job.attempt or 0) == change.attempt and change.kind == ObservedKind.SUCCEEDED:
             _register_manifest(session, job, output_dir)
         pools = {p.name: p for p in load_pools(settings.node_pools_file)}
         return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
                              max_restarts=settings.max_restarts, now=time.time())
+
+
+def _with_reported_error(job: Job, outcome: TrainerOutcome) -> TrainerOutcome:
+    """``outcome`` with the error the trainer reported to the API, when it ended on purpose
+    (a user error, out of memory) but left no termination message: a full disk refuses
+    that file too, while the error report still arrives (the reporter sends it from
+    memory). Without this the job failed as ``trainer_failed`` instead of ``disk_full``."""
+    deliberate = outcome.returncode in (ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY)
+    if outcome.error is not None or not deliberate or not (job.error or {}).get("code"):
+        return outcome
+    return replace(outcome, error={"code": str(job.error["code"]), "message": str(job.error.get("message", ""))})
 
 
 def _code_text(returncode: int) -> str:
