@@ -12,8 +12,9 @@ artifact bucket, and checkpoints/adapters must land there), the entry point
    file streamed to disk by boto3's ``download_file``, never held in memory). The model
    cache is keyed by the URI and remembers each object's ETag, so a restarted pod whose
    cache survived downloads only what changed. With ``resume_from: latest`` the newest
-   complete checkpoint under the s3 checkpoint prefix is downloaded first, and so is the
-   output prefix (its ``metrics.jsonl`` carries the rows before that checkpoint).
+   complete checkpoint under the s3 checkpoint prefix is downloaded first (a newer one
+   left in the cache by a pod whose upload failed is dropped), and so is the output prefix
+   (its ``metrics.jsonl`` carries the rows before that checkpoint).
 3. :meth:`S3Staging.wrap_reporter` returns a reporter whose ``checkpoint`` and
    ``artifacts`` items are rewritten on their way to the API: the local directory is
    uploaded first and the item carries the ``s3://`` location. Uploads are synchronous,
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from trainers.common.checkpointing import TRAINER_STATE
+from trainers.common.checkpointing import TRAINER_STATE, list_checkpoints
 from trainers.errors import TrainerError, UserError
 from trainers.exit_codes import ExitCode
 
@@ -482,6 +483,14 @@ class S3Staging:
                 self.storage.download(S3Location(self.output_uri.bucket, obj.key), self.output_dir / rel,
                                       what="output file", missing_code="checkpoint_not_found")
         found = remote_checkpoints(self.storage, self.checkpoint_uri)
+        # The bucket decides where the run resumes. A disk that outlived its pod may keep a
+        # checkpoint whose upload failed: newer than anything the job knows of (the metrics
+        # log just restored from the bucket ends before it), so resuming from it would
+        # leave its steps out of the job's outputs.
+        newest = found[-1][0] if found else 0
+        for local_step, path in list_checkpoints(self.checkpoint_dir):
+            if local_step > newest:
+                shutil.rmtree(path)
         if not found:
             return 0  # a first start: nothing to resume, like an empty local dir
         step, loc = found[-1]
