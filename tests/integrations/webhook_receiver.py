@@ -25,6 +25,7 @@ class Receiver:
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
     server: ThreadingHTTPServer | None = None
+    port: int = 0  # 0: any free port; a fixed one lets a test stop the receiver and bring it back
 
     def start(self) -> Receiver:
         receiver = self
@@ -42,7 +43,7 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks"
         return self
