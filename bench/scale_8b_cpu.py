@@ -540,7 +540,7 @@ def main() -> None:
         predicted = predicted_bytes(trainer, config, args.precision)
         row["predicted_per_process_mib"] = round(predicted / MIB)
         for proc_row in row["processes"]:
-            if proc_row["process"] != "launcher":
+            if proc_row["process"] != "launcher" and proc_row["loaded_rss_mib"]:  # it finished loading
                 peak = max(proc_row["load_peak_mib"], proc_row["steps_peak_mib"])
                 proc_row["predicted_over_measured"] = round(predicted / MIB / peak, 3) if peak else None
                 # The loader's promise: beyond its final share a process holds at most one
