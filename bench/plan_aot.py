@@ -6,7 +6,7 @@ report the memory each device's program needs. This bench does that for the trai
 own jitted step (``trainers.jax_lora.step.compile_steps``; no copy of the step), fed with
 ``jax.ShapeDtypeStruct`` parameters, LoRA factors, AdamW state and batch that carry
 exactly the shardings the trainer gives them (``abstract_step_inputs`` calls the same
-builders as ``trainers.jax_lora.recipe.run``, from the same ``TrainerSpec``;
+builders as ``trainers.jax_lora.recipe.run``, ``recipe.step_layout`` first, from the same ``TrainerSpec``;
 tests/trainers/jax_lora/test_plan_aot.py checks them against a real run), so a plan
 cannot drift from the trainer. Nothing is allocated: a 405B plan runs on a laptop.
 
@@ -93,10 +93,7 @@ from scheduling.estimator import HEADROOM, base_model_shape, estimate_on_pool, f
 from scheduling.pools import GIB, NodePool, load_pools
 from scheduling.request import training_shape
 from trainers.jax_lora.config import LlamaConfig
-from trainers.jax_lora.lora import lora_axes, lora_shapes, validate_targets
-from trainers.jax_lora.model import param_axes, param_shapes
-from trainers.jax_lora.recipe import _check_spec, _data_parallel_plan
-from trainers.jax_lora.sharding import check_divisible_heads, make_mesh, tree_shardings
+from trainers.jax_lora.recipe import _check_spec, step_layout
 from trainers.jax_lora.step import (
     BATCH_KEYS,
     StepConfig,
@@ -212,19 +209,10 @@ def abstract_step_inputs(spec: TrainerSpec, cfg: LlamaConfig, devices: list[jax.
     import jax.numpy as jnp
 
     _check_spec(spec)
-    m = spec.parallelism.mesh
-    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
-    check_divisible_heads(cfg.num_heads, cfg.num_kv_heads, mesh)
-    dp, accum = _data_parallel_plan(spec)
-    targets = validate_targets(spec.adapter.target_modules)
-    base_dtype = jnp.dtype(spec.precision.base_dtype)
-    adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
-    quantization = spec.adapter.quantization
-
-    p_abstract = param_shapes(cfg, base_dtype, quantization)
-    p_shard = tree_shardings(p_abstract, param_axes(cfg, quantization), mesh)
-    l_abstract = lora_shapes(cfg, targets, spec.adapter.r, adapter_dtype)
-    l_shard = tree_shardings(l_abstract, lora_axes(targets), mesh)
+    layout = step_layout(spec, cfg, devices)
+    mesh, dp, accum = layout.mesh, layout.data_parallel, layout.accumulation
+    p_abstract, p_shard = layout.param_shapes, layout.param_shardings
+    l_abstract, l_shard = layout.lora_shapes, layout.lora_shardings
 
     hp = spec.hyperparameters
     total_steps = hp.max_steps or 1

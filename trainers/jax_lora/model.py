@@ -411,6 +411,25 @@ def forward(
     tokens: jax.Array,
     *,
     cfg: DecoderConfig,
+    constrain: Constrain = _identity_constrain,
+    **options: Any,
+) -> jax.Array:
+    """Logits (batch, seq, vocab) in float32: ``lm_head`` of ``hidden_states`` (``options``:
+    its keyword arguments).
+
+    The train and eval steps never call this: they apply the head a chunk of positions
+    at a time (``loss.py``), so that no (batch, seq, vocab) array exists.
+    """
+    h = hidden_states(params, lora, tokens, cfg=cfg, constrain=constrain, **options)
+    return lm_head(params, h, cfg=cfg, constrain=constrain)
+
+
+def hidden_states(
+    params: Params,
+    lora: Params | None,
+    tokens: jax.Array,
+    *,
+    cfg: DecoderConfig,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     runtime: LoraRuntime = LoraRuntime(),
@@ -419,7 +438,7 @@ def forward(
     compute_dtype: Any = jnp.float32,
     constrain: Constrain = _identity_constrain,
 ) -> jax.Array:
-    """Logits (batch, seq, vocab) in float32.
+    """The final-normed hidden states (batch, seq, embed) in ``compute_dtype``: the LM head's input.
 
     Args:
         params: base weights (see ``param_axes``); never differentiated by the trainer.
@@ -468,11 +487,19 @@ def forward(
         raise ValueError(f"unknown remat policy {remat!r}")
     h, _ = jax.lax.scan(body, h, (params["layers"], lora, keys))
 
-    h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+
+
+def lm_head(params: Params, h: jax.Array, *, cfg: DecoderConfig, constrain: Constrain = _identity_constrain) -> jax.Array:
+    """Float32 logits (batch, positions, vocab) of hidden states ``h`` (batch, positions, embed).
+
+    The head (tied: the embedding table) is cast to ``h``'s dtype, the compute dtype, and
+    the product accumulates in float32, where the loss's log-softmax runs.
+    """
     if cfg.tie_word_embeddings:
-        head = params["embed_tokens"].astype(compute_dtype)
+        head = params["embed_tokens"].astype(h.dtype)
         logits = jnp.einsum("bse,ve->bsv", h, head, preferred_element_type=jnp.float32)
     else:
-        head = params["lm_head"].astype(compute_dtype)
+        head = params["lm_head"].astype(h.dtype)
         logits = jnp.einsum("bse,ev->bsv", h, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))

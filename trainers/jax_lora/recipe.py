@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,6 +101,52 @@ def _data_parallel_plan(spec: TrainerSpec) -> tuple[int, int]:
             code="invalid_parallelism",
         )
     return dp, hp.batch_size // rows
+
+
+class StepLayout(NamedTuple):
+    """Where a job's step lives: its mesh, batch plan, and the abstract base and LoRA
+    arrays with their shardings (built from the spec alone: nothing allocated)."""
+
+    mesh: Any
+    data_parallel: int
+    accumulation: int
+    targets: tuple[str, ...]
+    quantization: str
+    param_shapes: Any
+    param_shardings: Any
+    lora_shapes: Any
+    lora_shardings: Any
+
+
+def step_layout(spec: TrainerSpec, cfg: Any, devices: list[Any] | None = None) -> StepLayout:
+    """The mesh over ``devices`` (default all) and every abstract array's sharding for ``spec``.
+
+    The recipe and ``bench/plan_aot.py`` (which compiles this step without weights) both
+    build the layout here, so a plan cannot drift from a run.
+
+    Raises:
+        UserError: heads that do not divide the tensor axis, a batch that does not divide
+            the data-parallel size, unknown target modules.
+    """
+    import jax.numpy as jnp
+
+    from trainers.jax_lora.lora import lora_axes, lora_shapes, validate_targets
+    from trainers.jax_lora.model import param_axes, param_shapes
+    from trainers.jax_lora.sharding import check_divisible_heads, make_mesh, tree_shardings
+
+    m = spec.parallelism.mesh
+    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+    check_divisible_heads(cfg.num_heads, cfg.num_kv_heads, mesh)
+    dp, accum = _data_parallel_plan(spec)
+    targets = validate_targets(spec.adapter.target_modules)
+    quantization = spec.adapter.quantization
+    p_abstract = param_shapes(cfg, jnp.dtype(spec.precision.base_dtype), quantization)
+    l_abstract = lora_shapes(cfg, targets, spec.adapter.r, jnp.dtype(spec.precision.adapter_dtype))
+    return StepLayout(
+        mesh=mesh, data_parallel=dp, accumulation=accum, targets=targets, quantization=quantization,
+        param_shapes=p_abstract, param_shardings=tree_shardings(p_abstract, param_axes(cfg, quantization), mesh),
+        lora_shapes=l_abstract, lora_shardings=tree_shardings(l_abstract, lora_axes(targets), mesh),
+    )
 
 
 def _pad_rows(batch: Batch, rows: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -208,21 +254,8 @@ def run(
     from trainers.jax_lora.config import LlamaConfig
     from trainers.jax_lora.export import export_adapter
     from trainers.jax_lora.loading import load_params
-    from trainers.jax_lora.lora import (
-        init_lora,
-        lora_axes,
-        lora_runtime,
-        lora_shapes,
-        validate_targets,
-    )
-    from trainers.jax_lora.model import param_axes, param_shapes
-    from trainers.jax_lora.sharding import (
-        check_divisible_heads,
-        check_replication,
-        make_mesh,
-        sharding_report,
-        tree_shardings,
-    )
+    from trainers.jax_lora.lora import init_lora, lora_runtime
+    from trainers.jax_lora.sharding import check_replication, sharding_report
     from trainers.jax_lora.step import (
         PreferenceLoss,
         StepConfig,
@@ -239,20 +272,15 @@ def run(
     check_inputs_exist(spec)
     cfg = LlamaConfig.from_pretrained(spec.model.path)
     m = spec.parallelism.mesh
-    mesh = make_mesh(m.data, m.fsdp, m.tensor)
-    check_divisible_heads(cfg.num_heads, cfg.num_kv_heads, mesh)
-    dp, accum = _data_parallel_plan(spec)
-    targets = validate_targets(spec.adapter.target_modules)
+    layout = step_layout(spec, cfg)
+    mesh, dp, accum, targets, quantization = (layout.mesh, layout.data_parallel, layout.accumulation,
+                                               layout.targets, layout.quantization)
     base_dtype = jnp.dtype(spec.precision.base_dtype)
     adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
-
-    quantization = spec.adapter.quantization
-    p_abstract = param_shapes(cfg, base_dtype, quantization)
-    p_shard = tree_shardings(p_abstract, param_axes(cfg, quantization), mesh)
+    p_abstract, p_shard = layout.param_shapes, layout.param_shardings
     p_report = sharding_report(p_abstract, p_shard, mesh)
     check_replication(p_report, what="base parameters")
-    l_abstract = lora_shapes(cfg, targets, spec.adapter.r, adapter_dtype)
-    l_shard = tree_shardings(l_abstract, lora_axes(targets), mesh)
+    l_abstract, l_shard = layout.lora_shapes, layout.lora_shardings
 
     ckpt_root = Path(spec.checkpoint.dir)
     out_dir = Path(spec.output_dir)

@@ -8,12 +8,16 @@ Loss. Completion-only, as ``trainers.common.data`` labels it: ``labels`` are ali
 ``input_ids`` (HF convention), position t is scored on predicting ``labels[t+1]`` and
 ``-100`` is ignored. The loss of an optimizer step is the mean over ALL trained tokens of
 all its micro-batches (sum of token losses / token count), so gradient accumulation gives
-exactly the gradient of the full batch, whatever the padding per micro-batch.
+exactly the gradient of the full batch, whatever the padding per micro-batch. The
+step never builds the (rows, seq, vocab) logits: ``loss.token_losses`` applies the LM
+head to ``loss_chunk`` labelled positions at a time, forward and backward, and skips
+the positions with no label (the logits were most of the step's memory at a 128k
+vocabulary).
 
 DPO. With ``StepConfig.preference`` set, the step optimizes the DPO sigmoid loss
 instead: each micro-batch holds the chosen then the rejected rows of its pairs (per
 data-parallel block), the policy forward and a reference forward (the same base weights
-with no adapter, ``forward(params, None, ...)``, under ``stop_gradient``) give each
+with no adapter, ``lora=None``, under ``stop_gradient``) give each
 answer's summed completion log-prob, and the objective is the mean pair loss over the
 whole batch (+ ``sft_weight`` x the chosen tokens' mean NLL). The reward sums come back
 with the metrics.
@@ -36,10 +40,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainers.jax_lora.config import LlamaConfig
-from trainers.jax_lora.model import LoraRuntime, Params, RematPolicy, forward
+from trainers.jax_lora.loss import IGNORE_INDEX, LOSS_CHUNK, TokenLosses, token_losses
+from trainers.jax_lora.model import LoraRuntime, Params, RematPolicy, hidden_states
 from trainers.jax_lora.sharding import ACTIVATION_RULES, logical_to_spec, make_activation_constraint
 
-IGNORE_INDEX = -100
 Batch = dict[str, jax.Array]  # input_ids, labels, positions, segment_ids: (accum, rows, seq)
 BATCH_KEYS = ("input_ids", "labels", "positions", "segment_ids")
 
@@ -77,19 +81,6 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
 
 
-def token_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-token NLL, mask and correctness after the causal shift, each (rows, seq-1)."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    targets = labels[:, 1:]
-    mask = targets != IGNORE_INDEX
-    safe = jnp.where(mask, targets, 0)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    nll = jnp.where(mask, logz - picked, 0.0)
-    correct = mask & (jnp.argmax(logits, axis=-1) == targets)
-    return nll, mask, correct
-
-
 @dataclass(frozen=True)
 class StepConfig:
     """Static settings of the compiled step (hashable: part of the jit cache key)."""
@@ -100,6 +91,7 @@ class StepConfig:
     compute_dtype: str = "float32"
     packed: bool = True  # False: plain causal rows (no segment mask; fused attention on GPU)
     preference: PreferenceLoss | None = None  # set: the DPO objective instead of token NLL
+    loss_chunk: int = LOSS_CHUNK  # positions per chunk of the LM head (``loss.py``)
 
 
 @dataclass(frozen=True)
@@ -113,13 +105,17 @@ class PreferenceLoss:
     blocks: int = 1
 
 
-def _forward_logits(sc: StepConfig, params: Params, lora: Params, micro: Batch, key: jax.Array | None, constrain) -> jax.Array:
-    return forward(
+def _token_losses(sc: StepConfig, params: Params, lora: Params | None, micro: Batch, key: jax.Array | None,
+                  constrain, with_accuracy: bool = False) -> TokenLosses:
+    """The micro-batch's per-position losses; the logits exist one chunk at a time (``loss.py``)."""
+    h = hidden_states(
         params, lora, micro["input_ids"], cfg=sc.cfg,
         segment_ids=micro["segment_ids"] if sc.packed else None,
         positions=micro["positions"], runtime=sc.runtime, dropout_key=key, remat=sc.remat,
         compute_dtype=jnp.dtype(sc.compute_dtype), constrain=constrain,
     )
+    return token_losses(params, h, micro["labels"], cfg=sc.cfg, constrain=constrain, chunk=sc.loss_chunk,
+                        with_accuracy=with_accuracy)
 
 
 def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
@@ -137,9 +133,7 @@ def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
         denom = jnp.maximum(n_tokens, 1).astype(jnp.float32)
 
         def micro_loss(lora: Params, micro: Batch, micro_key: jax.Array | None) -> jax.Array:
-            logits = _forward_logits(sc, params, lora, micro, micro_key, constrain)
-            nll, _, _ = token_losses(logits, micro["labels"])
-            return jnp.sum(nll) / denom
+            return jnp.sum(_token_losses(sc, params, lora, micro, micro_key, constrain).nll) / denom
 
         grad_fn = jax.value_and_grad(micro_loss)
 
@@ -171,8 +165,8 @@ def _preference_terms(sc: StepConfig, params: Params, lora: Params, micro: Batch
     """Per-pair DPO quantities of one micro-batch: the policy's and (adapter off, no
     gradient) the reference's summed completion log-probs of each answer."""
     pl = sc.preference
-    nll, mask, _ = token_losses(_forward_logits(sc, params, lora, micro, key, constrain), micro["labels"])
-    ref_nll, _, _ = token_losses(_forward_logits(sc, params, None, micro, None, constrain), micro["labels"])
+    nll, mask, _ = _token_losses(sc, params, lora, micro, key, constrain)
+    ref_nll, _, _ = _token_losses(sc, params, None, micro, None, constrain)
     policy_c, policy_r = _pairs(-jnp.sum(nll, axis=-1), pl.blocks)
     ref_c, ref_r = _pairs(jax.lax.stop_gradient(-jnp.sum(ref_nll, axis=-1)), pl.blocks)
     tokens_c, _ = _pairs(jnp.sum(mask, axis=-1), pl.blocks)
@@ -282,8 +276,7 @@ def make_eval_step(sc: StepConfig, mesh: Mesh | None):
     constrain = make_activation_constraint(mesh)
 
     def eval_fn(lora: Params, params: Params, micro: Batch) -> dict[str, jax.Array]:
-        logits = _forward_logits(sc, params, lora, micro, None, constrain)
-        nll, mask, correct = token_losses(logits, micro["labels"])
+        nll, mask, correct = _token_losses(sc, params, lora, micro, None, constrain, with_accuracy=True)
         return {"nll_sum": jnp.sum(nll), "n_tokens": jnp.sum(mask), "n_correct": jnp.sum(correct)}
 
     return eval_fn
