@@ -30,6 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import peak_rss_bytes, reset_peak_rss, rss_bytes
+
 CONFIGS = {
     "lora_bf16": {"quantization": "none"},
     "qlora_nf4": {"quantization": "nf4"},
@@ -40,26 +44,6 @@ CONFIGS = {
 # Large allocations get their own mmap and go back to the OS when freed, so RSS tracks
 # live tensors instead of glibc's heap high-water mark (set for the child processes).
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    """Peak RSS since the last :func:`_reset_hwm` (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
-
-
-def _reset_hwm() -> None:
-    # Linux: writing 5 to clear_refs resets the peak-RSS counter to the current RSS.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def child(model_dir: str, name: str, seq: int, steps: int) -> None:
@@ -79,8 +63,8 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     from trainers.fsdp_qlora.quantize import QuantConfig, dequantized_weight, quantize_linear
 
     dequantized_weight(quantize_linear(torch.nn.Linear(64, 64, bias=False), QuantConfig("nf4")))
-    baseline = _rss_bytes()
-    _reset_hwm()
+    baseline = rss_bytes()
+    reset_peak_rss()
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     opts = ModelOptions(model_dir=Path(model_dir), base_dtype="bfloat16", compute_dtype="bfloat16",
                         adapter_dtype="float32", lora_r=16, lora_alpha=32.0,
@@ -88,9 +72,9 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     t0 = time.perf_counter()
     model, report = build_model(opts, ctx)
     load_s = time.perf_counter() - t0
-    after_load = _rss_bytes()
-    load_peak = _hwm_bytes()
-    _reset_hwm()  # from here: the training steps' own peak
+    after_load = rss_bytes()
+    load_peak = peak_rss_bytes()
+    reset_peak_rss()  # from here: the training steps' own peak
     opt = build_optimizer(model, learning_rate=1e-4, weight_decay=0.0)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, size=(1, seq), dtype=np.int64)
@@ -99,7 +83,7 @@ def child(model_dir: str, name: str, seq: int, steps: int) -> None:
     for s in range(steps):
         stats = train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
     step_s = (time.perf_counter() - t0) / steps
-    train_peak = _hwm_bytes()
+    train_peak = peak_rss_bytes()
     peak = max(load_peak, train_peak)  # since the baseline: loading and training
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({

@@ -22,9 +22,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import add_llama_shape_args, build_llama
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -92,23 +97,16 @@ def build_plain(model_dir: str, seq: int, bs: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1024)
+    add_llama_shape_args(p)
     p.add_argument("--vocab", type=int, default=32000, help="32000 = Llama 2's vocabulary")
-    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--bs", type=int, default=4)
     p.add_argument("--steps", type=int, default=8, help="timed steps per side (after 1 warm-up step)")
     args = p.parse_args()
     import torch
 
-    from trainers.common.tiny_model import build_tiny_llama
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_llama(Path(tmp) / "m", hidden_size=args.hidden, num_layers=args.layers,
-                                     num_heads=args.hidden // 32, num_kv_heads=args.hidden // 64,
-                                     intermediate_size=args.ffn, vocab_size=args.vocab)
+        model_dir = build_llama(Path(tmp) / "m", args, args.vocab)
         sides = {"ours": build_ours(str(model_dir), args.seq, args.bs),
                  "plain": build_plain(str(model_dir), args.seq, args.bs)}
         times: dict[str, list[float]] = {k: [] for k in sides}

@@ -83,35 +83,17 @@ def jax_loop(path: Path, tokens, parallelism, quantization: str = "none"):
 
     use_host_devices(parallelism.host_devices)  # as the trainer does, before anything touches a device
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from trainers.jax_lora.config import LlamaConfig
-    from trainers.jax_lora.loading import load_params
-    from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
-    from trainers.jax_lora.model import param_axes
-    from trainers.jax_lora.sharding import make_mesh, tree_shardings
-    from trainers.jax_lora.step import (
-        StepConfig,
-        batch_sharding,
-        compile_steps,
-        init_state,
-        make_optimizer,
-        state_shardings,
-    )
+    from bench.harness import jax_lora_step
+    from trainers.jax_lora.sharding import make_mesh
+    from trainers.jax_lora.step import batch_sharding
 
-    cfg = LlamaConfig.from_pretrained(path)
     m = parallelism.mesh
     mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[: m.size])
-    params, _ = load_params(path, cfg, mesh, jnp.float32, quantization)
-    l_abs = lora_shapes(cfg, TARGETS, RANK, jnp.float32)
-    l_shard = tree_shardings(l_abs, lora_axes(TARGETS), mesh)
-    opt = make_optimizer(lambda s: 1e-4, weight_decay=0.0, max_grad_norm=None)
-    shardings = state_shardings(l_shard, opt, l_abs, mesh)
-    lora = jax.jit(lambda k: init_lora(cfg, TARGETS, RANK, k), out_shardings=l_shard)(jax.random.key(0))
-    state = {"s": init_state(lora, opt, shardings, jax.random.key(1))}
-    sc = StepConfig(cfg=cfg, runtime=lora_runtime(16.0, RANK, 0.0), packed=False)
-    train_step, _ = compile_steps(sc, opt, mesh, shardings, tree_shardings(params, param_axes(cfg, quantization), mesh))
+    train_step, first_state, params = jax_lora_step(path, mesh, quantization, targets=TARGETS, rank=RANK, alpha=16.0,
+                                                    learning_rate=1e-4, max_grad_norm=None)
+    state = {"s": first_state}
     ids = np.asarray(tokens, np.int32)[None]
     batch = {
         "input_ids": ids, "labels": ids,

@@ -50,28 +50,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import (
+    add_llama_shape_args,
+    build_llama,
+    jax_lora_step,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
+
 SIDES = ("fsdp_qlora", "jax_lora", "trl")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 RANK, ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    # Linux: writing 5 to clear_refs resets the peak-RSS counter to the current RSS.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def token_rows(n_rows: int, seq: int):
@@ -145,34 +135,14 @@ def run_jax_lora(model_dir: Path, quantization: str, batches, clock: StepClock, 
 
     use_host_devices(host_devices)  # as the trainer does, before anything touches a device
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from trainers.jax_lora.config import LlamaConfig
-    from trainers.jax_lora.loading import load_params
-    from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
-    from trainers.jax_lora.model import param_axes
-    from trainers.jax_lora.sharding import make_mesh, tree_shardings
-    from trainers.jax_lora.step import (
-        StepConfig,
-        batch_sharding,
-        compile_steps,
-        init_state,
-        make_optimizer,
-        state_shardings,
-    )
+    from trainers.jax_lora.sharding import make_mesh
+    from trainers.jax_lora.step import batch_sharding
 
-    cfg = LlamaConfig.from_pretrained(model_dir)
     mesh = make_mesh(host_devices, 1, 1, devices=jax.devices()[:host_devices])
-    params, _ = load_params(model_dir, cfg, mesh, jnp.float32, quantization)
-    l_abs = lora_shapes(cfg, TARGETS, RANK, jnp.float32)
-    l_shard = tree_shardings(l_abs, lora_axes(TARGETS), mesh)
-    opt = make_optimizer(lambda s: LR, weight_decay=0.0, max_grad_norm=CLIP)
-    shardings = state_shardings(l_shard, opt, l_abs, mesh)
-    lora = jax.jit(lambda k: init_lora(cfg, TARGETS, RANK, k), out_shardings=l_shard)(jax.random.key(0))
-    state = init_state(lora, opt, shardings, jax.random.key(1))
-    sc = StepConfig(cfg=cfg, runtime=lora_runtime(ALPHA, RANK, 0.0), packed=False)
-    train_step, _ = compile_steps(sc, opt, mesh, shardings, tree_shardings(params, param_axes(cfg, quantization), mesh))
+    train_step, state, params = jax_lora_step(model_dir, mesh, quantization, targets=TARGETS, rank=RANK, alpha=ALPHA,
+                                              learning_rate=LR, max_grad_norm=CLIP)
     losses = []
     clock.start()
     for b in batches:
@@ -249,8 +219,8 @@ def child(side: str, model_dir: Path, quantization: str, steps: int, batch: int,
     batches = step_batches(steps + warmup, batch, seq)
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
-        baseline = _rss_bytes()
-        _reset_hwm()
+        baseline = rss_bytes()
+        reset_peak_rss()
         t0 = time.perf_counter()
         if side == "fsdp_qlora":
             losses = run_fsdp_qlora(model_dir, quantization, batches, clock)
@@ -259,7 +229,7 @@ def child(side: str, model_dir: Path, quantization: str, steps: int, batch: int,
         else:
             losses = run_trl(model_dir, quantization, batches, clock, Path(tmp))
         total_s = time.perf_counter() - t0
-        peak = _hwm_bytes()
+        peak = peak_rss_bytes()
     wall, cpu = clock.wall[warmup:], clock.cpu[warmup:]
     print(json.dumps({
         "side": side, "quantization": quantization, "steps_timed": len(wall),
@@ -279,10 +249,7 @@ def _child_env(side: str) -> dict[str, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=256)
+    add_llama_shape_args(p)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="timed steps per child (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
@@ -298,7 +265,6 @@ def main() -> None:
         side, model_dir, quantization = args.child
         child(side, Path(model_dir), quantization, args.steps, args.batch, args.seq, args.warmup, args.host_devices)
         return
-    from trainers.common.tiny_model import build_tiny_llama
     from worker.spec_builder import cpu_host_devices, local_trainer_cores
 
     # What build_spec gives a 1-slot JAX job with this batch on the local pool.
@@ -307,10 +273,8 @@ def main() -> None:
     quants = args.quantization.split(",")
     rows: dict[tuple[int, str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dirs = {vocab: build_tiny_llama(Path(tmp) / f"v{vocab}", hidden_size=args.hidden,
-                                              num_layers=args.layers, num_heads=args.hidden // 32,
-                                              num_kv_heads=args.hidden // 64, intermediate_size=args.ffn,
-                                              vocab_size=vocab, max_position_embeddings=max(512, args.seq))
+        model_dirs = {vocab: build_llama(Path(tmp) / f"v{vocab}", args, vocab,
+                                         max_position_embeddings=max(512, args.seq))
                       for vocab in (int(v) for v in args.vocabs.split(","))}
         # Rounds outermost: every round covers every row, so an interrupted run still has whole rounds.
         for rnd in range(args.rounds):
