@@ -133,7 +133,7 @@ def authenticate_cached(session: Session, authorization: str) -> ApiKey | None:
 def cached_tenant_id(database: URL, authorization: str) -> str | None:
     """The tenant id of a Bearer key that ``key_cache`` holds (live, within its TTL), else None.
 
-    For fast paths that need only the tenant (``api.job_pages``); no I/O, no session.
+    For fast paths that need only the tenant (``api.jobs.pages``); no I/O, no session.
     None means "authenticate the usual way", not "invalid".
     """
     token = _bearer_token(authorization)

@@ -5,7 +5,7 @@ the 401 came back. ``BodySizeLimitMiddleware`` (pure ASGI, outside every route) 
 413 ``request_too_large`` in the OpenAI error envelope as soon as the ``Content-Length``
 says too much, or as soon as a streamed body passes the limit, without reading the rest.
 The file upload route keeps its own, larger streaming limit (``TUNEFLEET_MAX_UPLOAD_BYTES``,
-``api/uploads.py``) and is exempt.
+``api/files/uploads.py``) and is exempt.
 """
 
 from __future__ import annotations

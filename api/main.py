@@ -13,18 +13,26 @@ import time
 
 from fastapi import FastAPI
 
-from api import fleet, observability, rate_limits, webhooks
+from api import observability, rate_limits, webhooks
+from api.admin import routes as admin
 from api.artifacts import artifact_store, file_store
-from api.base_models import load_base_models
 from api.body_limit import BodySizeLimitMiddleware
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
-from api.job_pages import CachedJobListMiddleware, JobPageCache
-from api.logs import kubernetes_log, register_log_reader
+from api.files import routes as files
+from api.fleet import estimate as fleet
+from api.fleet import routes as fleet_routes
+from api.health import routes as health
+from api.inference import routes as inference
+from api.jobs import routes as jobs
+from api.jobs.pages import CachedJobListMiddleware, JobPageCache
+from api.models import routes as models
+from api.models.base_models import load_base_models
 from api.openapi import install_openapi
+from api.outputs import routes as outputs
+from api.outputs.logs import kubernetes_log, register_log_reader
 from api.queue import CeleryQueue, TaskQueue
-from api.routes import admin, files, health, inference, jobs, models, outputs, reports
-from api.routes import fleet as fleet_routes
+from api.reports import routes as reports
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
 
@@ -57,12 +65,12 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.store = artifact_store(settings)
     app.state.file_store = file_store(settings)
     app.state.base_models = load_base_models(settings)
-    app.state.job_pages = JobPageCache()  # encoded job list pages (api/job_pages.py)
+    app.state.job_pages = JobPageCache()  # encoded job list pages (api/jobs/pages.py)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     fleet.install(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
-        register_log_reader(kubernetes_log)  # trainer logs from the pods (api/logs.py)
+        register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
     for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
@@ -102,5 +110,5 @@ def _ensure_admin_key(settings: Settings) -> None:
 
 
 def _is_file_upload(scope: dict) -> bool:
-    """``POST /v1/files`` streams its body to disk under its own limit (api/uploads.py)."""
+    """``POST /v1/files`` streams its body to disk under its own limit (api/files/uploads.py)."""
     return scope.get("method") == "POST" and scope.get("path") == "/v1/files"

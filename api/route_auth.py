@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 
 from api.deps import SessionDep, get_current_key, require_admin
-from api.reports import authenticate_job
+from api.reports.ingest import authenticate_job
 
 
 def job_token(

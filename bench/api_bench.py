@@ -101,8 +101,8 @@ def processed_file(session: Any, tenant: Any) -> Any:
     """A training file of ``tenant`` marked validated (500 chat examples), with no content:
     the benchmarks create jobs from it, nothing trains."""
     from api.db.models import File
+    from api.files.validation import apply_validation
     from api.ids import new_id
-    from api.validation import apply_validation
 
     file = File(id=new_id("file"), tenant_id=tenant.id, filename="bench.jsonl", bytes=1,
                 purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
@@ -116,11 +116,11 @@ def processed_file(session: Any, tenant: Any) -> Any:
 def seed(url: str, n_jobs: int) -> tuple[str, str]:
     """A tenant with a key, one processed file and ``n_jobs`` queued jobs; returns (key, file)."""
     from api.auth import create_api_key, create_tenant
-    from api.base_models import load_base_models
     from api.db.session import session_scope
-    from api.jobs import create_job
+    from api.jobs.commands import create_job
+    from api.jobs.schemas import JobCreate
+    from api.models.base_models import load_base_models
     from api.queue import RecordingQueue
-    from api.schemas.jobs import JobCreate
     from api.settings import Settings
 
     settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
@@ -183,7 +183,7 @@ def measure_in_process(url: str, key: str, *, requests: int, concurrency: int,
     settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
     app = create_app(settings, queue=RecordingQueue())
     if not cached:
-        from api.job_pages import JobPageCache
+        from api.jobs.pages import JobPageCache
 
         app.state.job_pages = JobPageCache(max_bytes=0)
     hello = FastAPI()

@@ -81,12 +81,12 @@ def count_events(database: str) -> int:
 
 def seed(settings, n_jobs: int, seed_value: int = 0) -> None:
     from api.auth import create_tenant
-    from api.base_models import load_base_models
     from api.db.models import Tenant
     from api.db.session import session_scope
-    from api.jobs import create_job
+    from api.jobs.commands import create_job
+    from api.jobs.schemas import JobCreate
+    from api.models.base_models import load_base_models
     from api.queue import RecordingQueue
-    from api.schemas.jobs import JobCreate
 
     rng = random.Random(seed_value)
     models = load_base_models(settings)

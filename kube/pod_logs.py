@@ -1,6 +1,6 @@
 """The trainer log of a job, read from its pod through the Kubernetes pod log API.
 
-``GET /v1/fine_tuning/jobs/{id}/logs`` (``api.logs``) and the executor's ``logs`` both
+``GET /v1/fine_tuning/jobs/{id}/logs`` (``api.outputs.logs``) and the executor's ``logs`` both
 read here. The caller brings the client (``kubernetes.client.CoreV1Api``); reading needs ``list`` on pods
 and ``get`` on pods/log in the training namespace, nothing else.
 """

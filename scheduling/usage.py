@@ -11,7 +11,7 @@ job spends writing its checkpoint is included; time in the queue is not)::
      "trainer": "fsdp_qlora"}
 
 This module is the arithmetic only, over the ``usage`` values themselves: the API's
-``GET /v1/usage`` (``api.usage``) sums them per pool over a time range with
+``GET /v1/usage`` (``api.fleet.usage``) sums them per pool over a time range with
 ``sum_usage``, the scheduler's fair share (``worker.scheduler.store``) per (tenant, pool)
 since the window start with ``gpu_seconds_since``; each reads its rows with its own
 query.

@@ -241,7 +241,7 @@ class InlineQueue:
     def validate(self, file_id: str) -> list[str]:
         from api.artifacts import file_store
         from api.db.session import session_scope
-        from api.validation import validate_file
+        from api.files.validation import validate_file
 
         with session_scope(self.settings.resolved_database_url) as session:
             return validate_file(session, file_store(self.settings), file_id)

@@ -64,7 +64,7 @@ INFERENCE_CLIENT = ("inference.client", "inference.protocol")
 
 @dataclass(frozen=True)
 class Import:
-    importer: str  # module name, e.g. "api.routes.jobs"
+    importer: str  # module name, e.g. "api.jobs.routes"
     target: str  # the first-party module it names, e.g. "api.db.session"
     line: int
     at_import_time: bool  # runs when the importer is imported (counts for cycles)

@@ -30,7 +30,7 @@ from api.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# The consumer beats every 10 s (api.worker_heartbeat.BEAT_INTERVAL_S); three missed beats
+# The consumer beats every 10 s (api.health.worker_heartbeat.BEAT_INTERVAL_S); three missed beats
 # and more mean it stopped consuming.
 WORKER_HEARTBEAT = Heartbeat("the worker's consumer", stale_after_s=45.0)
 SCHEDULER_HEARTBEAT = Heartbeat("the scheduling loop", stale_after_s=120.0)

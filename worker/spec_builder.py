@@ -24,8 +24,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.artifacts import artifact_store, file_store
-from api.base_models import load_base_models
 from api.db.models import File, Job, ReportBatch
+from api.models.base_models import load_base_models
 from api.settings import Settings
 from trainers.spec import (
     DEFAULT_TARGET_MODULES,

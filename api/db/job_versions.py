@@ -5,7 +5,7 @@ Every transaction that writes a tenant's jobs also bumps that tenant's row in
 replica, the Celery worker, the scheduler, the trainers' report ingestion: they all write
 jobs through ORM sessions, and these listeners are registered on every ``Session`` as soon
 as ``api.db`` is imported). A reader that finds the counter unchanged therefore knows the
-tenant's jobs are unchanged too (``api.job_pages``).
+tenant's jobs are unchanged too (``api.jobs.pages``).
 
 How a write is seen, without touching any of the writers:
 

@@ -1,7 +1,7 @@
 """The tables of the control plane as typed SQLAlchemy 2.0 models.
 
 Tenants own API keys, files and jobs; a job owns its events, metric rows, checkpoints,
-artifacts and applied report batches. Only ``api.lifecycle.transition`` writes
+artifacts and applied report batches. Only ``api.jobs.lifecycle.transition`` writes
 ``Job.status``. JSON columns hold values already validated by the API schemas.
 """
 
@@ -155,7 +155,7 @@ class Job(Base):
     )
     awaiting_start_since: Mapped[dt.datetime | None] = mapped_column(
         doc="Set while the job is ``queued`` but admitted: its Kubernetes Job exists and waits for the "
-        "cluster's own admission (Kueue) to start it. The next transition clears it (``api.lifecycle``): "
+        "cluster's own admission (Kueue) to start it. The next transition clears it (``api.jobs.lifecycle``): "
         "to ``running`` when the trainer starts, to anything else when it never did."
     )
     usage: Mapped[dict[str, Any] | None]
@@ -170,7 +170,7 @@ class JobListVersion(Base):
     """A tenant's job-change counter, bumped in every transaction that writes its jobs.
 
     Written only by ``api.db.job_versions``; read to validate cached job lists
-    (``api.job_pages``). No row yet: the tenant's jobs were not written since it exists.
+    (``api.jobs.pages``). No row yet: the tenant's jobs were not written since it exists.
     """
 
     __tablename__ = "job_list_versions"
@@ -301,7 +301,7 @@ class PoolCapacity(Base):
 
 
 class RegisteredModel(Base):
-    """A base model an admin registered through ``POST /v1/models`` (api/model_registry.py).
+    """A base model an admin registered through ``POST /v1/models`` (api/models/registry.py).
 
     It joins the YAML registry's entries once ``status`` is ``ready``; a Hub source is
     ``fetching`` until the worker has downloaded and checked it (``failed`` with ``error``).

@@ -24,10 +24,10 @@ from sqlalchemy import func, or_, select
 from api.db.models import JOB_STATUSES, ApiKey, Job, JobMetric, Tenant
 from api.deps import SessionDep
 from api.errors import APIError
-from api.files import get_file
-from api.hyperparameters import resolve_hyperparameters
+from api.files.commands import get_file
+from api.jobs.hyperparameters import resolve_hyperparameters
+from api.jobs.schemas import JobPublic
 from api.pagination import page_newest_first
-from api.schemas.jobs import JobPublic
 from api.ui import session as ui_session
 
 router = APIRouter(prefix="/ui/api", include_in_schema=False)

@@ -13,7 +13,7 @@ Payload (OpenAI's webhook event shape)::
     {"id": "evt_...", "object": "event", "type": "fine_tuning.job.succeeded",
      "created_at": 1764423123, "data": {"id": "ftjob-..."}}
 
-``on_transition`` is registered with ``api.lifecycle.register_transition_hook`` and runs
+``on_transition`` is registered with ``api.jobs.lifecycle.register_transition_hook`` and runs
 inside the transition's transaction; the checkpoint listener runs inside the flush that
 inserts a ``Checkpoint``. Both only write rows. Sending happens after COMMIT (a task for
 a rolled-back row would find nothing), from ``session.info`` via an ``after_commit``
@@ -171,7 +171,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from api.lifecycle import register_transition_hook
+    from api.jobs.lifecycle import register_transition_hook
 
     register_transition_hook(on_transition)
     event.listen(Checkpoint, "after_insert", _on_checkpoint_insert)

@@ -106,8 +106,8 @@ def start_running(db_session, job_id: str) -> tuple[Any, str]:
     """Admit a created job as the scheduler would (-> ``running``) and issue its trainer's
     report token; returns (job row, token)."""
     from api.db.models import Job
-    from api.jobs import issue_job_token
-    from api.lifecycle import transition
+    from api.jobs.commands import issue_job_token
+    from api.jobs.lifecycle import transition
 
     row = db_session.get_one(Job, job_id)
     token = issue_job_token(db_session, row)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from api.db.models import Job
-from api.jobs import issue_job_token
-from api.lifecycle import transition
+from api.jobs.commands import issue_job_token
+from api.jobs.lifecycle import transition
 from tests.api.conftest import chat_lines, start_running
 
 PUBLIC = {("GET", "/healthz"), ("GET", "/readyz")}

@@ -19,7 +19,7 @@ from openai import OpenAI
 from pydantic import SecretStr
 
 from api.db.models import Job
-from api.lifecycle import transition
+from api.jobs.lifecycle import transition
 from inference.engine import ModelLoading
 from inference.protocol import StreamEvent
 from inference.server import create_app as worker_app
@@ -234,7 +234,7 @@ def test_a_tenant_over_its_tokens_per_minute_gets_429_until_they_age_out(serving
 
 
 def test_token_budget_ages_out_by_the_minute() -> None:
-    from api.completions import TokenBudget
+    from api.inference.completions import TokenBudget
 
     now = [1000.0]
     budget = TokenBudget(10, clock=lambda: now[0])

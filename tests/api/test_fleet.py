@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import update
 
 from api.db.models import Job
-from api.lifecycle import transition
+from api.jobs.lifecycle import transition
 from scheduling.estimator import KNOWN_MODELS, ModelShape, TrainingShape, estimate_on_pool
 from scheduling.pools import parse_pools
 from tests.conftest import make_settings

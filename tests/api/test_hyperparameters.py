@@ -1,10 +1,10 @@
-"""The documented "auto" rule (api/hyperparameters.py), value by value."""
+"""The documented "auto" rule (api/jobs/hyperparameters.py), value by value."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.hyperparameters import resolve_hyperparameters
+from api.jobs.hyperparameters import resolve_hyperparameters
 
 
 @pytest.mark.parametrize(

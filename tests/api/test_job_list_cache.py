@@ -1,4 +1,4 @@
-"""The cached job list (``api.job_pages``) and its change counter (``api.db.job_versions``).
+"""The cached job list (``api.jobs.pages``) and its change counter (``api.db.job_versions``).
 
 A cached page may only be served while the tenant's jobs are unchanged. Each writer of
 jobs is exercised here the way it runs in production (the API route, the lifecycle, the
@@ -20,14 +20,14 @@ import pytest
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import job_pages
 from api.db.job_versions import job_list_version, read_job_list_version
 from api.db.models import Job
 from api.db.session import get_engine, session_scope
-from api.job_pages import JobPageCache, PageKey
-from api.jobs import issue_job_token
-from api.lifecycle import transition
-from api.schemas.jobs import JobPublic, JobsPublic
+from api.jobs import pages as job_pages
+from api.jobs.commands import issue_job_token
+from api.jobs.lifecycle import transition
+from api.jobs.pages import JobPageCache, PageKey
+from api.jobs.schemas import JobPublic, JobsPublic
 
 LIST = "/v1/fine_tuning/jobs"
 
@@ -43,10 +43,10 @@ def other_process(settings) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts how often the route built a page and how often the fast path answered."""
-    import api.jobs
+    import api.jobs.commands
 
     calls = {"built": 0, "fast": 0}
-    build = api.jobs.list_jobs
+    build = api.jobs.commands.list_jobs
 
     def counting_build(*args: Any, **kwargs: Any) -> Any:
         calls["built"] += 1
@@ -58,7 +58,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return body
 
     fast = job_pages.CachedJobListMiddleware._current_page
-    monkeypatch.setattr(api.jobs, "list_jobs", counting_build)
+    monkeypatch.setattr(api.jobs.commands, "list_jobs", counting_build)
     monkeypatch.setattr(job_pages.CachedJobListMiddleware, "_current_page", counting_fast)
     return calls
 
@@ -194,21 +194,21 @@ def test_a_write_that_lands_while_a_page_is_built_is_not_hidden(
 ):
     """The counter is read before the rows: a write committed after the rows were read
     bumps past the counter the page was stored under, so the next request rebuilds."""
-    import api.jobs
+    import api.jobs.commands
 
     user = tenant_key()
     job = make_job(user.headers)["id"]
-    build = api.jobs.list_jobs
+    build = api.jobs.commands.list_jobs
 
     def build_then_write(*args: Any, **kwargs: Any) -> Any:
         page = build(*args, **kwargs)
         with other_process() as session:
             session.get_one(Job, job).queue_reason = "written meanwhile"
             session.commit()
-        monkeypatch.setattr(api.jobs, "list_jobs", build)
+        monkeypatch.setattr(api.jobs.commands, "list_jobs", build)
         return page
 
-    monkeypatch.setattr(api.jobs, "list_jobs", build_then_write)
+    monkeypatch.setattr(api.jobs.commands, "list_jobs", build_then_write)
     assert _job(client, user.headers, job)["queue_reason"] is None  # read before the write
     assert _job(client, user.headers, job)["queue_reason"] == "written meanwhile"
 

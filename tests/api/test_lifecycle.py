@@ -8,15 +8,15 @@ import time
 import pytest
 from sqlalchemy import select
 
-from api import lifecycle
 from api.db.models import JOB_STATUSES, Job, JobEvent
 from api.errors import APIError
+from api.jobs import lifecycle
 
 ACTORS = ("user", "admin", "scheduler", "executor", "trainer", "system")
 PEOPLE = {"user", "admin"}
 
 # Who may move a job from which status to which, written out by hand independently of
-# api.lifecycle.RULES: a change to the rules has to be made in both places.
+# api.jobs.lifecycle.RULES: a change to the rules has to be made in both places.
 ALLOWED: dict[tuple[str, str], set[str]] = {
     ("validating_files", "queued"): {"system"},
     ("validating_files", "failed"): {"system"},

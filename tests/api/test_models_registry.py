@@ -150,7 +150,7 @@ def fake_hub(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch):
 def _fetch(settings, model_id: str) -> str:
     """The worker's task body (tunefleet.fetch_hub_model)."""
     from api.db.session import session_scope
-    from api.model_registry import fetch_registered_model
+    from api.models.registry import fetch_registered_model
 
     with session_scope(settings.resolved_database_url) as session:
         return fetch_registered_model(session, settings, model_id)
@@ -277,9 +277,9 @@ def test_checkpoints_and_hub_models_in_a_bucket(backend, settings, fake_hub: Fak
                                                 request: pytest.FixtureRequest) -> None:
     """Kubernetes mode: an s3:// source is checked through S3, a Hub model lands in the bucket."""
     from api.artifacts import artifact_store, store_for
-    from api.checkpoint_checks import check_checkpoint
     from api.errors import APIError
-    from api.hub import HubRef, fetch_snapshot
+    from api.models.checkpoint_checks import check_checkpoint
+    from api.models.hub import HubRef, fetch_snapshot
 
     endpoint = request.getfixturevalue("s3_endpoint")
     in_s3 = settings.model_copy(update={"artifact_url": f"s3://tf-artifacts/{new_id('reg')}",

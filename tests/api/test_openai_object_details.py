@@ -156,7 +156,7 @@ def test_expired_files_are_deleted_once_no_unfinished_job_uses_them(
 def adapter_job(client, make_job, settings, db_session):
     """A job of ``key`` that ran and exported an adapter, ``succeeded`` unless told to stay
     running; returns (job id, fine-tuned model id, output dir)."""
-    from api.lifecycle import transition
+    from api.jobs.lifecycle import transition
     from tests.api.conftest import start_running
 
     def make(key, *, finish: bool = True):

@@ -18,8 +18,8 @@ from api.auth import KeyCache
 from api.db.models import ApiKey, Job
 from api.db.session import get_engine, session_scope
 from api.ids import hash_secret
-from api.job_pages import JobPageCache
-from api.schemas.jobs import JobPublic, JobsPublic
+from api.jobs.pages import JobPageCache
+from api.jobs.schemas import JobPublic, JobsPublic
 
 LIST = "/v1/fine_tuning/jobs"
 

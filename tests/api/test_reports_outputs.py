@@ -8,8 +8,8 @@ import json
 import pytest
 
 from api.db.models import Job
-from api.jobs import issue_job_token
-from api.lifecycle import transition
+from api.jobs.commands import issue_job_token
+from api.jobs.lifecycle import transition
 from tests.api.conftest import start_running
 
 JOBS = "/v1/fine_tuning/jobs"

@@ -61,7 +61,7 @@ def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:
 
 
 def test_health(client, settings) -> None:
-    from api.worker_heartbeat import beat
+    from api.health.worker_heartbeat import beat
 
     assert client.get("/healthz").json() == {"status": "ok"}
     beat(settings)  # what a running worker's consumer does every 10 s
@@ -74,7 +74,7 @@ def test_health(client, settings) -> None:
 def test_readyz_503_without_a_live_worker(client, settings) -> None:
     import time
 
-    from api.worker_heartbeat import STALE_AFTER_S, beat
+    from api.health.worker_heartbeat import STALE_AFTER_S, beat
 
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["checks"]["worker"].startswith("no worker")

@@ -157,7 +157,7 @@ def test_jobs_table_carries_the_latest_metric(client, tenant_key, db_session) ->
 @pytest.mark.parametrize(
     ("params", "expected"),
     [
-        # 48 examples (api/hyperparameters.py): 3 epochs; batch = 2**round(log2(0.096)) -> 1;
+        # 48 examples (api/jobs/hyperparameters.py): 3 epochs; batch = 2**round(log2(0.096)) -> 1;
         # 48 steps per epoch; learning rate 2e-4 x multiplier.
         ({}, {"n_epochs": 3, "batch_size": 1, "total_steps": 144, "learning_rate": 2e-4}),
         ({"n_epochs": "2", "batch_size": "4"}, {"n_epochs": 2, "batch_size": 4, "total_steps": 24}),

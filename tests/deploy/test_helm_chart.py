@@ -410,7 +410,7 @@ def test_every_container_command_exists(name):
 
 
 def test_base_models_configmap_is_accepted_by_the_service_parser():
-    from api.base_models import BaseModelsFile
+    from api.models.base_models import BaseModelsFile
 
     docs = rendered_docs("two-pools-taints")
     config = one(docs, "ConfigMap", f"{FULL}-config")

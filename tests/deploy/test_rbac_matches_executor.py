@@ -122,7 +122,7 @@ def test_rbac_equals_the_calls_the_service_makes():
 
 def test_the_api_role_equals_what_serving_pod_logs_needs():
     """The API reads pod logs with ``kube.pod_logs.read_pod_log`` (through
-    ``api.logs.kubernetes_log``) and makes no other Kubernetes call."""
+    ``api.outputs.logs.kubernetes_log``) and makes no other Kubernetes call."""
     import inspect
     import textwrap
 

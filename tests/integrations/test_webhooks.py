@@ -269,7 +269,7 @@ def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
     sdk: Tunefleet, service: Service, dispatched: list[str], receiver: Receiver
 ) -> None:
     from api.db.session import session_factory
-    from api.lifecycle import lock_job, transition
+    from api.jobs.lifecycle import lock_job, transition
 
     ep = sdk.webhooks.create(url=receiver.url)
     driver = JobDriver(service, queued_job(service))

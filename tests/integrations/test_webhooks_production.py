@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from tests.conftest import make_settings
-from tests.model_files import install_demo_model
 from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
     receiver,
     sdk,
     test_job_events_are_signed_delivered_and_retried_by_celery,
     webhook_env,
 )
+from tests.model_files import install_demo_model
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ scheduler must see that test's jobs only). PostgreSQL or Redis missing: skipped 
 a failure under ``CI=true`` (tests/conftest.py).
 
 Jobs are moved the way the real system moves them: ``JobDriver`` plays the scheduler
-(``api.lifecycle.transition`` to ``running`` with a job token) and the trainer (report
+(``api.jobs.lifecycle.transition`` to ``running`` with a job token) and the trainer (report
 batches POSTed to the internal report endpoint with that token), then the executor
 (``succeeded``).
 """
@@ -82,7 +82,7 @@ class JobDriver:
     def start(self, pool: str = "local", gpus: int = 1) -> None:
         from api.db.session import session_scope
         from api.ids import hash_secret
-        from api.lifecycle import lock_job, transition
+        from api.jobs.lifecycle import lock_job, transition
 
         with session_scope(self.service.settings.resolved_database_url) as session:
             job = lock_job(session, self.job_id)
@@ -128,7 +128,7 @@ class JobDriver:
 
     def finish(self, status: str = "succeeded") -> None:
         from api.db.session import session_scope
-        from api.lifecycle import lock_job, transition
+        from api.jobs.lifecycle import lock_job, transition
 
         with session_scope(self.service.settings.resolved_database_url) as session:
             job = lock_job(session, self.job_id)

@@ -10,7 +10,7 @@ import datetime as dt
 from sqlalchemy import select, update
 
 from api.db.models import Job, JobEvent
-from api.lifecycle import transition
+from api.jobs.lifecycle import transition
 from tests.api.conftest import start_running
 
 JOBS = "/v1/fine_tuning/jobs"

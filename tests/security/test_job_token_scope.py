@@ -115,7 +115,7 @@ def test_a_stored_location_outside_the_output_is_not_served(client, two_jobs, se
 
 
 def test_s3_locations_are_confined_to_the_jobs_prefix(tmp_path) -> None:
-    from api.reports import check_artifact_location, check_checkpoint_location, job_storage
+    from api.reports.ingest import check_artifact_location, check_checkpoint_location, job_storage
 
     settings = make_settings(tmp_path, artifact_url="s3://tf-artifacts/prefix")
     mine, other = "ftjob-mine", "ftjob-other"
@@ -141,7 +141,7 @@ def test_the_spec_builders_locations_are_accepted(client, tenant_key, make_job, 
                                                    settings, artifact_url, in_cluster) -> None:
     """What the spec builder hands a trainer (both executors, local dir and S3) passes."""
     from api.db.models import Job
-    from api.reports import check_artifact_location, check_checkpoint_location
+    from api.reports.ingest import check_artifact_location, check_checkpoint_location
     from worker.spec_builder import build_spec
 
     job = db_session.get_one(Job, make_job(tenant_key().headers)["id"])

@@ -1,6 +1,6 @@
 """The cycle on the real database: jobs created through the API, placed by DbStore.
 
-Admission goes through ``api.lifecycle.transition`` (queued -> running, an event, pool,
+Admission goes through ``api.jobs.lifecycle.transition`` (queued -> running, an event, pool,
 gpus, usage); waiting jobs show ``queue_reason`` on ``GET /v1/fine_tuning/jobs/{id}``
 with one event per change; executor observations requeue (preemption, lost runs) or end
 jobs; usage accounting sums GPU-seconds per tenant and pool.
@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from api.db.models import Job, JobEvent
 from api.db.session import session_scope
-from api.usage import tenant_usage
+from api.fleet.usage import tenant_usage
 from scheduling.capacity import CapacitySnapshot, RunningJob
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)

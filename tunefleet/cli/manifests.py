@@ -42,14 +42,14 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
 
-    from api.base_models import load_base_models
     from api.db.models import File, Job
     from api.db.session import session_scope
     from api.errors import APIError, validation_error
-    from api.fleet import job_request
-    from api.hyperparameters import resolve_hyperparameters
-    from api.jobs import base_model_and_seq_len
-    from api.schemas.jobs import JobCreate
+    from api.fleet.estimate import job_request
+    from api.jobs.commands import base_model_and_seq_len
+    from api.jobs.hyperparameters import resolve_hyperparameters
+    from api.jobs.schemas import JobCreate
+    from api.models.base_models import load_base_models
     from scheduling.capacity import CapacitySnapshot
     from scheduling.model_shapes import EstimateError
     from scheduling.placement import place_job

@@ -14,7 +14,7 @@ Semantics every executor keeps:
 - ``snapshot`` returns the capacity the scheduler may place on.
 - ``reconcile`` returns what changed since the last call (a trainer exited, a pod could
   not be scheduled, an image could not be pulled ...), as plain values; the caller turns
-  them into job transitions through ``api.lifecycle.transition``.
+  them into job transitions through ``api.jobs.lifecycle.transition``.
 """
 
 from __future__ import annotations

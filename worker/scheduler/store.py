@@ -1,7 +1,7 @@
 """The scheduler's view of the database: queued jobs in, admissions and reasons out.
 
 ``DbStore`` implements the cycle's ``SchedulerStore`` on the service's DB. Every status
-change goes through ``api.lifecycle.transition`` (actor ``scheduler`` or ``executor``)
+change goes through ``api.jobs.lifecycle.transition`` (actor ``scheduler`` or ``executor``)
 with the row locked (``lock_job``; admissions lock their chunk of rows in one
 ``SELECT … FOR UPDATE``), so the scheduler, the API and trainer reports never overwrite
 each other. Besides statuses it writes ``queue_reason`` (shown on
@@ -27,13 +27,13 @@ from typing import Any
 from sqlalchemy import bindparam, insert, or_, select, update
 
 from api.artifacts import file_store
-from api.base_models import load_base_models
 from api.db.base import utcnow
 from api.db.models import File, Job, JobEvent, PoolCapacity
 from api.db.session import begin_write, session_scope
 from api.errors import APIError
 from api.ids import hash_secret, new_job_token
-from api.lifecycle import add_event, event_values, lock_job, transition
+from api.jobs.lifecycle import add_event, event_values, lock_job, transition
+from api.models.base_models import load_base_models
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import EstimateError, ModelShape, base_model_shape

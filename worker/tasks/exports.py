@@ -15,12 +15,12 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from api.base_models import load_base_models
 from api.db.models import Artifact, Checkpoint, Job
 from api.db.session import session_scope
-from api.lifecycle import add_event
-from api.reports import ADAPTER_WEIGHTS, apply_artifacts, job_storage
-from api.schemas.reports import ArtifactsItem
+from api.jobs.lifecycle import add_event
+from api.models.base_models import load_base_models
+from api.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
+from api.reports.schemas import ArtifactsItem
 from api.settings import Settings, get_settings
 from trainers.common.peft_export import sha256_file
 from worker.celery_app import app

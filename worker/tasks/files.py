@@ -31,11 +31,11 @@ from api.artifacts import file_store
 from api.db.base import utcnow
 from api.db.models import File, Job
 from api.db.session import session_scope
-from api.files import delete_expired_files
-from api.lifecycle import lock_job, transition
+from api.files.commands import delete_expired_files
+from api.files.validation import validate_file
+from api.jobs.lifecycle import lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
 from api.settings import get_settings
-from api.validation import validate_file
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)

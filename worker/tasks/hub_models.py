@@ -1,14 +1,14 @@
 """Celery task ``tunefleet.fetch_hub_model``: download a registered Hub model and check it.
 
 ``POST /v1/models`` with a Hub source stores the registration as ``fetching`` and sends
-this task; api/model_registry.py does the work (download once per commit, the checkpoint
+this task; api/models/registry.py does the work (download once per commit, the checkpoint
 checks) and marks the registration ready or failed with the error's code.
 """
 
 from __future__ import annotations
 
 from api.db.session import session_scope
-from api.model_registry import fetch_registered_model
+from api.models.registry import fetch_registered_model
 from api.settings import get_settings
 from worker.celery_app import app
 

@@ -32,10 +32,10 @@ from api.artifacts import file_store
 from api.db.models import Job
 from api.db.session import session_scope
 from api.errors import APIError
-from api.lifecycle import add_event, lock_job
+from api.jobs.lifecycle import add_event, lock_job
 from api.queue import SCHEDULE, CeleryQueue
-from api.reports import apply_artifacts, apply_report
-from api.schemas.reports import ArtifactsItem, ReportBatchIn
+from api.reports.ingest import apply_artifacts, apply_report
+from api.reports.schemas import ArtifactsItem, ReportBatchIn
 from api.settings import Settings, get_settings
 from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode

@@ -1,0 +1,61 @@
+"""Validating an uploaded training file and applying the result (used by the Celery task).
+
+The format rules live in ``trainers.common.formats`` (pure Python, shared with the
+trainers), so the service and the trainers agree on what a valid file is by
+construction. ``validate_file`` reads the file from the artifact store, runs the
+validator, sets ``processed`` or ``error`` with the report, and advances the jobs that
+waited for it. It is idempotent: a file already decided is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.artifacts import ArtifactStore
+from api.db.models import File
+from api.jobs.commands import advance_after_validation
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_ERRORS = 50
+
+
+def validation_report(data: bytes) -> dict[str, Any]:
+    """The validator's report as JSON-ready dict (errors with line numbers and codes)."""
+    from trainers.common.formats import validate_jsonl
+
+    return validate_jsonl(data, max_errors=MAX_REPORTED_ERRORS).to_dict()
+
+
+def apply_validation(session: Session, file: File, report: dict[str, Any]) -> list[str]:
+    """Record ``report`` on ``file`` and advance waiting jobs; returns ids of queued jobs."""
+    file.validation = report
+    if report.get("ok"):
+        file.status = "processed"
+        file.status_details = None
+    else:
+        file.status = "error"
+        errors = report.get("errors") or []
+        first = errors[0] if errors else {"code": "invalid_file", "message": "invalid file"}
+        line = f"line {first.get('line')}: " if first.get("line") is not None else ""
+        file.status_details = (
+            f"{report.get('n_errors', len(errors))} problem(s); first: {line}"
+            f"{first.get('code')}: {first.get('message')}"
+        )
+    session.flush()
+    return advance_after_validation(session, file)
+
+
+def validate_file(session: Session, store: ArtifactStore, file_id: str) -> list[str]:
+    """Validate file ``file_id`` if not yet decided; the caller commits. Returns queued job ids."""
+    file = session.get(File, file_id, with_for_update=True)
+    if file is None or file.deleted_at is not None:
+        log.info("file %s is gone; nothing to validate", file_id)
+        return []
+    if file.status != "uploaded":
+        return advance_after_validation(session, file)
+    report = validation_report(store.read_bytes(file.location))
+    return apply_validation(session, file, report)

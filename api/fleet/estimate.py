@@ -1,0 +1,473 @@
+"""The API's view of the fleet: node pools, their capacity now, placement estimates.
+
+The decisions come from the pure ``scheduling`` package (pools, capacity, estimator,
+placement, the job -> request mapping ``request_from_job``), the same functions the
+scheduler runs, so the estimate a user sees before submitting, the estimate stored on a
+new job and the scheduler's own placement cannot drift apart. This module adds the
+database reads around them and the response shapes.
+
+Capacity: the scheduler's local executor builds its snapshot as the configured nodes
+minus the GPUs of ``running`` jobs, packed first-fit (``CapacitySnapshot.packed`` over
+its rows, ``LocalExecutor.snapshot``); this module builds the same view from the
+database with the same function (``capacity_source: "config"``: GPUs *used* are exact,
+GPUs *total* are what the pools file declares). In Kubernetes mode the
+scheduler counts real Nodes (allocatable GPUs minus pods' requests) and publishes them
+each cycle (``pool_capacity``); the API, which does not talk to the cluster, shows that
+observation while it is fresh (``capacity_source: "cluster"``, with ``observed_at``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.db.models import ApiKey, File, Job, PoolCapacity, Tenant
+from api.errors import APIError
+from api.files.commands import get_file
+from api.fleet.schemas import EstimateRequest
+from api.fleet.usage import to_timestamp
+from api.jobs.commands import base_model_and_seq_len
+from api.jobs.hyperparameters import micro_batch_for, resolve_hyperparameters
+from api.models.base_models import BaseModelEntry
+from api.observability.collectors import set_pool_capacity_provider
+from api.settings import Settings
+from scheduling.capacity import CapacitySnapshot, HeldGpus
+from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate, base_model_shape
+from scheduling.placement import (
+    Placement,
+    PreemptionPolicy,
+    estimate_for,
+    no_pool_fits,
+    place_job,
+    trainer_for,
+    trainer_refusal,
+)
+from scheduling.pools import NodePool, load_pools
+from scheduling.request import JobRequest, planned_tokens, request_from_job
+
+log = logging.getLogger(__name__)
+
+
+# ---- pools and capacity ------------------------------------------------------------
+
+
+def load_node_pools(settings: Settings) -> list[NodePool]:
+    """The pools the scheduler uses (``TUNEFLEET_NODE_POOLS_FILE`` or the local pool)."""
+    return load_pools(settings.node_pools_file)
+
+
+def install(app: FastAPI, settings: Settings) -> None:
+    """Load the pools into ``app.state.node_pools`` (a broken file is a start-up error,
+    as for the scheduler) and give Prometheus their GPU totals."""
+    pools = load_node_pools(settings)
+    app.state.node_pools = pools
+    totals = {p.name: p.gpus_per_node * p.nodes for p in pools}
+    set_pool_capacity_provider(lambda: totals)
+
+
+def capacity_snapshot(session: Session, pools: list[NodePool]) -> CapacitySnapshot:
+    """Configured nodes minus what running jobs hold (the local executor's view).
+
+    Running jobs are packed first-fit onto nodes in start order, as the local executor
+    does; the DB does not record node names, only each job's pool and GPU count.
+    """
+    rows = session.execute(
+        select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
+        .where(Job.status == "running", Job.pool.in_([p.name for p in pools]))
+        .order_by(Job.started_at, Job.id)
+    ).all()
+    return CapacitySnapshot.packed(
+        pools,
+        (HeldGpus(jid, tenant, int(priority or 0), pool, gpus, to_timestamp(started))
+         for jid, tenant, priority, pool, gpus, started in rows),
+    )
+
+
+# A published cluster observation older than this is not shown (the scheduler is down or
+# stuck); the pools file's view is shown instead.
+OBSERVED_CAPACITY_MAX_AGE = dt.timedelta(minutes=2)
+
+
+def _observed_capacity(session: Session, pools: list[NodePool]) -> dict[str, PoolCapacity]:
+    """The scheduler's fresh cluster observations of ``pools``, by pool name."""
+    rows = session.scalars(select(PoolCapacity).where(PoolCapacity.pool.in_([p.name for p in pools])))
+    now = dt.datetime.now(dt.UTC)
+    return {r.pool: r for r in rows if now - r.observed_at <= OBSERVED_CAPACITY_MAX_AGE}
+
+
+def _node_view(name: str, gpus_total: int, gpus_free: int) -> dict[str, Any]:
+    return {"name": name, "gpus_total": gpus_total, "gpus_used": gpus_total - gpus_free, "gpus_free": gpus_free}
+
+
+def _waiting_pool(
+    job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None
+) -> str | None:
+    """The pool a queued job waits for: the one it pinned, else its estimate's choice."""
+    pinned = (job_placement or {}).get("pool")
+    if pinned:
+        return pinned
+    est = estimate or {}
+    return (est.get("chosen") or {}).get("pool") or est.get("pool")
+
+
+def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dict[str, Any]]:
+    """Every pool with its capacity now; running job ids of the caller's tenant (admins: all)."""
+    snap = capacity_snapshot(session, pools)
+    queued: dict[str, int] = {}
+    for placement, estimate in session.execute(
+        select(Job.placement, Job.estimate).where(Job.status == "queued")
+    ):
+        pool = _waiting_pool(placement, estimate)
+        if pool:
+            queued[pool] = queued.get(pool, 0) + 1
+    observed = _observed_capacity(session, pools)
+    out: list[dict[str, Any]] = []
+    for pool in pools:
+        running = sorted(
+            (j for j in snap.running.values() if j.pool == pool.name),
+            key=lambda j: (j.started_at, j.job_id),
+        )
+        visible = [j.job_id for j in running if key.grants_admin or j.tenant == key.tenant_id]
+        if pool.name in observed:
+            row = observed[pool.name]
+            node_list = [_node_view(n["name"], n["gpus_total"], n["gpus_free"]) for n in row.nodes]
+            source = {"capacity_source": "cluster", "observed_at": int(row.observed_at.timestamp())}
+        else:
+            node_list = [_node_view(n.name, n.gpus_total, n.gpus_free) for n in snap.nodes.get(pool.name, {}).values()]
+            source = {"capacity_source": "config", "observed_at": None}
+        total = sum(n["gpus_total"] for n in node_list)
+        free = sum(n["gpus_free"] for n in node_list)
+        out.append(
+            {
+                "name": pool.name,
+                "accelerator": pool.accelerator,
+                "gpu_memory_bytes": pool.gpu_memory_bytes,
+                "gpu_memory_gib": round(pool.gpu_memory_gib, 2),
+                "gpus_per_node": pool.gpus_per_node,
+                "nodes": len(node_list),
+                "gpus_total": total,
+                "gpus_used": total - free,
+                "gpus_free": free,
+                "trainers": list(pool.trainers),
+                "trainer_image": pool.trainer_image,
+                "price_per_gpu_hour": pool.price_per_gpu_hour,
+                "peak_tflops": pool.peak_tflops,
+                "max_nodes_per_job": pool.max_nodes_per_job,
+                "running_jobs": visible,
+                "queued_jobs": queued.get(pool.name, 0),
+                "node_list": node_list,
+                **source,
+            }
+        )
+    return out
+
+
+# ---- from a job (or a job-shaped body) to what the scheduler sees ----------------------
+
+
+def _estimable(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters with the micro batch a given batch size resolves to (the
+    ``"auto"`` rule of ``api.jobs.hyperparameters``), so an estimate before the training file
+    is validated counts the micro batch the job will run with."""
+    hp = dict(hyperparameters)
+    if not isinstance(hp.get("micro_batch_size"), int) and isinstance(hp.get("batch_size"), int):
+        hp["micro_batch_size"] = micro_batch_for(hp["batch_size"])
+    return hp
+
+
+@dataclass(frozen=True)
+class EstimateInput:
+    """A job, or a would-be job, as the estimate needs it."""
+
+    request: JobRequest
+    model_id: str
+    shape_source: str
+    notes: tuple[str, ...] = ()
+
+
+def job_request(
+    *,
+    job_id: str,
+    tenant_id: str,
+    entry: BaseModelEntry,
+    adapter: dict[str, Any],
+    hyperparameters: dict[str, Any],
+    max_seq_len: int,
+    trainer: str,
+    placement: dict[str, Any],
+    priority: int,
+    total_tokens: int | None,
+    method_type: str = "supervised",
+) -> EstimateInput:
+    shape, source = base_model_shape(entry.path, entry.params_b, model_id=entry.id)
+    # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
+    # scheduler does for the queued job.
+    req = request_from_job(
+        job_id=job_id,
+        tenant=tenant_id,
+        model=shape,
+        adapter=adapter,
+        hyperparameters=_estimable(hyperparameters),
+        max_seq_len=max_seq_len,
+        trainer=trainer,
+        placement=placement,
+        priority=priority,
+        total_tokens=total_tokens,
+        method_type=method_type,
+    )
+    notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
+    if req.total_tokens is None:
+        notes.append(
+            "no example count yet: ETA and cost need training_file, n_examples or total_tokens"
+        )
+    return EstimateInput(req, entry.id, source, tuple(notes))
+
+
+# ---- the estimate --------------------------------------------------------------------
+
+
+def _breakdown(est: PoolEstimate) -> dict[str, int] | None:
+    m = est.memory
+    if m is None:
+        return None
+    return {
+        "weights": m.weights + m.gathered_layer + m.dequantized_layer,
+        "lora": m.lora_params,
+        "grads": m.lora_grads,
+        "optimizer": m.optimizer,
+        "activations": m.activations + m.logits,
+        "overhead": m.slack + m.framework,
+    }
+
+
+def _pool_row(
+    pool: NodePool, est: PoolEstimate | None, free: int, reasons: list[str]
+) -> dict[str, Any]:
+    row = {
+        "pool": pool.name,
+        "accelerator": pool.accelerator,
+        "fits": False,
+        "gpus": 0,
+        "nodes": 0,
+        "cpu_offload": False,
+        "trainer": None,
+        "memory_per_gpu_bytes": None,
+        "capacity_bytes": pool.gpu_memory_bytes,
+        "usable_bytes": int(pool.gpu_memory_bytes * HEADROOM),
+        "gpu_memory_bytes": pool.gpu_memory_bytes,
+        "breakdown": None,
+        "tokens_per_s": 0.0,
+        "eta_s": None,
+        "cost": None,
+        "gpus_free": free,
+        "reasons": reasons,
+    }
+    if est is not None:
+        row.update(
+            {
+                "fits": est.fits,
+                "gpus": est.gpus,
+                "nodes": est.nodes,
+                "cpu_offload": est.offload,
+                "trainer": est.trainer,
+                "memory_per_gpu_bytes": est.bytes_per_gpu,
+                "breakdown": _breakdown(est),
+                "tokens_per_s": round(est.tokens_per_s, 1),
+                "eta_s": _round(est.eta_s, 1),
+                "cost": _round(est.cost, 4),
+                "reasons": list(est.reasons) + reasons,
+            }
+        )
+    return row
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _chosen(placement: Placement, mode: str, reasons: tuple[str, ...]) -> dict[str, Any] | None:
+    est = placement.estimate
+    if placement.pool is None or est is None:
+        return None
+    return {
+        "pool": placement.pool,
+        "gpus": placement.gpus,
+        "mode": mode,
+        "trainer": placement.trainer,
+        "fits": True,
+        "cpu_offload": est.offload,
+        "memory_per_gpu_bytes": est.bytes_per_gpu,
+        "tokens_per_s": round(est.tokens_per_s, 1),
+        "eta_s": _round(est.eta_s, 1),
+        "cost": _round(est.cost, 4),
+        "preempts": len(placement.victims),
+        "reasons": list(reasons),
+    }
+
+
+def estimate(
+    pools: list[NodePool], snapshot: CapacitySnapshot, inp: EstimateInput
+) -> dict[str, Any]:
+    """Every pool's estimate and a dry run of placement now (the ``fine_tuning.estimate`` object).
+
+    ``chosen`` is where the scheduler would place the job now (``fit``, or
+    ``fit_after_preemption``); when the fleet is busy (``no_fit``) it is the pool the job
+    would take on an idle fleet, with the reasons it waits; None when no pool can ever
+    hold it. ``unfit`` lists, when no pool's configuration can hold the job at all
+    (``scheduling.placement.no_pool_fits``), each pool's reason; it is empty otherwise.
+    """
+    req = inp.request
+    rows: list[dict[str, Any]] = []
+    for pool in pools:
+        free = snapshot.pool_free(pool.name)
+        trainer = trainer_for(req, pool)
+        limit = pool.gpus_per_node * pool.max_nodes_per_job
+        if trainer is None:
+            rows.append(_pool_row(pool, None, free, [f"{pool.name}: {trainer_refusal(req, pool)}"]))
+            continue
+        if req.gpus is not None and req.gpus > limit:
+            rows.append(
+                _pool_row(pool, None, free, [f"{pool.name} allows at most {limit} GPUs per job"])
+            )
+            continue
+        extra = (
+            [f"not considered: placement.pool pins the job to {req.pool}"]
+            if req.pool not in (None, pool.name)
+            else []
+        )
+        rows.append(_pool_row(pool, estimate_for(req, pool, trainer), free, extra))
+    now = place_job(req, snapshot, policy=PreemptionPolicy())
+    chosen = None
+    if now.mode != "no_fit":
+        chosen = _chosen(now, now.mode, now.messages())
+    else:
+        idle = place_job(req, CapacitySnapshot.from_pools(pools))
+        if idle.mode == "fit":
+            chosen = _chosen(idle, "no_fit", now.messages())
+    return {
+        "object": "fine_tuning.estimate",
+        "model": {"id": inp.model_id, "params": req.model.params, "shape_source": inp.shape_source},
+        "total_tokens": req.total_tokens,
+        "mode": now.mode,
+        "reasons": list(now.messages()),
+        "pools": rows,
+        "chosen": chosen,
+        "unfit": [
+            {"pool": r.pool, "code": r.code.value, "message": r.message}
+            for r in no_pool_fits(req, {p.name: p for p in pools})
+        ],
+        "notes": list(inp.notes),
+    }
+
+
+def _estimate_error(exc: EstimateError) -> APIError:
+    param = {
+        "model_not_found": "model",
+        "model_config_unavailable": "model",
+        "model_unavailable": "model",
+        "invalid_model_config": "model",
+        "invalid_adapter": "adapter",
+    }.get(exc.code)
+    return APIError(400, exc.code, str(exc), param=param)
+
+
+def estimate_request(
+    session: Session,
+    tenant: Tenant,
+    body: EstimateRequest,
+    *,
+    base_models: dict[str, BaseModelEntry],
+    pools: list[NodePool],
+) -> dict[str, Any]:
+    """``POST /v1/fine_tuning/estimate``: validate the job-shaped body, then estimate."""
+    entry, max_seq_len = base_model_and_seq_len(body, base_models)
+    if body.placement.pool is not None and body.placement.pool not in {p.name for p in pools}:
+        raise APIError(
+            400,
+            "invalid_request",
+            f"Unknown node pool '{body.placement.pool}'. Available: "
+            f"{', '.join(p.name for p in pools)}.",
+            param="placement.pool",
+        )
+    n_examples = body.n_examples
+    if body.training_file is not None:
+        n_examples = _file_examples(session, tenant, body.training_file, given=n_examples)
+    requested = body.requested_hyperparameters().model_dump(exclude_none=True)
+    hp = resolve_hyperparameters(requested, n_examples, method=body.method_type) if n_examples else requested
+    total = body.total_tokens or planned_tokens(hp, max_seq_len)
+    try:
+        inp = job_request(
+            job_id="estimate",
+            tenant_id=tenant.id,
+            entry=entry,
+            adapter=body.adapter.model_dump(),
+            hyperparameters=hp,
+            max_seq_len=max_seq_len,
+            trainer=body.trainer_name,
+            placement=body.placement.model_dump(exclude_none=True),
+            priority=body.priority_value,
+            total_tokens=total,
+            method_type=body.method_type,
+        )
+        return estimate(pools, capacity_snapshot(session, pools), inp)
+    except EstimateError as exc:
+        raise _estimate_error(exc) from exc
+
+
+def _file_examples(
+    session: Session, tenant: Tenant, file_id: str, *, given: int | None
+) -> int | None:
+    try:
+        file: File = get_file(session, tenant, file_id, param="training_file")
+    except APIError:
+        raise APIError(
+            400, "invalid_file", f"No file found with id '{file_id}'.", param="training_file"
+        ) from None
+    if file.purpose != "fine-tune":
+        raise APIError(
+            400,
+            "invalid_file",
+            f"File '{file_id}' has purpose '{file.purpose}', not 'fine-tune'.",
+            param="training_file",
+        )
+    if file.status == "error":
+        raise APIError(
+            400,
+            "invalid_file",
+            f"File '{file_id}' failed validation; fix it before estimating.",
+            param="training_file",
+        )
+    if given is not None:
+        return given
+    n = int((file.validation or {}).get("n_examples") or 0)
+    return n or None  # still being validated: no count yet
+
+
+def estimate_job(
+    session: Session, job: Job, *, base_models: dict[str, BaseModelEntry], pools: list[NodePool]
+) -> dict[str, Any]:
+    """The estimate of a stored job (job creation saves it on ``job.estimate``)."""
+    entry = base_models.get(job.model)
+    if entry is None:
+        raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
+    hp = dict(job.hyperparameters or {})
+    inp = job_request(
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        entry=entry,
+        adapter=dict(job.adapter or {}),
+        hyperparameters=hp,
+        max_seq_len=job.max_seq_len,
+        trainer=job.trainer,
+        placement=dict(job.placement or {}),
+        priority=int(job.priority or 0),
+        total_tokens=planned_tokens(hp, job.max_seq_len),
+        method_type=(job.method or {}).get("type", "supervised"),
+    )
+    return estimate(pools, capacity_snapshot(session, pools), inp)

@@ -1,0 +1,2 @@
+"""Liveness and readiness, and the worker heartbeat readiness reads.
+"""

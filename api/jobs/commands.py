@@ -1,0 +1,447 @@
+"""Query and command functions for fine-tuning jobs (routes call these; so do tasks).
+
+Creation checks the model, files and extensions, resolves ``"auto"`` hyperparameters
+(see ``api.jobs.hyperparameters``) once the training file's example count is known, and moves
+the job to ``queued`` through the lifecycle; a job whose files are still being validated
+waits in ``validating_files`` and is advanced by ``advance_after_validation``.
+
+A file's validated format must suit the job's method: a DPO job trains on preference
+files only and a supervised job on any other format (400 ``file_method_mismatch`` when
+the file is already validated, else the job fails with that code once it is).
+
+A job that no node pool can hold even with every GPU free (the estimate's ``unfit``
+reasons) is refused with 400 ``no_pool_fits`` instead of being queued to wait forever,
+unless the body asks to queue it anyway (``placement.queue_if_unfit``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.db.job_versions import job_list_version
+from api.db.models import ApiKey, Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
+from api.errors import APIError, not_found
+from api.files.commands import get_file
+from api.ids import hash_secret, new_id, new_job_token
+from api.jobs.hyperparameters import resolve_hyperparameters
+from api.jobs.lifecycle import add_event, lock_job, transition
+from api.jobs.pages import JobPageCache, PageKey
+from api.jobs.schemas import JobCreate, jobs_page_json
+from api.models.base_models import BaseModelEntry
+from api.models.hub import parse_hub_id
+from api.pagination import check_limit, page_newest_first
+from api.queue import SCHEDULE, TaskQueue
+from scheduling.estimator import missing_model_files
+from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
+
+MAX_FIRST_ERRORS = 5
+
+log = logging.getLogger(__name__)
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    """A stable hash of a request body (key order and whitespace do not matter)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _file_error(file: File, param: str) -> APIError:
+    report = file.validation or {}
+    errors = list(report.get("errors") or [])[:MAX_FIRST_ERRORS]
+    where = "; ".join(
+        f"line {e.get('line')}: {e.get('code')}: {e.get('message')}" if e.get("line") is not None
+        else f"{e.get('code')}: {e.get('message')}"
+        for e in errors
+    )
+    return APIError(
+        400, "invalid_file",
+        f"File '{file.id}' failed validation ({report.get('n_errors', len(errors))} problems)"
+        + (f": {where}" if where else "."),
+        param=param, details={"errors": errors, "n_errors": report.get("n_errors", len(errors))},
+    )
+
+
+def _method_mismatch(file: File, method: str, param: str) -> APIError | None:
+    """The error when validated ``file`` cannot train with ``method``; None when it can
+    (or is not validated yet)."""
+    found = (file.validation or {}).get("format")
+    if file.status != "processed" or found is None or (found == "preference") == (method == "dpo"):
+        return None
+    if method == "dpo":
+        message = (f"File '{file.id}' is in '{found}' format, but a DPO job (method.type 'dpo') "
+                   "trains on preference data: lines with 'input', 'preferred_output' and "
+                   "'non_preferred_output'.")
+    else:
+        message = (f"File '{file.id}' holds preference data ('input', 'preferred_output', "
+                   "'non_preferred_output'), which trains only with method "
+                   "{\"type\": \"dpo\"}; a supervised job needs chat, prompt/completion, "
+                   "alpaca or ShareGPT lines.")
+    return APIError(400, "file_method_mismatch", message, param=param)
+
+
+def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> File:
+    try:
+        file = get_file(session, tenant, file_id, param=param)
+    except APIError:
+        raise APIError(400, "invalid_file", f"No file found with id '{file_id}'.", param=param)
+    if file.purpose != "fine-tune":
+        raise APIError(400, "invalid_file", f"File '{file_id}' has purpose '{file.purpose}', "
+                       "not 'fine-tune'.", param=param)
+    if file.status == "error":
+        raise _file_error(file, param)
+    return file
+
+
+def check_trainer(body: JobCreate) -> None:
+    adapter = body.adapter
+    if not trains_base(body.trainer_name, adapter.quantization, adapter.double_quant):
+        base = f"{adapter.quantization} base" + (" with double_quant" if adapter.double_quant else "")
+        raise APIError(400, "invalid_request",
+                       f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base without "
+                       f"double_quant; a {base} needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
+
+
+def base_model_and_seq_len(
+    body: JobCreate, base_models: dict[str, BaseModelEntry]
+) -> tuple[BaseModelEntry, int]:
+    """The job's base model and sequence length, checked as job creation and estimates
+    both check them: a configured model, a trainer that trains its base, and
+    ``max_seq_len`` (default: the smaller of the model's and ``DEFAULT_MAX_SEQ_LEN``)
+    within the model's."""
+    model = base_models.get(body.model)
+    if model is None:
+        known = ", ".join(sorted(base_models)) or "none"
+        hint = (" A Hugging Face Hub id is a base model once an admin has registered it "
+                "(POST /v1/models) and it is fetched." if parse_hub_id(body.model) else "")
+        raise APIError(400, "invalid_model",
+                       f"Unknown base model '{body.model}'. Available: {known}.{hint}", param="model")
+    check_trainer(body)
+    max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > model.max_seq_len:
+        raise APIError(400, "invalid_request",
+                       f"max_seq_len {max_seq_len} exceeds the model's {model.max_seq_len}.",
+                       param="max_seq_len")
+    return model, max_seq_len
+
+
+def require_model_files(model: BaseModelEntry) -> None:
+    """400 ``model_unavailable`` for a local base model whose files are not there (its
+    directory or ``config.json``): the job could never load it, and its estimate would be
+    a guess. ``s3://`` models are the trainer's to find (``missing_model_files``)."""
+    missing = missing_model_files(model.path, model.id)
+    if missing is not None:
+        raise APIError(400, "model_unavailable",
+                       f"{missing}. Put the model's Hugging Face files there, or choose another "
+                       "model (GET /v1/models).", param="model")
+
+
+def create_job(
+    session: Session,
+    tenant: Tenant,
+    body: JobCreate,
+    *,
+    raw_body: dict[str, Any],
+    base_models: dict[str, BaseModelEntry],
+    queue: TaskQueue,
+    idempotency_key: str | None = None,
+    estimate: Callable[[Job], dict[str, Any]] | None = None,
+    _retried: bool = False,
+) -> Job:
+    """Create a job (or return the one created earlier with the same Idempotency-Key).
+
+    ``estimate(job)`` (``api.fleet.estimate.estimate_job``) is stored on ``job.estimate``; a
+    failing estimate never fails the creation: its error is stored instead.
+    """
+    digest = request_hash(raw_body)
+    if idempotency_key is not None:
+        if not 1 <= len(idempotency_key) <= 255:
+            raise APIError(400, "invalid_request", "Idempotency-Key must be 1-255 characters.",
+                           param="Idempotency-Key")
+        earlier = session.scalar(
+            select(IdempotencyKey).where(
+                IdempotencyKey.tenant_id == tenant.id, IdempotencyKey.key == idempotency_key
+            )
+        )
+        if earlier is not None:
+            if earlier.request_hash != digest:
+                raise APIError(409, "idempotency_conflict",
+                               "This Idempotency-Key was used with a different request body.",
+                               param="Idempotency-Key")
+            return session.get_one(Job, earlier.job_id)
+
+    model, max_seq_len = base_model_and_seq_len(body, base_models)
+    require_model_files(model)
+    training = _usable_file(session, tenant, body.training_file, "training_file")
+    validation = (
+        _usable_file(session, tenant, body.validation_file, "validation_file")
+        if body.validation_file else None
+    )
+    for file, param in ((training, "training_file"), (validation, "validation_file")):
+        mismatch = _method_mismatch(file, body.method_type, param) if file is not None else None
+        if mismatch is not None:
+            raise mismatch
+    requested = body.requested_hyperparameters().model_dump(exclude_none=True)
+    job = Job(
+        id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
+        validation_file=validation.id if validation else None, status="validating_files",
+        hyperparameters=requested, method={"type": body.method_type},
+        adapter=body.adapter.model_dump(), trainer=body.trainer_name,
+        placement=body.placement.model_dump(exclude_defaults=True), priority=body.priority_value,
+        max_seq_len=max_seq_len, packing=body.packing,
+        eval=body.eval.model_dump(exclude_none=True), suffix=body.suffix,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        metadata_=body.metadata,
+        integrations=[i.model_dump(exclude_none=True) for i in body.integrations or []],
+        result_files=[], restarts=0,
+    )
+    try:
+        session.add(job)
+        session.flush()  # the job row first: events and the idempotency key refer to it
+        if idempotency_key is not None:
+            # Claimed before anything else: a concurrent twin blocks or fails right here.
+            session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
+                                       request_hash=digest, job_id=job.id))
+            session.flush()
+        add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
+        queued = _queue_if_files_ready(session, job)
+        if estimate is not None:
+            job.estimate = _estimate_or_error(estimate, job)
+            refusal = no_pool_fits_error(job.estimate, queue_anyway=body.placement.queue_if_unfit)
+            if refusal is not None:
+                session.rollback()  # nothing of the refused job stays: row, events, key
+                raise refusal
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the race: answer like a retry.
+        session.rollback()
+        if idempotency_key is None or _retried:
+            raise
+        return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models,
+                          queue=queue, idempotency_key=idempotency_key, estimate=estimate,
+                          _retried=True)
+    if queued:
+        queue.send(SCHEDULE)
+    return job
+
+
+def _estimate_or_error(estimate: Callable[[Job], dict[str, Any]], job: Job) -> dict[str, Any]:
+    try:
+        return estimate(job)
+    except Exception as exc:  # an estimate is advice: creation must not fail on it
+        log.warning("estimate for %s failed: %s", job.id, exc, exc_info=True)
+        code = getattr(exc, "code", None) or "estimate_failed"
+        return {"object": "fine_tuning.estimate", "error": {"code": code, "message": str(exc)}}
+
+
+def no_pool_fits_error(estimate: dict[str, Any], *, queue_anyway: bool) -> APIError | None:
+    """400 ``no_pool_fits`` when the estimate found that no pool can hold the job even
+    with every GPU free (its ``unfit`` reasons, one per pool), unless the body asked to
+    queue it anyway (``placement.queue_if_unfit``). Such a job would wait forever."""
+    unfit = estimate.get("unfit") or []
+    if not unfit or queue_anyway:
+        return None
+    reasons = "; ".join(r["message"] for r in unfit)
+    return APIError(
+        400, "no_pool_fits",
+        f"No node pool can hold this job, even with all its GPUs free ({reasons}). Use a "
+        "smaller model, max_seq_len, micro batch or adapter, another trainer or pool, or set "
+        "placement.queue_if_unfit to queue it for a pool that is being added or grown.",
+        param="placement", details={"pools": unfit},
+    )
+
+
+def _queue_if_files_ready(session: Session, job: Job) -> bool:
+    """validating_files -> queued (resolving "auto") or -> failed; True when queued."""
+    files = [session.get_one(File, job.training_file)]
+    if job.validation_file:
+        files.append(session.get_one(File, job.validation_file))
+    method = (job.method or {}).get("type", "supervised")
+    for file, param in zip(files, ("training_file", "validation_file"), strict=False):
+        error = _file_error(file, param) if file.status == "error" else _method_mismatch(file, method, param)
+        if error is not None:
+            transition(session, job, "failed", actor="system", message=error.message,
+                       error={"code": error.code, "message": error.message, "param": param})
+            return False
+    if any(f.status != "processed" for f in files):
+        return False
+    n_examples = int((files[0].validation or {}).get("n_examples") or 0)
+    resolved = resolve_hyperparameters(job.hyperparameters, n_examples, method=method)
+    transition(
+        session, job, "queued", actor="system",
+        message=f"Files validated ({n_examples} training examples); job queued.",
+        hyperparameters=resolved, total_steps=resolved["total_steps"],
+    )
+    return True
+
+
+def advance_after_validation(session: Session, file: File) -> list[str]:
+    """Advance the jobs waiting on ``file``; returns the ids of jobs now queued."""
+    waiting = session.scalars(
+        select(Job.id).where(
+            Job.status == "validating_files",
+            (Job.training_file == file.id) | (Job.validation_file == file.id),
+        )
+    ).all()
+    queued: list[str] = []
+    for job_id in waiting:
+        job = lock_job(session, job_id)
+        if job is not None and job.status == "validating_files" and _queue_if_files_ready(
+            session, job
+        ):
+            queued.append(job.id)
+    return queued
+
+
+def tenant_jobs(tenant: Tenant):
+    return select(Job).where(Job.tenant_id == tenant.id)
+
+
+def may_open(job: Job, *, tenant_id: str, is_admin: bool) -> bool:
+    """Whether a caller of organization ``tenant_id`` may read and act on ``job``.
+
+    A tenant's key opens its own organization's jobs only; any other job answers 404,
+    exactly like a missing one. An admin (``ApiKey.grants_admin``) opens every
+    organization's jobs (it can already mint keys for any organization, so this grants
+    nothing new); what it does there is recorded with actor ``admin``. Lists stay per
+    organization either way. The API's job routes and the dashboard's job page both ask here.
+    """
+    return is_admin or job.tenant_id == tenant_id
+
+
+def _opens(key: ApiKey, job: Job | None) -> bool:
+    return job is not None and may_open(job, tenant_id=key.tenant_id, is_admin=key.grants_admin)
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if not _opens(key, job):
+        raise not_found("fine-tuning job", job_id)
+    return job
+
+
+def list_jobs(
+    session: Session, tenant: Tenant, *, after: str | None, limit: int,
+    metadata: dict[str, str], status: str | None = None,
+) -> tuple[list[Job], bool]:
+    query = tenant_jobs(tenant)
+    for key, value in metadata.items():
+        query = query.where(Job.metadata_[key].as_string() == value)
+    if status is not None:
+        query = query.where(Job.status == status)
+    return page_newest_first(session, query, Job, after=after, limit=limit)
+
+
+def list_jobs_json(
+    session: Session, tenant: Tenant, *, after: str | None, limit: int,
+    metadata: dict[str, str], status: str | None, pages: JobPageCache, query: bytes,
+) -> bytes:
+    """``list_jobs`` encoded as a ``JobsPublic`` page, reused from ``pages`` while the
+    tenant's jobs are unchanged (see ``api.jobs.pages``); errors are never cached.
+
+    ``query`` is the raw query string the other arguments were parsed from (the key).
+    """
+    key = PageKey(tenant.id, query)
+    version = job_list_version(session, tenant.id)  # before the rows, never after
+    body = pages.get(key, version)
+    if body is None:
+        rows, has_more = list_jobs(session, tenant, after=after, limit=limit,
+                                   metadata=metadata, status=status)
+        body = jobs_page_json(rows, has_more=has_more)
+        pages.put(key, version, body)
+    return body
+
+
+def latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
+    )
+
+
+def cancel_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
+    transition(session, job, "cancelled", actor=actor,
+               message=f"Job cancelled by {'an administrator' if actor == 'admin' else 'the user'}.")
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def pause_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
+    transition(session, job, "paused", actor=actor,
+               message="Job paused; it keeps its last checkpoint and resumes from it.")
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def resume_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    job = lock_job_of(session, key, job_id)
+    actor = actor_of(key)
+    checkpoint = latest_checkpoint(session, job)
+    transition(
+        session, job, "queued", actor=actor,
+        message="Job resumed" + (f" from step {checkpoint.step}." if checkpoint else "."),
+        resume_from=checkpoint.location if checkpoint else job.resume_from,
+    )
+    session.commit()
+    queue.send(SCHEDULE)
+    return job
+
+
+def lock_job_of(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = lock_job(session, job_id)
+    if not _opens(key, job):
+        raise not_found("fine-tuning job", job_id)
+    return job
+
+
+def actor_of(key: ApiKey) -> str:
+    return "admin" if key.grants_admin else "user"
+
+
+def list_events(
+    session: Session, job: Job, *, after: str | None, limit: int
+) -> tuple[list[JobEvent], bool]:
+    """Events newest first; ``after`` is an event id of this job."""
+    check_limit(limit)
+    query = select(JobEvent).where(JobEvent.job_id == job.id)
+    if after is not None:
+        anchor = session.scalar(
+            select(JobEvent.seq).where(JobEvent.job_id == job.id, JobEvent.id == after)
+        )
+        if anchor is None:
+            raise APIError(400, "invalid_cursor",
+                           f"'after' is not an event of this job: '{after}'.", param="after")
+        query = query.where(JobEvent.seq < anchor)
+    rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_checkpoints(
+    session: Session, job: Job, *, after: str | None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+    return page_newest_first(session, query, Checkpoint, after=after, limit=limit)
+
+
+def issue_job_token(session: Session, job: Job) -> str:
+    """A fresh per-job report token (the previous one stops working); the caller commits.
+
+    Only its sha256 is stored; the raw token goes to the trainer in its spec/Secret.
+    """
+    token = new_job_token()
+    job.job_token_hash = hash_secret(token)
+    session.flush()
+    return token

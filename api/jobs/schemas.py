@@ -1,0 +1,450 @@
+"""Fine-tuning job schemas: OpenAI's request/response shapes plus our extensions.
+
+``JobCreate`` accepts OpenAI's body (``model``, ``training_file``, ``validation_file``,
+``hyperparameters``, ``method``, ``suffix``, ``seed``, ``metadata``, ``integrations``)
+and, in the same body (the SDK's ``extra_body``), our extensions: ``adapter``,
+``trainer``, ``placement``, ``priority``, ``max_seq_len``, ``packing``, ``eval``.
+Unknown fields are refused with their path in ``param``.
+
+``method`` is OpenAI's: ``{"type": "supervised", "supervised": {"hyperparameters": ...}}``
+or ``{"type": "dpo", "dpo": {"hyperparameters": {"beta", "batch_size",
+"learning_rate_multiplier", "n_epochs"}}}`` (each a value or "auto"; resolved as
+``api.jobs.hyperparameters`` says). A DPO job trains on a file in OpenAI's preference format,
+a supervised job on any other format.
+
+``suffix`` follows OpenAI's rule: 1 to 64 characters. It is shown as given in
+``user_provided_suffix`` and names the model ``ft:<base>:<org>:<suffix>:<job id>``; in that
+name every character other than a letter, digit, ``.``, ``_`` or ``-`` becomes ``-`` (a
+``:`` would split the name, a ``/`` or a space would need escaping in model URLs).
+
+Priority: ``low`` = 25, ``normal`` = 50 (default), ``high`` = 75, or an integer 0-100;
+higher runs first.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import to_json
+
+from api.db.base import to_unix
+from api.db.models import Checkpoint, Job, JobEvent
+from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
+from scheduling.priorities import priority_value
+from trainers.spec import DEFAULT_TARGET_MODULES
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(strict=True, ge=1), AcceptWholeFloats]
+
+
+class Hyperparameters(Strict):
+    """OpenAI's three (each a value or "auto") plus optional expert settings."""
+
+    n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), AcceptWholeFloats] = "auto"
+    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = "auto"
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=50)] = "auto"
+    learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
+    micro_batch_size: PositiveInt | None = None
+    lr_scheduler: Literal["cosine", "linear", "constant"] | None = None
+    warmup_steps: Annotated[int, Field(strict=True, ge=0), AcceptWholeFloats] | None = None
+    weight_decay: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = None
+    max_steps: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> Hyperparameters:
+        if (
+            self.micro_batch_size is not None
+            and isinstance(self.batch_size, int)
+            and self.batch_size % self.micro_batch_size
+        ):
+            raise ValueError("micro_batch_size must divide batch_size")
+        return self
+
+
+class DpoHyperparameters(Hyperparameters):
+    """OpenAI's DPO hyperparameters (``beta`` besides the three), plus our expert settings.
+
+    ``beta`` (OpenAI's range, 0 < beta <= 2) weighs how far the policy may move from the
+    reference; ``sft_weight`` (an extension) adds that many times the supervised loss on
+    the preferred answer (off by default, as OpenAI's DPO).
+    """
+
+    beta: Auto | Annotated[float, Field(gt=0, le=2)] = "auto"
+    sft_weight: Annotated[float, Field(ge=0, le=100)] | None = None
+
+
+class SupervisedMethod(Strict):
+    hyperparameters: Hyperparameters = Hyperparameters()
+
+
+class DpoMethod(Strict):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
+MethodType = Literal["supervised", "dpo"]
+
+
+class Method(Strict):
+    type: MethodType
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+
+    @model_validator(mode="after")
+    def _settings_for_type(self) -> Method:
+        other = "dpo" if self.type == "supervised" else "supervised"
+        if getattr(self, other) is not None:
+            raise ValueError(f"method of type '{self.type}' takes its settings in "
+                             f"method.{self.type}, not method.{other}")
+        return self
+
+    def hyperparameters(self) -> Hyperparameters | None:
+        """The hyperparameters given inside the method, if any."""
+        settings = self.supervised if self.type == "supervised" else self.dpo
+        return settings.hyperparameters if settings is not None else None
+
+
+class Adapter(Strict):
+    """LoRA adapter; QLoRA = LoRA on a 4-bit base (``quantization`` nf4 or hqq4)."""
+
+    method: Literal["lora", "qlora"] = "lora"
+    r: Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = 8
+    alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[Literal[TARGET_MODULES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES), min_length=1
+    )
+    quantization: Literal["none", "nf4", "hqq4"] | None = None
+    double_quant: StrictBool = Field(
+        default=False,
+        description="NF4 only: quantize the block scales too (~0.37 bit/param less); "
+        "trained by fsdp_qlora only.",
+    )
+
+    @model_validator(mode="after")
+    def _method_matches_quantization(self) -> Adapter:
+        if self.quantization is None:
+            self.quantization = "nf4" if self.method == "qlora" else "none"
+        if self.method == "qlora" and self.quantization == "none":
+            raise ValueError("method 'qlora' needs quantization 'nf4' or 'hqq4'")
+        if self.method == "lora" and self.quantization != "none":
+            raise ValueError("quantization needs method 'qlora'")
+        if self.double_quant and self.quantization != "nf4":
+            raise ValueError("double_quant applies to quantization 'nf4' only")
+        self.target_modules = list(dict.fromkeys(self.target_modules))
+        return self
+
+
+class Placement(Strict):
+    pool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    gpus: Annotated[int, Field(strict=True, ge=1, le=4096), AcceptWholeFloats] | None = None
+    queue_if_unfit: StrictBool = Field(
+        default=False,
+        description="Queue the job although no node pool can hold it even when idle (a pool "
+        "that is being added or grown); otherwise creation answers 400 no_pool_fits and a "
+        "queued job that no pool fits any more fails with that code.",
+    )
+
+
+class EvalSettings(Strict):
+    every_n_steps: PositiveInt | None = None
+    max_batches: PositiveInt | None = None
+
+
+class WandbSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    project: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    name: str | None = None
+    entity: str | None = None
+    tags: list[str] = Field(default_factory=list, max_length=20)
+
+
+class MlflowSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tracking_uri: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    experiment: str | None = None
+    run_name: str | None = None
+
+
+class Integration(Strict):
+    type: Literal["wandb", "mlflow"]
+    wandb: WandbSettings | None = None
+    mlflow: MlflowSettings | None = None
+
+    @model_validator(mode="after")
+    def _settings_for_type(self) -> Integration:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"integration of type '{self.type}' needs a '{self.type}' object")
+        return self
+
+
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
+class JobCreate(Strict):
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    training_file: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    validation_file: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1), AcceptWholeFloats] | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    integrations: list[Integration] | None = Field(default=None, max_length=5)
+    # extensions
+    adapter: Adapter = Adapter()
+    trainer: Literal["auto", "jax", "jax_lora", "fsdp_qlora"] = "auto"
+    placement: Placement = Placement()
+    priority: Literal["low", "normal", "high"] | Annotated[int, Field(strict=True, ge=0, le=100), AcceptWholeFloats] = (
+        "normal"
+    )
+    max_seq_len: Annotated[int, Field(strict=True, ge=8, le=1_048_576), AcceptWholeFloats] | None = None
+    packing: Annotated[bool, Field(strict=True)] = False
+    eval: EvalSettings = EvalSettings()
+
+    @field_validator("method")
+    @classmethod
+    def _one_hyperparameter_source(cls, method: Method | None, info: ValidationInfo) -> Method | None:
+        top = info.data.get("hyperparameters")
+        if method is None or top in (None, Hyperparameters()):
+            return method
+        if method.type == "dpo":
+            raise ValueError("a DPO job takes its hyperparameters in method.dpo.hyperparameters; "
+                             "the top-level hyperparameters are for supervised jobs")
+        given = method.hyperparameters()
+        if given is not None and given != Hyperparameters():
+            raise ValueError(
+                "give hyperparameters either at the top level or in method.supervised, not both"
+            )
+        return method
+
+    @field_validator("packing")
+    @classmethod
+    def _no_packing_for_preference_pairs(cls, packing: bool, info: ValidationInfo) -> bool:
+        # A DPO micro-batch holds each pair's chosen and rejected rows side by side, one
+        # sequence a row, so there is nothing to pack; the trainers refuse it too.
+        method = info.data.get("method")
+        if packing and method is not None and method.type == "dpo":
+            raise ValueError("packing does not apply to a DPO job (each preference pair is two rows)")
+        return packing
+
+    @property
+    def method_type(self) -> MethodType:
+        return self.method.type if self.method is not None else "supervised"
+
+    def requested_hyperparameters(self) -> Hyperparameters:
+        """The hyperparameters the job asks for: its method's, else the top-level ones."""
+        given = self.method.hyperparameters() if self.method is not None else None
+        if self.method_type == "dpo":
+            return given or DpoHyperparameters()
+        if given is not None and given != Hyperparameters():
+            return given
+        return self.hyperparameters or Hyperparameters()
+
+    @property
+    def priority_value(self) -> int:
+        return priority_value(self.priority)
+
+    @property
+    def trainer_name(self) -> str:
+        return "jax_lora" if self.trainer == "jax" else self.trainer
+
+
+# ---- responses -------------------------------------------------------------------
+
+
+def _public_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's three first, then our resolved extras (the SDK keeps unknown keys)."""
+    out = {
+        "n_epochs": hp.get("n_epochs", "auto"),
+        "batch_size": hp.get("batch_size", "auto"),
+        "learning_rate_multiplier": hp.get("learning_rate_multiplier", "auto"),
+    }
+    out.update({k: v for k, v in hp.items() if k not in out and v is not None})
+    return out
+
+
+def public_method(method: dict[str, Any], hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method`` object: the type the job trains with and its hyperparameters."""
+    kind = method.get("type", "supervised")
+    return {"type": kind, kind: {"hyperparameters": hp}}
+
+
+class JobPublic(BaseModel):
+    """``fine_tuning.job`` (every field the openai SDK requires) plus extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: dict[str, Any] | None
+    fine_tuned_model: str | None
+    finished_at: int | None
+    hyperparameters: dict[str, Any]
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: str
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None
+    integrations: list[dict[str, Any]] | None
+    metadata: dict[str, str] | None
+    method: dict[str, Any]
+    user_provided_suffix: str | None
+    # extensions
+    adapter: dict[str, Any]
+    trainer: str
+    placement: dict[str, Any]
+    priority: int
+    max_seq_len: int
+    packing: bool
+    eval: dict[str, Any]
+    pool: str | None
+    gpus: int | None
+    retry_placement: dict[str, Any] | None = Field(
+        None, description="After the trainer ran out of GPU memory on a GPU count the scheduler "
+        "chose: the pool and larger GPU count it is retried with."
+    )
+    queue_reason: str | None
+    queue_position: int | None = Field(
+        None, description="Place among the waiting jobs in the scheduler's last cycle (1 = next)."
+    )
+    started_at: int | None
+    total_steps: int | None
+    current_step: int | None
+    resume_from: str | None
+    restarts: int
+    estimate: dict[str, Any] | None
+    usage: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobPublic:
+        return cls(**public_job_fields(job))
+
+
+def public_job_fields(job: Job) -> dict[str, Any]:
+    """The fields of ``JobPublic`` for ``job``, as plain JSON-ready values.
+
+    ``JobPublic.of`` validates them into the model; the list route serializes them
+    directly (``jobs_page_json``), which is several times cheaper for a page of jobs and
+    yields the same JSON (a test compares the two).
+    """
+    hp = _public_hyperparameters(job.hyperparameters or {})
+    return {
+        "id": job.id, "object": "fine_tuning.job", "created_at": to_unix(job.created_at) or 0,
+        "error": job.error,
+        "fine_tuned_model": job.fine_tuned_model, "finished_at": to_unix(job.finished_at),
+        "hyperparameters": hp, "model": job.model, "organization_id": job.tenant_id,
+        "result_files": list(job.result_files or []), "seed": job.seed, "status": job.status,
+        "trained_tokens": job.trained_tokens, "training_file": job.training_file,
+        "validation_file": job.validation_file, "estimated_finish": to_unix(job.estimated_finish),
+        "integrations": job.integrations or None, "metadata": job.metadata_,
+        "method": public_method(job.method or {}, hp),
+        "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
+        "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
+        "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
+        "retry_placement": job.retry_placement, "queue_reason": job.queue_reason, "queue_position": job.queue_position,
+        "started_at": to_unix(job.started_at),
+        "total_steps": job.total_steps, "current_step": job.current_step,
+        "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,
+        "usage": job.usage,
+    }
+
+
+JobsPublic = ListPublic[JobPublic]
+
+
+def jobs_page_json(jobs: list[Job], *, has_more: bool) -> bytes:
+    """A ``JobsPublic`` list envelope as JSON bytes, without building the models."""
+    data = [public_job_fields(job) for job in jobs]
+    return to_json({
+        "object": "list", "data": data, "has_more": has_more,
+        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+    })
+
+
+class JobEventPublic(BaseModel):
+    """OpenAI's ``fine_tuning.job.event``: a status change is a ``message`` whose ``data``
+    holds ``from``, ``to`` and ``actor``; a ``metrics`` event holds a step's metrics."""
+
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"]
+    data: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, event: JobEvent) -> JobEventPublic:
+        return cls(
+            id=event.id, created_at=to_unix(event.created_at) or 0,
+            level=event.level,  # type: ignore[arg-type]
+            message=event.message, type="metrics" if event.type == "metrics" else "message", data=event.data,
+        )
+
+
+JobEventsPublic = ListPublic[JobEventPublic]
+
+CHECKPOINT_METRIC_KEYS = (
+    "step", "train_loss", "train_mean_token_accuracy", "valid_loss",
+    "valid_mean_token_accuracy", "full_valid_loss", "full_valid_mean_token_accuracy",
+)
+
+
+class CheckpointPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict[str, float | None]
+    step_number: int
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, job: Job) -> CheckpointPublic:
+        return cls(
+            id=checkpoint.id, created_at=to_unix(checkpoint.created_at) or 0,
+            fine_tuned_model_checkpoint=checkpoint_model_id(job, checkpoint.step),
+            fine_tuning_job_id=job.id, metrics=checkpoint.metrics or {},
+            step_number=checkpoint.step,
+        )
+
+
+CheckpointsPublic = ListPublic[CheckpointPublic]
+
+
+_NOT_IN_MODEL_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def model_name_suffix(suffix: str) -> str:
+    """The part of a fine-tuned model's name a user's ``suffix`` becomes (module docstring)."""
+    return _NOT_IN_MODEL_NAME.sub("-", suffix)
+
+
+def fine_tuned_model_id(job: Job) -> str:
+    """``ft:<base>:<org>[:<suffix>]:<job id>`` (OpenAI's pattern, ids instead of names)."""
+    suffix = f":{model_name_suffix(job.suffix)}" if job.suffix else ""
+    return f"ft:{job.model}:{job.tenant_id}{suffix}:{job.id}"
+
+
+def checkpoint_model_id(job: Job, step: int) -> str:
+    return f"{fine_tuned_model_id(job)}:ckpt-step-{step}"

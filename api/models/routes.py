@@ -1,0 +1,99 @@
+"""``/v1/models``: base models of the registry (the YAML file's and those admins register
+here) and the tenant's fine-tuned adapters (which the tenant may delete)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from sqlalchemy import select
+
+from api.db.base import to_unix
+from api.db.models import Job, RegisteredModel
+from api.deps import AdminDep, CurrentKey, CurrentTenant, QueueDep, SessionDep, SettingsDep
+from api.errors import APIError, error_responses, not_found
+from api.models.base_models import BaseModelEntry, BaseModelRegistry
+from api.models.fine_tuned import delete_fine_tuned_model, tenant_adapters
+from api.models.registry import delete_registered_model, register_model
+from api.models.schemas import ModelCreate, ModelDeleted, ModelPublic, ModelsPublic
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+def _base(entry: BaseModelEntry, started: int) -> dict[str, Any]:
+    return {"id": entry.id, "object": "model", "created": started, "owned_by": entry.owned_by,
+            "kind": "base", "architecture": entry.architecture, "max_seq_len": entry.max_seq_len,
+            "revision": entry.revision}
+
+
+def _registered(row: RegisteredModel) -> dict[str, Any]:
+    return {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
+            "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
+            "source": row.source, "status": row.status, "revision": row.commit_sha, "error": row.error}
+
+
+def _adapter(job: Job) -> dict[str, Any]:
+    return {"id": job.fine_tuned_model, "object": "model",
+            "created": to_unix(job.finished_at or job.created_at), "owned_by": job.tenant_id,
+            "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
+
+
+def _registry(request: Request) -> BaseModelRegistry:
+    return request.app.state.base_models
+
+
+@router.get("", response_model=ModelsPublic)
+def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
+    """The declared base models, the registered ones ready to train on, the tenant's adapters."""
+    registry = _registry(request)
+    data = [_base(e, request.app.state.started_at) for e in registry.declared.values()]
+    ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
+    data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
+    data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
+    return {"object": "list", "data": data}
+
+
+@router.post("", response_model=ModelPublic, responses=error_responses(400, 403, 409))
+def create_model(body: ModelCreate, request: Request, session: SessionDep, key: AdminDep,
+                 settings: SettingsDep, queue: QueueDep) -> dict[str, Any]:
+    """Register a base model (admins). A directory or s3:// checkpoint is checked now and
+    answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
+    row = register_model(session, settings, _registry(request), body, admin_tenant_id=key.tenant_id,
+                         queue=queue)
+    return _registered(row)
+
+
+@router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
+def retrieve_model(
+    model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
+) -> dict[str, Any]:
+    entry = _registry(request).declared.get(model_id)
+    if entry is not None:
+        return _base(entry, request.app.state.started_at)
+    row = session.get(RegisteredModel, model_id)
+    if row is not None:
+        return _registered(row)
+    job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
+    if job is None:
+        raise not_found("model", model_id)
+    return _adapter(job)
+
+
+@router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))
+def delete_model(
+    model_id: str, request: Request, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> ModelDeleted:
+    """Delete a fine-tuned model (its adapter and the job's other outputs), or, with an
+    admin key, a registered base model. Other base models cannot be deleted: 403 for a
+    tenant, 409 for a model of the YAML file; a model whose job has not ended is a 409."""
+    registry = _registry(request)
+    is_base = model_id in registry.declared or session.get(RegisteredModel, model_id) is not None
+    if is_base and key.grants_admin:
+        delete_registered_model(session, registry, model_id)
+    elif is_base:
+        raise APIError(403, "base_model_not_deletable",
+                       f"'{model_id}' is a base model; only fine-tuned models can be deleted "
+                       "(registered base models: by an admin).", param="model")
+    else:
+        delete_fine_tuned_model(session, key.tenant, model_id, settings=settings)
+    return ModelDeleted(id=model_id)

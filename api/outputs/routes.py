@@ -1,0 +1,341 @@
+"""What a running or finished job produces: metrics, logs, artifacts and a live stream.
+
+``GET /v1/fine_tuning/jobs/{id}/metrics``   time series, ascending by step (cursor ``after``)
+``GET /v1/fine_tuning/jobs/{id}/logs``      the trainer log (``?tail=N`` lines, text/plain)
+``GET /v1/fine_tuning/jobs/{id}/artifacts`` output files with bytes and sha256
+``GET /v1/fine_tuning/jobs/{id}/artifacts/{name}``  one file (stream, or 307 to S3)
+``GET /v1/fine_tuning/jobs/{id}/checkpoints/{checkpoint id}/artifacts[/{name}]``
+    the PEFT adapter of any checkpoint (its files with sha256, and each file)
+``POST /v1/fine_tuning/jobs/{id}/exports``  a merged model, made in the background (job events)
+``GET /v1/fine_tuning/jobs/{id}/stream``    SSE: events (incl. status changes) and metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
+from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
+from api.deps import CurrentKey, QueueDep, SessionDep, SettingsDep
+from api.errors import APIError, error_responses
+from api.ids import new_id
+from api.jobs.commands import get_job
+from api.jobs.lifecycle import add_event
+from api.jobs.schemas import JobEventPublic
+from api.outputs.logs import read_job_log
+from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
+from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
+from api.reports.schemas import PREFERENCE_METRICS
+from api.responses import EventStreamResponse, OctetStreamResponse
+from api.settings import Settings
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning outputs"])
+
+METRIC_FIELDS = (
+    "step", "total_steps", "epoch", "train_loss", "valid_loss", "token_accuracy",
+    "valid_token_accuracy", "learning_rate", "grad_norm", "tokens_per_s", "tokens_seen",
+    "memory_bytes", "time",
+)
+
+
+def metric_dict(row: JobMetric) -> dict[str, Any]:
+    """A metric row as the API shows it; a DPO run's rewards under their reported names."""
+    out = {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
+    out.update({name: getattr(row, column) for name, column in PREFERENCE_METRICS.items()})
+    return out
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=error_responses(404))
+def list_metrics(
+    job_id: str, session: SessionDep, key: CurrentKey,
+    after: Annotated[int | None, Query(ge=-1, description="Last step already seen.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    job = get_job(session, key, job_id)
+    query = select(JobMetric).where(JobMetric.job_id == job.id)
+    if after is not None:
+        query = query.where(JobMetric.step > after)
+    rows = list(session.scalars(query.order_by(JobMetric.step).limit(limit + 1)))
+    data = [metric_dict(r) for r in rows[:limit]]
+    return {"object": "list", "data": data, "has_more": len(rows) > limit,
+            "last_step": data[-1]["step"] if data else None}
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse,
+            responses=error_responses(404, 502))
+def job_logs(
+    job_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep,
+    tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
+) -> PlainTextResponse:
+    job = get_job(session, key, job_id)
+    return PlainTextResponse(read_job_log(job, settings, tail))
+
+
+def _artifact_dict(row: Artifact) -> dict[str, Any]:
+    return {"object": "fine_tuning.job.artifact", "name": row.name, "bytes": row.bytes,
+            "sha256": row.sha256}
+
+
+@router.get("/{job_id}/artifacts", response_model=ArtifactsPublic,
+            responses=error_responses(404))
+def list_artifacts(job_id: str, session: SessionDep, key: CurrentKey) -> dict[str, Any]:
+    job = get_job(session, key, job_id)
+    rows = session.scalars(select(Artifact).where(Artifact.job_id == job.id).order_by(Artifact.name))
+    data = [_artifact_dict(r) for r in rows]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+@router.get("/{job_id}/artifacts/{name:path}", response_class=OctetStreamResponse, responses={
+    307: {"description": "The artifact lives in S3: a presigned URL in `Location` (15 min)."},
+    **error_responses(404),
+})
+def download_artifact(
+    job_id: str, name: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> Response:
+    """Stream one output file, or redirect (307) to a presigned URL when it lives in S3."""
+    job = get_job(session, key, job_id)
+    object_key = safe_key(name)
+    row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == object_key))
+    if row is None:
+        raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{object_key}'.",
+                       param="name")
+    if not is_inside(row.location, job_storage(job.id, settings).outputs):
+        # Registered before locations were confined to the job's own output: serving it
+        # would hand out whatever the location points at.
+        log.warning("artifact %s of job %s has a location outside its output: %r",
+                    object_key, job.id, row.location)
+        raise APIError(404, "artifact_not_found",
+                       f"Artifact '{object_key}' of job '{job.id}' is not in the job's output.",
+                       param="name")
+    store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
+    url = store.presigned_url(object_key, expires_s=900)
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
+    if not store.exists(object_key):
+        raise APIError(404, "artifact_not_found",
+                       f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
+                       param="name")
+    return _file_response(store, object_key, row.sha256)
+
+
+def _file_response(store: ArtifactStore, key: str, sha256: str) -> StreamingResponse:
+    return StreamingResponse(
+        store.iter_bytes(key), media_type="application/octet-stream",
+        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": sha256,
+                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
+    )
+
+
+# ---- a checkpoint's adapter ---------------------------------------------------------
+
+CHECKPOINT_ADAPTER = "adapter"
+
+
+def _checkpoint_adapter(session: Session, key: ApiKey, settings: Settings, job_id: str,
+                        checkpoint_id: str) -> tuple[Job, ArtifactStore]:
+    """The job's checkpoint and the store rooted at its adapter directory (404s otherwise)."""
+    job = get_job(session, key, job_id)
+    row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.id == checkpoint_id))
+    if row is None:
+        raise APIError(404, "checkpoint_not_found", f"Job '{job.id}' has no checkpoint '{checkpoint_id}'.",
+                       param="checkpoint_id")
+    if not is_inside(row.location, job_storage(job.id, settings).checkpoints):
+        log.warning("checkpoint %s of job %s has a location outside its checkpoints: %r",
+                    row.id, job.id, row.location)
+        raise APIError(404, "checkpoint_not_found",
+                       f"Checkpoint '{checkpoint_id}' of job '{job.id}' is not in the job's storage.",
+                       param="checkpoint_id")
+    store = store_for(f"{row.location.rstrip('/')}/{CHECKPOINT_ADAPTER}", s3_endpoint_url=settings.s3_endpoint_url)
+    return job, store
+
+
+def _stored_adapter_files(store: ArtifactStore, job: Job, checkpoint_id: str) -> list[str]:
+    names = store.list()
+    if not names:
+        raise APIError(404, "checkpoint_not_stored",
+                       f"Checkpoint '{checkpoint_id}' of job '{job.id}' is no longer stored (only the "
+                       "last checkpoints are kept); its metrics remain in the checkpoint list.",
+                       param="checkpoint_id")
+    return names
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts", response_model=ArtifactsPublic,
+            responses=error_responses(404))
+def list_checkpoint_artifacts(
+    job_id: str, checkpoint_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> dict[str, Any]:
+    """The checkpoint's PEFT adapter files, with bytes and sha256 (read from storage)."""
+    job, store = _checkpoint_adapter(session, key, settings, job_id, checkpoint_id)
+    data = [{"object": "fine_tuning.job.artifact", "name": name, "bytes": store.size(name),
+             "sha256": sha256_stored(store, name)} for name in _stored_adapter_files(store, job, checkpoint_id)]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts/{name:path}",
+            response_class=OctetStreamResponse, responses={
+                307: {"description": "The checkpoint lives in S3: a presigned URL in `Location` (15 min)."},
+                **error_responses(404),
+            })
+def download_checkpoint_artifact(
+    job_id: str, checkpoint_id: str, name: str, session: SessionDep, key: CurrentKey, settings: SettingsDep
+) -> Response:
+    """One file of the checkpoint's adapter: streamed with its sha256, or a 307 to S3."""
+    job, store = _checkpoint_adapter(session, key, settings, job_id, checkpoint_id)
+    object_key = safe_key(name)
+    if object_key not in _stored_adapter_files(store, job, checkpoint_id):
+        raise APIError(404, "artifact_not_found",
+                       f"Checkpoint '{checkpoint_id}' has no adapter file '{object_key}'.", param="name")
+    url = store.presigned_url(object_key, expires_s=900)
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
+    return _file_response(store, object_key, sha256_stored(store, object_key))
+
+
+# ---- merged exports -----------------------------------------------------------------
+
+
+@router.post("/{job_id}/exports", response_model=ExportPublic,
+             responses=error_responses(400, 404, 409))
+def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: CurrentKey,
+                  settings: SettingsDep, queue: QueueDep) -> ExportPublic:
+    """Merge the job's final adapter (or a checkpoint's) into its base model, in the background.
+
+    Progress and the result are job events; the files appear among the job's artifacts
+    under ``artifacts_prefix``.
+    """
+    job = get_job(session, key, job_id)
+    output = session.scalar(select(Artifact.location).where(Artifact.job_id == job.id,
+                                                            Artifact.name == ADAPTER_WEIGHTS))
+    if body.checkpoint is None and (job.status != "succeeded" or output is None):
+        raise APIError(409, "job_not_succeeded",
+                       f"Job '{job.id}' has no final adapter yet; export a checkpoint or wait for it to succeed.")
+    if body.checkpoint is not None:
+        _job, store = _checkpoint_adapter(session, key, settings, job_id, body.checkpoint)
+        _stored_adapter_files(store, job, body.checkpoint)
+    if job_storage(job.id, settings).outputs[0].startswith("s3://"):
+        raise APIError(400, "export_needs_local_storage",
+                       "Merged exports need the job's outputs on the service's own disk (local artifact store).")
+    export_id = new_id("ftexp")
+    export = ExportPublic(id=export_id, fine_tuning_job_id=job.id, format=body.format, dtype=body.dtype,
+                          checkpoint=body.checkpoint, artifacts_prefix=f"exports/{export_id}/")
+    add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
+    session.commit()
+    queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
+    return export
+
+
+# ---- live stream (Server-Sent Events) ---------------------------------------------
+
+POLL_S = 0.5
+HEARTBEAT_S = 15.0
+
+
+def _parse_cursor(value: str | None) -> tuple[int, int]:
+    """SSE ids are ``<event seq>.<metric seq>``; anything else restarts from the beginning."""
+    try:
+        events, metrics = (value or "").split(".")
+        return max(0, int(events)), max(0, int(metrics))
+    except ValueError:
+        return 0, 0
+
+
+def _poll(session_factory: Any, job_id: str, cursor: tuple[int, int]) -> tuple[list[str], tuple[int, int], bool]:
+    """New SSE messages since ``cursor``, the new cursor, and whether the job has ended."""
+    event_seq, metric_seq = cursor
+    out: list[str] = []
+    session: Session = session_factory()
+    try:
+        job = session.get_one(Job, job_id)
+        events = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > event_seq)
+            .order_by(JobEvent.seq).limit(500)
+        ).all()
+        metrics = session.scalars(
+            select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.seq > metric_seq)
+            .order_by(JobMetric.seq).limit(500)
+        ).all()
+        for event in events:
+            event_seq = event.seq
+            kind = "status" if event.type == "status" else "event"
+            payload = JobEventPublic.of(event).model_dump()
+            if kind == "status":
+                payload["status"] = (event.data or {}).get("to")
+            out.append(_sse(kind, payload, f"{event_seq}.{metric_seq}"))
+        for metric in metrics:
+            metric_seq = metric.seq
+            out.append(_sse("metric", metric_dict(metric), f"{event_seq}.{metric_seq}"))
+        done = job.is_terminal and len(events) < 500 and len(metrics) < 500
+        return out, (event_seq, metric_seq), done
+    finally:
+        session.close()
+
+
+async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:
+    """Set ``gone`` once the client disconnects, by reading the ASGI channel until it says so.
+
+    ``request.is_disconnected()`` only peeks (it cancels its read at once), so on a server
+    whose disconnect message takes a moment to arrive it never saw one and the stream
+    kept polling and writing for a client that had left, until its job ended.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
+    return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@router.get("/{job_id}/stream", response_class=EventStreamResponse,
+            responses=error_responses(404))
+async def stream_job(
+    job_id: str, request: Request, session: SessionDep, key: CurrentKey,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> StreamingResponse:
+    """Events (status changes included) and metrics as they arrive; ends when the job does.
+
+    Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume.
+    """
+    job = await run_in_threadpool(get_job, session, key, job_id)
+    factory = request.app.state.session_factory
+
+    async def messages() -> AsyncIterator[str]:
+        cursor = _parse_cursor(last_event_id)
+        idle = 0.0
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            yield "retry: 2000\n\n"
+            while not gone.is_set():
+                batch, cursor, done = await run_in_threadpool(_poll, factory, job.id, cursor)
+                if gone.is_set():
+                    return
+                for message in batch:
+                    yield message
+                if done:
+                    yield _sse("end", {"id": job.id}, f"{cursor[0]}.{cursor[1]}")
+                    return
+                idle = 0.0 if batch else idle + POLL_S
+                if idle >= HEARTBEAT_S:
+                    idle = 0.0
+                    yield ": keep-alive\n\n"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gone.wait(), POLL_S)  # the poll interval, or less
+        finally:
+            watcher.cancel()
+
+    return StreamingResponse(messages(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

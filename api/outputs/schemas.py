@@ -1,0 +1,69 @@
+"""Schemas of what a job produces: metric rows and output files (``api/outputs/routes.py``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.reports.schemas import PreferenceMetrics
+
+
+class MetricPublic(PreferenceMetrics):
+    """One metric row; a DPO run's also carries ``rewards/...`` (null otherwise)."""
+
+    object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
+    step: int
+    total_steps: int | None
+    epoch: float | None
+    train_loss: float | None
+    valid_loss: float | None
+    token_accuracy: float | None
+    valid_token_accuracy: float | None
+    learning_rate: float | None
+    grad_norm: float | None
+    tokens_per_s: float | None
+    tokens_seen: int | None
+    memory_bytes: int | None
+    time: float | None
+
+
+class MetricsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MetricPublic]
+    has_more: bool
+    last_step: int | None = Field(description="The cursor for the next page (``after``).")
+
+
+class ArtifactPublic(BaseModel):
+    object: Literal["fine_tuning.job.artifact"] = "fine_tuning.job.artifact"
+    name: str
+    bytes: int
+    sha256: str
+
+
+class ArtifactsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ArtifactPublic]
+    has_more: bool = False
+
+
+class ExportCreate(BaseModel):
+    """``POST /v1/fine_tuning/jobs/{id}/exports``: what to export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["merged"] = Field(description="merged: the adapter folded into the base (HF safetensors).")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    checkpoint: str | None = Field(None, description="A checkpoint id of the job; default: its final adapter.")
+
+
+class ExportPublic(BaseModel):
+    object: Literal["fine_tuning.job.export"] = "fine_tuning.job.export"
+    id: str
+    fine_tuning_job_id: str
+    format: Literal["merged"]
+    dtype: str
+    checkpoint: str | None
+    status: Literal["queued"] = "queued"
+    artifacts_prefix: str = Field(description="Where its files appear in the job's artifacts once ready.")
