@@ -1,4 +1,8 @@
-"""Shared FastAPI dependencies as ``Annotated`` aliases: session, settings, auth.
+"""Shared FastAPI dependencies as ``Annotated`` aliases: session, app state, auth.
+
+Routes reach what ``api.main.create_app`` put on ``app.state`` only through these aliases
+(``SettingsDep``, ``BaseModelsDep``, ``NodePoolsDep``...), never ``request.app.state``: a
+route's signature then says everything it uses.
 
 The cheap dependencies are ``async def`` on purpose: FastAPI runs every plain ``def``
 dependency in the threadpool, one thread hop each, and on a hot route such as
@@ -13,19 +17,23 @@ the database.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.artifacts import ArtifactStore
 from api.auth import authenticate, authenticate_cached
 from api.db.models import ApiKey, Tenant
 from api.errors import APIError
+from api.jobs.pages import JobPageCache
+from api.models.base_models import BaseModelRegistry
 from api.queue import TaskQueue
 from api.settings import Settings
 from api.ui.session import session_api_key
+from scheduling.pools import NodePool
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -40,22 +48,27 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
             session.close()  # no connection held (or the route closed it): no I/O, no hop
 
 
-async def get_app_settings(request: Request) -> Settings:
-    return request.app.state.settings
+def app_state(name: str) -> Any:
+    """A dependency on ``app.state.<name>`` (set by ``api.main.create_app``)."""
 
+    async def read(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-async def get_queue(request: Request) -> TaskQueue:
-    return request.app.state.queue
-
-
-async def get_store(request: Request) -> ArtifactStore:
-    return request.app.state.store
+    read.__name__ = f"get_{name}"
+    return Depends(read)
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(get_app_settings)]
-QueueDep = Annotated[TaskQueue, Depends(get_queue)]
-StoreDep = Annotated[ArtifactStore, Depends(get_store)]
+SettingsDep = Annotated[Settings, app_state("settings")]
+QueueDep = Annotated[TaskQueue, app_state("queue")]
+StoreDep = Annotated[ArtifactStore, app_state("store")]  # job artifacts and checkpoints
+FileStoreDep = Annotated[ArtifactStore, app_state("file_store")]  # uploaded files
+BaseModelsDep = Annotated[BaseModelRegistry, app_state("base_models")]
+NodePoolsDep = Annotated[list[NodePool], app_state("node_pools")]
+JobPagesDep = Annotated[JobPageCache, app_state("job_pages")]
+EngineDep = Annotated[Engine, app_state("engine")]
+StartedAtDep = Annotated[int, app_state("started_at")]  # Unix seconds the app was built at
+SessionFactoryDep = Annotated[sessionmaker[Session], app_state("session_factory")]
 
 
 async def get_current_key(

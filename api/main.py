@@ -20,8 +20,8 @@ from api.body_limit import BodySizeLimitMiddleware
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.files import routes as files
-from api.fleet import estimate as fleet
 from api.fleet import routes as fleet_routes
+from api.fleet.pools import install as install_fleet
 from api.health import routes as health
 from api.inference import routes as inference
 from api.jobs import routes as jobs
@@ -68,7 +68,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.job_pages = JobPageCache()  # encoded job list pages (api/jobs/pages.py)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    fleet.install(app, settings)  # node pools + the Prometheus capacity provider
+    install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
     for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from api.deps import CurrentTenant, QueueDep, SessionDep, SettingsDep
+from api.deps import CurrentTenant, FileStoreDep, QueueDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.files import commands as queries
 from api.files.schemas import FileDeleted, FilePublic, FilesPublic
@@ -48,13 +48,14 @@ UPLOAD_BODY = {
              responses=error_responses(400, 401, 413))
 async def upload_file(
     request: Request, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep,
+    store: FileStoreDep,
     queue: QueueDep,
 ) -> FilePublic:
     """Upload a JSONL training file (multipart: ``file``, ``purpose=fine-tune``)."""
     upload = await receive_upload(request, tmp_dir=settings.tmp_dir, limit=settings.max_upload_bytes)
     try:
         row = await run_in_threadpool(
-            queries.create_file, session, tenant, upload, store=request.app.state.file_store,
+            queries.create_file, session, tenant, upload, store=store,
             queue=queue,
         )
     finally:
@@ -91,10 +92,9 @@ def retrieve_file(file_id: str, session: SessionDep, tenant: CurrentTenant) -> F
     **error_responses(404),
 })
 def file_content(
-    file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
+    file_id: str, session: SessionDep, tenant: CurrentTenant, store: FileStoreDep
 ) -> StreamingResponse:
     row = queries.get_file(session, tenant, file_id)
-    store = request.app.state.file_store
     # Uploads are JSONL; a job's results file is a CSV.
     media_type, suffix = ("text/csv", "csv") if row.purpose == queries.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
     return StreamingResponse(
@@ -105,6 +105,8 @@ def file_content(
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
-def delete_file(file_id: str, request: Request, session: SessionDep, tenant: CurrentTenant) -> FileDeleted:
-    queries.delete_file(session, tenant, file_id, store=request.app.state.file_store)
+def delete_file(
+    file_id: str, session: SessionDep, tenant: CurrentTenant, store: FileStoreDep
+) -> FileDeleted:
+    queries.delete_file(session, tenant, file_id, store=store)
     return FileDeleted(id=file_id)

@@ -1,43 +1,29 @@
-"""The API's view of the fleet: node pools, their capacity now, placement estimates.
+"""Placement estimates: what a job (stored, or the body of one not yet submitted) would get.
 
-The decisions come from the pure ``scheduling`` package (pools, capacity, estimator,
-placement, the job -> request mapping ``request_from_job``), the same functions the
-scheduler runs, so the estimate a user sees before submitting, the estimate stored on a
-new job and the scheduler's own placement cannot drift apart. This module adds the
-database reads around them and the response shapes.
-
-Capacity: the scheduler's local executor builds its snapshot as the configured nodes
-minus the GPUs of ``running`` jobs, packed first-fit (``CapacitySnapshot.packed`` over
-its rows, ``LocalExecutor.snapshot``); this module builds the same view from the
-database with the same function (``capacity_source: "config"``: GPUs *used* are exact,
-GPUs *total* are what the pools file declares). In Kubernetes mode the
-scheduler counts real Nodes (allocatable GPUs minus pods' requests) and publishes them
-each cycle (``pool_capacity``); the API, which does not talk to the cluster, shows that
-observation while it is fresh (``capacity_source: "cluster"``, with ``observed_at``).
+The decisions come from the pure ``scheduling`` package (capacity, estimator, placement,
+the job -> request mapping ``request_from_job``), the same functions the scheduler runs,
+so the estimate a user sees before submitting, the estimate stored on a new job and the
+scheduler's own placement cannot drift apart. This module adds the database reads around
+them and the response shape; the capacity now comes from ``api.fleet.pools``.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.db.models import ApiKey, File, Job, PoolCapacity, Tenant
+from api.db.models import File, Job, Tenant
 from api.errors import APIError
 from api.files.commands import get_file
+from api.fleet.pools import capacity_snapshot
 from api.fleet.schemas import EstimateRequest
-from api.fleet.usage import to_timestamp
 from api.jobs.commands import base_model_and_seq_len
 from api.jobs.hyperparameters import micro_batch_for, resolve_hyperparameters
 from api.models.base_models import BaseModelEntry
-from api.observability.collectors import set_pool_capacity_provider
-from api.settings import Settings
-from scheduling.capacity import CapacitySnapshot, HeldGpus
+from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate, base_model_shape
 from scheduling.placement import (
     Placement,
@@ -48,124 +34,10 @@ from scheduling.placement import (
     trainer_for,
     trainer_refusal,
 )
-from scheduling.pools import NodePool, load_pools
+from scheduling.pools import NodePool
 from scheduling.request import JobRequest, planned_tokens, request_from_job
 
 log = logging.getLogger(__name__)
-
-
-# ---- pools and capacity ------------------------------------------------------------
-
-
-def load_node_pools(settings: Settings) -> list[NodePool]:
-    """The pools the scheduler uses (``TUNEFLEET_NODE_POOLS_FILE`` or the local pool)."""
-    return load_pools(settings.node_pools_file)
-
-
-def install(app: FastAPI, settings: Settings) -> None:
-    """Load the pools into ``app.state.node_pools`` (a broken file is a start-up error,
-    as for the scheduler) and give Prometheus their GPU totals."""
-    pools = load_node_pools(settings)
-    app.state.node_pools = pools
-    totals = {p.name: p.gpus_per_node * p.nodes for p in pools}
-    set_pool_capacity_provider(lambda: totals)
-
-
-def capacity_snapshot(session: Session, pools: list[NodePool]) -> CapacitySnapshot:
-    """Configured nodes minus what running jobs hold (the local executor's view).
-
-    Running jobs are packed first-fit onto nodes in start order, as the local executor
-    does; the DB does not record node names, only each job's pool and GPU count.
-    """
-    rows = session.execute(
-        select(Job.id, Job.tenant_id, Job.priority, Job.pool, Job.gpus, Job.started_at)
-        .where(Job.status == "running", Job.pool.in_([p.name for p in pools]))
-        .order_by(Job.started_at, Job.id)
-    ).all()
-    return CapacitySnapshot.packed(
-        pools,
-        (HeldGpus(jid, tenant, int(priority or 0), pool, gpus, to_timestamp(started))
-         for jid, tenant, priority, pool, gpus, started in rows),
-    )
-
-
-# A published cluster observation older than this is not shown (the scheduler is down or
-# stuck); the pools file's view is shown instead.
-OBSERVED_CAPACITY_MAX_AGE = dt.timedelta(minutes=2)
-
-
-def _observed_capacity(session: Session, pools: list[NodePool]) -> dict[str, PoolCapacity]:
-    """The scheduler's fresh cluster observations of ``pools``, by pool name."""
-    rows = session.scalars(select(PoolCapacity).where(PoolCapacity.pool.in_([p.name for p in pools])))
-    now = dt.datetime.now(dt.UTC)
-    return {r.pool: r for r in rows if now - r.observed_at <= OBSERVED_CAPACITY_MAX_AGE}
-
-
-def _node_view(name: str, gpus_total: int, gpus_free: int) -> dict[str, Any]:
-    return {"name": name, "gpus_total": gpus_total, "gpus_used": gpus_total - gpus_free, "gpus_free": gpus_free}
-
-
-def _waiting_pool(
-    job_placement: dict[str, Any] | None, estimate: dict[str, Any] | None
-) -> str | None:
-    """The pool a queued job waits for: the one it pinned, else its estimate's choice."""
-    pinned = (job_placement or {}).get("pool")
-    if pinned:
-        return pinned
-    est = estimate or {}
-    return (est.get("chosen") or {}).get("pool") or est.get("pool")
-
-
-def pool_views(session: Session, pools: list[NodePool], key: ApiKey) -> list[dict[str, Any]]:
-    """Every pool with its capacity now; running job ids of the caller's tenant (admins: all)."""
-    snap = capacity_snapshot(session, pools)
-    queued: dict[str, int] = {}
-    for placement, estimate in session.execute(
-        select(Job.placement, Job.estimate).where(Job.status == "queued")
-    ):
-        pool = _waiting_pool(placement, estimate)
-        if pool:
-            queued[pool] = queued.get(pool, 0) + 1
-    observed = _observed_capacity(session, pools)
-    out: list[dict[str, Any]] = []
-    for pool in pools:
-        running = sorted(
-            (j for j in snap.running.values() if j.pool == pool.name),
-            key=lambda j: (j.started_at, j.job_id),
-        )
-        visible = [j.job_id for j in running if key.grants_admin or j.tenant == key.tenant_id]
-        if pool.name in observed:
-            row = observed[pool.name]
-            node_list = [_node_view(n["name"], n["gpus_total"], n["gpus_free"]) for n in row.nodes]
-            source = {"capacity_source": "cluster", "observed_at": int(row.observed_at.timestamp())}
-        else:
-            node_list = [_node_view(n.name, n.gpus_total, n.gpus_free) for n in snap.nodes.get(pool.name, {}).values()]
-            source = {"capacity_source": "config", "observed_at": None}
-        total = sum(n["gpus_total"] for n in node_list)
-        free = sum(n["gpus_free"] for n in node_list)
-        out.append(
-            {
-                "name": pool.name,
-                "accelerator": pool.accelerator,
-                "gpu_memory_bytes": pool.gpu_memory_bytes,
-                "gpu_memory_gib": round(pool.gpu_memory_gib, 2),
-                "gpus_per_node": pool.gpus_per_node,
-                "nodes": len(node_list),
-                "gpus_total": total,
-                "gpus_used": total - free,
-                "gpus_free": free,
-                "trainers": list(pool.trainers),
-                "trainer_image": pool.trainer_image,
-                "price_per_gpu_hour": pool.price_per_gpu_hour,
-                "peak_tflops": pool.peak_tflops,
-                "max_nodes_per_job": pool.max_nodes_per_job,
-                "running_jobs": visible,
-                "queued_jobs": queued.get(pool.name, 0),
-                "node_list": node_list,
-                **source,
-            }
-        )
-    return out
 
 
 # ---- from a job (or a job-shaped body) to what the scheduler sees ----------------------
@@ -191,36 +63,20 @@ class EstimateInput:
     notes: tuple[str, ...] = ()
 
 
-def job_request(
-    *,
-    job_id: str,
-    tenant_id: str,
-    entry: BaseModelEntry,
-    adapter: dict[str, Any],
-    hyperparameters: dict[str, Any],
-    max_seq_len: int,
-    trainer: str,
-    placement: dict[str, Any],
-    priority: int,
-    total_tokens: int | None,
-    method_type: str = "supervised",
-) -> EstimateInput:
+def job_request(entry: BaseModelEntry, **job: Any) -> EstimateInput:
+    """What the estimate needs of a job, or of a would-be job, on the base model ``entry``.
+
+    Args:
+        entry: the job's base model; its shape comes from its ``config.json`` when it has one.
+        **job: the job's settings, passed on to ``scheduling.request.request_from_job``
+            (every argument but ``model``, which is ``entry``'s shape): the one job ->
+            request mapping, the scheduler's too.
+    """
     shape, source = base_model_shape(entry.path, entry.params_b, model_id=entry.id)
     # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
     # scheduler does for the queued job.
-    req = request_from_job(
-        job_id=job_id,
-        tenant=tenant_id,
-        model=shape,
-        adapter=adapter,
-        hyperparameters=_estimable(hyperparameters),
-        max_seq_len=max_seq_len,
-        trainer=trainer,
-        placement=placement,
-        priority=priority,
-        total_tokens=total_tokens,
-        method_type=method_type,
-    )
+    job["hyperparameters"] = _estimable(job["hyperparameters"])
+    req = request_from_job(model=shape, **job)
     notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
     if req.total_tokens is None:
         notes.append(
@@ -403,9 +259,9 @@ def estimate_request(
     total = body.total_tokens or planned_tokens(hp, max_seq_len)
     try:
         inp = job_request(
+            entry,
             job_id="estimate",
-            tenant_id=tenant.id,
-            entry=entry,
+            tenant=tenant.id,
             adapter=body.adapter.model_dump(),
             hyperparameters=hp,
             max_seq_len=max_seq_len,
@@ -458,9 +314,9 @@ def estimate_job(
         raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
     hp = dict(job.hyperparameters or {})
     inp = job_request(
+        entry,
         job_id=job.id,
-        tenant_id=job.tenant_id,
-        entry=entry,
+        tenant=job.tenant_id,
         adapter=dict(job.adapter or {}),
         hyperparameters=hp,
         max_seq_len=job.max_seq_len,

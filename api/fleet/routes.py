@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
-from api.deps import CurrentKey, CurrentTenant, SessionDep
+from api.deps import BaseModelsDep, CurrentKey, CurrentTenant, NodePoolsDep, SessionDep
 from api.errors import error_responses
-from api.fleet import estimate as fleet
 from api.fleet import usage as usage_queries
+from api.fleet.estimate import estimate_request
+from api.fleet.pools import pool_views
 from api.fleet.schemas import (
     EstimatePublic,
     EstimateRequest,
@@ -38,9 +39,9 @@ Time = Annotated[str | None, Query(
 
 
 @router.get("/v1/node_pools", response_model=NodePoolsPublic)
-def list_node_pools(request: Request, session: SessionDep, key: CurrentKey) -> NodePoolsPublic:
+def list_node_pools(session: SessionDep, key: CurrentKey, pools: NodePoolsDep) -> NodePoolsPublic:
     """Pools with GPUs total/used/free now, running job ids (own tenant; admins: all), queue."""
-    rows = fleet.pool_views(session, request.app.state.node_pools, key)
+    rows = pool_views(session, pools, key)
     data = [NodePoolPublic(**row) for row in rows]
     return NodePoolsPublic(
         data=data, first_id=data[0].name if data else None, last_id=data[-1].name if data else None
@@ -49,15 +50,16 @@ def list_node_pools(request: Request, session: SessionDep, key: CurrentKey) -> N
 
 @router.post("/v1/fine_tuning/estimate", response_model=EstimatePublic)
 def estimate(
-    body: EstimateRequest, request: Request, session: SessionDep, tenant: CurrentTenant
+    body: EstimateRequest, session: SessionDep, tenant: CurrentTenant,
+    base_models: BaseModelsDep, pools: NodePoolsDep,
 ) -> EstimatePublic:
     """Memory per GPU, GPU count, tokens/s, ETA and cost per pool, and a dry run of placement."""
-    result = fleet.estimate_request(
+    result = estimate_request(
         session,
         tenant,
         body,
-        base_models=request.app.state.base_models,
-        pools=request.app.state.node_pools,
+        base_models=base_models,
+        pools=pools,
     )
     return EstimatePublic.model_validate(result)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
+from api.deps import EngineDep, SettingsDep
 from api.health.schemas import HealthPublic, ReadinessPublic
 from api.health.worker_heartbeat import check_worker
 from api.settings import Settings
@@ -22,9 +23,9 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _check_database(request: Request) -> str | None:
+def _check_database(engine: Engine) -> str | None:
     try:
-        with request.app.state.engine.connect() as connection:
+        with engine.connect() as connection:
             connection.execute(text("SELECT 1"))
         return None
     except Exception as exc:  # noqa: BLE001 (report any failure as not ready)
@@ -52,9 +53,8 @@ def _check_worker(settings: Settings) -> str | None:
 @router.get("/readyz", response_model=ReadinessPublic, responses={
     503: {"model": ReadinessPublic, "description": "A dependency is unreachable (see checks)."},
 })
-async def readyz(request: Request) -> JSONResponse:
-    settings = request.app.state.settings
-    database = await run_in_threadpool(_check_database, request)
+async def readyz(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
+    database = await run_in_threadpool(_check_database, engine)
     broker = await run_in_threadpool(_check_broker, settings.resolved_broker_url)
     worker = await run_in_threadpool(_check_worker, settings) if broker is None else (
         "not checked: the broker is unreachable")

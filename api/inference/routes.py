@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.deps import BaseModelsDep, CurrentTenant, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
 from api.inference.completions import serve_completion
 from api.inference.proxy import proxy_completion
@@ -77,14 +77,15 @@ def _text_content(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=_RESPONSES)
 async def create_chat_completion(body: ChatCompletionCreate, request: Request, session: SessionDep,
-                                 tenant: CurrentTenant, settings: SettingsDep) -> Response:
+                                 tenant: CurrentTenant, settings: SettingsDep,
+                                 base_models: BaseModelsDep) -> Response:
     """A chat completion (OpenAI's ``chat.completions.create``)."""
     _unsupported(body)
     for index, message in enumerate(body.messages):
         if not isinstance(message.get("role"), str):
             raise APIError(400, "invalid_request", "Every message needs a 'role'.", param=f"messages.{index}.role")
     served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
-                                     request.app.state.base_models, body.model)
+                                     base_models, body.model)
     if served.base.inference_url is not None:
         return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
                                       path="/v1/chat/completions", endpoint="chat.completions",
@@ -101,14 +102,15 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, s
 
 @router.post("/completions", response_model=Completion, responses=_RESPONSES)
 async def create_completion(body: CompletionCreate, request: Request, session: SessionDep,
-                            tenant: CurrentTenant, settings: SettingsDep) -> Response:
+                            tenant: CurrentTenant, settings: SettingsDep,
+                            base_models: BaseModelsDep) -> Response:
     """A text completion of one prompt (OpenAI's ``completions.create``)."""
     _unsupported(body)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise APIError(400, "invalid_request", "Send one prompt per request.", param="prompt")
     served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
-                                     request.app.state.base_models, body.model)
+                                     base_models, body.model)
     if served.base.inference_url is not None:
         return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
                                       path="/v1/completions", endpoint="completions", stream=bool(body.stream))

@@ -8,9 +8,18 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.routing import APIRoute
 
-from api.deps import CurrentKey, CurrentTenant, QueueDep, SessionDep
+from api.deps import (
+    BaseModelsDep,
+    CurrentKey,
+    CurrentTenant,
+    JobPagesDep,
+    NodePoolsDep,
+    QueueDep,
+    SessionDep,
+    SettingsDep,
+)
 from api.errors import APIError, error_responses
-from api.fleet import estimate as fleet
+from api.fleet.estimate import estimate_job
 from api.jobs import commands as queries
 from api.jobs.schemas import (
     CheckpointPublic,
@@ -31,24 +40,23 @@ _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
 
 @router.post("", response_model=JobPublic, responses=error_responses(409))
 def create_job(
-    body: JobCreate, request: Request, session: SessionDep, tenant: CurrentTenant,
-    queue: QueueDep,
+    body: JobCreate, session: SessionDep, tenant: CurrentTenant, queue: QueueDep,
+    settings: SettingsDep, base_models: BaseModelsDep, pools: NodePoolsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobPublic:
     """Create a fine-tuning job (OpenAI body + tunefleet extensions)."""
-    check_tracking_uris(body.integrations, request.app.state.settings)
+    check_tracking_uris(body.integrations, settings)
     job = queries.create_job(
         session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
-        base_models=request.app.state.base_models, queue=queue, idempotency_key=idempotency_key,
-        estimate=lambda job: fleet.estimate_job(session, job, base_models=request.app.state.base_models,
-                                                pools=request.app.state.node_pools),
+        base_models=base_models, queue=queue, idempotency_key=idempotency_key,
+        estimate=lambda job: estimate_job(session, job, base_models=base_models, pools=pools),
     )
     return JobPublic.of(job)
 
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
-    request: Request, session: SessionDep, tenant: CurrentTenant,
+    request: Request, session: SessionDep, tenant: CurrentTenant, pages: JobPagesDep,
     after: PageAfter = None, limit: PageLimit = 20,
     status: Annotated[str | None, Query(description="Only jobs in this status.")] = None,
 ) -> Response:
@@ -66,7 +74,7 @@ def list_jobs(
     # encode it again through jsonable_encoder + json.dumps, which costs more than the
     # query (response_model still documents the shape).
     body = queries.list_jobs_json(session, tenant, after=after, limit=limit, metadata=metadata,
-                                  status=status, pages=request.app.state.job_pages,
+                                  status=status, pages=pages,
                                   query=request.scope["query_string"])
     session.close()  # give the connection back from this thread: get_session needs no hop then
     return Response(body, media_type="application/json")

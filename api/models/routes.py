@@ -5,14 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from sqlalchemy import select
 
 from api.db.base import to_unix
 from api.db.models import Job, RegisteredModel
-from api.deps import AdminDep, CurrentKey, CurrentTenant, QueueDep, SessionDep, SettingsDep
+from api.deps import (
+    AdminDep,
+    BaseModelsDep,
+    CurrentKey,
+    CurrentTenant,
+    QueueDep,
+    SessionDep,
+    SettingsDep,
+    StartedAtDep,
+)
 from api.errors import APIError, error_responses, not_found
-from api.models.base_models import BaseModelEntry, BaseModelRegistry
+from api.models.base_models import BaseModelEntry
 from api.models.fine_tuned import delete_fine_tuned_model, tenant_adapters
 from api.models.registry import delete_registered_model, register_model
 from api.models.schemas import ModelCreate, ModelDeleted, ModelPublic, ModelsPublic
@@ -38,15 +47,12 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
-def _registry(request: Request) -> BaseModelRegistry:
-    return request.app.state.base_models
-
-
 @router.get("", response_model=ModelsPublic)
-def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
+def list_models(
+    session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep, started_at: StartedAtDep
+) -> dict[str, Any]:
     """The declared base models, the registered ones ready to train on, the tenant's adapters."""
-    registry = _registry(request)
-    data = [_base(e, request.app.state.started_at) for e in registry.declared.values()]
+    data = [_base(e, started_at) for e in registry.declared.values()]
     ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
     data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
     data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
@@ -54,22 +60,23 @@ def list_models(request: Request, session: SessionDep, tenant: CurrentTenant) ->
 
 
 @router.post("", response_model=ModelPublic, responses=error_responses(400, 403, 409))
-def create_model(body: ModelCreate, request: Request, session: SessionDep, key: AdminDep,
-                 settings: SettingsDep, queue: QueueDep) -> dict[str, Any]:
+def create_model(body: ModelCreate, session: SessionDep, key: AdminDep, settings: SettingsDep,
+                 queue: QueueDep, registry: BaseModelsDep) -> dict[str, Any]:
     """Register a base model (admins). A directory or s3:// checkpoint is checked now and
     answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
-    row = register_model(session, settings, _registry(request), body, admin_tenant_id=key.tenant_id,
+    row = register_model(session, settings, registry, body, admin_tenant_id=key.tenant_id,
                          queue=queue)
     return _registered(row)
 
 
 @router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
 def retrieve_model(
-    model_id: str, request: Request, session: SessionDep, tenant: CurrentTenant
+    model_id: str, session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep,
+    started_at: StartedAtDep,
 ) -> dict[str, Any]:
-    entry = _registry(request).declared.get(model_id)
+    entry = registry.declared.get(model_id)
     if entry is not None:
-        return _base(entry, request.app.state.started_at)
+        return _base(entry, started_at)
     row = session.get(RegisteredModel, model_id)
     if row is not None:
         return _registered(row)
@@ -81,12 +88,12 @@ def retrieve_model(
 
 @router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))
 def delete_model(
-    model_id: str, request: Request, session: SessionDep, key: CurrentKey, settings: SettingsDep
+    model_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep,
+    registry: BaseModelsDep,
 ) -> ModelDeleted:
     """Delete a fine-tuned model (its adapter and the job's other outputs), or, with an
     admin key, a registered base model. Other base models cannot be deleted: 403 for a
     tenant, 409 for a model of the YAML file; a model whose job has not ended is a 409."""
-    registry = _registry(request)
     is_base = model_id in registry.declared or session.get(RegisteredModel, model_id) is not None
     if is_base and key.grants_admin:
         delete_registered_model(session, registry, model_id)

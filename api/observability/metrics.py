@@ -29,11 +29,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.deps import SessionFactoryDep, SettingsDep
 from api.errors import APIError
 from api.observability.collectors import DatabaseCollector
+from api.settings import Settings
 
 REQUEST_LATENCY = Histogram(
     "tunefleet_http_request_duration_seconds",
@@ -108,10 +111,10 @@ def process_registry() -> CollectorRegistry:
     return registry
 
 
-def _registry(request: Request) -> CollectorRegistry:
+def _registry(settings: Settings, factory: sessionmaker[Session]) -> CollectorRegistry:
     registry = process_registry()
-    if request.app.state.settings.metrics_database_gauges == "api":
-        registry.register(DatabaseCollector(lambda: request.app.state.session_factory))
+    if settings.metrics_database_gauges == "api":
+        registry.register(DatabaseCollector(lambda: factory))
     return registry
 
 
@@ -121,7 +124,7 @@ class _DefaultRegistryCollector:
 
 
 @router.get("/metrics")
-def metrics(request: Request) -> Response:
+def metrics(request: Request, settings: SettingsDep, factory: SessionFactoryDep) -> Response:
     """Prometheus text format. With ``TUNEFLEET_METRICS_TOKEN`` set, a matching bearer
     token is required (job ids are labels; keep them off the open internet)."""
     token = os.environ.get("TUNEFLEET_METRICS_TOKEN")
@@ -129,4 +132,4 @@ def metrics(request: Request) -> Response:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), token.encode()):
             raise APIError(401, "invalid_metrics_token", "GET /metrics needs 'Authorization: Bearer <metrics token>'.")
-    return Response(generate_latest(_registry(request)), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_registry(settings, factory)), media_type=CONTENT_TYPE_LATEST)

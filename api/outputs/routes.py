@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
 from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
-from api.deps import CurrentKey, QueueDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, QueueDep, SessionDep, SessionFactoryDep, SettingsDep
 from api.errors import APIError, error_responses
 from api.ids import new_id
 from api.jobs.commands import get_job
@@ -303,6 +303,7 @@ def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
             responses=error_responses(404))
 async def stream_job(
     job_id: str, request: Request, session: SessionDep, key: CurrentKey,
+    factory: SessionFactoryDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
     """Events (status changes included) and metrics as they arrive; ends when the job does.
@@ -310,7 +311,6 @@ async def stream_job(
     Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume.
     """
     job = await run_in_threadpool(get_job, session, key, job_id)
-    factory = request.app.state.session_factory
 
     async def messages() -> AsyncIterator[str]:
         cursor = _parse_cursor(last_event_id)

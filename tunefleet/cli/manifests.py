@@ -83,7 +83,7 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
                                      int((train.validation or {}).get("n_examples") or 0), method=method)
         placement_pin = {**job_body.placement.model_dump(exclude_none=True), "pool": pool.name}
         try:
-            inp = job_request(job_id=PREVIEW_JOB_ID, tenant_id=tenant, entry=entry,
+            inp = job_request(entry, job_id=PREVIEW_JOB_ID, tenant=tenant,
                               adapter=job_body.adapter.model_dump(), hyperparameters=hp, max_seq_len=max_seq_len,
                               trainer=job_body.trainer_name, placement=placement_pin,
                               priority=job_body.priority_value, total_tokens=planned_tokens(hp, max_seq_len),
