@@ -39,8 +39,8 @@ from typing import Any
 from api.artifacts import ArtifactStore
 from api.db.models import Job
 from api.files.commands import create_result_file
-from api.jobs.commands import latest_checkpoint
 from api.jobs.lifecycle import add_event, start_admitted_launch, transition
+from api.jobs.queries import latest_checkpoint
 from scheduling.estimator import candidate_gpu_counts
 from scheduling.pools import NodePool
 from scheduling.usage import close_segment

@@ -77,8 +77,7 @@ def list_files(
     rows, has_more = queries.list_files(session, tenant, purpose=purpose, after=after, limit=limit,
                                         order=order)
     data = [FilePublic.of(r) for r in rows]
-    return FilesPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
-                       last_id=data[-1].id if data else None)
+    return FilesPublic.page(data, has_more=has_more)
 
 
 @router.get("/{file_id}", response_model=FilePublic, responses=error_responses(404))

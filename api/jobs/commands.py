@@ -1,4 +1,5 @@
-"""Query and command functions for fine-tuning jobs (routes call these; so do tasks).
+"""Command functions for fine-tuning jobs (routes call these; so do tasks); the reads are
+in ``api.jobs.queries``.
 
 Creation checks the model, files and extensions, resolves ``"auto"`` hyperparameters
 (see ``api.jobs.hyperparameters``) once the training file's example count is known, and moves
@@ -27,18 +28,16 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.db.job_versions import job_list_version
-from api.db.models import ApiKey, Checkpoint, File, IdempotencyKey, Job, JobEvent, Tenant
+from api.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
 from api.errors import APIError, not_found
 from api.files.commands import get_file
 from api.ids import hash_secret, new_id, new_job_token
 from api.jobs.hyperparameters import resolve_hyperparameters
 from api.jobs.lifecycle import add_event, lock_job, transition
-from api.jobs.pages import JobPageCache, PageKey
-from api.jobs.schemas import JobCreate, jobs_page_json
+from api.jobs.queries import latest_checkpoint, opens
+from api.jobs.schemas import JobCreate
 from api.models.base_models import BaseModelEntry
 from api.models.hub import parse_hub_id
-from api.pagination import check_limit, page_newest_first
 from api.queue import SCHEDULE, TaskQueue
 from scheduling.estimator import missing_model_files
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
@@ -301,86 +300,22 @@ def advance_after_validation(session: Session, file: File) -> list[str]:
     return queued
 
 
-def tenant_jobs(tenant: Tenant):
-    return select(Job).where(Job.tenant_id == tenant.id)
-
-
-def may_open(job: Job, *, tenant_id: str, is_admin: bool) -> bool:
-    """Whether a caller of organization ``tenant_id`` may read and act on ``job``.
-
-    A tenant's key opens its own organization's jobs only; any other job answers 404,
-    exactly like a missing one. An admin (``ApiKey.grants_admin``) opens every
-    organization's jobs (it can already mint keys for any organization, so this grants
-    nothing new); what it does there is recorded with actor ``admin``. Lists stay per
-    organization either way. The API's job routes and the dashboard's job page both ask here.
-    """
-    return is_admin or job.tenant_id == tenant_id
-
-
-def _opens(key: ApiKey, job: Job | None) -> bool:
-    return job is not None and may_open(job, tenant_id=key.tenant_id, is_admin=key.grants_admin)
-
-
-def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
-    job = session.get(Job, job_id)
-    if not _opens(key, job):
-        raise not_found("fine-tuning job", job_id)
-    return job
-
-
-def list_jobs(
-    session: Session, tenant: Tenant, *, after: str | None, limit: int,
-    metadata: dict[str, str], status: str | None = None,
-) -> tuple[list[Job], bool]:
-    query = tenant_jobs(tenant)
-    for key, value in metadata.items():
-        query = query.where(Job.metadata_[key].as_string() == value)
-    if status is not None:
-        query = query.where(Job.status == status)
-    return page_newest_first(session, query, Job, after=after, limit=limit)
-
-
-def list_jobs_json(
-    session: Session, tenant: Tenant, *, after: str | None, limit: int,
-    metadata: dict[str, str], status: str | None, pages: JobPageCache, query: bytes,
-) -> bytes:
-    """``list_jobs`` encoded as a ``JobsPublic`` page, reused from ``pages`` while the
-    tenant's jobs are unchanged (see ``api.jobs.pages``); errors are never cached.
-
-    ``query`` is the raw query string the other arguments were parsed from (the key).
-    """
-    key = PageKey(tenant.id, query)
-    version = job_list_version(session, tenant.id)  # before the rows, never after
-    body = pages.get(key, version)
-    if body is None:
-        rows, has_more = list_jobs(session, tenant, after=after, limit=limit,
-                                   metadata=metadata, status=status)
-        body = jobs_page_json(rows, has_more=has_more)
-        pages.put(key, version, body)
-    return body
-
-
-def latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
-    return session.scalar(
-        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
-    )
-
-
 def cancel_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
-    job = lock_job_of(session, key, job_id)
-    actor = actor_of(key)
-    transition(session, job, "cancelled", actor=actor,
-               message=f"Job cancelled by {'an administrator' if actor == 'admin' else 'the user'}.")
-    session.commit()
-    queue.send(SCHEDULE)
-    return job
+    by = "an administrator" if actor_of(key) == "admin" else "the user"
+    return _stop(session, key, job_id, "cancelled", f"Job cancelled by {by}.", queue=queue)
 
 
 def pause_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:
+    return _stop(session, key, job_id, "paused",
+                 "Job paused; it keeps its last checkpoint and resumes from it.", queue=queue)
+
+
+def _stop(session: Session, key: ApiKey, job_id: str, to: str, message: str, *,
+          queue: TaskQueue) -> Job:
+    """Move the caller's job to ``to`` (cancelled or paused); the scheduling cycle sent
+    next stops its run."""
     job = lock_job_of(session, key, job_id)
-    actor = actor_of(key)
-    transition(session, job, "paused", actor=actor,
-               message="Job paused; it keeps its last checkpoint and resumes from it.")
+    transition(session, job, to, actor=actor_of(key), message=message)
     session.commit()
     queue.send(SCHEDULE)
     return job
@@ -402,38 +337,13 @@ def resume_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) 
 
 def lock_job_of(session: Session, key: ApiKey, job_id: str) -> Job:
     job = lock_job(session, job_id)
-    if not _opens(key, job):
+    if not opens(key, job):
         raise not_found("fine-tuning job", job_id)
     return job
 
 
 def actor_of(key: ApiKey) -> str:
     return "admin" if key.grants_admin else "user"
-
-
-def list_events(
-    session: Session, job: Job, *, after: str | None, limit: int
-) -> tuple[list[JobEvent], bool]:
-    """Events newest first; ``after`` is an event id of this job."""
-    check_limit(limit)
-    query = select(JobEvent).where(JobEvent.job_id == job.id)
-    if after is not None:
-        anchor = session.scalar(
-            select(JobEvent.seq).where(JobEvent.job_id == job.id, JobEvent.id == after)
-        )
-        if anchor is None:
-            raise APIError(400, "invalid_cursor",
-                           f"'after' is not an event of this job: '{after}'.", param="after")
-        query = query.where(JobEvent.seq < anchor)
-    rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
-
-
-def list_checkpoints(
-    session: Session, job: Job, *, after: str | None, limit: int
-) -> tuple[list[Checkpoint], bool]:
-    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
-    return page_newest_first(session, query, Checkpoint, after=after, limit=limit)
 
 
 def issue_job_token(session: Session, job: Job) -> str:

@@ -20,7 +20,7 @@ from api.deps import (
 )
 from api.errors import APIError, error_responses
 from api.fleet.estimate import estimate_job
-from api.jobs import commands as queries
+from api.jobs import commands, queries
 from api.jobs.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -46,7 +46,7 @@ def create_job(
 ) -> JobPublic:
     """Create a fine-tuning job (OpenAI body + tunefleet extensions)."""
     check_tracking_uris(body.integrations, settings)
-    job = queries.create_job(
+    job = commands.create_job(
         session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
         base_models=base_models, queue=queue, idempotency_key=idempotency_key,
         estimate=lambda job: estimate_job(session, job, base_models=base_models, pools=pools),
@@ -92,17 +92,17 @@ def retrieve_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobPublic
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=error_responses(404, 409))
 def cancel_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.cancel_job(session, key, job_id, queue=queue))
+    return JobPublic.of(commands.cancel_job(session, key, job_id, queue=queue))
 
 
 @router.post("/{job_id}/pause", response_model=JobPublic, responses=error_responses(404, 409))
 def pause_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.pause_job(session, key, job_id, queue=queue))
+    return JobPublic.of(commands.pause_job(session, key, job_id, queue=queue))
 
 
 @router.post("/{job_id}/resume", response_model=JobPublic, responses=error_responses(404, 409))
 def resume_job(job_id: str, session: SessionDep, key: CurrentKey, queue: QueueDep) -> JobPublic:
-    return JobPublic.of(queries.resume_job(session, key, job_id, queue=queue))
+    return JobPublic.of(commands.resume_job(session, key, job_id, queue=queue))
 
 
 @router.get("/{job_id}/events", response_model=JobEventsPublic, responses=error_responses(404))
@@ -113,8 +113,7 @@ def list_events(
     job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_events(session, job, after=after, limit=limit)
     data = [JobEventPublic.of(e) for e in rows]
-    return JobEventsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
-                           last_id=data[-1].id if data else None)
+    return JobEventsPublic.page(data, has_more=has_more)
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic,
@@ -126,5 +125,4 @@ def list_checkpoints(
     job = queries.get_job(session, key, job_id)
     rows, has_more = queries.list_checkpoints(session, job, after=after, limit=limit)
     data = [CheckpointPublic.of(c, job) for c in rows]
-    return CheckpointsPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
-                             last_id=data[-1].id if data else None)
+    return CheckpointsPublic.page(data, has_more=has_more)

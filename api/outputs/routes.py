@@ -30,8 +30,8 @@ from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
 from api.deps import CurrentKey, QueueDep, SessionDep, SessionFactoryDep, SettingsDep
 from api.errors import APIError, error_responses
 from api.ids import new_id
-from api.jobs.commands import get_job
 from api.jobs.lifecycle import add_event
+from api.jobs.queries import get_job
 from api.jobs.schemas import JobEventPublic
 from api.outputs.logs import read_job_log
 from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
@@ -112,14 +112,8 @@ def download_artifact(
     if row is None:
         raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{object_key}'.",
                        param="name")
-    if not is_inside(row.location, job_storage(job.id, settings).outputs):
-        # Registered before locations were confined to the job's own output: serving it
-        # would hand out whatever the location points at.
-        log.warning("artifact %s of job %s has a location outside its output: %r",
-                    object_key, job.id, row.location)
-        raise APIError(404, "artifact_not_found",
-                       f"Artifact '{object_key}' of job '{job.id}' is not in the job's output.",
-                       param="name")
+    _require_inside(row.location, job_storage(job.id, settings).outputs, kind="artifact",
+                    name=object_key, job=job, where="the job's output", param="name")
     store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
@@ -129,6 +123,18 @@ def download_artifact(
                        f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
                        param="name")
     return _file_response(store, object_key, row.sha256)
+
+
+def _require_inside(location: str, prefixes: tuple[str, ...], *, kind: str, name: str, job: Job,
+                    where: str, param: str) -> None:
+    """404 ``<kind>_not_found`` for a row whose location is outside ``prefixes``, the job's
+    own storage: a row registered before locations were confined there would otherwise hand
+    out whatever its location points at."""
+    if is_inside(location, prefixes):
+        return
+    log.warning("%s %s of job %s has a location outside %s: %r", kind, name, job.id, where, location)
+    raise APIError(404, f"{kind}_not_found",
+                   f"{kind.capitalize()} '{name}' of job '{job.id}' is not in {where}.", param=param)
 
 
 def _file_response(store: ArtifactStore, key: str, sha256: str) -> StreamingResponse:
@@ -152,12 +158,8 @@ def _checkpoint_adapter(session: Session, key: ApiKey, settings: Settings, job_i
     if row is None:
         raise APIError(404, "checkpoint_not_found", f"Job '{job.id}' has no checkpoint '{checkpoint_id}'.",
                        param="checkpoint_id")
-    if not is_inside(row.location, job_storage(job.id, settings).checkpoints):
-        log.warning("checkpoint %s of job %s has a location outside its checkpoints: %r",
-                    row.id, job.id, row.location)
-        raise APIError(404, "checkpoint_not_found",
-                       f"Checkpoint '{checkpoint_id}' of job '{job.id}' is not in the job's storage.",
-                       param="checkpoint_id")
+    _require_inside(row.location, job_storage(job.id, settings).checkpoints, kind="checkpoint",
+                    name=checkpoint_id, job=job, where="the job's storage", param="checkpoint_id")
     store = store_for(f"{row.location.rstrip('/')}/{CHECKPOINT_ADAPTER}", s3_endpoint_url=settings.s3_endpoint_url)
     return job, store
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 from fastapi import Query
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -36,6 +36,14 @@ class ListPublic(BaseModel, Generic[T]):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+    @classmethod
+    def page(cls, data: list[T], *, has_more: bool = False) -> Self:
+        """The page of ``data`` (objects with an ``id``): ``first_id`` and ``last_id`` are
+        the ids at its two ends, None for an empty page."""
+        ids = [item.id for item in data[:1] + data[-1:]]  # type: ignore[attr-defined]
+        return cls(data=data, has_more=has_more, first_id=ids[0] if ids else None,
+                   last_id=ids[-1] if ids else None)
 
 
 # The query parameters of the newest-first lists (api.pagination.page_newest_first).

@@ -25,7 +25,7 @@ from api.auth import authenticate
 from api.db.models import ApiKey, Job, Tenant
 from api.deps import SessionDep
 from api.errors import APIError
-from api.jobs.commands import may_open
+from api.jobs.queries import may_open
 from api.ui import session as ui_session
 from api.ui.data import router as data_router
 from api.ui.headers import DashboardHeadersMiddleware

@@ -73,8 +73,7 @@ def list_webhooks(session: SessionDep, tenant: CurrentTenant, limit: PageLimit =
                                           WebhookEndpoint.deleted_at.is_(None))
     rows, has_more = page_newest_first(session, query, WebhookEndpoint, after=after, limit=limit)
     data = [WebhookPublic.of(r) for r in rows]
-    return WebhooksPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
-                          last_id=data[-1].id if data else None)
+    return WebhooksPublic.page(data, has_more=has_more)
 
 
 @router.get("/{endpoint_id}", response_model=WebhookPublic, responses=error_responses(404))
@@ -132,5 +131,4 @@ def list_deliveries(endpoint_id: str, session: SessionDep, tenant: CurrentTenant
     query = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)
     rows, has_more = page_newest_first(session, query, WebhookDelivery, after=after, limit=limit)
     data = [DeliveryPublic.of(r) for r in rows]
-    return DeliveriesPublic(data=data, has_more=has_more, first_id=data[0].id if data else None,
-                            last_id=data[-1].id if data else None)
+    return DeliveriesPublic.page(data, has_more=has_more)

@@ -43,10 +43,10 @@ def other_process(settings) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts how often the route built a page and how often the fast path answered."""
-    import api.jobs.commands
+    import api.jobs.queries
 
     calls = {"built": 0, "fast": 0}
-    build = api.jobs.commands.list_jobs
+    build = api.jobs.queries.list_jobs
 
     def counting_build(*args: Any, **kwargs: Any) -> Any:
         calls["built"] += 1
@@ -58,7 +58,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return body
 
     fast = job_pages.CachedJobListMiddleware._current_page
-    monkeypatch.setattr(api.jobs.commands, "list_jobs", counting_build)
+    monkeypatch.setattr(api.jobs.queries, "list_jobs", counting_build)
     monkeypatch.setattr(job_pages.CachedJobListMiddleware, "_current_page", counting_fast)
     return calls
 
@@ -194,21 +194,21 @@ def test_a_write_that_lands_while_a_page_is_built_is_not_hidden(
 ):
     """The counter is read before the rows: a write committed after the rows were read
     bumps past the counter the page was stored under, so the next request rebuilds."""
-    import api.jobs.commands
+    import api.jobs.queries
 
     user = tenant_key()
     job = make_job(user.headers)["id"]
-    build = api.jobs.commands.list_jobs
+    build = api.jobs.queries.list_jobs
 
     def build_then_write(*args: Any, **kwargs: Any) -> Any:
         page = build(*args, **kwargs)
         with other_process() as session:
             session.get_one(Job, job).queue_reason = "written meanwhile"
             session.commit()
-        monkeypatch.setattr(api.jobs.commands, "list_jobs", build)
+        monkeypatch.setattr(api.jobs.queries, "list_jobs", build)
         return page
 
-    monkeypatch.setattr(api.jobs.commands, "list_jobs", build_then_write)
+    monkeypatch.setattr(api.jobs.queries, "list_jobs", build_then_write)
     assert _job(client, user.headers, job)["queue_reason"] is None  # read before the write
     assert _job(client, user.headers, job)["queue_reason"] == "written meanwhile"
 
