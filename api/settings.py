@@ -154,6 +154,17 @@ class Settings(BaseSettings):
         default=None, ge=1,
         description="Prompt + completion tokens a tenant may use per minute (more: 429). Default: no limit.",
     )
+    # Webhooks (TUNEFLEET_WEBHOOK_*, api/webhooks): the routes and the worker's delivery task
+    # read them from the process's settings (``get_settings``).
+    webhook_allow_private: bool = Field(
+        default=False,
+        description="Allow targets on loopback/private/link-local addresses (tests, on-prem receivers).",
+    )
+    webhook_max_attempts: int = Field(default=8, ge=1, le=50)
+    webhook_retry_base_s: float = Field(default=10.0, gt=0, description="Delay after the first failure; doubles.")
+    webhook_retry_max_s: float = Field(default=3600.0, gt=0)
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description="Per attempt (connect + response).")
+    webhook_rotation_grace_s: int = Field(default=86400, ge=0, le=7 * 86400)
 
     @field_validator("kueue_priority_classes")
     @classmethod
@@ -242,7 +253,7 @@ class Settings(BaseSettings):
                 "TUNEFLEET_METRICS_TOKEN must be set in production (at least 16 characters): "
                 "/metrics names every job and tenant"
             )
-        if _webhooks_allow_private():
+        if self.webhook_allow_private:
             problems.append(
                 "TUNEFLEET_WEBHOOK_ALLOW_PRIVATE must not be true in production (tenants' "
                 "webhooks could reach the service's own network)"
@@ -395,13 +406,6 @@ def _shortest_period(text: str) -> int:
         if text[period:] == text[:-period]:
             return period
     return len(text)
-
-
-def _webhooks_allow_private() -> bool:
-    """``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE`` as the webhook settings read it."""
-    from api.webhooks.config import WebhookSettings  # the webhook package imports this module
-
-    return WebhookSettings().allow_private
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.db.base import utcnow
-from api.webhooks.config import WebhookSettings
+from api.settings import Settings
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 from api.webhooks.sealing import SecretUnreadable
 from api.webhooks.signing import signature_headers
@@ -45,15 +45,15 @@ class AttemptOutcome:
     retry_in_s: float | None = None
 
 
-def retry_delay_s(attempts_so_far: int, settings: WebhookSettings) -> float:
+def retry_delay_s(attempts_so_far: int, settings: Settings) -> float:
     """Delay after the ``attempts_so_far``-th failed attempt (1-based): exponential, capped."""
-    return min(settings.retry_base_s * (2 ** (attempts_so_far - 1)), settings.retry_max_s)
+    return min(settings.webhook_retry_base_s * (2 ** (attempts_so_far - 1)), settings.webhook_retry_max_s)
 
 
 def attempt_delivery(
     session: Session,
     delivery_id: str,
-    settings: WebhookSettings,
+    settings: Settings,
     *,
     service_key: str,
     http: httpx.Client | None = None,
@@ -81,12 +81,12 @@ def attempt_delivery(
     response_status, error, started = None, None, time.monotonic()
     try:
         url, pinned_headers, extensions = pinned_request(
-            checked_target(endpoint.url, allow_private=settings.allow_private))
+            checked_target(endpoint.url, allow_private=settings.webhook_allow_private))
         timestamp = int(now.timestamp())
         headers = signature_headers(endpoint.signing_secrets(now, service_key), delivery.event_id, timestamp,
                                     delivery.body)
         headers.update({"content-type": "application/json", "user-agent": _USER_AGENT, **pinned_headers})
-        client = http or httpx.Client(timeout=settings.timeout_s, follow_redirects=False)
+        client = http or httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False)
         try:
             response = client.post(url, content=delivery.body.encode("utf-8"), headers=headers,
                                    extensions=extensions)
@@ -118,7 +118,7 @@ def attempt_delivery(
         return AttemptOutcome(delivery_id, "succeeded", attempted=True, response_status=response_status)
 
     _count_failure(endpoint.id)
-    if delivery.attempts >= settings.max_attempts:
+    if delivery.attempts >= settings.webhook_max_attempts:
         delivery.status = "failed"
         delivery.next_attempt_at = None
         log.warning("webhook %s to %s failed for good after %d attempts: %s",

@@ -19,7 +19,7 @@ from api.errors import APIError, error_responses, not_found
 from api.ids import new_id
 from api.pagination import page_newest_first
 from api.schemas.common import PageAfter, PageLimit
-from api.webhooks.config import get_webhook_settings
+from api.settings import get_settings
 from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 from api.webhooks.schemas import (
     DeliveriesPublic,
@@ -39,8 +39,10 @@ router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 
 
 def _checked_url(url: str) -> str:
+    # The webhook settings are the process's (``get_settings``), as the worker's delivery
+    # task reads them, so that both sides apply the same target rules.
     try:
-        return check_target_url(url, allow_private=get_webhook_settings().allow_private)
+        return check_target_url(url, allow_private=get_settings().webhook_allow_private)
     except TargetURLError as exc:
         raise APIError(400, exc.code, exc.message, param="url") from None
 
@@ -113,7 +115,7 @@ def rotate_secret(endpoint_id: str, session: SessionDep, tenant: CurrentTenant, 
     """New secret now; the old one keeps signing (a second signature) for the grace period,
     so receivers can switch without dropping events."""
     row = _get_endpoint(session, tenant.id, endpoint_id)
-    grace = get_webhook_settings().rotation_grace_s
+    grace = get_settings().webhook_rotation_grace_s
     if body is not None and body.grace_period_s is not None:
         grace = body.grace_period_s
     row.previous_secret = row.secret if grace > 0 else None

@@ -280,13 +280,13 @@ def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(
         service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tunefleet worker`` serves /metrics: the failed delivery it attempted is counted there."""
     from api.queue import DELIVER_WEBHOOK, CeleryQueue
+    from api.settings import get_settings
     from api.webhooks import events
-    from api.webhooks.config import get_webhook_settings
     from tests.conftest import free_port, settings_env
     from tests.integrations.webhook_receiver import Receiver
 
     monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
-    get_webhook_settings.cache_clear()
+    get_settings.cache_clear()
     receiver = Receiver().start()
     receiver.answer = lambda received: 500
     port = free_port()
@@ -315,7 +315,7 @@ def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(
             time.sleep(0.3)
     finally:
         events.set_dispatcher(None)
-        get_webhook_settings.cache_clear()
+        get_settings.cache_clear()
         _stop([worker])
         receiver.stop()
     # Exactly the one attempt made (retries are an hour away).

@@ -35,10 +35,10 @@ from tunefleet import BadRequestError, NotFoundError, Tunefleet
 @pytest.fixture
 def webhook_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Set ``TUNEFLEET_WEBHOOK_*`` for this process (the settings are cached: reset them)."""
+    from api.settings import get_settings
     from api.webhooks import events
-    from api.webhooks.config import get_webhook_settings
 
-    with cached_settings_env(monkeypatch, "TUNEFLEET_WEBHOOK_", get_webhook_settings) as set_env:
+    with cached_settings_env(monkeypatch, "TUNEFLEET_WEBHOOK_", get_settings) as set_env:
         yield set_env
     events.set_dispatcher(None)
 
@@ -200,10 +200,10 @@ def _deliveries(service: Service, endpoint_id: str) -> list[Any]:
 
 def _attempt(service: Service, delivery_id: str, **overrides: Any) -> Any:
     from api.db.session import session_scope
-    from api.webhooks.config import WebhookSettings
     from api.webhooks.delivery import attempt_delivery
 
-    settings = WebhookSettings(**{"allow_private": True, "retry_base_s": 0.01, **overrides})
+    updates = {"allow_private": True, "retry_base_s": 0.01, **overrides}
+    settings = service.settings.model_copy(update={f"webhook_{k}": v for k, v in updates.items()})
     with session_scope(service.settings.resolved_database_url) as session:
         return attempt_delivery(session, delivery_id, settings, service_key=service.settings.secret_key_value())
 
@@ -302,11 +302,10 @@ def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: 
     driver = JobDriver(service, queued_job(service))
     driver.start()
     (delivery,) = _deliveries(service, ep.id)
-    from api.webhooks.config import WebhookSettings
     from api.webhooks.delivery import attempt_delivery
 
     with session_scope(service.settings.resolved_database_url) as session:  # the service key changed
-        outcome = attempt_delivery(session, delivery.id, WebhookSettings(allow_private=True),
+        outcome = attempt_delivery(session, delivery.id, service.settings.model_copy(update={"webhook_allow_private": True}),
                                    service_key="another-service-secret-key-0123456789")
     assert outcome.status == "pending" and receiver.received == []
     (row,) = _deliveries(service, ep.id)

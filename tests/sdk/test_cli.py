@@ -160,10 +160,10 @@ def test_pools_and_estimate(app: Any, request: pytest.FixtureRequest, tmp_path: 
 
 
 def test_webhooks_commands(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from api.webhooks.config import get_webhook_settings
+    from api.settings import get_settings
 
     monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
-    get_webhook_settings.cache_clear()
+    get_settings.cache_clear()
     try:
         created = js(cli("webhooks", "create", "http://127.0.0.1:9/hook", "--event", "fine_tuning.job.failed",
                          "--json"))
@@ -180,7 +180,7 @@ def test_webhooks_commands(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert json.loads(gone.stderr)["error"]["code"] == "not_found"
     finally:
         monkeypatch.delenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE")
-        get_webhook_settings.cache_clear()
+        get_settings.cache_clear()
     refused = cli("webhooks", "create", "http://127.0.0.1:9/hook", "--json", code=1)
     assert json.loads(refused.stderr)["error"]["code"] == "webhook_url_not_public"
 

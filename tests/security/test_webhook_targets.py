@@ -23,16 +23,16 @@ PUBLIC = "93.184.215.14"  # a global unicast address; nothing answers there from
 @pytest.fixture
 def webhooks_private_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Production target rules in this process; deliveries are recorded, not queued."""
+    from api.settings import get_settings
     from api.webhooks import events
-    from api.webhooks.config import get_webhook_settings
 
     monkeypatch.delenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", raising=False)
-    get_webhook_settings.cache_clear()
+    get_settings.cache_clear()
     dispatched: list[str] = []
     events.set_dispatcher(lambda delivery_id: dispatched.append(delivery_id) or True)
     yield dispatched
     events.set_dispatcher(None)
-    get_webhook_settings.cache_clear()
+    get_settings.cache_clear()
 
 
 @pytest.mark.parametrize("url", ["http://100.64.0.1/hook", "http://100.127.255.254/hook",
@@ -47,7 +47,6 @@ def test_non_global_targets_are_refused(client, tenant_key, webhooks_private_off
 
 def test_a_rebound_name_never_reaches_the_loopback(client, tenant_key, make_job, db_session, settings,
                                                    webhooks_private_off, monkeypatch) -> None:
-    from api.webhooks.config import WebhookSettings
     from api.webhooks.delivery import attempt_delivery
     from api.webhooks.models import WebhookDelivery
 
@@ -73,7 +72,8 @@ def test_a_rebound_name_never_reaches_the_loopback(client, tenant_key, make_job,
             WebhookDelivery.endpoint_id == created.json()["id"])).first()
         assert delivery_id is not None
         outcome = attempt_delivery(db_session, delivery_id,
-                                   WebhookSettings(allow_private=False, timeout_s=1, retry_base_s=1),
+                                   settings.model_copy(update={"webhook_allow_private": False, "webhook_timeout_s": 1,
+                                                               "webhook_retry_base_s": 1}),
                                    service_key=settings.secret_key_value())
         db_session.commit()
         assert listener.hits == []

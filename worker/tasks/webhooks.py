@@ -24,7 +24,6 @@ from celery.signals import worker_ready
 from api.db.session import session_scope
 from api.settings import get_settings
 from api.webhooks import install_hooks
-from api.webhooks.config import get_webhook_settings
 from api.webhooks.delivery import attempt_delivery
 from api.webhooks.events import sweep_due_deliveries
 from worker.celery_app import app
@@ -39,7 +38,7 @@ def deliver_webhook(delivery_id: str) -> str:
     """Attempt ``delivery_id`` once; schedule the retry when it failed and attempts remain."""
     settings = get_settings()
     with session_scope(settings.resolved_database_url) as session:
-        outcome = attempt_delivery(session, delivery_id, get_webhook_settings(),
+        outcome = attempt_delivery(session, delivery_id, settings,
                                    service_key=settings.secret_key_value())
     if outcome.retry_in_s is not None:
         deliver_webhook.apply_async((delivery_id,), countdown=outcome.retry_in_s)
