@@ -85,7 +85,7 @@ def retrieve_file(file_id: str, session: SessionDep, tenant: CurrentTenant) -> F
     return FilePublic.of(queries.get_file(session, tenant, file_id))
 
 
-@router.get("/{file_id}/content", response_class=Response, responses={
+@router.get("/{file_id}/content", response_model=None, response_class=Response, responses={
     **body_content("application/jsonl", "text/csv",
                    description="The file's bytes: an upload (JSONL) or a job's results (CSV)."),
     **error_responses(404),

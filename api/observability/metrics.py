@@ -123,7 +123,7 @@ class _DefaultRegistryCollector:
         return REGISTRY.collect()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_model=None)
 def metrics(request: Request, settings: SettingsDep, factory: SessionFactoryDep) -> Response:
     """Prometheus text format. With ``TUNEFLEET_METRICS_TOKEN`` set, a matching bearer
     token is required (job ids are labels; keep them off the open internet)."""

@@ -74,7 +74,7 @@ def list_metrics(
             "last_step": data[-1]["step"] if data else None}
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse,
+@router.get("/{job_id}/logs", response_model=None, response_class=PlainTextResponse,
             responses=error_responses(404, 502))
 def job_logs(
     job_id: str, session: SessionDep, key: CurrentKey, settings: SettingsDep,
@@ -98,7 +98,7 @@ def list_artifacts(job_id: str, session: SessionDep, key: CurrentKey) -> dict[st
     return {"object": "list", "data": data, "has_more": False}
 
 
-@router.get("/{job_id}/artifacts/{name:path}", response_class=OctetStreamResponse, responses={
+@router.get("/{job_id}/artifacts/{name:path}", response_model=None, response_class=OctetStreamResponse, responses={
     307: {"description": "The artifact lives in S3: a presigned URL in `Location` (15 min)."},
     **error_responses(404),
 })
@@ -186,7 +186,7 @@ def list_checkpoint_artifacts(
     return {"object": "list", "data": data, "has_more": False}
 
 
-@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts/{name:path}",
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/artifacts/{name:path}", response_model=None,
             response_class=OctetStreamResponse, responses={
                 307: {"description": "The checkpoint lives in S3: a presigned URL in `Location` (15 min)."},
                 **error_responses(404),
@@ -301,7 +301,7 @@ def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
     return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-@router.get("/{job_id}/stream", response_class=EventStreamResponse,
+@router.get("/{job_id}/stream", response_model=None, response_class=EventStreamResponse,
             responses=error_responses(404))
 async def stream_job(
     job_id: str, request: Request, session: SessionDep, key: CurrentKey,

@@ -45,7 +45,7 @@ def session_key(request: Request, db: SessionDep) -> ApiKey:
 SessionKey = Annotated[ApiKey, Depends(session_key)]
 
 
-@router.get("/jobs")
+@router.get("/jobs", response_model=dict[str, Any])
 def dashboard_jobs(
     db: SessionDep,
     key: SessionKey,
@@ -97,7 +97,7 @@ def dashboard_jobs(
     }
 
 
-@router.get("/tenants")
+@router.get("/tenants", response_model=dict[str, Any])
 def dashboard_tenants(db: SessionDep, key: SessionKey) -> dict[str, Any]:
     """Tenants for the admin's tenant filter (a tenant key sees only its own)."""
     query = select(Tenant).order_by(Tenant.name)
@@ -130,7 +130,7 @@ def _latest_metrics(db: SessionDep, job_ids: list[str]) -> dict[str, dict[str, A
     return {m.job_id: {f: getattr(m, f) for f in LATEST_METRIC_FIELDS} for m in rows}
 
 
-@router.get("/hyperparameters")
+@router.get("/hyperparameters", response_model=dict[str, Any])
 def resolved_hyperparameters(
     db: SessionDep,
     key: SessionKey,

@@ -134,7 +134,7 @@ def _safe_next(value: str | None) -> str:
 # ---- login / logout -----------------------------------------------------------------
 
 
-@router.get("/login", response_class=HTMLResponse)
+@router.get("/login", response_model=None, response_class=HTMLResponse)
 def login_page(request: Request, next: str | None = None) -> HTMLResponse:
     return _login_form(request, next_path=_safe_next(next))
 
@@ -155,7 +155,7 @@ def _login_form(
     return response
 
 
-@router.post("/login", response_class=HTMLResponse)
+@router.post("/login", response_model=None, response_class=HTMLResponse)
 def login(
     request: Request,
     db: SessionDep,
@@ -186,7 +186,7 @@ def login(
     return response
 
 
-@router.post("/logout")
+@router.post("/logout", response_model=None)
 def logout(request: Request, db: SessionDep, csrf_token: Annotated[str, Form()] = "") -> Response:
     state = ui_session.read_session(request)
     if state is not None:
@@ -200,27 +200,27 @@ def logout(request: Request, db: SessionDep, csrf_token: Annotated[str, Form()] 
 # ---- pages --------------------------------------------------------------------------
 
 
-@router.get("", include_in_schema=False)
+@router.get("", response_model=None, include_in_schema=False)
 def ui_root() -> RedirectResponse:
     return RedirectResponse("/ui/", status_code=307)
 
 
-@router.get("/", response_class=HTMLResponse)
+@router.get("/", response_model=None, response_class=HTMLResponse)
 def jobs_page(request: Request, auth: PageSession) -> HTMLResponse:
     return render(request, "jobs.html", auth, title="Jobs", nav="jobs")
 
 
-@router.get("/new", response_class=HTMLResponse)
+@router.get("/new", response_model=None, response_class=HTMLResponse)
 def new_job_page(request: Request, auth: PageSession) -> HTMLResponse:
     return render(request, "new_job.html", auth, title="New fine-tuning job", nav="new")
 
 
-@router.get("/pools", response_class=HTMLResponse)
+@router.get("/pools", response_model=None, response_class=HTMLResponse)
 def pools_page(request: Request, auth: PageSession) -> HTMLResponse:
     return render(request, "pools.html", auth, title="Queue & pools", nav="pools")
 
 
-@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+@router.get("/jobs/{job_id}", response_model=None, response_class=HTMLResponse)
 def job_page(request: Request, job_id: str, auth: PageSession, db: SessionDep) -> HTMLResponse:
     principal, _ = auth
     job = db.get(Job, job_id)
