@@ -8,7 +8,7 @@ to it), ``placement`` (``place_job``: fit, fit after preemption, or why not), ``
 (GPU-second segments and their sums).
 
 Nothing here reads the database, talks to a cluster or imports ``api`` or ``worker``:
-the scheduler (``worker.scheduler``) and the API (``api.fleet.estimate``) feed these functions
+the scheduler (``worker.scheduler``) and the API (``api.fleet``) feed these functions
 plain values, so what the API estimates and what the scheduler decides are the same
 computation. Only ``trainers.spec`` (the trainer contract), the standard library,
 pydantic and yaml are imported.

@@ -1,4 +1,6 @@
-"""Query functions for uploaded files (routes stay short; tasks reuse these)."""
+"""Command functions for uploaded files: upload, expiry, delete, the expiry sweep and a
+finished job's results file (routes stay short; tasks reuse these). The reads are in
+``api.files.queries``."""
 
 from __future__ import annotations
 
@@ -8,26 +10,24 @@ import hashlib
 import io
 import json
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
-from sqlalchemy import exists, or_, select
+from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from api.artifacts import ArtifactStore
 from api.db.base import utcnow
 from api.db.models import TERMINAL_STATUSES, File, Job, JobMetric, Tenant
-from api.errors import APIError, not_found
+from api.errors import APIError
+from api.files.queries import get_file
 from api.files.uploads import Upload
 from api.ids import new_id
-from api.pagination import page_by_created
 from api.queue import VALIDATE_FILE, TaskQueue
 
 PURPOSES = ("fine-tune",)
 # OpenAI's bounds on ``expires_after.seconds``: one hour to thirty days after the upload.
 MIN_EXPIRY_S = 3600
 MAX_EXPIRY_S = 30 * 24 * 3600
-# OpenAI's list files returns up to 10,000 files a page, and that many by default.
-MAX_LIST_LIMIT = 10_000
 RESULTS_PURPOSE = "fine-tune-results"  # written by the service for a finished job
 RESULTS_FILENAME = "step_metrics.csv"
 # OpenAI's results CSV columns, and the stored metric each one is read from.
@@ -117,37 +117,6 @@ def expiry_seconds(fields: dict[str, str]) -> int | None:
                        f"{MAX_EXPIRY_S} (30 days); got {seconds!r}.",
                        param="expires_after.seconds")
     return seconds
-
-
-def tenant_files(tenant: Tenant, *, now: dt.datetime | None = None):
-    """The tenant's files that are neither deleted nor expired.
-
-    An expired file a job still uses stays in storage until that job ends (the expiry
-    sweep waits for it), but the tenant no longer sees it or starts new jobs on it.
-    """
-    return select(File).where(
-        File.tenant_id == tenant.id, File.deleted_at.is_(None),
-        or_(File.expires_at.is_(None), File.expires_at > (now or utcnow())),
-    )
-
-
-def get_file(session: Session, tenant: Tenant, file_id: str, *, param: str | None = None) -> File:
-    """The tenant's live file, else 404 (another tenant's file is 'not found' too)."""
-    row = session.scalar(tenant_files(tenant).where(File.id == file_id))
-    if row is None:
-        raise not_found("file", file_id, param=param)
-    return row
-
-
-def list_files(
-    session: Session, tenant: Tenant, *, purpose: str | None, after: str | None, limit: int,
-    order: Literal["asc", "desc"] = "desc",
-) -> tuple[list[File], bool]:
-    query = tenant_files(tenant)
-    if purpose is not None:
-        query = query.where(File.purpose == purpose)
-    return page_by_created(session, query, File, after=after, limit=limit, order=order,
-                           max_limit=MAX_LIST_LIMIT)
 
 
 def used_by_unfinished_job(file_id: Any):

@@ -10,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from api.deps import CurrentTenant, FileStoreDep, QueueDep, SessionDep, SettingsDep
 from api.errors import error_responses
-from api.files import commands as queries
+from api.files import commands, queries
 from api.files.schemas import FileDeleted, FilePublic, FilesPublic
 from api.files.uploads import receive_upload
 from api.responses import body_content
@@ -26,7 +26,7 @@ UPLOAD_BODY = {
         "type": "object",
         "required": ["purpose", "file"],
         "properties": {
-            "purpose": {"type": "string", "enum": list(queries.PURPOSES)},
+            "purpose": {"type": "string", "enum": list(commands.PURPOSES)},
             "file": {"type": "string", "format": "binary",
                      "description": "JSONL training data, UTF-8, one example per line."},
             "expires_after": {
@@ -35,8 +35,8 @@ UPLOAD_BODY = {
                                "sends the fields expires_after[anchor] and expires_after[seconds].",
                 "properties": {
                     "anchor": {"type": "string", "enum": ["created_at"]},
-                    "seconds": {"type": "integer", "minimum": queries.MIN_EXPIRY_S,
-                                "maximum": queries.MAX_EXPIRY_S},
+                    "seconds": {"type": "integer", "minimum": commands.MIN_EXPIRY_S,
+                                "maximum": commands.MAX_EXPIRY_S},
                 },
             },
         },
@@ -55,7 +55,7 @@ async def upload_file(
     upload = await receive_upload(request, tmp_dir=settings.tmp_dir, limit=settings.max_upload_bytes)
     try:
         row = await run_in_threadpool(
-            queries.create_file, session, tenant, upload, store=store,
+            commands.create_file, session, tenant, upload, store=store,
             queue=queue,
         )
     finally:
@@ -95,7 +95,7 @@ def file_content(
 ) -> StreamingResponse:
     row = queries.get_file(session, tenant, file_id)
     # Uploads are JSONL; a job's results file is a CSV.
-    media_type, suffix = ("text/csv", "csv") if row.purpose == queries.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
+    media_type, suffix = ("text/csv", "csv") if row.purpose == commands.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
     return StreamingResponse(
         store.iter_bytes(row.location), media_type=media_type,
         headers={"Content-Length": str(row.bytes),
@@ -107,5 +107,5 @@ def file_content(
 def delete_file(
     file_id: str, session: SessionDep, tenant: CurrentTenant, store: FileStoreDep
 ) -> FileDeleted:
-    queries.delete_file(session, tenant, file_id, store=store)
+    commands.delete_file(session, tenant, file_id, store=store)
     return FileDeleted(id=file_id)

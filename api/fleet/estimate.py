@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.db.models import File, Job, Tenant
 from api.errors import APIError
-from api.files.commands import get_file
+from api.files.queries import get_file
 from api.fleet.pools import capacity_snapshot
 from api.fleet.schemas import EstimateRequest
 from api.jobs.commands import base_model_and_seq_len

@@ -1,6 +1,6 @@
 """Fleet routes: ``GET /v1/node_pools``, ``POST /v1/fine_tuning/estimate``, ``GET /v1/usage``.
 
-Thin wrappers over ``api.fleet.estimate`` (pools, estimates) and ``api.fleet.usage``.
+Thin wrappers over ``api.fleet.pools`` (pools), ``api.fleet.estimate`` (estimates) and ``api.fleet.usage``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from api.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
 from api.errors import APIError, not_found
-from api.files.commands import get_file
+from api.files.queries import get_file
 from api.ids import hash_secret, new_id, new_job_token
 from api.jobs.hyperparameters import resolve_hyperparameters
 from api.jobs.lifecycle import add_event, lock_job, transition

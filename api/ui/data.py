@@ -24,7 +24,7 @@ from sqlalchemy import func, or_, select
 from api.db.models import JOB_STATUSES, ApiKey, Job, JobMetric, Tenant
 from api.deps import SessionDep
 from api.errors import APIError
-from api.files.commands import get_file
+from api.files.queries import get_file
 from api.jobs.hyperparameters import resolve_hyperparameters
 from api.jobs.schemas import JobPublic
 from api.pagination import page_newest_first
