@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -41,6 +41,8 @@ from api.responses import EventStreamResponse, OctetStreamResponse
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
+
+RowT = TypeVar("RowT", Artifact, Checkpoint)
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning outputs"])
 
@@ -108,12 +110,9 @@ def download_artifact(
     """Stream one output file, or redirect (307) to a presigned URL when it lives in S3."""
     job = get_job(session, key, job_id)
     object_key = safe_key(name)
-    row = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == object_key))
-    if row is None:
-        raise APIError(404, "artifact_not_found", f"Job '{job.id}' has no artifact '{object_key}'.",
-                       param="name")
-    _require_inside(row.location, job_storage(job.id, settings).outputs, kind="artifact",
-                    name=object_key, job=job, where="the job's output", param="name")
+    row = _stored_row(session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == object_key)),
+                      job_storage(job.id, settings).outputs, kind="artifact", name=object_key, job=job,
+                      where="the job's output", param="name")
     store = store_for(row.location, s3_endpoint_url=settings.s3_endpoint_url)
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
@@ -125,14 +124,17 @@ def download_artifact(
     return _file_response(store, object_key, row.sha256)
 
 
-def _require_inside(location: str, prefixes: tuple[str, ...], *, kind: str, name: str, job: Job,
-                    where: str, param: str) -> None:
-    """404 ``<kind>_not_found`` for a row whose location is outside ``prefixes``, the job's
-    own storage: a row registered before locations were confined there would otherwise hand
-    out whatever its location points at."""
-    if is_inside(location, prefixes):
-        return
-    log.warning("%s %s of job %s has a location outside %s: %r", kind, name, job.id, where, location)
+def _stored_row(row: RowT | None, prefixes: tuple[str, ...], *, kind: str, name: str, job: Job,
+                where: str, param: str) -> RowT:
+    """``row`` (an artifact or a checkpoint of ``job``), else 404 ``<kind>_not_found``: when
+    there is none, and when its location is outside ``prefixes``, the job's own storage (a
+    row registered before locations were confined there would otherwise hand out whatever
+    its location points at)."""
+    if row is None:
+        raise APIError(404, f"{kind}_not_found", f"Job '{job.id}' has no {kind} '{name}'.", param=param)
+    if is_inside(row.location, prefixes):
+        return row
+    log.warning("%s %s of job %s has a location outside %s: %r", kind, name, job.id, where, row.location)
     raise APIError(404, f"{kind}_not_found",
                    f"{kind.capitalize()} '{name}' of job '{job.id}' is not in {where}.", param=param)
 
@@ -154,12 +156,10 @@ def _checkpoint_adapter(session: Session, key: ApiKey, settings: Settings, job_i
                         checkpoint_id: str) -> tuple[Job, ArtifactStore]:
     """The job's checkpoint and the store rooted at its adapter directory (404s otherwise)."""
     job = get_job(session, key, job_id)
-    row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.id == checkpoint_id))
-    if row is None:
-        raise APIError(404, "checkpoint_not_found", f"Job '{job.id}' has no checkpoint '{checkpoint_id}'.",
-                       param="checkpoint_id")
-    _require_inside(row.location, job_storage(job.id, settings).checkpoints, kind="checkpoint",
-                    name=checkpoint_id, job=job, where="the job's storage", param="checkpoint_id")
+    row = _stored_row(session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id,
+                                                              Checkpoint.id == checkpoint_id)),
+                      job_storage(job.id, settings).checkpoints, kind="checkpoint", name=checkpoint_id,
+                      job=job, where="the job's storage", param="checkpoint_id")
     store = store_for(f"{row.location.rstrip('/')}/{CHECKPOINT_ADAPTER}", s3_endpoint_url=settings.s3_endpoint_url)
     return job, store
 
