@@ -63,7 +63,7 @@ ADMIN: list[tuple[str, str, Any]] = [
 JOB_TOKEN = [("POST", "/internal/v1/jobs/{job_id}/reports", {"seq": 0, "items": []})]
 
 
-# The foundation's routers (api/routes/*); webhooks, metrics and the dashboard test theirs.
+# The foundation's routers (api/<feature>/routes.py); webhooks, metrics and the dashboard test theirs.
 FOUNDATION_TAGS = {"files", "fine-tuning", "fine-tuning outputs", "models", "internal", "admin",
                    "health", "fleet"}
 

@@ -25,7 +25,7 @@ def backend() -> str:
 
 @pytest.fixture
 def counted_polls(monkeypatch) -> list[float]:
-    from api.routes import outputs
+    from api.outputs import routes as outputs
 
     polls: list[float] = []
     real_poll = outputs._poll
