@@ -160,6 +160,12 @@ class Settings(BaseSettings):
         default=False,
         description="Allow targets on loopback/private/link-local addresses (tests, on-prem receivers).",
     )
+    webhook_allowed_hosts: str | None = Field(
+        default=None,
+        description="Hosts (host or host:port, comma-separated) webhooks may target although they "
+        "resolve to internal addresses: an operator's in-cluster receivers. Allowed in production, "
+        "unlike webhook_allow_private; every other target must be public.",
+    )
     webhook_max_attempts: int = Field(default=8, ge=1, le=50)
     webhook_retry_base_s: float = Field(default=10.0, gt=0, description="Delay after the first failure; doubles.")
     webhook_retry_max_s: float = Field(default=3600.0, gt=0)

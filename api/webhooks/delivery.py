@@ -81,7 +81,8 @@ def attempt_delivery(
     response_status, error, started = None, None, time.monotonic()
     try:
         url, pinned_headers, extensions = pinned_request(
-            checked_target(endpoint.url, allow_private=settings.webhook_allow_private))
+            checked_target(endpoint.url, allow_private=settings.webhook_allow_private,
+                           allowed_hosts=settings.webhook_allowed_hosts))
         timestamp = int(now.timestamp())
         headers = signature_headers(endpoint.signing_secrets(now, service_key), delivery.event_id, timestamp,
                                     delivery.body)

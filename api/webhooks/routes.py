@@ -42,7 +42,9 @@ def _checked_url(url: str) -> str:
     # The webhook settings are the process's (``get_settings``), as the worker's delivery
     # task reads them, so that both sides apply the same target rules.
     try:
-        return check_target_url(url, allow_private=get_settings().webhook_allow_private)
+        settings = get_settings()
+        return check_target_url(url, allow_private=settings.webhook_allow_private,
+                                allowed_hosts=settings.webhook_allowed_hosts)
     except TargetURLError as exc:
         raise APIError(400, exc.code, exc.message, param="url") from None
 

@@ -3,7 +3,8 @@ with the webhook error codes, and connections pinned to the addresses that were 
 
 A URL is refused unless it is http(s) with a host and every address the host resolves to
 is public (``is_global``, not multicast, no internal IPv4 inside an IPv6 address), unless
-``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true``. The check runs when an endpoint is saved and
+its host is one the operator allows (``TUNEFLEET_WEBHOOK_ALLOWED_HOSTS``) or
+``TUNEFLEET_WEBHOOK_ALLOW_PRIVATE=true`` (never in production). The check runs when an endpoint is saved and
 again before each delivery; the delivery then connects to an address of that check (with
 the original ``Host`` header and TLS server name), never to a second DNS answer, so a
 name that re-resolves to 127.0.0.1 between check and connect (DNS rebinding) gains nothing.
@@ -34,17 +35,19 @@ class TargetURLError(ValueError):
         self.message = message
 
 
-def checked_target(url: str, *, allow_private: bool) -> Target:
-    """``url`` checked for webhooks (``TargetURLError`` with a webhook code if refused)."""
+def checked_target(url: str, *, allow_private: bool, allowed_hosts: str | None = None) -> Target:
+    """``url`` checked for webhooks (``TargetURLError`` with a webhook code if refused);
+    ``allowed_hosts``: the operator's allow-list setting (``host[:port]``, comma-separated)."""
     try:
-        return target_urls.check_target(url, allow_private=allow_private, noun="webhook URLs")
+        return target_urls.check_target(url, allow_private=allow_private,
+                                        allowed_hosts=target_urls.split_hosts(allowed_hosts), noun="webhook URLs")
     except target_urls.TargetURLError as exc:
         raise TargetURLError(CODES[exc.reason], exc.message) from exc
 
 
-def check_target_url(url: str, *, allow_private: bool) -> str:
+def check_target_url(url: str, *, allow_private: bool, allowed_hosts: str | None = None) -> str:
     """Return ``url`` if it may receive webhooks, else raise ``TargetURLError``."""
-    return checked_target(url, allow_private=allow_private).url
+    return checked_target(url, allow_private=allow_private, allowed_hosts=allowed_hosts).url
 
 
 def pinned_request(target: Target) -> tuple[str, dict[str, str], dict[str, Any]]:

@@ -156,3 +156,19 @@ def test_every_alert_and_dashboard_query_is_valid_promql() -> None:
             raise AssertionError(f"{expr!r}: {exc}") from None
         names = {s.name for s in _selectors(parsed)}
         assert names and all(n.startswith("tunefleet_") for n in names), (expr, names)
+
+
+def test_allowed_private_hosts_reach_the_components_that_check_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``webhooks.allowedHosts`` reaches the API (saving an endpoint) and the worker
+    (delivering); ``trackers.allowedHosts`` the API and the scheduler, which passes it on
+    to trainer pods. Production accepts both (unlike allowing every private address)."""
+    hosts = {"webhooks": {"allowedHosts": ["hooks.platform.svc:8080", "10.0.0.7"]},
+             "trackers": {"allowedHosts": ["mlflow.ml.svc:5000"]}}
+    docs = docs_for({**PRODUCTION, **hosts})
+    for component in ("api", "worker", "scheduler"):
+        settings = settings_from(resolved_env(docs, container(docs, component)), monkeypatch)
+        assert settings.env == "production"
+        assert settings.webhook_allowed_hosts == "hooks.platform.svc:8080,10.0.0.7"
+        assert settings.tracker_allowed_hosts == "mlflow.ml.svc:5000"
+    plain = docs_for(PRODUCTION)
+    assert settings_from(resolved_env(plain, container(plain, "api")), monkeypatch).webhook_allowed_hosts is None

@@ -25,8 +25,9 @@ Then two more jobs: one whose trainer pod is OOMKilled (failed, out_of_memory, n
 retried), one cancelled while it trains.
 
 Production refuses webhook targets on private addresses, which is all this machine has:
-the test checks that refusal, not a delivery (the delivery path is rehearsed on
-PostgreSQL + Redis in tests/integrations/test_webhooks_production.py). Not rehearsed
+the test checks that refusal, then registers a receiver the operator allowed by its
+``host:port`` (``webhooks.allowedHosts``, as for an in-cluster receiver), which the worker
+delivers the job's ``succeeded`` event to, signed (checked with ``standardwebhooks``). Not rehearsed
 here: a preemption (by a higher-priority job or by Kueue re-suspending the Job), so
 neither is the Job's podFailurePolicy for it.
 """
@@ -46,6 +47,7 @@ import pytest
 import yaml
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from standardwebhooks import Webhook
 
 from tests.conftest import IN_CI, PG_ADMIN_DSN, free_port
 from tests.deploy.chart import find
@@ -58,6 +60,7 @@ from tests.e2e.rehearsal import (
     trainer_image_env,
 )
 from tests.e2e.test_local_training import wait_for
+from tests.integrations.webhook_receiver import Receiver
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.test_e2e_fake_cluster import RTX_POOL, SMALL_POOL
 from tunefleet.demo import demo_examples
@@ -120,7 +123,7 @@ def s3_endpoint():
 
 
 def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, admin_key: str,
-            metrics_token: str) -> dict:
+            metrics_token: str, webhook_receiver: str) -> dict:
     pools = [{**SMALL_POOL, "trainer_image": TRAINER_IMAGE},
              {**RTX_POOL, "trainer_image": TRAINER_IMAGE, "trainer_resources": RTX_TRAINER_RESOURCES}]
     return {
@@ -132,6 +135,7 @@ def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, 
                       "s3": {"endpointUrl": s3, "region": "us-east-1", "accessKeyId": ACCESS_KEY,
                              "secretAccessKey": SECRET_KEY}},
         "auth": {"adminApiKey": admin_key, "metricsToken": metrics_token},
+        "webhooks": {"allowedHosts": [webhook_receiver]},
         "training": {"namespace": TRAINING_NS, "createNamespace": True, "priorityClassName": "training-batch",
                      "maxRuntimeSeconds": 3600,
                      "serviceAccount": {"create": True, "annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}}},
@@ -172,8 +176,10 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
     public_url = f"http://{_host_address()}:{port}"
     admin_key = f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}"
     metrics_token = secrets.token_urlsafe(24)
+    receiver = Receiver().start()
     docs = rendered(_values(database=database, broker=redis_url, s3=s3_endpoint, public_url=public_url, port=port,
-                            admin_key=admin_key, metrics_token=metrics_token))
+                            admin_key=admin_key, metrics_token=metrics_token,
+                            webhook_receiver=receiver.url.split("/")[2]))
     _upload_model(s3_endpoint, tiny_model_dir)
 
     with FakeApiServer(tmp_path / "k8s") as api:
@@ -211,7 +217,7 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
         for role in roles:
             role.start()
         try:
-            _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path)
+            _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, receiver)
         except BaseException:
             print(*(r.tail() for r in [migrations, *roles]),
                   # every trainer pod that started, deleted ones too (a relaunch deletes them)
@@ -220,9 +226,10 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
         finally:
             for role in roles:
                 role.stop()
+            receiver.stop()
 
 
-def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_path) -> None:
+def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, receiver) -> None:
     *api_replicas, worker, scheduler = roles
     # the first replica behind the public URL (the Service), the others on their own ports
     apis = {public_url: api_replicas[0], **{f"http://127.0.0.1:{r.ports['http']}": r for r in api_replicas[1:]}}
@@ -235,6 +242,9 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     # production refuses a webhook on a private address (all this machine has)
     refused = http.post("/webhooks", json={"url": f"{public_url}/hooks"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "webhook_url_not_public", refused.text
+    # ... but takes the receiver the operator allowed
+    endpoint = http.post("/webhooks", json={"url": receiver.url, "events": ["fine_tuning.job.succeeded"]})
+    assert endpoint.status_code == 200, endpoint.text
 
     body = "".join(json.dumps(e) + "\n" for e in demo_examples()[:16]).encode()
     uploaded = oai.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune")
@@ -279,6 +289,11 @@ def _rehearse(c, roles, public_url, admin_key, metrics_token, s3_endpoint, tmp_p
     assert done.status == "succeeded", done.error
     assert done.model_extra["pool"] == RTX_POOL["name"] and done.trained_tokens
     assert done.fine_tuned_model
+
+    # the worker delivered the succeeded event, signed with the endpoint's secret
+    (delivered,) = receiver.wait_for(lambda received: bool(received), 90)
+    event = Webhook(endpoint.json()["secret"]).verify(delivered.body, delivered.headers)
+    assert event["type"] == "fine_tuning.job.succeeded" and event["data"]["id"] == job.id, event
 
     # the adapter is in the bucket, and downloads through the API
     bucket = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,

@@ -310,3 +310,28 @@ def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: 
     assert outcome.status == "pending" and receiver.received == []
     (row,) = _deliveries(service, ep.id)
     assert row.last_error.startswith("webhook_secret_unreadable")
+
+
+def test_an_allowed_private_host_receives_webhooks_and_no_other_does(
+    sdk: Tunefleet, service: Service, webhook_env: Any, receiver: Receiver
+) -> None:
+    """``TUNEFLEET_WEBHOOK_ALLOWED_HOSTS`` (an operator's in-cluster receiver) lets that
+    private ``host:port`` be a target -- at creation and again at delivery -- while every
+    other private target, the same host on another port included, stays refused."""
+    from api.webhooks import events
+
+    host_port = receiver.url.split("/")[2]
+    webhook_env(allowed_hosts=host_port)
+    with pytest.raises(BadRequestError) as other_port:
+        sdk.webhooks.create(url=f"http://127.0.0.1:{int(host_port.rsplit(':', 1)[1]) + 1}/hook")
+    assert other_port.value.code == "webhook_url_not_public"
+    ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.running"])
+    dispatched: list[str] = []
+    events.set_dispatcher(lambda delivery_id: dispatched.append(delivery_id) or True)
+    JobDriver(service, queued_job(service)).start()
+    (delivery,) = _deliveries(service, ep.id)
+    assert _attempt(service, delivery.id, allow_private=False, allowed_hosts=host_port).status == "succeeded"
+    (request,) = receiver.received
+    assert Webhook(ep.secret).verify(request.body, request.headers)["type"] == "fine_tuning.job.running"
+    # Taken off the list: the next delivery to it is refused at its target check.
+    assert _attempt(service, delivery.id, allow_private=False, allowed_hosts=None).attempted is False

@@ -159,6 +159,14 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
 - name: TUNEFLEET_BASE_MODELS_FILE
   value: /etc/tunefleet/base_models.yaml
 {{- end }}
+{{- with .Values.webhooks.allowedHosts }}
+- name: TUNEFLEET_WEBHOOK_ALLOWED_HOSTS
+  value: {{ join "," . | quote }}
+{{- end }}
+{{- with .Values.trackers.allowedHosts }}
+- name: TUNEFLEET_TRACKER_ALLOWED_HOSTS
+  value: {{ join "," . | quote }}
+{{- end }}
 {{- with .Values.hub.allowedRepos }}
 - name: TUNEFLEET_HUB_ALLOWED_REPOS
   value: {{ join "," . | quote }}
