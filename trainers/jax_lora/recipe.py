@@ -47,7 +47,6 @@ from trainers.common.checkpointing import (
 from trainers.common.data import IGNORE_INDEX, Batch, DataCursor, TrainingData
 from trainers.common.job_data import (
     check_inputs_exist,
-    load_job_data,
     load_tokenizer,
     total_optimizer_steps,
 )
@@ -65,7 +64,7 @@ from trainers.common.outputs import (
     finish_adapter,
     write_training_config,
 )
-from trainers.common.preference import PreferenceData, RewardSums, load_preference_data, pad_pairs
+from trainers.common.preference import PreferenceData, RewardSums, load_training_data, pad_pairs
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted, UserError
@@ -296,7 +295,7 @@ def run(
         tokenizer = load_tokenizer(spec.model.path)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         dpo = spec.method.type == "dpo"
-        data = (load_preference_data if dpo else load_job_data)(spec, tokenizer, pad_to=spec.data.max_seq_len)
+        data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
         total_steps = total_optimizer_steps(spec, data.train, dp)
 
         # -- model: tensor by tensor into sharded arrays ---------------------------------
