@@ -206,3 +206,18 @@ def test_a_recipe_missing_from_the_image_is_trainer_unavailable(monkeypatch):
     with pytest.raises(UserError, match="has no run"):
         entry.load_recipe("fsdp_qlora")
     assert entry.load_recipe.__module__ == "trainers.__main__"
+
+
+def test_disk_full_inside_a_distributed_checkpoint_failure_is_disk_full():
+    """torch.distributed.checkpoint raises one CheckpointException carrying each rank's
+    error in ``failures``, not as a cause: a rank that hit a full disk still makes the
+    job fail as disk_full (not internal_error, which would be restarted into the same wall)."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    written = OSError(errno.ENOSPC, "No space left on device")
+    failure = CheckpointException("save failed", {1: (written, traceback.extract_stack())})
+    assert classify(failure).code == "disk_full"
+    assert classify(CheckpointException("save failed", {0: (KeyError("x"), traceback.extract_stack())})).code \
+        == "internal_error"
