@@ -79,7 +79,7 @@ def _first_metric_time(http: httpx.Client, job_id: str) -> float | None:
 
 def _record(admit: float, first: float, results: list[tuple[float, float]], load: float, runs: int) -> None:
     path = REPO / "bench" / "RESULTS.md"
-    heading = "## Submit to first training step (issue 3)"
+    heading = "## Submit to first training step"
     runs_text = ", ".join(f"{f:.1f}" for _, f in results)
     section = (
         f"{heading}\n\n"
