@@ -116,6 +116,13 @@ def _backend_env(backend: str, request: pytest.FixtureRequest, data_dir: Path) -
         }
     pg_url = request.getfixturevalue("pg_url")
     redis_url = request.getfixturevalue("redis_url")
+    # The Redis DB is this test process's for the whole session: an earlier test's service
+    # may have left tasks in it (a cancelled job's, a killed worker's unacknowledged ones),
+    # which this service's worker would run against its own data dir and database.
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        client.flushdb()
     return {"TUNEFLEET_DATABASE_URL": pg_url, "TUNEFLEET_BROKER_URL": redis_url}
 
 

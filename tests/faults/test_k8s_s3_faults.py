@@ -7,10 +7,6 @@ trainer pod as a local process; the artifact bucket is a moto server behind
 worker and every trainer pod -- reaches S3 only through that proxy, so an outage is an
 outage for all of them. Checkpoints, metrics logs and the adapter live in the bucket.
 
-- a trainer pod killed mid-run, and a node lost under its pod: the job is requeued, its
-  new pod (on an empty disk, as a new pod has) downloads the last checkpoint from S3 and
-  trains on; every step's metrics arrive once and each loss is that of an uninterrupted
-  run of the same spec;
 - S3 unreachable while a checkpoint is uploaded: for a few requests (the S3 client's
   retries absorb it) and for longer than its retries last (the trainer fails with
   ``storage_unreachable``, the run is restarted from the last checkpoint that reached
@@ -23,8 +19,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
-import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,16 +29,13 @@ import pytest
 
 from tests.conftest import free_port
 from tests.e2e.conftest import service, tiny_model_dir  # noqa: F401 (fixtures)
-from tests.e2e.test_local_training import all_metrics, upload, wait_for
+from tests.e2e.test_local_training import all_metrics, upload
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.test_e2e_fake_cluster import (
-    CPU_POOL,
     NS,
     _start_on_cluster,
-    _start_uninterrupted_run,
     _wait_until_done,
 )
-from trainers.common.storage import DEFAULT_CACHE_DIR
 from tunefleet.demo import demo_examples
 
 BUCKET, PREFIX = "tunefleet-faults", "artifacts"
@@ -213,54 +204,6 @@ def _assert_outputs_complete(proxy: FlakyS3, http, job: dict) -> None:
             continue  # pruned (keep_last): gone as a whole
         for name in ("trainer_state.json", "adapter/adapter_model.safetensors"):
             assert f"{folder}{name}" in keys, (folder, name, sorted(keys))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", ["pod_killed", "node_lost"])
-def test_a_lost_trainer_pod_resumes_from_its_checkpoint_in_s3_and_continues_the_same_curve(
-        service, tmp_path, flaky_s3, monkeypatch, fault):  # noqa: F811
-    reference = None
-    with FakeApiServer(tmp_path / "k8s") as api:
-        c, svc = _start(service, api, tmp_path, flaky_s3, monkeypatch)
-        try:
-            with svc.http() as http:
-                file_id = upload(http, demo_examples(32, seed=8))
-                job = http.post("/fine_tuning/jobs", json={
-                    **JOB, "training_file": file_id, "hyperparameters": {"n_epochs": 4, "batch_size": 4}}).json()
-                get = lambda: http.get(f"/fine_tuning/jobs/{job['id']}").json()
-                checkpoints = lambda: http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
-                wait_for(checkpoints, 240, "a first checkpoint in the bucket")
-                first = max(ck["step_number"] for ck in checkpoints())
-                wait_for(lambda: (get().get("current_step") or 0) >= first + 2, 120, "steps past the checkpoint")
-                reference = _start_uninterrupted_run(c, job["id"], tmp_path / "reference")
-                (pod,) = [p for p in c.pods(job["id"]) if p["status"].get("phase") == "Running"]
-                if fault == "pod_killed":
-                    c.procs[pod["metadata"]["uid"]].send_signal(signal.SIGKILL)
-                else:
-                    c.lose_node("cpu-0")
-                c.procs[pod["metadata"]["uid"]].wait(timeout=30)
-                # A new pod starts on an empty disk: what the lost one staged is gone with it.
-                shutil.rmtree(Path(DEFAULT_CACHE_DIR) / "jobs" / job["id"], ignore_errors=True)
-                if fault == "node_lost":
-                    c.add_node("cpu-1", labels=CPU_POOL["node_selector"], gpus=1, resource_name=None, taints=[])
-                done = _wait_until_done(http, c, svc, job["id"], timeout=400)
-                assert done["status"] == "succeeded", done.get("error")
-                assert done["restarts"] == 1 and done["resume_from"].startswith(f"s3://{BUCKET}/"), done
-                staged = _staged_checkpoint_bytes(http, job["id"])
-                assert len(staged) == 2 and staged[0] == 0 and staged[1] > 0, staged  # from the bucket
-                rows = all_metrics(http, job["id"])
-                _assert_outputs_complete(flaky_s3, http, done)
-            assert reference.wait(timeout=300) == 0, (tmp_path / "reference" / "trainer.log").read_text()[-3000:]
-        finally:
-            if reference is not None and reference.poll() is None:
-                reference.kill()
-                reference.wait()
-    assert [r["step"] for r in rows] == list(range(1, done["total_steps"] + 1))
-    uninterrupted = [json.loads(line) for line in
-                     (tmp_path / "reference" / "output" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in uninterrupted] == [r["step"] for r in rows]
-    for row, ref in zip(rows, uninterrupted, strict=True):
-        assert abs(row["train_loss"] - ref["train_loss"]) <= 1e-6, (row["step"], row["train_loss"], ref["train_loss"])
 
 
 @pytest.mark.slow
