@@ -11,15 +11,18 @@ The whole model never exists densely in any process:
    decoder's linear layers by quantized ones (still meta: shapes only), injects peft LoRA
    and shards it with FSDP2 (``fully_shard`` works on meta);
 2. ``to_empty`` allocates each rank's *shard* only;
-3. rank 0 streams the checkpoint tensor by tensor (``safetensors.safe_open``, a single
-   file or a sharded index), quantizes each linear weight as it arrives, and *scatters*
-   it: every rank receives just its slice of each parameter; the (small, unsharded)
-   quantization statistics are broadcast.
+3. rank 0 streams the checkpoint tensor by tensor, each in row blocks read straight from
+   its file (a single file or a sharded index; byte ranges from the safetensors headers),
+   quantizes each linear weight as it arrives, and *scatters* it block by block: every
+   rank receives just its slice of each parameter; the (small, unsharded) quantization
+   statistics are broadcast.
 
-Rank 0's peak is its shard + one dense matrix + one quantized matrix; other ranks never
-hold more than their shard plus one slice in flight. LoRA weights are initialized from
-``seed`` on rank 0 in module order and scattered the same way, so the initial adapter
-is identical for any world size.
+Rank 0's peak is its shard + one dense decoder matrix (what the quantizer needs whole) +
+its packed form + one block round (``ModelOptions.load_block_bytes``, all ranks' pieces
+together); other ranks hold their shard plus one block piece in flight. So an 8B
+model's 1 GiB embedding and LM head never exist whole in any process. LoRA weights are
+initialized from ``seed`` on rank 0 in module order and scattered the same way, so the
+initial adapter is identical for any world size.
 
 Everything that can be checked without reading weights (architecture, quantization
 options, the checkpoint's tensor names and shapes) is checked first, on every rank, and
@@ -29,8 +32,9 @@ raises :class:`UserError` with a stable code.
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.common.hf_checkpoint import read_checkpoint_index, read_config_json
+from trainers.common.hf_checkpoint import TensorLocation, read_checkpoint_index, read_config_json
 from trainers.common.memory import peak_rss_bytes
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
@@ -61,6 +65,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "base_layer"})
 _PEFT_PREFIX = "base_model.model."
+# safetensors dtype names -> torch (the ones checkpoints use).
+_CHECKPOINT_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# What rank 0 holds of one tensor at a time while it streams the checkpoint: every rank's
+# piece of one scatter round together (a full copy of an 8B model's embedding would be
+# 1 GiB in bf16, 2.4x one decoder layer). 64 MiB keeps collectives few (an 8B embedding
+# over 2 ranks: 16 rounds) while staying well under a decoder layer (416 MiB in bf16).
+LOAD_BLOCK_BYTES = 64 * 2**20
+
+# rows(lo, hi): rows [lo, hi) along dim 0 of a tensor's full value (any dtype, any device).
+RowSource = Callable[[int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class ModelOptions:
     seed: int = 0
     max_seq_len: int | None = None  # with packing: checked against a sliding window
     packing: bool = False
+    load_block_bytes: int | None = None  # None: LOAD_BLOCK_BYTES
 
     def quant_config(self) -> QuantConfig | None:
         if self.quantization == "none":
@@ -201,16 +220,6 @@ def check_options(opts: ModelOptions) -> None:
         # fp16 storage would be all-gathered as fp16: fine, but bnb's CPU kernels and our
         # tests only cover fp32/bf16; refuse rather than run an unverified combination.
         raise UserError("nf4 with float16 compute is not supported; use bfloat16", code="invalid_spec")
-
-
-def open_safetensors(path: Path, **kwargs: Any) -> Any:
-    """``safetensors.safe_open`` of ``path``; a file it cannot parse is a ``corrupt_model``."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="pt", **kwargs)
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"cannot read {path}: {exc}", code="corrupt_model") from exc
 
 
 def check_model_options(config: Any, opts: ModelOptions) -> None:
@@ -347,7 +356,6 @@ def build_model(
     check_model_options(config, opts)
     tensors = read_checkpoint_index(opts.model_dir)  # model_not_found / corrupt_model
     check_checkpoint_matches(config, {name: loc.shape for name, loc in tensors.items()})
-    files = {name: loc.file for name, loc in tensors.items()}
 
     model = build_meta_model(config, opts)
     # Train mode BEFORE sharding: bnb repacks eval-mode weights in place on avx512_bf16
@@ -360,15 +368,15 @@ def build_model(
     _retie_embeddings(model, config)
     _rebuild_rotary_buffers(model, config, ctx.device)
 
-    quantized = _stream_weights(model, config, files, opts, ctx)
-    _init_lora(model, opts.seed, ctx)
+    quantized = _stream_weights(model, tensors, opts, ctx)
+    _init_lora(model, opts.seed, ctx, block_bytes=opts.load_block_bytes)
     local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
     report = LoadReport(
         seconds=time.monotonic() - started,
         peak_rss_bytes=peak_rss_bytes(),
         local_param_bytes=int(local_bytes),
         quantized_layers=quantized,
-        checkpoint_files=len(set(files.values())),
+        checkpoint_files=len({loc.file for loc in tensors.values()}),
     )
     if log is not None:
         log("model loaded", **report.as_event_data())
@@ -407,26 +415,31 @@ def _rebuild_rotary_buffers(model: nn.Module, config: Any, device: torch.device)
 
 
 def _stream_weights(
-    model: nn.Module, config: Any, files: dict[str, Path], opts: ModelOptions, ctx: DistContext
+    model: nn.Module, tensors: dict[str, TensorLocation], opts: ModelOptions, ctx: DistContext
 ) -> int:
     """Fill every base parameter (and quantization statistics) from the checkpoint."""
     qcfg = opts.quant_config()
     base_dtype = _DTYPES[opts.base_dtype]
+    block = opts.load_block_bytes or LOAD_BLOCK_BYTES
     params = {canonical_name(n): p for n, p in model.named_parameters() if not is_lora_name(n)}
     quant_modules = {
         canonical_name(n): m for n, m in model.named_modules() if is_quantized_linear(m)
     }
     quantized = 0
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack) if ctx.is_main else None
+        reader = _CheckpointRows(tensors, stack) if ctx.is_main else None
         # Quantized layers: one checkpoint tensor -> packed weight + statistics.
         for mod_name, module in quant_modules.items():
             value_params: dict[str, torch.Tensor] = {}
             stats: dict[str, torch.Tensor] = {}
             if reader is not None:
-                # Quantize on the compute device (GPU kernels are ~100x faster than CPU
-                # ones for an 8B model); only the packed result is kept.
-                dense = reader.get(f"{mod_name}.weight").to(device=ctx.device, dtype=base_dtype)
+                # The quantizer needs the dense matrix whole. It is read block by block
+                # straight into the base dtype on the compute device (quantizing there: GPU
+                # kernels are ~100x faster than CPU ones for an 8B model), so neither a
+                # host copy nor a second one in the checkpoint's dtype exists beside it.
+                name = f"{mod_name}.weight"
+                dense = torch.empty(tensors[name].shape, dtype=base_dtype, device=ctx.device)
+                _copy_rows(dense, reader.rows(name), block)
                 out_f, in_f = dense.shape
                 with torch.device("meta"):
                     linear = nn.Linear(in_f, out_f, bias=False)
@@ -435,85 +448,153 @@ def _stream_weights(
                 del linear, dense
                 value_params = {n: p.data for n, p in qlayer.named_parameters()}
                 stats = quant_state_tensors(qlayer)
+                del qlayer
             for pname, param in module.named_parameters(recurse=False):
-                value = value_params.get(pname)
-                if pname == "bias" and reader is not None:  # biases stay unquantized
-                    value = reader.get(f"{mod_name}.bias").to(param.dtype)
-                _fill(param, value, ctx)
+                rows = None
+                if reader is not None:  # biases stay unquantized: straight from the checkpoint
+                    rows = (reader.rows(f"{mod_name}.bias") if pname == "bias"
+                            else _rows_of(value_params[pname], param.shape))
+                _fill(param, rows, ctx, block)
+            del value_params
             template = quant_state_tensors(module)
             received = {
                 k: _broadcast(stats.get(k), t.shape, t.dtype, ctx) for k, t in template.items()
             }
             replace_quant_state_tensors(module, received)
             quantized += 1
-        # Everything else (embeddings, norms, lm_head): cast and scatter.
+        # Everything else (embeddings, norms, lm_head, unquantized linears): cast and
+        # scatter, block by block.
         for name, param in params.items():
             owner = name.rsplit(".", 1)[0]
             if owner in quant_modules:
                 continue
-            value = reader.get(name).to(param.dtype) if reader is not None else None
-            _fill(param, value, ctx)
+            _fill(param, reader.rows(name) if reader is not None else None, ctx, block)
     return quantized
 
 
-class _TensorReader:
-    """Reads one tensor at a time from (possibly several) safetensors files."""
+class _CheckpointRows:
+    """Row blocks of checkpoint tensors, read from their files with ``os.preadv``.
 
-    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
-        self._files = files
-        self._open = {}
+    Only the requested rows' bytes are read (their byte range follows from the header's
+    offsets: safetensors data is row-major), into a fresh tensor: nothing is mapped, so
+    host memory is exactly the blocks alive. Not ``safe_open(...).get_slice`` (measured
+    with safetensors 0.8 on a 256 MiB tensor): with the ``pread`` backend every slice
+    read the whole tensor first (+256 MiB peak for a 16 MiB slice), and with the default
+    mmap one the resident memory grew by each slice read and stayed grown.
+    """
+
+    def __init__(self, tensors: dict[str, TensorLocation], stack: ExitStack) -> None:
+        self._tensors = tensors
+        self._fds: dict[Path, int] = {}
         self._stack = stack
 
-    def get(self, name: str) -> torch.Tensor:
-        path = self._files.get(name)
-        if path is None:
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise UserError(f"cannot read {path}: {exc}", code="corrupt_model") from exc
+            self._stack.callback(os.close, fd)
+            self._fds[path] = fd
+        return fd
+
+    def rows(self, name: str) -> RowSource:
+        loc = self._tensors.get(name)
+        if loc is None:
             raise UserError(f"tensor {name!r} not in the checkpoint", code="corrupt_model")
-        handle = self._open.get(path)
-        if handle is None:
-            # pread, not mmap: an mmapped shard stays resident (and counted in RSS) while
-            # open; pread copies exactly one tensor, so host memory is what we hold.
-            handle = self._stack.enter_context(open_safetensors(path, backend="pread"))
-            self._open[path] = handle
-        from safetensors import SafetensorError
+        dtype = _CHECKPOINT_DTYPES.get(loc.dtype)
+        if dtype is None:
+            raise UserError(f"tensor {name!r} has unsupported dtype {loc.dtype}", code="corrupt_model")
+        shape = _row_shape(loc.shape)
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        if row_bytes * shape[0] != loc.end - loc.start:
+            raise UserError(f"tensor {name!r}: {loc.end - loc.start} bytes for shape {loc.shape} "
+                            f"{loc.dtype}", code="corrupt_model")
+        fd = self._fd(loc.file)
 
-        try:
-            return handle.get_tensor(name)
-        except SafetensorError as exc:  # e.g. a truncated shard: the header promised more bytes
-            raise UserError(f"cannot read tensor {name!r} from {path}: {exc}", code="corrupt_model") from exc
+        def read(lo: int, hi: int) -> torch.Tensor:
+            raw = torch.empty((hi - lo) * row_bytes, dtype=torch.uint8)
+            view, done = memoryview(raw.numpy()), 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], loc.start + lo * row_bytes + done)
+                if got <= 0:
+                    raise UserError(f"cannot read tensor {name!r} from {loc.file}: the file ends early",
+                                    code="corrupt_model")
+                done += got
+            return raw.view(dtype).reshape(hi - lo, *shape[1:])
+
+        return read
 
 
-def _fill(param: torch.Tensor, full: torch.Tensor | None, ctx: DistContext) -> None:
-    """Write rank 0's full value of ``param`` into every rank's shard of it.
+def _row_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """``shape`` as rows along dim 0 (a scalar is one row of one value)."""
+    return tuple(shape) if len(shape) else (1,)
 
-    For an FSDP2 (DTensor, ``Shard(0)``) parameter each rank receives only its slice
-    through one ``scatter``; a plain parameter (single process) is copied directly.
+
+def _rows_of(full: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> RowSource:
+    """The row source of a value already in memory (viewed as ``shape``)."""
+    full = full.reshape(_row_shape(shape))
+    return lambda lo, hi: full[lo:hi]
+
+
+def _block_rows(row_shape: tuple[int, ...], itemsize: int, budget: int, limit: int) -> int:
+    """Rows per block: as many as ``budget`` bytes hold (at least 1, at most ``limit``)."""
+    row_bytes = max(1, math.prod(row_shape) * itemsize)
+    return max(1, min(limit, budget // row_bytes))
+
+
+def _copy_rows(target: torch.Tensor, rows: RowSource, block_bytes: int) -> None:
+    """Fill ``target`` (its full value) from ``rows``, one block at a time."""
+    target = target.view(_row_shape(target.shape))
+    n = target.shape[0]
+    step = _block_rows(target.shape[1:], target.element_size(), block_bytes, n)
+    with torch.no_grad():
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            target[lo:hi].copy_(rows(lo, hi))
+
+
+def _fill(param: torch.Tensor, rows: RowSource | None, ctx: DistContext, block_bytes: int) -> None:
+    """Write rank 0's value of ``param`` (read through ``rows``) into every rank's shard.
+
+    An FSDP2 parameter (DTensor, ``Shard(0)``: rank r holds rows ``[r*c, (r+1)*c)`` with
+    ``c = ceil(dim0 / world)``, the last ranks fewer or none) is filled in rounds: each
+    round rank 0 reads the next ``step`` rows of every rank's shard, casts them and
+    ``scatter``s them, so that every rank's pieces together stay within ``block_bytes``.
+    A plain parameter (single process) is copied block by block.
     """
     local = _local(param)
     if not ctx.distributed or not hasattr(param, "to_local"):
-        if full is None:
+        if rows is None:
             raise RuntimeError("single-process load needs the full value")
-        with torch.no_grad():
-            local.copy_(full.reshape(local.shape).to(local.dtype))
+        _copy_rows(local, rows, block_bytes)
         return
     import torch.distributed as dist
 
-    world, dim0 = ctx.world_size, param.shape[0]
-    rows = math.ceil(dim0 / world)  # torch.chunk sizes: FSDP2's Shard(0) layout
-    chunk_shape = (rows, *param.shape[1:])
-    buf = torch.empty(chunk_shape, dtype=local.dtype, device=local.device)
-    scatter_list = None
-    if ctx.is_main:
-        assert full is not None
-        full = full.to(device=local.device, dtype=local.dtype).reshape(param.shape)
-        scatter_list = []
-        for r in range(world):
-            piece = torch.zeros(chunk_shape, dtype=local.dtype, device=local.device)
-            lo, hi = min(r * rows, dim0), min((r + 1) * rows, dim0)
-            piece[: hi - lo].copy_(full[lo:hi])
-            scatter_list.append(piece)
-    dist.scatter(buf, scatter_list, src=0)
+    world = ctx.world_size
+    shape = _row_shape(param.shape)
+    dim0, tail = shape[0], shape[1:]
+    per_rank = math.ceil(dim0 / world)  # torch.chunk sizes: FSDP2's Shard(0) layout
+    step = _block_rows(tail, local.element_size(), block_bytes // world, per_rank)
+    target = local.view(-1, *tail) if tail else local.view(-1)
+    buf = torch.empty((step, *tail), dtype=local.dtype, device=local.device)
+    # Scatter sends equal shapes: a rank's piece past its shard's end is zero padding.
+    pieces = [torch.empty_like(buf) for _ in range(world)] if ctx.is_main else None
     with torch.no_grad():
-        local.copy_(buf[: local.shape[0]])
+        for first in range(0, per_rank, step):
+            if pieces is not None:
+                assert rows is not None
+                for r, piece in enumerate(pieces):
+                    lo = min(r * per_rank + first, dim0)
+                    hi = min(r * per_rank + min(first + step, per_rank), dim0)
+                    if hi > lo:
+                        piece[: hi - lo].copy_(rows(lo, hi))
+                    piece[hi - lo :].zero_()
+            dist.scatter(buf, pieces, src=0)
+            n = min(first + step, target.shape[0]) - first
+            if n > 0:
+                target[first : first + n].copy_(buf[:n])
 
 
 def _broadcast(
@@ -531,7 +612,7 @@ def _broadcast(
     return out
 
 
-def _init_lora(model: nn.Module, seed: int, ctx: DistContext) -> None:
+def _init_lora(model: nn.Module, seed: int, ctx: DistContext, block_bytes: int | None = None) -> None:
     """Initialize LoRA as peft does (A: Kaiming-uniform(a=sqrt 5), B: zeros), from ``seed``.
 
     Drawn on rank 0 from one generator in module order and scattered, so the initial
@@ -539,6 +620,7 @@ def _init_lora(model: nn.Module, seed: int, ctx: DistContext) -> None:
     from its global RNG, on shards).
     """
     gen = torch.Generator().manual_seed(seed)
+    block_bytes = block_bytes or LOAD_BLOCK_BYTES
     for name, param in model.named_parameters():
         if not is_lora_name(name):
             continue
@@ -549,7 +631,7 @@ def _init_lora(model: nn.Module, seed: int, ctx: DistContext) -> None:
                 nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
             else:
                 value.zero_()
-        _fill(param, value, ctx)
+        _fill(param, None if value is None else _rows_of(value, param.shape), ctx, block_bytes)
 
 
 def lora_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
