@@ -38,6 +38,7 @@ Fixtures (function scope unless noted):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -139,6 +140,31 @@ def pg_url() -> Iterator[str]:
         dispose_engine(url)
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
+
+
+@contextlib.contextmanager
+def own_pg_database(pg_url: str, suffix: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database next to the session's one, dropped on the way out.
+
+    For a test whose processes must see no other test's rows: a worker and a scheduler
+    re-supervise every ``running`` job and re-validate every stale file they find, so on
+    the session's shared database they would pick up an earlier test's (whose data dir
+    is gone) and spend their slots on it."""
+    import psycopg
+
+    from api.db.session import dispose_engine
+
+    name = f"{pg_url.rsplit('/', 1)[1]}_{suffix}"
+    url = f"{pg_url.rsplit('/', 1)[0]}/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield url
+    finally:
+        dispose_engine(url)
+        with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ production). The tiny base model is built once per session with ``transformers``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, own_pg_database
 
 CLI = [sys.executable, "-c", "from tunefleet.cli import app; app()"]
 ENSURE_ADMIN = [sys.executable, "-c", ("from api.settings import get_settings; "
@@ -108,17 +109,21 @@ class Service:
         return "\n".join(out)
 
 
-def _backend_env(backend: str, request: pytest.FixtureRequest, data_dir: Path) -> dict[str, str]:
+def _backend_env(backend: str, request: pytest.FixtureRequest, data_dir: Path,
+                 cleanup: contextlib.ExitStack) -> dict[str, str]:
     if backend == "embedded":
         return {
             "TUNEFLEET_DATABASE_URL": f"sqlite:///{data_dir / 'tunefleet.db'}",
             "TUNEFLEET_BROKER_URL": f"sqla+sqlite:///{data_dir / 'broker.db'}",
         }
-    pg_url = request.getfixturevalue("pg_url")
+    # A database of the service's own: its worker re-supervises every running job and its
+    # scheduler re-validates every stale file in the database, so on one shared with an
+    # earlier test they would take that test's jobs (whose data dir is gone) and fill the
+    # worker's slots with them while this test's tasks wait.
+    pg_url = cleanup.enter_context(own_pg_database(request.getfixturevalue("pg_url"), data_dir.name.replace("-", "_")))
     redis_url = request.getfixturevalue("redis_url")
     # The Redis DB is this test process's for the whole session: an earlier test's service
-    # may have left tasks in it (a cancelled job's, a killed worker's unacknowledged ones),
-    # which this service's worker would run against its own data dir and database.
+    # may have left tasks in it (a cancelled job's, a killed worker's unacknowledged ones).
     import redis
 
     with redis.Redis.from_url(redis_url) as client:
@@ -130,6 +135,7 @@ def _backend_env(backend: str, request: pytest.FixtureRequest, data_dir: Path) -
 def service(tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Service]]:
     """Factory: ``service(backend="embedded", **env) -> Service`` with all roles running."""
     started: list[Service] = []
+    databases = contextlib.ExitStack()
 
     def start(backend: str = "embedded", **extra_env: Any) -> Service:
         data_dir = tmp_path / f"data-{len(started)}"
@@ -148,7 +154,7 @@ def service(tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
             "TUNEFLEET_STOP_GRACE_S": "20",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
-            **_backend_env(backend, request, data_dir),
+            **_backend_env(backend, request, data_dir, databases),
             **{k: str(v) for k, v in extra_env.items()},
         }
         subprocess.run([*CLI, "db", "upgrade"], cwd=REPO,
@@ -167,6 +173,7 @@ def service(tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
             svc.stop(role)
         if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
             print(svc.dump_logs())
+    databases.close()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -157,11 +157,7 @@ def merged_reference_logits(base_dir: Path, adapter_dir: Path, input_ids: torch.
         return model(input_ids).logits
 
 
-# On PostgreSQL + Redis this test's service lost its file's validation task to another
-# consumer of the session's Redis DB in 2 of 3 full runs (its own worker ran an unknown
-# file's task); until that is found it runs on the embedded backends only. The production
-# rehearsal and the fault tests train on PostgreSQL + Redis.
-@pytest.mark.parametrize("backend", ["embedded"])
+@pytest.mark.parametrize("backend", ["embedded", "postgres"])
 def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path, tmp_path: Path, backend: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import backend, settings  # noqa: F401 (fixtures: sqlite and postgres)
-from tests.conftest import PG_ADMIN_DSN
+from tests.conftest import own_pg_database
 
 DEMO_MODEL = "tunefleet-tiny-llama"
 
@@ -147,21 +147,8 @@ def service(app: Any, live_server: Callable[[Any], str], tenant_key: Any,
 @pytest.fixture
 def empty_pg_url(pg_url: str) -> Iterator[str]:
     """A new, empty PostgreSQL database next to the session's one (dropped afterwards)."""
-    import psycopg
-
-    from api.db.session import dispose_engine
-
-    name = f"{pg_url.rsplit('/', 1)[1]}_own"
-    url = f"{pg_url.rsplit('/', 1)[0]}/{name}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.execute(f"CREATE DATABASE {name}")
-    try:
+    with own_pg_database(pg_url, "own") as url:
         yield url
-    finally:
-        dispose_engine(url)
-        with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @contextlib.contextmanager
