@@ -114,7 +114,7 @@ def test_prints_every_object_of_a_multi_node_job_as_the_executor_renders_it(
     assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert [r["action"] for r in job["spec"]["podFailurePolicy"]["rules"]] == [
-        "Ignore", "FailJob", "FailJob", "Ignore"]
+        "Count", "FailJob", "FailJob", "Count"]
     # the credential wiring, priority and deadline from the settings
     assert trainer["envFrom"] == [{"secretRef": {"name": "trainer-s3-keys"}}]
     assert pod["serviceAccountName"] == "tunefleet-trainer" and pod["automountServiceAccountToken"] is False

@@ -174,7 +174,7 @@ def _failed(fake_api, name):
                                       if c.type == "Failed"])[0]
 
 
-def test_pod_failure_policy_fail_job_ignore_and_deadline(fake_api):
+def test_pod_failure_policy_fail_job_count_ignore_and_deadline(fake_api):
     from worker.executors.manifests import pod_failure_policy
 
     batch, core = _batch(fake_api), _core(fake_api)
@@ -183,16 +183,20 @@ def test_pod_failure_policy_fail_job_ignore_and_deadline(fake_api):
                                                 podFailurePolicy=policy), _headers=JSON)
     cond = _failed(fake_api, "usererr")
     assert cond.reason == "PodFailurePolicy" and "failed with exit code 10 matching FailJob rule at index 1" in cond.message
-    # exit 12 is ignored: not counted against backoffLimit 0, and a new pod takes its place
+    # exit 12 (checkpointed on SIGTERM) is counted: the Job fails at backoffLimit 0 and no
+    # replacement pod of the old run starts (the executor runs the next attempt)
     batch.create_namespaced_job(NS, _policy_job("preempted", [sys.executable, "-c", "raise SystemExit(12)"],
                                                 podFailurePolicy=policy), _headers=JSON)
-    fake_api.wait_for(lambda: len(core.list_namespaced_pod(NS, label_selector="job-name=preempted").items) >= 2)
-    assert not [c for c in batch.read_namespaced_job("preempted", NS).status.conditions or [] if c.type == "Failed"]
-    batch.delete_namespaced_job("preempted", NS, propagation_policy="Foreground", _headers=JSON)
-    # without a policy the same exit fails the Job at backoffLimit 0
-    batch.create_namespaced_job(NS, _policy_job("counted", [sys.executable, "-c", "raise SystemExit(12)"]),
-                                _headers=JSON)
-    assert _failed(fake_api, "counted").reason == "BackoffLimitExceeded"
+    assert _failed(fake_api, "preempted").reason == "BackoffLimitExceeded"
+    assert len(core.list_namespaced_pod(NS, label_selector="job-name=preempted").items) == 1
+    # an Ignore rule (as Kubernetes does it): not counted, and a new pod takes the failed one's place
+    ignore = {"rules": [{"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                             "values": [12]}}]}
+    batch.create_namespaced_job(NS, _policy_job("ignored", [sys.executable, "-c", "raise SystemExit(12)"],
+                                                podFailurePolicy=ignore), _headers=JSON)
+    fake_api.wait_for(lambda: len(core.list_namespaced_pod(NS, label_selector="job-name=ignored").items) >= 2)
+    assert not [c for c in batch.read_namespaced_job("ignored", NS).status.conditions or [] if c.type == "Failed"]
+    batch.delete_namespaced_job("ignored", NS, propagation_policy="Foreground", _headers=JSON)
     batch.create_namespaced_job(NS, _policy_job("slow", [sys.executable, "-c", "import time; time.sleep(60)"],
                                                 activeDeadlineSeconds=1), _headers=JSON)
     assert _failed(fake_api, "slow").reason == "DeadlineExceeded"

@@ -136,10 +136,13 @@ def test_a_limit_below_its_request_is_refused():
 def test_pod_failure_policy_follows_the_trainer_exit_codes():
     rules = _all(rtx4090(), "fsdp_qlora", 2, 2).job["spec"]["podFailurePolicy"]["rules"]
     by_code = {r["onExitCodes"]["values"][0]: r["action"] for r in rules if "onExitCodes" in r}
-    assert by_code == {ExitCode.USER_ERROR: "FailJob", ExitCode.OUT_OF_MEMORY: "FailJob", ExitCode.PREEMPTED: "Ignore"}
+    assert by_code == {ExitCode.USER_ERROR: "FailJob", ExitCode.OUT_OF_MEMORY: "FailJob", ExitCode.PREEMPTED: "Count"}
     assert all(r["onExitCodes"]["containerName"] == "trainer" for r in rules if "onExitCodes" in r)
     # a disruption is matched first, whatever the trainer's exit code then was
-    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[0] == {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # no rule lets the Job controller start a pod of its own: the executor runs the next attempt
+    assert "Ignore" not in {r["action"] for r in rules}
+    assert _all(rtx4090(), "fsdp_qlora", 2, 2).job["spec"]["backoffLimit"] == 0
 
 
 def test_trainer_identity_priority_and_deadline_options():

@@ -289,21 +289,25 @@ def _memory(gib: float) -> str:
 def pod_failure_policy() -> dict[str, Any]:
     """How the Job controller treats a failed trainer pod (the trainer's exit codes).
 
-    A disruption (drain, preemption by the kube-scheduler, eviction) and a trainer that
-    checkpointed on SIGTERM are not the job's fault and do not count; a user error or an
-    out-of-memory exit ends the Job at once, so the other pods of a multi-node gang stop
-    instead of waiting in a collective, and the Job's Failed condition names the exit code.
-    Either way the executor reads the trainer's exit (``pod_outcomes``) and decides what
-    happens to the job.
+    Every failed pod ends the Job (``backoffLimit: 0``): the executor alone decides about
+    another run (``pod_outcomes``), and it starts one as a new Job with a new attempt and
+    token. A disruption (drain, eviction, a lost node) and a trainer that checkpointed on
+    SIGTERM are not the job's fault -- the executor requeues those without counting a
+    restart -- but they are ``Count``, not ``Ignore``: an ignored failure makes the Job
+    controller start a replacement pod of the old attempt in the same Job, which then
+    writes the job's checkpoints in the bucket next to the executor's new run until its
+    Job is deleted. A user error or an out-of-memory exit is ``FailJob``, so the Job's
+    Failed condition names the exit code. Either way the other pods of a multi-node gang
+    stop at once instead of waiting in a collective.
     """
     def on_exit(action: str, code: ExitCode) -> dict[str, Any]:
         return {"action": action, "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                   "values": [int(code)]}}
     return {"rules": [
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         on_exit("FailJob", ExitCode.USER_ERROR),
         on_exit("FailJob", ExitCode.OUT_OF_MEMORY),
-        on_exit("Ignore", ExitCode.PREEMPTED),
+        on_exit("Count", ExitCode.PREEMPTED),
     ]}
 
 
