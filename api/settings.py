@@ -121,6 +121,11 @@ class Settings(BaseSettings):
     # local trainer gets to checkpoint after SIGTERM before SIGKILL.
     max_restarts: int = Field(default=2, ge=0)
     stop_grace_s: float = Field(default=30.0, gt=0)
+    # A lost run restarts after a pause that doubles with each restart of the job (base,
+    # 2x base, 4x base ..., at most the cap): a cause that outlives one attempt (an object
+    # store or a node pool down for a minute) must not use up ``max_restarts`` in seconds.
+    restart_backoff_s: float = Field(default=10.0, ge=0)
+    restart_backoff_max_s: float = Field(default=300.0, ge=0)
     # Tracking servers (MLflow ``tracking_uri``) a job may name although they resolve to
     # private addresses: ``host`` or ``host:port``, comma-separated. Everything else must be
     # a public http(s) address (the webhooks' rule). Trainers read the same variable.

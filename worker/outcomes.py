@@ -32,6 +32,7 @@ succeeded with a quarter of its steps).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -45,7 +46,7 @@ from scheduling.estimator import candidate_gpu_counts
 from scheduling.pools import NodePool
 from scheduling.usage import close_segment
 from trainers.exit_codes import ExitCode
-from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.executors.base import ObservedChange, ObservedKind, StopReason, restart_delay_s
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ TERMINAL_KINDS = frozenset({ObservedKind.SUCCEEDED, ObservedKind.FAILED, Observe
 
 
 def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: ArtifactStore,
-                  pools: Mapping[str, NodePool], max_restarts: int, now: float) -> str:
+                  pools: Mapping[str, NodePool], max_restarts: int, now: float,
+                  restart_backoff: tuple[float, float] = (0.0, 0.0)) -> str:
     """Turn ``outcome`` into the job's next state (see the module docstring).
 
     Args:
@@ -67,6 +69,8 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
         pools: the node pools by name (an out-of-memory requeue needs the job's pool).
         max_restarts: lost runs a job may restart from its checkpoint before it fails.
         now: the time (seconds since the epoch) the run's usage segment ends.
+        restart_backoff: (base, cap) seconds of ``restart_delay_s``: a requeued lost run is
+            admitted again no earlier than that (``jobs.restart_not_before``).
 
     Returns:
         The job's status afterwards.
@@ -124,10 +128,13 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
                        error={"code": code, "message": outcome.message, "param": None})
         else:
             resume = resume_point(session, job)
+            delay = restart_delay_s(restarts + 1, base_s=restart_backoff[0], max_s=restart_backoff[1])
+            after = f" in {delay:g} s" if delay else ""
             transition(session, job, "queued", actor="executor", level="warn", usage=usage, resume_from=resume,
                        restarts=restarts + 1,
+                       restart_not_before=dt.datetime.fromtimestamp(now + delay, dt.UTC) if delay else None,
                        message=f"{outcome.message} (restart {restarts + 1} of {max_restarts}); "
-                               f"resumes from {resume or 'the start'}.")
+                               f"resumes from {resume or 'the start'}{after}.")
     return job.status
 
 

@@ -153,6 +153,10 @@ class Job(Base):
         "whose ``attempt`` is newer is not admitted again until that run has stopped (or the "
         "scheduler's stop deadline passed), so two trainers never write one job's checkpoints."
     )
+    restart_not_before: Mapped[dt.datetime | None] = mapped_column(
+        doc="Set when a lost run is requeued (a restart): the scheduler admits the job again no "
+        "earlier than this (the restart backoff, ``api.settings.Settings.restart_backoff_s``)."
+    )
     awaiting_start_since: Mapped[dt.datetime | None] = mapped_column(
         doc="Set while the job is ``queued`` but admitted: its Kubernetes Job exists and waits for the "
         "cluster's own admission (Kueue) to start it. The next transition clears it (``api.jobs.lifecycle``): "

@@ -152,6 +152,9 @@ def service(tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
             "TUNEFLEET_ADMIN_API_KEY": admin_key,
             "TUNEFLEET_SCHEDULE_INTERVAL_S": "0.5",
             "TUNEFLEET_STOP_GRACE_S": "20",
+            # A restart waits a second here, not the default's 10 s (tests that are about the
+            # backoff set their own).
+            "TUNEFLEET_RESTART_BACKOFF_S": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             **_backend_env(backend, request, data_dir, databases),

@@ -235,6 +235,7 @@ def production_stack(root: Path, tiny_model_dir: Path, *, before_start: Callable
             "TUNEFLEET_BROKER_URL": f"redis://127.0.0.1:{redis_server.port}/0",
             "TUNEFLEET_SCHEDULE_INTERVAL_S": "0.5",
             "TUNEFLEET_STOP_GRACE_S": "20",
+            "TUNEFLEET_RESTART_BACKOFF_S": "1",  # not the default's 10 s: tests about the backoff set their own
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             **{k: str(v) for k, v in extra_env.items()},

@@ -32,7 +32,7 @@ CPU_POOL = {
     "trainer_image": "tunefleet-trainer:test", "peak_tflops": 0.5, "nodes": 1}
 
 
-def _start_on_cluster(start_service, api, tmp_path, pools=(CPU_POOL,)):
+def _start_on_cluster(start_service, api, tmp_path, pools=(CPU_POOL,), **extra_env):
     """One node per pool in the fake cluster -- its labels, a taint per toleration and
     GPUs as the pool says -- and the service, its executor Kubernetes, on those pools."""
     c = api.cluster
@@ -49,7 +49,8 @@ def _start_on_cluster(start_service, api, tmp_path, pools=(CPU_POOL,)):
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
     (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": list(pools)}))
     svc = start_service("embedded", TUNEFLEET_EXECUTOR="kubernetes", KUBECONFIG=str(tmp_path / "kubeconfig"),
-                        TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS)
+                        TUNEFLEET_NODE_POOLS_FILE=str(tmp_path / "pools.yaml"), TUNEFLEET_K8S_NAMESPACE=NS,
+                        **extra_env)
     return c, svc
 
 

@@ -40,6 +40,31 @@ def supervise(tmp_path: Path, python: str, **kwargs):
                              python=python, poll_s=0.05, **kwargs)
 
 
+def test_restarts_wait_out_the_backoff_and_a_stop_during_it_starts_no_new_trainer(tmp_path) -> None:
+    """The supervisor restarts a crashed trainer after ``restart_delay(n)`` seconds, still
+    heartbeating; a cancel or pause while it waits ends the supervision at once."""
+    crashing = stand_in(tmp_path, "#!/bin/sh\nexit 1\n")
+    events: list[str] = []
+    starts: list[float] = []
+    delays = {1: 0.4, 2: 0.8}
+    outcome = supervise(tmp_path, crashing, should_stop=lambda: False, max_restarts=2,
+                        restart_delay=delays.__getitem__, heartbeat_path=tmp_path / "heartbeat",
+                        on_event=lambda level, msg: events.append(msg),
+                        on_restart=lambda n: starts.append(time.monotonic()))
+    assert outcome.history == [ExitCode.INTERNAL_ERROR] * 3 and not outcome.stopped
+    assert "restarting from the latest checkpoint in 0.4 s (restart 1/2)" in events[0], events
+    assert "in 0.8 s (restart 2/2)" in events[1], events
+    # the second restart came at least its own delay after the first one was announced
+    assert starts[1] - starts[0] >= delays[1]
+
+    stop_requested: list[bool] = []
+    began = time.monotonic()
+    outcome = supervise(tmp_path, crashing, should_stop=lambda: bool(stop_requested), max_restarts=2,
+                        restart_delay=lambda n: 600.0, on_restart=lambda n: stop_requested.append(True))
+    assert outcome.stopped and outcome.history == [ExitCode.INTERNAL_ERROR] and outcome.restarts == 1
+    assert time.monotonic() - began < 60  # it did not sit out the 10-minute backoff
+
+
 @pytest.mark.parametrize(("crash", "returncode", "described"), [
     ('echo "attempt $$"; exit 1', ExitCode.INTERNAL_ERROR, "exit 1 (INTERNAL_ERROR)"),
     ('echo "attempt $$"; kill -9 $$', -signal.SIGKILL, "killed by SIGKILL"),

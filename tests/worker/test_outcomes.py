@@ -92,3 +92,43 @@ def test_a_run_whose_outcome_never_comes_is_waited_for_only_until_the_stop_deadl
     clock.t = left + settings.stop_grace_s + STOP_MARGIN_S + 1
     run_cycle(store, ex, clock=clock)
     assert len(ex.launches) == 2 and _row(settings, job_id).attempt == 2
+
+
+def test_a_lost_run_restarts_after_a_backoff_that_doubles_with_each_restart(
+        settings, client, tenant_key, make_job):  # noqa: F811
+    """Without a pause between restarts a fault that outlives one attempt (an object store
+    down for a minute) used up max_restarts in seconds; each restart now waits base, then
+    2x base (``restart_delay_s``), measured from the requeue."""
+    _tiny_config(settings)
+    tenant = tenant_key()
+    job_id = make_job(tenant.headers)["id"]
+    store, ex, clock = _scheduler(settings.model_copy(update={"restart_backoff_s": 10.0,
+                                                              "restart_backoff_max_s": 15.0}))
+    run_cycle(store, ex, clock=clock)
+
+    for attempt, delay in ((1, 10.0), (2, 15.0)):  # 20 s capped at 15 s
+        ex.running.clear()
+        store.apply_observed([ObservedChange(job_id, ObservedKind.REQUEUE, message="the trainer crashed",
+                                             error_code="trainer_crashed", attempt=attempt)])
+        requeued_at = clock.t
+        row = _row(settings, job_id)
+        assert (row.status, row.restarts, row.restart_not_before.timestamp()) == (
+            "queued", attempt, requeued_at + delay)
+        clock.t = requeued_at + delay - 1
+        run_cycle(store, ex, clock=clock)
+        waiting = client.get(f"{JOBS}/{job_id}", headers=tenant.headers).json()
+        assert waiting["status"] == "queued" and len(ex.launches) == attempt, waiting
+        assert waiting["queue_reason"].startswith(f"waiting: restart {attempt} starts at "), waiting["queue_reason"]
+        clock.t = requeued_at + delay + 1
+        run_cycle(store, ex, clock=clock)
+        assert (_row(settings, job_id).status, len(ex.launches)) == ("running", attempt + 1)
+    events = [e["message"] for e in client.get(f"{JOBS}/{job_id}/events", headers=tenant.headers).json()["data"]]
+    assert any("(restart 2 of 2); resumes from the start in 15 s." in m for m in events), events
+
+
+def test_restart_delays_double_from_the_base_up_to_the_cap() -> None:
+    from worker.executors.base import restart_delay_s
+
+    assert [restart_delay_s(n, base_s=10, max_s=300) for n in range(8)] == [0, 10, 20, 40, 80, 160, 300, 300]
+    assert restart_delay_s(3, base_s=0, max_s=300) == 0  # backoff off
+    assert restart_delay_s(10_000, base_s=1, max_s=5) == 5  # no float overflow on a long-lived job

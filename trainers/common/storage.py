@@ -17,7 +17,9 @@ artifact bucket, and checkpoints/adapters must land there), the entry point
    (its ``metrics.jsonl`` carries the rows before that checkpoint).
 3. :meth:`S3Staging.wrap_reporter` returns a reporter whose ``checkpoint`` and
    ``artifacts`` items are rewritten on their way to the API: the local directory is
-   uploaded first and the item carries the ``s3://`` location. Uploads are synchronous,
+   uploaded first and the item carries the ``s3://`` location (for a checkpoint, the
+   output's metrics log goes up before it, so the log in the bucket always reaches the
+   newest complete checkpoint). Uploads are synchronous,
    so an item the API registers always points at a complete object set, and a SIGTERM
    checkpoint is in the bucket before the process exits.
 
@@ -513,11 +515,16 @@ class S3Staging:
         except ValueError:
             return location  # not under the staged dir: nothing of ours
         dest = self.checkpoint_uri.child(rel)
-        upload_tree(self.storage, local, dest, last=(TRAINER_STATE,))
-        prune_remote_checkpoints(self.storage, self.checkpoint_uri, self.spec.checkpoint.keep_last)
         if self.output_uri is not None and self.output_dir.is_dir():
             # metrics.jsonl so far, so a resumed pod continues the log (see _stage_resume).
+            # Before the checkpoint: once its trainer_state.json is in the bucket a new pod
+            # may resume from it, and the log there must already reach its step (rows past
+            # the resumed step are dropped on resume, so a log that is ahead does no harm).
+            # A pod killed between the two uploads otherwise left the steps since the
+            # previous checkpoint out of the job's metrics.jsonl for good.
             upload_tree(self.storage, self.output_dir, self.output_uri, last=(MANIFEST,))
+        upload_tree(self.storage, local, dest, last=(TRAINER_STATE,))
+        prune_remote_checkpoints(self.storage, self.checkpoint_uri, self.spec.checkpoint.keep_last)
         log.info("checkpoint %s uploaded to %s", local, dest.uri)
         return dest.uri
 

@@ -68,6 +68,15 @@ class ObservedChange:
     than the job's current one never moves the job. None: the executor cannot tell."""
 
 
+def restart_delay_s(restart: int, *, base_s: float, max_s: float) -> float:
+    """Seconds before restart number ``restart`` (1, 2, ...) of a lost run: ``base_s``,
+    then doubling, at most ``max_s``. Every executor waits this long before it starts a
+    crashed run again, so a fault that outlives one attempt does not use up the restarts."""
+    if restart < 1 or base_s <= 0:
+        return 0.0
+    return min(base_s * 2.0 ** min(restart - 1, 32), max_s)
+
+
 @runtime_checkable
 class JobRef(Protocol):
     """The least an executor needs to know about a job row (``api.db.models`` job)."""

@@ -210,6 +210,7 @@ def supervise_trainer(
     on_event: Callable[[str, str], None] = lambda level, message: None,
     on_restart: Callable[[int], None] = lambda attempt: None,
     max_restarts: int = 2,
+    restart_delay: Callable[[int], float] = lambda restart: 0.0,
     grace_s: float = 30.0,
     poll_s: float = 0.25,
     env: dict[str, str] | None = None,
@@ -254,12 +255,28 @@ def supervise_trainer(
                 }
             return TrainerOutcome(returncode, restarts=restarts, error=error, history=history)
         restarts += 1
+        delay = restart_delay(restarts)
         on_event(
             "warn",
-            f"trainer {_describe(returncode)}; restarting from the latest checkpoint "
-            f"(restart {restarts}/{max_restarts})",
+            f"trainer {_describe(returncode)}; restarting from the latest checkpoint"
+            f"{f' in {delay:g} s' if delay else ''} (restart {restarts}/{max_restarts})",
         )
         on_restart(restarts)
+        if _backoff(delay, should_stop=should_stop, poll_s=poll_s, heartbeat_path=heartbeat_path):
+            return TrainerOutcome(returncode, stopped=True, restarts=restarts, error=error, history=history)
+
+
+def _backoff(delay_s: float, *, should_stop: Callable[[], bool], poll_s: float, heartbeat_path: Path | None) -> bool:
+    """Sleep ``delay_s`` before a restart, still heartbeating and still stoppable: True when
+    should_stop() asked to stop meanwhile (a cancel during the backoff needs no trainer)."""
+    deadline = time.monotonic() + delay_s
+    while time.monotonic() < deadline:
+        if heartbeat_path is not None:
+            heartbeat_path.touch()
+        if should_stop():
+            return True
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: float, poll_s: float,

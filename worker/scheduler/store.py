@@ -57,7 +57,7 @@ WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 _QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.method, Job.hyperparameters, Job.placement,
                   Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
-                  Job.exited_attempt)
+                  Job.exited_attempt, Job.restart_not_before, Job.restarts)
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,12 @@ class DbStore:
             if self._previous_run_may_live(job, now):
                 unplaceable.append((job.id, "waiting: its previous run is still stopping (writing its checkpoint)",
                                     None))
+                continue
+            if job.restart_not_before is not None and job.restart_not_before.timestamp() > now:
+                # A fixed time, not a countdown: each new reason text is an event.
+                at = job.restart_not_before.astimezone(dt.UTC).strftime("%H:%M:%S UTC")
+                reason = f"waiting: restart {job.restarts} starts at {at} (backoff after a lost run)"
+                unplaceable.append((job.id, reason, None))
                 continue
             try:
                 out.append(self._request(job, models, shapes))
@@ -337,7 +343,8 @@ class DbStore:
 
     def _apply(self, session: Any, job: Job, ch: ObservedChange) -> None:
         apply_outcome(session, job, ch, files=file_store(self.settings), pools=self.pools,
-                      max_restarts=self.max_restarts, now=self.clock())
+                      max_restarts=self.max_restarts, now=self.clock(),
+                      restart_backoff=(self.settings.restart_backoff_s, self.settings.restart_backoff_max_s))
 
 
 def reason_event(job_id: str, reason: str, now: dt.datetime) -> dict[str, Any]:

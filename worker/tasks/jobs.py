@@ -41,7 +41,7 @@ from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
 from worker.celery_app import app
-from worker.executors.base import ObservedChange, ObservedKind, StopReason
+from worker.executors.base import ObservedChange, ObservedKind, StopReason, restart_delay_s
 from worker.executors.local import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local_process import (
     TrainerOutcome,
@@ -131,6 +131,8 @@ def _supervise(settings: Settings, db_url: str, job_id: str, attempt: int, job_d
         on_event=on_event,
         on_restart=on_restart,
         max_restarts=settings.max_restarts,
+        restart_delay=lambda restart: restart_delay_s(restart, base_s=settings.restart_backoff_s,
+                                                      max_s=settings.restart_backoff_max_s),
         grace_s=settings.stop_grace_s,
         env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
@@ -263,7 +265,8 @@ def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOut
             _register_manifest(session, job, output_dir)
         pools = {p.name: p for p in load_pools(settings.node_pools_file)}
         return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
-                             max_restarts=settings.max_restarts, now=time.time())
+                             max_restarts=settings.max_restarts, now=time.time(),
+                             restart_backoff=(settings.restart_backoff_s, settings.restart_backoff_max_s))
 
 
 def _with_reported_error(job: Job, outcome: TrainerOutcome) -> TrainerOutcome:
