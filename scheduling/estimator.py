@@ -35,7 +35,8 @@ bench/plan_fsdp_qlora.py counts fsdp_qlora's sharded state from its meta-device 
 - fsdp_qlora keeps the NF4 statistics (absmax and code) whole on every GPU: they belong
   to bitsandbytes' quant state, not to the parameters FSDP shards or offloads.
 - jax_lora (mesh without a tensor axis) gathers the whole embedding table and LM head
-  on every device and upcasts the head to fp32 in the loss's backward; on accelerators
+  on every device and upcasts the head to fp32 in the loss's backward, but holds the
+  logits of only one chunk of positions per row (``JAX_LOSS_CHUNK``); on accelerators
   the recomputed layer's attention scores grow with seq^2. XLA assigns the compiled
   step's buffers by liveness, so the loss's transients and the recomputed layer's share
   memory (only the larger counts), and the slack left for the allocator is small.
@@ -102,15 +103,23 @@ ALLOCATOR_SLACK = 0.08
 # its temporaries are counted by the terms below (XLA's own plan of the real 8B/70B/405B
 # steps, bench/plan_aot.py); what is left is the allocator's rounding and fragmentation.
 JAX_ALLOCATOR_SLACK = 0.02
-# jax_lora on an accelerator at long sequences: bytes per (query, key) pair per attention
-# head of one layer that the recomputed backward holds at once -- scores, probabilities
-# and their gradient, about 1.6 fp32 copies. Fitted to XLA's plan of Llama-3.1-405B on 8
-# devices at seq 2048 / 4096 / 8192 (temporaries 23.6 + 6.2 s + 3.15 s^2 GiB, s in units of
-# 2048 tokens: 806 B per token pair over 128 heads). That plan used the trainer's blockwise
-# CPU attention, whose blocks are all materialized; on accelerators the trainer calls
+# jax_lora on an accelerator: what the recomputed backward of one layer holds at once.
+# Bytes per (query, key) pair per attention head -- scores, probabilities and their
+# gradient, about 1.25 fp32 copies -- and, in layers' worth of saved tensors
+# (``activation_bytes_per_layer``), the rest of the layer's recomputed intermediates and
+# their gradients. Fitted to XLA's plan of Llama-3.1-405B on 8 devices at seq 2048 / 4096
+# / 8192 x 1 and 2048 x 1 / 2 / 4 / 8 (bench/plan_aot.py; beyond the saved layer inputs
+# the temporaries are the larger of the loss's -- gathered embedding and LM head, the
+# head's fp32 copy -- and the layer's, which grows as 0.84 s + 2.76 s^2 GiB per row, s
+# in units of 2048 tokens); every row of that plan is then estimated within +10 %, none
+# under by more than 3 %. XLA:CPU gathers the next layer's weights only as it needs
+# them; the estimate keeps two gathered layers, as an accelerator's collective
+# scheduling prefetches one. That plan used the trainer's blockwise CPU attention,
+# whose blocks are all materialized; on accelerators the trainer calls
 # ``jax.nn.dot_product_attention``, whose XLA implementation materializes the full (not
 # causal-halved) score matrix too, and only a fused kernel would need none of it.
-ATTENTION_SCORE_BYTES = 6.3
+ATTENTION_SCORE_BYTES = 5.0
+JAX_RECOMPUTED_LAYER = 1
 # On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
 # tensor has raised the dynamic mmap threshold, later tensors below it (up to 32 MiB) come
 # from the heap, and the freed memory stays resident. Measured (default malloc vs
@@ -122,6 +131,12 @@ ATTENTION_SCORE_BYTES = 6.3
 CPU_HEAP_RETAINED_LAYERS = 4
 # FSDP's all-gather / reduce-scatter staging buffers when the job is sharded.
 FSDP_BUFFERS = int(0.5 * GIB)
+# jax_lora never builds a micro batch's whole (rows, seq, vocab) logits: its loss applies
+# the LM head to this many positions of every row at a time (``LOSS_CHUNK`` of
+# trainers/jax_lora/loss.py, a scan whose body is recomputed in the backward pass), so
+# one chunk's logits and their gradient are live at once. The torch trainer's loss holds
+# the whole micro batch's.
+JAX_LOSS_CHUNK = 32
 
 _BF16 = 2
 _FP32 = 4
@@ -312,14 +327,18 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     optim = 0 if offload else int(2 * lora * _FP32 / n_gpus)
     per_layer = activation_bytes_per_layer(m, t)
     tokens = t.tokens_per_micro_batch
+    # The layer being recomputed: its full set of saved tensors plus its gradient buffers;
+    # in jax_lora's compiled step on an accelerator, what XLA's plan holds of them.
+    recomputed = int((JAX_RECOMPUTED_LAYER if jax_step and kind == "gpu" else 2) * per_layer)
     if t.checkpointing:
-        # each layer's input is saved; one layer at a time is recomputed (its full set
-        # of saved tensors plus its gradient buffers).
-        acts = m.layers * tokens * m.hidden * t.compute_bytes + 2 * per_layer
+        # each layer's input is saved; one layer at a time is recomputed.
+        acts = m.layers * tokens * m.hidden * t.compute_bytes + recomputed
     else:
         acts = m.layers * per_layer + per_layer
-    # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient.
-    logits = tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
+    # logits in the compute dtype, their fp32 upcast for the loss, and its fp32 gradient:
+    # of the whole micro batch, or of one chunk of positions per row (jax_lora).
+    loss_tokens = min(tokens, tokens // max(t.seq_len, 1) * JAX_LOSS_CHUNK) if jax_step else tokens
+    logits = loss_tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
     logits += head_fp32 + gathered_tables
     if jax_step and kind == "gpu":
         # The attention scores of the layer being recomputed (none with a fused kernel;
@@ -327,7 +346,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         scores = int(ATTENTION_SCORE_BYTES * m.heads * t.seq_len**2 * t.micro_batch * t.sequences_per_example)
         layer_transients = gathered + dequantized_live + scores
         if t.checkpointing:
-            layer_transients += 2 * per_layer
+            layer_transients += recomputed
         acts += scores * (1 if t.checkpointing else m.layers)
         # XLA assigns the step's buffers by liveness: the loss (gathered tables, logits,
         # the fp32 head) is done before the backward recomputes its first layer, so the
@@ -338,7 +357,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         # The reference forward: one layer's intermediates and its logits with their fp32
         # log-softmax live at once, nothing kept for backward.
         acts += per_layer
-        logits += tokens * m.vocab * (t.compute_bytes + _FP32)
+        logits += loss_tokens * m.vocab * (t.compute_bytes + _FP32)
     live = weights + gathered + dequantized_live + lora_p + grads + optim + acts + logits
     # XLA plans jax_lora's collectives' buffers itself (they are the gathered terms above).
     buffers = FSDP_BUFFERS if n_gpus > 1 and not jax_step else 0

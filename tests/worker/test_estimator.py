@@ -245,7 +245,10 @@ def test_jax_lora_on_nf4_holds_one_dequantized_layer():
     assert jax.dequantized_layer == 2 * layer
     assert torch_.slack == CPU_HEAP_RETAINED_LAYERS * (activations + 2 * layer)
     assert jax.slack == CPU_HEAP_RETAINED_LAYERS * activations
-    assert jax.total - torch_.total == 2 * layer + JAX_CPU_RUNTIME_EXTRA - CPU_HEAP_RETAINED_LAYERS * 2 * layer
+    # and its loss holds one chunk of 32 positions' logits, not the micro batch's 2048
+    assert (torch_.logits, jax.logits) == (2048 * m.vocab * 12, 32 * m.vocab * 12)
+    assert jax.total - torch_.total == (2 * layer + JAX_CPU_RUNTIME_EXTRA - CPU_HEAP_RETAINED_LAYERS * 2 * layer
+                                        + jax.logits - torch_.logits)
 
 
 # (job, pool, GPUs for SFT, GPUs for DPO) -- the same job as SFT and as DPO. DPO's micro
