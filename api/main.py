@@ -96,15 +96,25 @@ def _ensure_admin_key(settings: Settings) -> None:
     straight from uvicorn, and nothing else would)."""
     from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+    from api.errors import APIError
     from tunefleet.cli.operator import ensure_admin_key
 
-    try:
-        new_key = ensure_admin_key(settings)
-    except IntegrityError:  # another replica or worker process installed it at the same time
-        return
-    except SQLAlchemyError as exc:  # /readyz reports the database; the next start installs the key
-        logger.warning("admin API key not installed: the database is not ready (%s)", exc)
-        return
+    for attempt in range(2):
+        try:
+            new_key = ensure_admin_key(settings)
+            break
+        except (IntegrityError, APIError) as exc:
+            # Another replica (API replicas of one Deployment start together on a fresh
+            # database) created the admin tenant or key between our read and our write: a
+            # unique-name check refusing the tenant, or a constraint the key. The second
+            # pass sees what it committed. Anything else is not this race.
+            if isinstance(exc, APIError) and exc.code != "tenant_exists":
+                raise
+            if attempt:
+                return
+        except SQLAlchemyError as exc:  # /readyz reports the database; the next start installs the key
+            logger.warning("admin API key not installed: the database is not ready (%s)", exc)
+            return
     if new_key is not None and settings.admin_api_key is None:
         print(f"tunefleet: the first admin API key (shown once): {new_key}", flush=True)
 

@@ -159,3 +159,37 @@ def test_services_are_required_in_ci(monkeypatch) -> None:
     monkeypatch.setattr(shared, "IN_CI", False)
     with pytest.raises(pytest.skip.Exception):
         shared._unavailable("PostgreSQL on 127.0.0.1:5432", "connection refused")
+
+
+# SQLite: a fresh copy of the migrated template has no admin tenant yet (the session's
+# PostgreSQL database is shared by the tests of this process).
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_api_replicas_starting_together_both_start_with_one_admin_key(settings, monkeypatch, backend) -> None:
+    """Two API replicas of a Deployment start on a fresh database at once: the one that
+    loses the race to create the admin tenant (the other committed it between its read and
+    its write) must start anyway, not exit on the unique-name check."""
+    from pydantic import SecretStr
+
+    import api.auth
+    from api.db.models import ApiKey, Tenant
+    from api.db.session import session_scope
+    from api.main import _ensure_admin_key
+    from tunefleet.cli.operator import ADMIN_TENANT, ensure_admin_key
+
+    own = settings.model_copy(update={"admin_api_key": SecretStr(f"tf_{'a' * 8}_{'b' * 32}")})
+    real_create_tenant = api.auth.create_tenant
+    raced: list[bool] = []
+
+    def create_tenant_after_the_other_replica(session, name, **kwargs):
+        if not raced:
+            raced.append(True)
+            ensure_admin_key(own)  # the other replica, in its own transaction, commits first
+        return real_create_tenant(session, name, **kwargs)
+
+    monkeypatch.setattr(api.auth, "create_tenant", create_tenant_after_the_other_replica)
+    _ensure_admin_key(own)  # must not raise
+
+    assert raced == [True]
+    with session_scope(own.resolved_database_url) as session:
+        (tenant,) = session.query(Tenant).filter(Tenant.name == ADMIN_TENANT).all()
+        assert session.query(ApiKey).filter(ApiKey.tenant_id == tenant.id).count() == 1
