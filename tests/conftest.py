@@ -190,6 +190,17 @@ def redis_url() -> Iterator[str]:
         claims.close()
 
 
+def flush_redis_db(redis_url: str) -> None:
+    """Empty the session's Redis DB before a test's own broker consumers start: an earlier
+    test of this process may have left tasks in it (a file's validation, a cancelled job's,
+    a killed worker's unacknowledged ones), which the new worker would run against its own
+    data dir and database."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        client.flushdb()
+
+
 def _redis_claim_key(db: int) -> str:
     return f"tunefleet-test:redis-db:{db}"
 

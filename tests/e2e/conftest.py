@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, free_port, own_pg_database
+from tests.conftest import REPO, flush_redis_db, free_port, own_pg_database
 
 CLI = [sys.executable, "-c", "from tunefleet.cli import app; app()"]
 ENSURE_ADMIN = [sys.executable, "-c", ("from api.settings import get_settings; "
@@ -122,12 +122,7 @@ def _backend_env(backend: str, request: pytest.FixtureRequest, data_dir: Path,
     # worker's slots with them while this test's tasks wait.
     pg_url = cleanup.enter_context(own_pg_database(request.getfixturevalue("pg_url"), data_dir.name.replace("-", "_")))
     redis_url = request.getfixturevalue("redis_url")
-    # The Redis DB is this test process's for the whole session: an earlier test's service
-    # may have left tasks in it (a cancelled job's, a killed worker's unacknowledged ones).
-    import redis
-
-    with redis.Redis.from_url(redis_url) as client:
-        client.flushdb()
+    flush_redis_db(redis_url)
     return {"TUNEFLEET_DATABASE_URL": pg_url, "TUNEFLEET_BROKER_URL": redis_url}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import make_settings
+from tests.conftest import flush_redis_db, make_settings
 from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
     receiver,
     sdk,
@@ -27,13 +27,7 @@ from tests.model_files import install_demo_model
 def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Any:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    # The Redis DB is this test process's for the session: an earlier test may have left
-    # tasks in it (a file's validation), which this test's worker would run against its own
-    # data dir and log as a traceback.
-    import redis
-
-    with redis.Redis.from_url(redis_url) as client:
-        client.flushdb()
+    flush_redis_db(redis_url)  # its worker must run none of an earlier test's tasks
     made = make_settings(data_dir, database_url=pg_url, broker_url=redis_url)
     install_demo_model(made.models_dir)  # a service has the files of the models it lists
     return made
