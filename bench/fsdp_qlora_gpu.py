@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,13 +134,41 @@ def _timed_steps(step: Callable[[int], Any], steps: int, warmup: int) -> tuple[f
     return time.perf_counter() - t0, out
 
 
+def _profile_step(step: Callable[[int], Any], label: str) -> None:
+    """One more step under torch.profiler: the 15 ops with the most GPU time (printed)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step(10_000)
+        _sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"--- {label}: one step, top ops by {key}", file=sys.stderr)  # stdout: the JSON row only
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), file=sys.stderr, flush=True)
+
+
+def _profiled(fn: Callable[[], Any], label: str, enabled: bool) -> Any:
+    """``fn()``; with ``enabled``, under cProfile, printing its 15 costliest functions."""
+    if not enabled:
+        return fn()
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    print(f"--- {label}: top functions by own time", file=sys.stderr)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+    return out
+
+
 def _ids(seq: int, bs: int):
     import torch
 
     return torch.randint(0, 1000, (bs, seq), generator=torch.Generator().manual_seed(0))
 
 
-def bench_ours(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> dict:
+def bench_ours(model_dir: Path, seq: int, bs: int, steps: int, warmup: int, profile: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -150,10 +179,10 @@ def bench_ours(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> d
 
     ctx = DistContext(0, 1, 0, torch.device(_device(), 0) if _device() == "cuda" else torch.device("cpu"))
     t0 = time.perf_counter()
-    model, report = build_model(ModelOptions(
+    model, report = _profiled(lambda: build_model(ModelOptions(
         model_dir=model_dir, base_dtype="bfloat16", compute_dtype="bfloat16", adapter_dtype="float32",
         quantization="nf4", lora_r=8, lora_alpha=16.0, target_modules=TARGETS,
-        activation_checkpointing="non_reentrant"), ctx)
+        activation_checkpointing="non_reentrant"), ctx), "ours: load", profile)
     _sync()
     load_s = time.perf_counter() - t0
     opt = build_optimizer(model, learning_rate=1e-4, weight_decay=0.0)
@@ -166,11 +195,13 @@ def bench_ours(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> d
             return train_step(model, opt, [batch], ctx, step=s, seed=0, learning_rate=1e-4, max_grad_norm=1.0)
 
     dt, stats = _timed_steps(step, steps, warmup)
+    if profile:
+        _profile_step(step, "ours")
     return {"load_s": load_s, "tokens_per_s": steps * seq * bs / dt, "loss": stats.loss,
             "load_peak_rss_gib": report.peak_rss_bytes / 2**30}
 
 
-def bench_plain(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> dict:
+def bench_plain(model_dir: Path, seq: int, bs: int, steps: int, warmup: int, profile: bool = False) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -202,6 +233,8 @@ def bench_plain(model_dir: Path, seq: int, bs: int, steps: int, warmup: int) -> 
         return loss
 
     dt, loss = _timed_steps(step, steps, warmup)
+    if profile:
+        _profile_step(step, "plain")
     return {"load_s": load_s, "tokens_per_s": steps * seq * bs / dt, "loss": float(loss)}
 
 
@@ -215,6 +248,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU allowed: checks the script's logic")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing: print one step's top GPU ops (and, for ours, the load's top functions)")
     args = p.parse_args()
     if args.what == "make":
         t0 = time.perf_counter()
@@ -224,7 +259,7 @@ def main() -> None:
     import torch
 
     fn = bench_ours if args.what == "ours" else bench_plain
-    row = fn(args.model_dir, args.seq, args.bs, args.steps, args.warmup)
+    row = fn(args.model_dir, args.seq, args.bs, args.steps, args.warmup, profile=args.profile)
     n = _n_params(args.model_dir)
     cuda = torch.cuda.is_available()
     row.update({

@@ -6,11 +6,12 @@
 # and peak device memory per configuration; appends JSON lines to
 # $OUT/gpu_jax_lora.jsonl (or bench/gpu_jax_lora.jsonl).
 #
-# Needs: the repo's venv with a CUDA (or ROCm) jaxlib 0.10.2 (e.g. jax[cuda12]);
-# no network. PEAK_TFLOPS defaults to 989 (H100/H200 SXM dense bf16; MI300X: 1307).
+# Needs: a Python with a CUDA (or ROCm) jaxlib (the repo's venv, or the machine's python3:
+# bench/gpu_lib.sh); no network. PEAK_TFLOPS defaults to 989 (H100/H200 SXM dense bf16;
+# MI300X: 1307). DEADLINE (epoch seconds) caps every run (bench/gpu_lib.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+. bench/gpu_lib.sh
 OUTDIR=${OUT:-bench}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 STEPS=${STEPS:-10}
@@ -23,12 +24,12 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 "$PY" -c "import jax; d = jax.devices()[0]; assert d.platform != 'cpu', 'no GPU visible to jax'; print(d.device_kind)"
 
 # 1) the headline configuration: no remat (fits in 141 GB at batch 4 x 2048)
-timeout 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --steps "$STEPS" \
+capped 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --steps "$STEPS" \
     --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "batch 4 / no remat failed (likely OOM)"
-# 2) memory-lean: dots_saveable remat (keeps matmul outputs, recomputes the rest), batch 2
-timeout 240 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 2 --remat dots_saveable --steps "$STEPS" \
-    --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "batch 2 / dots_saveable failed"
-# 3) QLoRA: the same step on an NF4 base (4-bit codes + fp32 block scales), batch 4, no remat
-timeout 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --quantization nf4 --steps "$STEPS" \
+# 2) QLoRA: the same step on an NF4 base (4-bit codes + fp32 block scales), batch 4, no remat
+capped 300 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 4 --remat none --quantization nf4 --steps "$STEPS" \
     --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "nf4 batch 4 / no remat failed"
+# 3) memory-lean: dots_saveable remat (keeps matmul outputs, recomputes the rest), batch 2
+capped 240 "$PY" bench/jax_lora_gpu.py --seq 2048 --batch 2 --remat dots_saveable --steps "$STEPS" \
+    --peak-tflops "$PEAK_TFLOPS" --out "$RESULTS" || echo "batch 2 / dots_saveable failed"
 cat "$RESULTS"

@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--remat", default="none", choices=["none", "per_layer", "dots_saveable"])
     ap.add_argument("--quantization", default="none", choices=["none", "nf4"])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--query-block", type=int, default=None,
+                    help="attention query rows per block on an accelerator (default: the trainer's)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--out", default=None, help="append the JSON line to this file")
     args = ap.parse_args()
@@ -58,6 +60,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    import trainers.jax_lora.model as model_module
     from trainers.jax_lora.config import LlamaConfig
     from trainers.jax_lora.lora import count_params, init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import PROJECTIONS, init_params, param_axes, param_shapes
@@ -70,6 +73,8 @@ def main() -> None:
         state_shardings,
     )
 
+    if args.query_block:
+        model_module.ACCELERATOR_QUERY_BLOCK = args.query_block
     raw = dict(TINY if args.tiny else LLAMA_8B)
     if args.layers:
         raw["num_hidden_layers"] = args.layers
@@ -134,6 +139,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind, "layers": cfg.num_layers, "base_params": n_params,
         "lora_params": count_params(l_abs), "seq": args.seq, "batch": args.batch, "remat": args.remat,
         "quantization": args.quantization,
+        "query_block": model_module.QUERY_BLOCK.get(jax.default_backend(), model_module.ACCELERATOR_QUERY_BLOCK),
         "tokens_per_s": round(tokens_per_s, 1), "mfu_4N": round(mfu, 4),
         "peak_memory_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
         "param_init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
