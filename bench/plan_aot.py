@@ -31,11 +31,13 @@ the stacked weights out of the layer scan, so bf16 is compiled as float16 (same 
 ``PlanJob.bf16_standin``), and XLA:CPU's rewrite of float16 dots into fp32 ones is
 switched off (``CPU_PLAN_FLAGS``). What remains CPU-specific: the LM head's
 fp16 x fp16 -> fp32 dot still converts the gathered head to fp32 (an accelerator's
-matmul takes 16-bit inputs with an fp32 result); the trainer's attention on CPU is its
-blockwise ``cpu_attention`` (FlashAttention-style residuals, 128 query rows per block,
-but every block's scores are materialized), on accelerators
-``jax.nn.dot_product_attention``; and a real runtime adds its context and allocator
-slack (the estimator's ``framework`` and ``slack`` terms) on top of what XLA plans.
+matmul takes 16-bit inputs with an fp32 result); the trainer's blockwise attention
+(FlashAttention-style residuals, every block's scores materialized) runs 128 query rows
+per block on CPU and 512 on accelerators; and a real runtime adds its context and
+allocator slack (the estimator's ``framework`` and ``slack`` terms) on top of what XLA
+plans. Checked against a real GPU: the 8B step at 2048 x 4 without remat peaked on one
+H200 at 0.91 (bf16) / 0.89 (NF4) of this plan, and at 2048 x 2 with ``dots_saveable``
+at 1.05 (bench/RESULTS.md, "jax_lora and fsdp_qlora on one H200").
 
     python bench/plan_aot.py --model llama-3.1-405b --devices 8 --method lora --seq 2048 --batch 1
     python bench/plan_aot.py --model llama-3.1-70b --devices 2 --method qlora --pool rtx4090 --json
@@ -526,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remat", choices=("none", "per_layer", "dots_saveable"), default="per_layer")
     parser.add_argument("--tensor", type=int, default=1, help="tensor axis of the mesh (fsdp = devices / tensor)")
     parser.add_argument("--r", type=int, default=8)
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGET_MODULES),
+                        help="LoRA target modules, comma-separated")
     parser.add_argument("--pool", default="mi300x", help=f"a pool of {POOLS_FILE.relative_to(ROOT)}")
     parser.add_argument("--keep-bf16", action="store_true",
                         help="compile bfloat16 as it is (XLA:CPU then upcasts it; see PlanJob.bf16_standin)")
@@ -543,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"all rows in {result['wall_s']} s")
         return 0
     job = PlanJob(args.model, args.devices, args.method, args.seq, args.batch, args.remat, args.tensor,
-                  r=args.r, pool=args.pool, bf16_standin=None if args.keep_bf16 else "float16")
+                  r=args.r, target_modules=tuple(args.targets.split(",")), pool=args.pool,
+                  bf16_standin=None if args.keep_bf16 else "float16")
     row = plan_row(job)
     if args.json:
         print(json.dumps(row, indent=2))

@@ -341,13 +341,15 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     logits = loss_tokens * m.vocab * (t.compute_bytes + _FP32 + _FP32)
     logits += head_fp32 + gathered_tables
     if jax_step and kind == "gpu":
-        # The attention scores of the layer being recomputed (none with a fused kernel;
-        # see ATTENTION_SCORE_BYTES); without checkpointing every layer keeps its own.
+        # The attention scores of the layer being computed (see ATTENTION_SCORE_BYTES):
+        # transients of one layer at a time, with or without checkpointing, since the
+        # trainer's blockwise attention keeps only O(seq) residuals per layer for the
+        # backward pass (trainers/jax_lora/model.py ``attention``).
         scores = int(ATTENTION_SCORE_BYTES * m.heads * t.seq_len**2 * t.micro_batch * t.sequences_per_example)
         layer_transients = gathered + dequantized_live + scores
         if t.checkpointing:
             layer_transients += recomputed
-        acts += scores * (1 if t.checkpointing else m.layers)
+        acts += scores
         # XLA assigns the step's buffers by liveness: the loss (gathered tables, logits,
         # the fp32 head) is done before the backward recomputes its first layer, so the
         # two phases' transients share memory and only the larger one counts. The loss

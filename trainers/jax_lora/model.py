@@ -236,38 +236,44 @@ def project(
     return y + (runtime.scaling * delta).astype(y.dtype)
 
 
-# Query rows per block of ``cpu_attention``: 2 blocks at seq 256 compute 3/4 of the
-# full (seq x seq) scores (bench/RESULTS.md, "jax_lora as shipped on a CPU-only local pool").
-CPU_QUERY_BLOCK = 128
+# Query rows per block of ``blockwise_attention``, per backend. CPU: 2 blocks at seq 256
+# compute 3/4 of the full (seq x seq) scores (bench/RESULTS.md, "jax_lora as shipped on a
+# CPU-only local pool"). Accelerators: bigger blocks, fewer and larger matmuls; a block's
+# transient scores are (batch, heads, block, seq) in float32 (512 MiB at batch 4, 32
+# heads, 512 x 2048), freed before the next block.
+QUERY_BLOCK = {"cpu": 128}
+ACCELERATOR_QUERY_BLOCK = 512
 
 
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, head_dim: int,
-    query_block: int = CPU_QUERY_BLOCK,
+    query_block: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention, (batch, seq, heads, head_dim) in and out; softmax in float32.
 
     ``mask`` is ``attention_mask``'s (batch, 1, seq, seq) or None for plain causal rows.
-    Accelerators use ``jax.nn.dot_product_attention`` (fused kernels where the backend has
-    them). On CPU we use ``cpu_attention``: profiling the train step there showed the
-    generic path spending a large share of the step on transposes of the (batch, heads,
-    seq, seq) scores, on a mask broadcast per query group, and on page faults of the
-    temp buffer XLA:CPU maps afresh on every call, a third of which held the saved fp32
-    probabilities of every layer (bench/RESULTS.md, "jax_lora CPU step profile").
-    ``query_block``: ``cpu_attention``'s query rows per block.
+    Every backend runs ``blockwise_attention``, whose backward pass keeps FlashAttention's
+    residuals (inputs, output, one log-sum-exp per row): the memory a layer keeps for the
+    backward pass grows with seq, not seq^2. ``jax.nn.dot_product_attention``'s generic
+    (XLA) path, which a packed batch's mask requires, saves the float32 probabilities of
+    every layer instead: 64 GiB for an 8B Llama at batch 4 x 2048 (32 layers x 32 heads x
+    2048^2 x 4 B x 4 rows), more than the model, measured on one H200 (bench/RESULTS.md,
+    "jax_lora on one H200"). On CPU the blockwise form was also the faster one: the
+    generic path spent a large share of the step on transposes of the (batch, heads, seq,
+    seq) scores, on a mask broadcast per query group, and on page faults of the temp
+    buffer XLA:CPU maps afresh on every call (bench/RESULTS.md, "jax_lora CPU step profile").
+    ``query_block``: query rows per block (default: ``QUERY_BLOCK`` for the backend).
     """
     scale = 1.0 / math.sqrt(head_dim)
-    if jax.default_backend() != "cpu":
-        # GQA without materializing repeated K/V: jax.nn.dot_product_attention groups the
-        # query heads over the kv heads itself. Softmax runs in float32 inside it.
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
         seq = q.shape[1]
         mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None]
-    return cpu_attention(q, k, v, mask, scale, query_block)
+    if query_block is None:
+        query_block = QUERY_BLOCK.get(jax.default_backend(), ACCELERATOR_QUERY_BLOCK)
+    return blockwise_attention(q, k, v, mask, scale, query_block)
 
 
-def cpu_attention(
+def blockwise_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, query_block: int
 ) -> jax.Array:
     """Causal GQA attention that skips the key blocks no query of a block can see.
@@ -281,14 +287,14 @@ def cpu_attention(
     seq = q.shape[1]
     q = q * jnp.asarray(scale, q.dtype)
     outs = [
-        _cpu_attention_block(q[:, start:end], k[:, :end], v[:, :end], mask[:, :, start:end, :end])
+        _attention_block(q[:, start:end], k[:, :end], v[:, :end], mask[:, :, start:end, :end])
         for start, end in ((s, min(s + query_block, seq)) for s in range(0, seq, query_block))
     ]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 @jax.custom_vjp
-def _cpu_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention of pre-scaled queries, with a hand-written backward pass.
 
     Query heads are split as (kv_heads, group) and the scores kept in the order the
@@ -339,7 +345,7 @@ def _attention_block_bwd(residuals, d_out):
             d_v.astype(v.dtype), None)
 
 
-_cpu_attention_block.defvjp(_attention_block_fwd, _attention_block_bwd)
+_attention_block.defvjp(_attention_block_fwd, _attention_block_bwd)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -109,6 +109,9 @@ def test_loaded_kernels_are_what_transformers_stores(tiny_untied, mesh_shape):
     """
     cfg = LlamaConfig.from_pretrained(tiny_untied)
     n = int(np.prod(mesh_shape))
+    if jax.default_backend() != "cpu" and jax.device_count() < n:
+        # On CPU the suite always has 8 (fake) devices; a one-GPU machine has one.
+        pytest.skip(f"mesh {mesh_shape} needs {n} devices, this {jax.default_backend()} has {jax.device_count()}")
     params, stats = load_params(tiny_untied, cfg, make_mesh(*mesh_shape, devices=jax.devices()[:n]), jnp.float32, "nf4")
     ref = _bnb_kernels(hf_model(tiny_untied, "nf4"))
     for name in PROJECTIONS:
