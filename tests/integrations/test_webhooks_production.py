@@ -9,11 +9,12 @@ PostgreSQL or Redis is unreachable, a failure under ``CI=true`` (tests/conftest.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import flush_redis_db, make_settings
+from tests.conftest import flush_redis_db, make_settings, own_pg_database
 from tests.integrations.test_webhooks import (  # noqa: F401 (fixtures)
     receiver,
     sdk,
@@ -24,10 +25,17 @@ from tests.model_files import install_demo_model
 
 
 @pytest.fixture
-def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Any:
+def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Any]:
+    from api.db.migrate import upgrade
+
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     flush_redis_db(redis_url)  # its worker must run none of an earlier test's tasks
-    made = make_settings(data_dir, database_url=pg_url, broker_url=redis_url)
-    install_demo_model(made.models_dir)  # a service has the files of the models it lists
-    return made
+    # ... nor validate an earlier test's files: a worker re-sends the validation of every
+    # file it finds still `uploaded` when it starts, and on the session's shared database
+    # that was another test's file, missing from this data dir (a traceback in its log).
+    with own_pg_database(pg_url, tmp_path.name) as database_url:
+        upgrade(database_url)
+        made = make_settings(data_dir, database_url=database_url, broker_url=redis_url)
+        install_demo_model(made.models_dir)  # a service has the files of the models it lists
+        yield made
