@@ -60,6 +60,11 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 EXAMPLES, BATCH, EPOCHS, TOTAL_STEPS, CHECKPOINT_EVERY = 16, 4, 2, 8, 4
 HOLD_STEP = 1  # 0-based: the trainer is held inside its 2nd step
 HOLD_TIMEOUT_S = 90.0
+# Nine rows share three trainer slots, so a row's job can queue behind two rounds of other
+# rows' runs (most of them started twice) before it is admitted; on a loaded 2-core machine
+# that took longer than five minutes. The queue wait and the trainer's own start are bounded
+# apart, so a slow queue is not reported as a trainer that never reached its phase.
+QUEUE_TIMEOUT_S, ENTER_TIMEOUT_S = 900.0, 300.0
 
 # The hold folder's sitecustomize.py: only a trainer process (``python -m trainers``) loads the hook.
 SITECUSTOMIZE = """\
@@ -177,6 +182,10 @@ def _messages(http: httpx.Client, job_id: str) -> list[str]:
     return [e["message"] for e in reversed(data)]
 
 
+def _admitted(http: httpx.Client, job_id: str) -> bool:
+    return any(m.startswith("Admitted on pool") for m in _messages(http, job_id))
+
+
 def _run_row(svc: Service, folder: Path, file_id: str, row: Row) -> str | None:
     """Play one row; None when the contract held, else what broke (with the job's events)."""
     with svc.http() as http:
@@ -184,7 +193,9 @@ def _run_row(svc: Service, folder: Path, file_id: str, row: Row) -> str | None:
         hold = Hold(folder, job["id"])
         hold.config_path.write_text(json.dumps({"phase": row.phase}))
         try:
-            wait_for(hold.entered_path.exists, 300, "the trainer to enter its phase")
+            wait_for(lambda: hold.entered_path.exists() or _admitted(http, job["id"]), QUEUE_TIMEOUT_S,
+                     "the job to leave the queue", interval=1.0)
+            wait_for(hold.entered_path.exists, ENTER_TIMEOUT_S, "the admitted trainer to enter its phase")
             answers = []
             for call in row.sequence:
                 answers.append(http.post(f"/fine_tuning/jobs/{job['id']}/{call}").status_code)
