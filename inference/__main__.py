@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--fd", type=int, default=None,
+                        help="Serve on this inherited, already listening socket instead of binding --host/--port.")
     parser.add_argument("--max-adapters", type=int, default=8, help="LoRA adapters kept loaded per base model.")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present).")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -39,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     import peft  # noqa: F401
     import transformers  # noqa: F401
     app = create_app(Engine(max_adapters=args.max_adapters, device=args.device), secret)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if args.fd is None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    else:
+        import socket
+
+        listener = socket.socket(fileno=args.fd)  # family and type read from the socket itself
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
 
 

@@ -193,3 +193,32 @@ def test_api_replicas_starting_together_both_start_with_one_admin_key(settings, 
     with session_scope(own.resolved_database_url) as session:
         (tenant,) = session.query(Tenant).filter(Tenant.name == ADMIN_TENANT).all()
         assert session.query(ApiKey).filter(ApiKey.tenant_id == tenant.id).count() == 1
+
+
+def test_serve_gives_the_inference_worker_a_port_that_is_really_free() -> None:
+    """serve binds the inference worker's socket itself: the API's port + 1 when it is free,
+    another free port when something holds that one (the worker used to try to bind the
+    taken port seconds later, exit, and leave the API answering inference_unavailable)."""
+    import socket
+
+    from tunefleet.cli.operator import _listen_on_loopback
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    try:
+        listener = _listen_on_loopback(taken)
+        try:
+            port = listener.getsockname()[1]
+            assert port != taken
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()  # it listens
+        finally:
+            listener.close()
+    finally:
+        holder.close()
+    free = _listen_on_loopback(taken)  # released: the preferred port is used
+    try:
+        assert free.getsockname()[1] == taken
+    finally:
+        free.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -106,6 +107,8 @@ def inference(
     max_adapters: Annotated[int, typer.Option(help="LoRA adapters kept loaded per base model.")] = 8,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: cuda if present).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    fd: Annotated[int | None, typer.Option(help="Serve on this inherited listening socket (set by serve).",
+                                           hidden=True)] = None,
 ) -> None:
     """Run the inference worker that /v1/chat/completions and /v1/completions use (loopback only)."""
     from urllib.parse import urlsplit
@@ -118,6 +121,7 @@ def inference(
             "--max-adapters", str(max_adapters)]
     args += ["--device", device] if device else []
     args += ["--threads", str(threads)] if threads else []
+    args += ["--fd", str(fd)] if fd is not None else []
     raise typer.Exit(main(args))
 
 
@@ -163,6 +167,18 @@ def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
     return False
 
 
+def _listen_on_loopback(preferred_port: int) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1: ``preferred_port`` when free, else any free port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", preferred_port))
+    except OSError:
+        listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    return listener
+
+
 def _die_with_parent() -> None:
     """In a child before exec: get SIGTERM if `serve` dies, even by SIGKILL (Linux prctl)."""
     if sys.platform.startswith("linux"):
@@ -201,8 +217,18 @@ def serve(
     if "TUNEFLEET_PUBLIC_URL" not in os.environ:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         os.environ["TUNEFLEET_PUBLIC_URL"] = f"http://{shown}:{port}"
-    if "TUNEFLEET_INFERENCE_URL" not in os.environ:  # next to the API's port: two serves do not clash
-        os.environ["TUNEFLEET_INFERENCE_URL"] = f"http://127.0.0.1:{port + 1}"
+    inference_listener = None
+    if "TUNEFLEET_INFERENCE_URL" not in os.environ:
+        # Bound here, before the API starts, and handed to the inference worker as an open
+        # socket: the URL the API calls is then one that is really listening. A port chosen
+        # by number and bound seconds later by the worker (after its torch import) could be
+        # taken by then, and the worker would exit while the API answered
+        # inference_unavailable forever.
+        inference_port = port + 1
+        if not no_inference:
+            inference_listener = _listen_on_loopback(port + 1)
+            inference_port = inference_listener.getsockname()[1]
+        os.environ["TUNEFLEET_INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
     from api.settings import get_settings
 
     get_settings.cache_clear()
@@ -232,7 +258,14 @@ def serve(
         scheduler_cmd = _cli_command("scheduler")
         children.append(subprocess.Popen(scheduler_cmd, preexec_fn=_die_with_parent))  # noqa: PLW1509
     if not no_inference:
-        children.append(subprocess.Popen(_cli_command("inference"), preexec_fn=_die_with_parent))  # noqa: PLW1509
+        if inference_listener is None:  # TUNEFLEET_INFERENCE_URL set: the worker binds its port
+            inference_cmd, kept = _cli_command("inference"), ()
+        else:
+            inference_cmd = _cli_command("inference", "--fd", str(inference_listener.fileno()))
+            kept = (inference_listener.fileno(),)
+        children.append(subprocess.Popen(inference_cmd, preexec_fn=_die_with_parent, pass_fds=kept))  # noqa: PLW1509
+        if inference_listener is not None:
+            inference_listener.close()  # the worker holds its own copy
     if demo:
         key_file = settings.data_path / "admin_key"
         admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")
