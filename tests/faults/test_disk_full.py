@@ -10,6 +10,9 @@ had acknowledged before (metric steps, the checkpoint it listed) must still be t
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import pytest
 
@@ -45,10 +48,19 @@ def test_a_full_disk_fails_the_job_with_disk_full_and_keeps_what_was_acknowledge
         job_id = production.submit(http, file_id, trainer=trainer, n_epochs=2, batch_size=4)
         # The first checkpoint is spooled before the next step runs (``Reporter.checkpoint``),
         # and the step is in metrics.jsonl at once: fill the disk right then, so the next
-        # checkpoint (jobs) or the next metrics line (artifacts) meets the full disk.
+        # checkpoint (jobs) or the next metrics line (artifacts) meets the full disk. The
+        # trainer is frozen (SIGSTOP to its process group) while the disk fills: on a fast
+        # machine the tiny jax_lora job ran its last 15 steps, its final checkpoint and its
+        # export in less time than the fill took, and succeeded before the disk was full.
         wait_until(lambda: len(_output_steps(stack, job_id)) > FIRST_CHECKPOINT, 300,
                    "the step after the first checkpoint", interval=0.01)
-        disk.fill()
+        trainer = production.trainer_pid(stack.data_dir, job_id)
+        assert trainer is not None, "the running job has no trainer.pid"
+        os.killpg(trainer, signal.SIGSTOP)
+        try:
+            disk.fill()
+        finally:
+            os.killpg(trainer, signal.SIGCONT)
         wait_until(lambda: _listed_checkpoints(http, job_id), 60, "the first checkpoint to be listed")
         acknowledged = production.losses(http, job_id)
 
