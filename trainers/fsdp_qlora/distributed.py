@@ -6,15 +6,17 @@ torchrun, by a Kubernetes Indexed Job, or by :func:`launch_local` for N processe
 machine. NCCL on GPUs, gloo on CPU.
 
 Sharding is FSDP2 (``fully_shard``): each decoder layer is its own FSDP group (its
-parameters are all-gathered just before it runs and freed right after), then the root
-takes what is left (embeddings, final norm, lm_head). Constraints measured on CPU (gloo,
+parameters are all-gathered just before it runs and freed right after), and so are the
+input embedding and the LM head when they are not tied; the root takes what is left (the
+final norm; a tied embedding). Constraints measured on CPU (gloo,
 2 processes): FSDP1 needs ``device_id=cpu`` and cannot flatten integer storage,
 ``CPUOffloadPolicy`` needs an accelerator; accelerate silently falls back to DDP on CPU.
 Hence torch's own FSDP2 API, float quant storage, and offload refused on CPU up front.
 
-Gradient accumulation has ``no_sync`` semantics: on non-final micro-steps FSDP neither
-reduce-scatters gradients nor reshards parameters (``set_requires_gradient_sync(False)``,
-``set_reshard_after_backward(False)``), so accumulation costs no communication.
+Gradient accumulation has ``no_sync`` semantics: on non-final micro-steps FSDP does not
+reduce-scatter gradients (``set_requires_gradient_sync(False)``); parameters are still
+resharded after each layer's backward, so accumulation never holds more than the layer
+being computed (see :func:`set_gradient_sync`).
 """
 
 from __future__ import annotations
@@ -247,6 +249,19 @@ def shard_model(
         # all-gather happens inside the recomputation too.
         target = _checkpoint_wrapper_of(model, layer) or layer
         fully_shard(target, **kwargs)
+    # The embedding table and the LM head are a large-vocabulary model's two largest
+    # tensors (Llama 3's 128k rows: 1 GiB each at 8B, 2 GiB each at 70B, in bf16). Left
+    # to the root group they are gathered whole together when the forward pass starts and
+    # stay whole until the backward pass ends, next to every layer's activations. As
+    # groups of their own each is whole only while it runs: the embedding for its lookup
+    # (frozen, so its backward gathers nothing unless reentrant checkpointing asks for
+    # its output's gradient), the head from its forward through its backward, which
+    # follow each other at the end of the step. A tied pair is one tensor: it stays in
+    # the root.
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and head is not None and embed.weight is not head.weight:
+        fully_shard(embed, **kwargs, reshard_after_forward=True)
+        fully_shard(head, **kwargs, reshard_after_forward=False)
     fully_shard(model, **kwargs)
     return model
 
@@ -259,11 +274,18 @@ def _checkpoint_wrapper_of(model: nn.Module, layer: nn.Module) -> nn.Module | No
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """``no_sync`` for FSDP2: skip reduce-scatter and keep params unsharded on
-    non-final micro-steps; re-enable both for the micro-step that precedes the optimizer."""
+    """``no_sync`` for FSDP2: skip the gradients' reduce-scatter on non-final micro-steps
+    (each rank accumulates its LoRA gradients locally); re-enable it for the micro-step
+    that precedes the optimizer.
+
+    The weights are still resharded after each layer's backward. Keeping them whole
+    between micro-steps (``set_reshard_after_backward(False)``) would save their
+    all-gathers, but every layer a micro-step has gathered would then stay whole until
+    the last one: the whole model on every rank, which is what sharding a 70B model over
+    two 24 GB cards exists to avoid. LoRA's gradients are small, so skipping their sync
+    is the only saving that costs no memory."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
-        model.set_reshard_after_backward(enabled)
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:

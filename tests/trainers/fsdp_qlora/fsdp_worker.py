@@ -63,6 +63,7 @@ def run_one(args: argparse.Namespace, ctx, out: Path) -> dict:
         target_modules=("q_proj", "v_proj", "down_proj"), activation_checkpointing=args.ac,
     )
     model, report = build_model(opts, ctx)
+    tables = _watch_tables_during_layers(model)
     optimizer = build_optimizer(model, learning_rate=args.lr, weight_decay=0.0)
     start = 0
     if args.resume:
@@ -79,7 +80,45 @@ def run_one(args: argparse.Namespace, ctx, out: Path) -> dict:
             _save(args, model, optimizer, ctx, step + 1, opts)
     export_adapter(out / "adapter", model, ctx, r=args.r, alpha=2.0 * args.r, dropout=0.0,
                    target_modules=opts.target_modules)
-    return {"losses": losses, "grad_norms": norms, "world_size": ctx.world_size, "load": report.as_event_data()}
+    return {"losses": losses, "grad_norms": norms, "world_size": ctx.world_size, "load": report.as_event_data(),
+            "tables_whole_during_layers": tables}
+
+
+def _watch_tables_during_layers(model) -> dict[str, list]:
+    """While a decoder layer runs (forward, recomputation or backward): whether the
+    embedding and the LM head are gathered whole (a plain tensor, not this rank's DTensor
+    shard); in the forward pass proper, how many other decoder layers are whole (in the
+    backward pass FSDP prefetches the next layer to compute)."""
+    from torch.distributed.tensor import DTensor
+
+    from trainers.fsdp_qlora.distributed import decoder_layers
+
+    layers = decoder_layers(model)
+    seen: dict[str, list] = {"embedding": [], "lm_head": [], "forward_other_layers": []}
+    in_backward = [False]
+
+    def whole(param) -> bool:
+        return not isinstance(param, DTensor)
+
+    def record(current, *_args) -> None:
+        seen["embedding"].append(whole(model.get_input_embeddings().weight))
+        seen["lm_head"].append(whole(model.get_output_embeddings().weight))
+        if not in_backward[0]:
+            seen["forward_other_layers"].append(sum(whole(layer.input_layernorm.weight) for layer in layers
+                                                    if layer is not current))
+
+    def backward_began(*_args) -> None:
+        in_backward[0] = True
+
+    def forward_began(*_args) -> None:
+        in_backward[0] = False
+
+    model.register_forward_pre_hook(forward_began)  # each micro-batch's forward
+    for layer in layers:
+        layer.register_forward_pre_hook(record)
+        layer.register_full_backward_pre_hook(record)
+        layer.register_full_backward_pre_hook(backward_began)
+    return seen
 
 
 def main(argv: list[str]) -> int:

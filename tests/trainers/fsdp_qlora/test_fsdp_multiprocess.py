@@ -11,6 +11,9 @@ each from a freshly built model and optimizer:
 - ``resumed``: a new model resumed from the step-2 DCP checkpoint = ``lora`` (1e-6).
 - ``nf4``: 2-process QLoRA NF4 (non-reentrant checkpointing) = the same loop on Hugging Face's BitsAndBytesConfig
   model + peft (1e-5).
+
+Each run also records what is gathered whole while a decoder layer runs: never the
+embedding table or the LM head, and in the forward pass no other layer.
 """
 
 from __future__ import annotations
@@ -88,3 +91,20 @@ def test_two_process_qlora_nf4_equals_single_process_bnb_peft_loop(tiny_model_di
     losses, adapter = _reference(tiny_model_dir, "nf4", 3, NF4_LR)
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=0, atol=1e-5)
     _assert_adapters_close(read_adapter(out / "nf4" / "adapter"), adapter, atol=1e-5)
+
+
+def test_only_the_running_layer_is_held_whole(suite):
+    """FSDP's point: a rank holds its shard of the model plus the layer it computes (and
+    the next, prefetched). Two ways this was broken: the embedding and the LM head sat in
+    the root group, gathered whole for the whole step next to every layer's activations
+    (2 GiB per rank at Llama 3 8B in bf16, 4 GiB at 70B); and gradient accumulation kept
+    every layer it had gathered whole after its backward, until the last micro-batch, so a
+    70B model on two 24 GB cards held all of its weights on each. Both runs accumulate
+    (2 micro-batches per rank and step)."""
+    _, result = suite
+    for name in ("lora", "nf4"):  # reentrant and non-reentrant checkpointing
+        seen = result[name]["tables_whole_during_layers"]
+        assert seen["embedding"] and len(seen["embedding"]) == len(seen["lm_head"]), seen
+        assert not any(seen["embedding"]) and not any(seen["lm_head"]), (name, seen)
+        forward = seen["forward_other_layers"]
+        assert len(forward) >= 2 * 2 * 3 and max(forward) == 0, (name, forward)  # layers x micro-steps x steps
