@@ -44,9 +44,10 @@ services:
 # waiting on real subprocesses: services, trainers, Celery workers), each with one OpenMP
 # thread so torch processes do not fight over the two cores; tests that share an expensive
 # fixture stay on one worker (--dist loadgroup, groups in tests/conftest.py). On a 2-core
-# machine the whole suite took 17 minutes; serially, with 350 fewer tests, it took 32. On a
-# 2-core machine without AVX-512 it took 37 (2026-12-04, 1,620 tests): there it is bound by
-# the CPU (69 CPU-minutes of user time), so more workers do not shorten it.
+# machine the whole suite took 17 minutes; serially, with 350 fewer tests, it took 32. On
+# 2-core machines (2026-12-04, 1,620 tests): 17.6 minutes on one with AVX-512 (bf16 too),
+# 37 on one without, where it is bound by the CPU (69 CPU-minutes of user time), so more
+# workers do not shorten it.
 # `make test TEST_WORKERS=0` runs it serially in one process with two threads.
 TEST_WORKERS ?= 3
 TEST_XDIST   := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)

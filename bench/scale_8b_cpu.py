@@ -183,13 +183,17 @@ def write_data(path: Path) -> Path:
 # --------------------------------------------------------------------------- the job
 
 
-def trainer_spec(trainer: str, model_dir: Path, data: Path, run: Path, precision: str) -> dict[str, Any]:
+def trainer_spec(trainer: str, model_dir: Path, data: Path, run: Path, precision: str,
+                 checkpointing: bool = False) -> dict[str, Any]:
     """2 processes (fsdp_qlora) or a 2-device fsdp mesh in one process (jax_lora); one
-    row per rank per step; activation checkpointing off (the CPU pools' setting)."""
+    row per rank per step; activation checkpointing off (the CPU pools' setting) unless
+    ``checkpointing`` (the GPU pools' setting: non-reentrant / per-layer remat)."""
     dtype = "float32" if precision == "fp32" else "bfloat16"
-    parallelism: dict[str, Any] = {"world_size": 2, "activation_checkpointing": "none"}
+    parallelism: dict[str, Any] = {"world_size": 2,
+                                   "activation_checkpointing": "non_reentrant" if checkpointing else "none"}
     if trainer == "jax_lora":
-        parallelism = {"host_devices": 2, "mesh": {"data": 1, "fsdp": 2, "tensor": 1}, "remat": "none"}
+        parallelism = {"host_devices": 2, "mesh": {"data": 1, "fsdp": 2, "tensor": 1},
+                       "remat": "per_layer" if checkpointing else "none"}
     return {
         "job_id": f"ftjob-scale-{run.name}", "trainer": trainer, "model": {"path": str(model_dir)},
         "data": {"train_file": str(data), "format": "prompt_completion", "max_seq_len": SEQ, "shuffle": False},
@@ -205,7 +209,7 @@ def trainer_spec(trainer: str, model_dir: Path, data: Path, run: Path, precision
     }
 
 
-def predicted_bytes(trainer: str, config: dict[str, Any], precision: str) -> int:
+def predicted_bytes(trainer: str, config: dict[str, Any], precision: str, checkpointing: bool = False) -> int:
     """The estimator's CPU prediction for one process of the job of :func:`trainer_spec`.
 
     Per device; jax_lora's two host devices live in one process, which holds both devices'
@@ -214,7 +218,7 @@ def predicted_bytes(trainer: str, config: dict[str, Any], precision: str) -> int
     from scheduling.estimator import ModelShape, TrainingShape, memory_per_gpu
 
     training = TrainingShape(method="qlora", quantization="nf4", r=RANK, target_modules=TARGETS, seq_len=SEQ,
-                             micro_batch=1, checkpointing=False, cpu_offload="never",
+                             micro_batch=1, checkpointing=checkpointing, cpu_offload="never",
                              compute_bytes=4 if precision == "fp32" else 2)
     mem = memory_per_gpu(ModelShape.from_hf_config(config), training, 2, accelerator="cpu", trainer=trainer)
     devices = 2 if trainer == "jax_lora" else 1
@@ -364,12 +368,12 @@ class JobSampler:
 
 
 def run_job(trainer: str, model_dir: Path, run: Path, precision: str, max_used: int,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, checkpointing: bool = False) -> dict[str, Any]:
     """Run one trainer job and measure it; returns the measured row."""
     from worker.executors.local_process import trainer_env
 
     run.mkdir(parents=True, exist_ok=True)
-    spec = trainer_spec(trainer, model_dir, write_data(run / "train.jsonl"), run, precision)
+    spec = trainer_spec(trainer, model_dir, write_data(run / "train.jsonl"), run, precision, checkpointing)
     (run / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
     reports = run / "checkpoints" / "reports.jsonl"
     reports.unlink(missing_ok=True)
@@ -518,6 +522,8 @@ def main() -> None:
     p.add_argument("--max-used-gib", type=float, default=20.0, help="stop a job if the machine uses more")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per trainer job")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing on (the GPU pools' setting; CPU pools run without)")
     p.add_argument("--logits", nargs=4, metavar=("WHICH", "MODEL", "ADAPTER", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("base", nargs="?", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -535,9 +541,9 @@ def main() -> None:
     print(json.dumps({"model": str(model_dir), "layers": args.layers, "precision": args.precision,
                       "load_average": os.getloadavg()}), flush=True)
     for trainer in [t for t in args.trainers.split(",") if t]:  # --trainers "": only write the checkpoint
-        run = args.data_dir / "runs" / f"{name}-{trainer}-{args.precision}"
-        row = run_job(trainer, model_dir, run, args.precision, max_used, args.timeout_s)
-        predicted = predicted_bytes(trainer, config, args.precision)
+        run = args.data_dir / "runs" / (f"{name}-{trainer}-{args.precision}" + ("-ckpt" if args.checkpointing else ""))
+        row = run_job(trainer, model_dir, run, args.precision, max_used, args.timeout_s, args.checkpointing)
+        predicted = predicted_bytes(trainer, config, args.precision, args.checkpointing)
         row["predicted_per_process_mib"] = round(predicted / MIB)
         for proc_row in row["processes"]:
             if proc_row["process"] != "launcher" and proc_row["loaded_rss_mib"]:  # it finished loading

@@ -8,8 +8,8 @@ PostgreSQL or Redis is unreachable, a failure under ``CI=true`` (tests/conftest.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
