@@ -398,6 +398,10 @@ def run_job(trainer: str, model_dir: Path, run: Path, precision: str, max_used: 
     return {
         "trainer": trainer, "exit_code": proc.returncode, "wall_s": round(time.time() - started),
         "load_s": loaded.get("seconds"),
+        # Rank 0's own reading when it finished loading. The sampler's "loaded" RSS is read
+        # when the event reaches the reports file, which can be after the first step began.
+        "rank0_loaded_peak_mib": round(loaded["peak_rss_bytes"] / MIB) if loaded.get("peak_rss_bytes") else None,
+        "rank0_param_mib": round(loaded["local_param_bytes"] / MIB) if loaded.get("local_param_bytes") else None,
         "time_to_first_step_s": round(metrics[0]["time"] - started, 1) if metrics else None,
         "step_s": step_s, "losses": [m["train_loss"] for m in metrics],
         "processes": [p.as_row() for p in sampler.processes.values()],
