@@ -55,7 +55,7 @@ CONFIG_8B = ROOT / "bench" / "model_configs" / "llama-3.1-8b" / "config.json"
 GIB = 2**30
 MIB = 2**20
 SEQ = 256
-STEPS = 2
+STEPS = 2  # --steps
 RANK = 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A learning rate large enough that 2 steps move the logits measurably (the PEFT check
@@ -518,6 +518,7 @@ def compare_with_peft(model_dir: Path, run: Path, precision: str, layers: int, m
 
 
 def main() -> None:
+    global STEPS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--trainers", default="fsdp_qlora,jax_lora")
@@ -526,11 +527,13 @@ def main() -> None:
     p.add_argument("--max-used-gib", type=float, default=20.0, help="stop a job if the machine uses more")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per trainer job")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per job (the steps' peak covers all)")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing on (the GPU pools' setting; CPU pools run without)")
     p.add_argument("--logits", nargs=4, metavar=("WHICH", "MODEL", "ADAPTER", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("base", nargs="?", help=argparse.SUPPRESS)
     args = p.parse_args()
+    STEPS = args.steps
     if args.logits:
         which, model_dir, adapter, out = args.logits
         if which == "trainer":

@@ -122,12 +122,13 @@ ATTENTION_SCORE_BYTES = 5.0
 JAX_RECOMPUTED_LAYER = 1
 # On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
 # tensor has raised the dynamic mmap threshold, later tensors below it (up to 32 MiB) come
-# from the heap, and the freed memory stays resident. Measured (default malloc vs
-# MALLOC_MMAP_THRESHOLD_=65536, which returns every freed tensor): the peak RSS holds
-# about four layers' worth of transient tensors beyond the live ones -- a layer's
-# activations and, for a quantized base, its weights dequantized to the compute dtype
-# (bitsandbytes does that for every matmul, the loader while quantizing). Replaces the
-# GPU caching-allocator slack on CPU.
+# from the heap, and the freed memory stays resident. Measured on jax_lora's runtime
+# allocations (default malloc vs MALLOC_MMAP_THRESHOLD_=65536, which returns every freed
+# tensor): about four layers' worth of transients beyond the live ones. Replaces the GPU
+# caching-allocator slack on CPU for jax_lora. The torch trainer fixes glibc's threshold
+# itself (trainers/common/memory.py: the heap's share grew with the layer count, to half
+# of a 32-layer 8B step's peak), so its peak is its live tensors: the estimate without
+# any slack was within -2.3..+4.4 % of its measured peaks (bench/scheduler_estimator_cpu.py).
 CPU_HEAP_RETAINED_LAYERS = 4
 # FSDP's all-gather / reduce-scatter staging buffers when the job is sharded.
 FSDP_BUFFERS = int(0.5 * GIB)
@@ -363,13 +364,14 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     live = weights + gathered + dequantized_live + lora_p + grads + optim + acts + logits
     # XLA plans jax_lora's collectives' buffers itself (they are the gathered terms above).
     buffers = FSDP_BUFFERS if n_gpus > 1 and not jax_step else 0
-    if kind == "cpu":
-        # glibc's heap keeps the torch trainer's freed dequantized kernels too. jax_lora's
-        # live one sits in the compiled step's own temp buffer, which is not re-allocated
-        # per matmul: measured NF4 peaks were 12-15 % under the estimate when the heap term
-        # counted it (bench/RESULTS.md, 2026-11-30).
-        retained = dequantized if not jax_step else 0
-        slack = CPU_HEAP_RETAINED_LAYERS * (per_layer + retained)
+    if kind == "cpu" and jax_step:
+        # jax_lora's live dequantized layer sits in the compiled step's own temp buffer,
+        # which is not re-allocated per matmul, so the heap keeps no copies of it.
+        slack = CPU_HEAP_RETAINED_LAYERS * per_layer
+    elif kind == "cpu":
+        # The torch trainer returns what it frees; live beside the counted tensors is the
+        # one kernel bitsandbytes dequantizes for the running matmul (an MLP matrix).
+        slack = m.hidden * m.intermediate * t.compute_bytes if t.quantization != "none" else 0
     else:
         slack = int((JAX_ALLOCATOR_SLACK if jax_step else ALLOCATOR_SLACK) * live)
     return MemoryBreakdown(

@@ -65,6 +65,7 @@ from trainers.common.loop import (
     metric_row,
     should_evaluate,
 )
+from trainers.common.memory import return_freed_tensors_to_the_os
 from trainers.common.outputs import (
     ADAPTER_DIR,
     MetricsLog,
@@ -125,6 +126,9 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
     """
     # -- setup: layout checks before anything heavy ---------------------------------------
     hp, par, a = spec.hyperparameters, spec.parallelism, spec.adapter
+    # Before the load: the loader's and the steps' freed tensors then leave the process
+    # (trainers.common.memory explains the heap growth this prevents).
+    heap_bounded = return_freed_tensors_to_the_os()
     check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
                       cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
     resume_path = resolve_resume(spec.checkpoint)  # a bad resume_from fails before any load
@@ -141,7 +145,8 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
         if ctx.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
             reporter.event("trainer started", data={"trainer": "fsdp_qlora", "world_size": ctx.world_size,
-                                                    "device": str(ctx.device), "quantization": a.quantization})
+                                                    "device": str(ctx.device), "quantization": a.quantization,
+                                                    "fixed_mmap_threshold": heap_bounded})
 
         # -- data (every rank reads the same global order; each keeps its share) ----------
         tokenizer = load_tokenizer(spec.model.path)
