@@ -20,7 +20,9 @@ assumes.
 ``jax_lora`` runs on one host device, remat per layer or none, with an fp32 or NF4 base.
 ``--return-freed`` runs the trainers with ``MALLOC_MMAP_THRESHOLD_=65536`` (every tensor its
 own mmap, unmapped when freed), so the peak is the live tensors' plus the framework's; the
-difference to a default run is what glibc's heap retains (the estimator's CPU slack).
+difference to a default run is what glibc's heap retains (the estimator's CPU slack). The
+torch trainer fixes the threshold itself (``trainers.common.memory``), so for it the flag
+changes little; the ``slack`` column is the estimator's slack term.
 The CPU-only constants of the estimator (fp32 activations, heap retention, framework)
 were fitted on shapes 0-2; shape 3 was not used to fit them.
 """
