@@ -112,10 +112,12 @@ def run_fsdp_qlora(model_dir: Path, quantization: str, batches, clock: StepClock
     """The fsdp_qlora trainer: its streamed (optionally NF4) load + LoRA, then ``train_step``."""
     import torch
 
+    from trainers.common.memory import return_freed_tensors_to_the_os
     from trainers.fsdp_qlora.distributed import DistContext
     from trainers.fsdp_qlora.loading import ModelOptions, build_model
     from trainers.fsdp_qlora.train_step import build_optimizer, train_step
 
+    return_freed_tensors_to_the_os()  # as the trainer's recipe does before its load
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     model, _ = build_model(ModelOptions(model_dir=model_dir, quantization=quantization, lora_r=RANK,
                                         lora_alpha=ALPHA, target_modules=TARGETS), ctx)
