@@ -122,13 +122,14 @@ ATTENTION_SCORE_BYTES = 5.0
 JAX_RECOMPUTED_LAYER = 1
 # On CPU the tensors live on glibc's heap, which keeps what they free: once a freed
 # tensor has raised the dynamic mmap threshold, later tensors below it (up to 32 MiB) come
-# from the heap, and the freed memory stays resident. Measured on jax_lora's runtime
-# allocations (default malloc vs MALLOC_MMAP_THRESHOLD_=65536, which returns every freed
-# tensor): about four layers' worth of transients beyond the live ones. Replaces the GPU
-# caching-allocator slack on CPU for jax_lora. The torch trainer fixes glibc's threshold
-# itself (trainers/common/memory.py: the heap's share grew with the layer count, to half
-# of a 32-layer 8B step's peak), so its peak is its live tensors: the estimate without
-# any slack was within -2.3..+4.4 % of its measured peaks (bench/scheduler_estimator_cpu.py).
+# from the heap, and the freed memory stays resident: about four layers' worth of
+# transients beyond the live ones (fitted, default malloc vs MALLOC_MMAP_THRESHOLD_=65536,
+# on the torch trainer before it fixed its threshold). Replaces the GPU caching-allocator
+# slack on CPU for jax_lora, which keeps glibc's default (with it, 0.955 of a 32-layer
+# Llama-3.1-8B step's measured peak). The torch trainer fixes the threshold itself
+# (trainers/common/memory.py: its heap grew with the layer count, to half of that step's
+# peak), so its peak is its live tensors: -0.5..+4.9 % on bench/scheduler_estimator_cpu.py's
+# rows and 1.01 at the 32-layer 8B step (bench/scale_8b_cpu.py) with the terms below.
 CPU_HEAP_RETAINED_LAYERS = 4
 # FSDP's all-gather / reduce-scatter staging buffers when the job is sharded.
 FSDP_BUFFERS = int(0.5 * GIB)
