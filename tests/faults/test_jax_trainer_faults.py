@@ -14,8 +14,10 @@ fp32, to 1e-6: the restored adapter, optimizer state, data cursor and RNG are ex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from typing import Any
 
 import httpx
@@ -74,11 +76,25 @@ def _signal_trainer_after(stack: ProductionStack, job_id: str, step: int, sig: i
         except (FileNotFoundError, ValueError):  # not there yet, or a line half written
             return []
 
-    wait_until(lambda: len(written()) >= step, 300, f"step {step} of {job_id}", interval=0.01)
+    wait_until(lambda: trainer_pid(stack.data_dir, job_id) is not None, 300, f"the trainer of {job_id}")
     pid = trainer_pid(stack.data_dir, job_id)
     assert pid is not None
+    # The trainer runs in short bursts between SIGSTOPs and is read while stopped: its
+    # tiny steps take milliseconds on a fast CPU, so a test process that waits for a core
+    # while the trainer runs freely can see step 9 only after the last step.
+    deadline = time.monotonic() + 300
+    while True:
+        os.killpg(pid, signal.SIGSTOP)
+        if len(written()) >= step:
+            break
+        assert time.monotonic() < deadline, f"step {step} of {job_id} not written in 300 s"
+        os.killpg(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    at = max(written())
     os.killpg(pid, sig)
-    return max(written())
+    with contextlib.suppress(ProcessLookupError):  # gone already after a SIGKILL
+        os.killpg(pid, signal.SIGCONT)  # a SIGTERM is handled once the trainer runs again
+    return at
 
 
 def _run_with_fault(stack: ProductionStack, http: httpx.Client, file_id: str, sig: int,
