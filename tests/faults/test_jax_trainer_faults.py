@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from typing import Any
 
 import httpx
@@ -76,20 +75,19 @@ def _signal_trainer_after(stack: ProductionStack, job_id: str, step: int, sig: i
         except (FileNotFoundError, ValueError):  # not there yet, or a line half written
             return []
 
-    wait_until(lambda: trainer_pid(stack.data_dir, job_id) is not None, 300, f"the trainer of {job_id}")
-    pid = trainer_pid(stack.data_dir, job_id)
-    assert pid is not None
+    pid = wait_until(lambda: trainer_pid(stack.data_dir, job_id), 300, f"the trainer of {job_id}")
+
     # The trainer runs in short bursts between SIGSTOPs and is read while stopped: its
     # tiny steps take milliseconds on a fast CPU, so a test process that waits for a core
     # while the trainer runs freely can see step 9 only after the last step.
-    deadline = time.monotonic() + 300
-    while True:
+    def stopped_at_step() -> bool:
         os.killpg(pid, signal.SIGSTOP)
         if len(written()) >= step:
-            break
-        assert time.monotonic() < deadline, f"step {step} of {job_id} not written in 300 s"
+            return True
         os.killpg(pid, signal.SIGCONT)
-        time.sleep(0.01)
+        return False
+
+    wait_until(stopped_at_step, 300, f"step {step} of {job_id}", interval=0.01)
     at = max(written())
     os.killpg(pid, sig)
     with contextlib.suppress(ProcessLookupError):  # gone already after a SIGKILL
