@@ -214,6 +214,52 @@ def _assert_outputs_complete(proxy: FlakyS3, http, job: dict) -> None:
             assert f"{folder}{name}" in keys, (folder, name, sorted(keys))
 
 
+def _stop_past_a_checkpoint(http, proxy: FlakyS3, job: dict, trainer) -> None:
+    """Leave the (one-process) trainer SIGSTOPped two steps or more past a checkpoint the
+    API lists, before its last step.
+
+    The tiny job's steps take milliseconds: a test process waiting for a core while the
+    trainer ran freely saw the first checkpoint listed only when the job was at its last
+    one. So the trainer runs in 20 ms bursts and is read while stopped: its progress from
+    the metrics.jsonl it writes at each step on the pod's disk, the checkpoint whole in
+    the bucket (its trainer_state.json goes up last). The API hears of that checkpoint
+    once the trainer's reporter has sent it, which on a loaded machine took longer than
+    the job's remaining steps: from then on the trainer is given a second stopped, for the
+    API to list it, between bursts."""
+    metrics = Path(DEFAULT_CACHE_DIR) / "jobs" / job["id"] / "output" / "metrics.jsonl"
+    checkpoints = f"{PREFIX}/{job['id']}/checkpoints/"
+
+    def trained() -> int:
+        try:
+            return max((json.loads(line)["step"] for line in metrics.read_text().splitlines()), default=0)
+        except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+            return 0
+
+    def whole_in_bucket() -> list[int]:
+        found = (re.fullmatch(r"step-(\d+)/trainer_state\.json", key[len(checkpoints):])
+                 for key in _keys(proxy, checkpoints))
+        return [int(m.group(1)) for m in found if m]
+
+    def listed_by_api(step: int) -> bool:
+        listed = [ck["step_number"] for ck in http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]]
+        return bool(listed) and max(listed) + 2 <= step
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        trainer.send_signal(signal.SIGSTOP)
+        assert trainer.poll() is None, "the trainer ended before it was stopped past a checkpoint"
+        step = trained()
+        assert step < job["total_steps"], f"the trainer reached its last step ({step}) before the API listed a checkpoint"
+        if step >= 3 and any(n + 2 <= step for n in whole_in_bucket()):
+            for _ in range(10):  # a second stopped for the API; its report not sent yet: one more burst
+                if listed_by_api(step):
+                    return
+                time.sleep(0.1)
+        trainer.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
+    raise AssertionError("timed out after 240s waiting for steps past a checkpoint")
+
+
 @pytest.mark.slow
 def test_a_killed_trainer_pod_resumes_from_its_checkpoint_in_s3_and_continues_the_same_curve(
         service, tmp_path, flaky_s3, monkeypatch):  # noqa: F811
@@ -228,15 +274,13 @@ def test_a_killed_trainer_pod_resumes_from_its_checkpoint_in_s3_and_continues_th
                 file_id = upload(http, demo_examples(32, seed=8))
                 job = http.post("/fine_tuning/jobs", json={
                     **JOB, "training_file": file_id, "hyperparameters": {"n_epochs": 4, "batch_size": 4}}).json()
-                get = lambda: http.get(f"/fine_tuning/jobs/{job['id']}").json()
-                checkpoints = lambda: http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
-                wait_for(checkpoints, 240, "a first checkpoint in the bucket")
-                first = max(ck["step_number"] for ck in checkpoints())
-                wait_for(lambda: (get().get("current_step") or 0) >= first + 2, 120, "steps past the checkpoint")
+                pod = wait_for(lambda: next((p for p in c.pods(job["id"]) if p["status"].get("phase") == "Running"
+                                             and p["metadata"]["uid"] in c.procs), None), 240, "the trainer pod")
+                trainer = c.procs[pod["metadata"]["uid"]]
+                _stop_past_a_checkpoint(http, flaky_s3, job, trainer)
                 reference = _start_uninterrupted_run(c, job["id"], tmp_path / "reference")
-                (pod,) = [p for p in c.pods(job["id"]) if p["status"].get("phase") == "Running"]
-                c.procs[pod["metadata"]["uid"]].send_signal(signal.SIGKILL)
-                c.procs[pod["metadata"]["uid"]].wait(timeout=30)
+                trainer.send_signal(signal.SIGKILL)  # a stopped process dies of it too
+                trainer.wait(timeout=30)
                 # A new pod starts on an empty disk: what the lost one staged is gone with it.
                 shutil.rmtree(Path(DEFAULT_CACHE_DIR) / "jobs" / job["id"], ignore_errors=True)
                 done = _wait_until_done(http, c, svc, job["id"], timeout=400)

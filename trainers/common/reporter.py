@@ -230,8 +230,17 @@ class Reporter:
                 if self._spool is not None:
                     # Persist the batch and the next seq before dropping the items from
                     # memory, so neither a crash nor an exception loses them.
-                    self._write_json(self._spool / f"{seq:012d}.json", {"seq": seq, "items": items})
-                    self._write_text(self._spool / NEXT_SEQ_FILE, str(seq + 1))
+                    batch = self._spool / f"{seq:012d}.json"
+                    self._write_json(batch, {"seq": seq, "items": items})
+                    try:
+                        self._write_text(self._spool / NEXT_SEQ_FILE, str(seq + 1))
+                    except OSError:
+                        # Both or neither: a batch left on disk while its items stay
+                        # pending under the same seq would be sent twice under that seq,
+                        # and the API drops the second as a duplicate -- with whatever
+                        # items were added since (on a full disk: the trainer's error).
+                        batch.unlink(missing_ok=True)
+                        raise
                 else:
                     assert self._local_path is not None
                     with open(self._local_path, "a", encoding="utf-8") as f:

@@ -181,3 +181,39 @@ def test_a_run_in_a_new_pod_starts_past_every_seq_the_api_applied(tmp_path):
         assert again.close(timeout_s=5)
     finally:
         api.stop()
+
+
+def test_a_disk_that_fills_between_a_batch_and_its_seq_loses_no_later_item(tmp_path, monkeypatch):
+    """The disk fills after a batch file is spooled but before the next seq is: the batch
+    must not stay on disk under a seq its items are sent under again from memory, or the
+    API drops the second sending -- with the trainer's error in it -- as a duplicate."""
+    from trainers.common import reporter as reporter_module
+
+    write_text = Reporter._write_text
+    disk = {"full": False, "refused": 0}
+
+    def filling_write_text(path, text):
+        if disk["full"] and (path.name == reporter_module.NEXT_SEQ_FILE or disk["refused"]):
+            disk["refused"] += 1
+            raise OSError(28, "No space left on device")
+        write_text(path, text)
+
+    monkeypatch.setattr(Reporter, "_write_text", staticmethod(filling_write_text))
+    api = FakeReportAPI().start()
+    try:
+        rep = Reporter(url=api.url, token="tok", spool_dir=tmp_path, flush_interval_s=0.02)
+        rep.metric(step=1, train_loss=1.0)
+        assert rep.flush(timeout_s=5)
+        disk["full"] = True
+        rep.metric(step=2, train_loss=0.9)  # its batch is written, its seq is not
+        deadline = time.monotonic() + 5
+        while disk["refused"] < 2 and time.monotonic() < deadline:  # the thread tried twice
+            time.sleep(0.01)
+        assert disk["refused"] >= 2
+        rep.error("disk_full", "no space left on device")
+        assert rep.close(timeout_s=5)
+        items = [(b["seq"], i["type"]) for b in api.applied for i in b["items"]]
+        assert items == [(1, "metric"), (2, "metric"), (2, "error")]
+        assert api.requests == [1, 2]  # nothing sent twice
+    finally:
+        api.stop()
