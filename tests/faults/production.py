@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -329,6 +330,29 @@ def trainer_pid(data_dir: Path, job_id: str) -> int | None:
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     return wait_for(predicate, timeout, what, interval=interval)
+
+
+def stop_trainer_when(data_dir: Path, job_id: str, reached: Callable[[], bool], what: str,
+                      timeout: float = 300) -> int:
+    """Leave the job's trainer (its process group) SIGSTOPped once ``reached()`` holds;
+    returns its pid. The trainer runs in 10 ms bursts and ``reached`` is read while it is
+    stopped: the tiny jobs' steps take milliseconds on a fast CPU, so a test process that
+    waited for a core while the trainer ran freely saw the moment it waited for only after
+    the last step."""
+    pid = wait_until(lambda: trainer_pid(data_dir, job_id), timeout, f"the trainer of {job_id}")
+
+    def stopped_there() -> bool:
+        try:
+            os.killpg(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            raise AssertionError(f"the trainer of {job_id} ended before {what}") from None
+        if reached():
+            return True
+        os.killpg(pid, signal.SIGCONT)
+        return False
+
+    wait_until(stopped_there, timeout, what, interval=0.01)
+    return pid
 
 
 def step_reached(http: httpx.Client, job_id: str, step: int) -> Callable[[], bool]:

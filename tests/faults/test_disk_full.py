@@ -49,14 +49,12 @@ def test_a_full_disk_fails_the_job_with_disk_full_and_keeps_what_was_acknowledge
         # The first checkpoint is spooled before the next step runs (``Reporter.checkpoint``),
         # and the step is in metrics.jsonl at once: fill the disk right then, so the next
         # checkpoint (jobs) or the next metrics line (artifacts) meets the full disk. The
-        # trainer is frozen (SIGSTOP to its process group) while the disk fills: on a fast
-        # machine the tiny jax_lora job ran its last 15 steps, its final checkpoint and its
-        # export in less time than the fill took, and succeeded before the disk was full.
-        wait_until(lambda: len(_output_steps(stack, job_id)) > FIRST_CHECKPOINT, 300,
-                   "the step after the first checkpoint", interval=0.01)
-        trainer = production.trainer_pid(stack.data_dir, job_id)
-        assert trainer is not None, "the running job has no trainer.pid"
-        os.killpg(trainer, signal.SIGSTOP)
+        # trainer is stopped there (SIGSTOP to its process group) while the disk fills: on a
+        # fast machine the tiny jax_lora job ran its last 15 steps, its final checkpoint and
+        # its export in less time than the fill took, and succeeded before the disk was full.
+        trainer = production.stop_trainer_when(stack.data_dir, job_id,
+                                               lambda: len(_output_steps(stack, job_id)) > FIRST_CHECKPOINT,
+                                               "the step after the first checkpoint")
         try:
             disk.fill()
         finally:

@@ -33,10 +33,9 @@ from tests.faults.production import (
     finished,
     losses,
     output_metric_steps,
+    stop_trainer_when,
     submit,
-    trainer_pid,
     upload_examples,
-    wait_until,
 )
 
 STEPS = 16  # 32 examples, batch 4, 2 epochs: checkpoints at steps 8 and 16
@@ -75,19 +74,7 @@ def _signal_trainer_after(stack: ProductionStack, job_id: str, step: int, sig: i
         except (FileNotFoundError, ValueError):  # not there yet, or a line half written
             return []
 
-    pid = wait_until(lambda: trainer_pid(stack.data_dir, job_id), 300, f"the trainer of {job_id}")
-
-    # The trainer runs in short bursts between SIGSTOPs and is read while stopped: its
-    # tiny steps take milliseconds on a fast CPU, so a test process that waits for a core
-    # while the trainer runs freely can see step 9 only after the last step.
-    def stopped_at_step() -> bool:
-        os.killpg(pid, signal.SIGSTOP)
-        if len(written()) >= step:
-            return True
-        os.killpg(pid, signal.SIGCONT)
-        return False
-
-    wait_until(stopped_at_step, 300, f"step {step} of {job_id}", interval=0.01)
+    pid = stop_trainer_when(stack.data_dir, job_id, lambda: len(written()) >= step, f"step {step} of {job_id}")
     at = max(written())
     os.killpg(pid, sig)
     with contextlib.suppress(ProcessLookupError):  # gone already after a SIGKILL
