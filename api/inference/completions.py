@@ -8,15 +8,19 @@ Steps (:func:`serve_completion`):
    ``TUNEFLEET_INFERENCE_TOKENS_PER_MINUTE_PER_TENANT``, a tenant whose requests of the last
    60 s used that many tokens (prompt + completion, counted when each ends) gets 429
    ``token_limit_exceeded`` until enough of them are a minute old (``Retry-After``);
-2. the worker's first event (it answers once the base model is loaded and the adapter
-   active): its refusals become errors here, e.g. 503 ``model_loading`` with
-   ``Retry-After`` while a base model loads (the OpenAI SDK retries those by itself), 503
-   ``inference_unavailable`` when the worker cannot be reached;
+2. the worker's first event (it answers once the base model is loaded -- the worker holds
+   the request up to ``TUNEFLEET_INFERENCE_LOAD_WAIT_S`` for that -- and the request has
+   its turn on the model): its refusals become errors here, e.g. 400
+   ``context_length_exceeded``, 503 ``model_loading`` with ``Retry-After`` when the model
+   is still loading after that wait (the OpenAI SDK retries those by itself), 503
+   ``inference_unavailable`` when the worker cannot be reached. A client that disconnects
+   meanwhile gets its slot back at once and its generation is cancelled;
 3. the answer: one ``chat.completion`` / ``text_completion`` object, or Server-Sent Events
    with OpenAI's chunks, ending ``data: [DONE]``. The whole request has
    ``TUNEFLEET_INFERENCE_TIMEOUT_S``: 504 ``inference_timeout``, or an error event in a
-   stream that already started. A client that leaves mid-stream closes the worker's stream
-   too, which ends that generation at the next token.
+   stream that already started (so does a worker that dies mid-stream). A client that
+   leaves mid-stream closes the worker's stream too, which ends that generation at the
+   next token.
 
 Prometheus metrics: requests by endpoint and outcome, prompt and completion tokens, time
 to first token, time queued for the model, and each request's decode tokens/s.
@@ -25,6 +29,7 @@ to first token, time queued for the model, and each request's decode tokens/s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -218,7 +223,7 @@ def _api_error(exc: Exception, model: str) -> APIError:
         return APIError(503, "inference_unavailable", "The inference worker failed; retry later.",
                         headers={"Retry-After": "5"})
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-    return APIError(exc.status, exc.code, exc.message, param="model" if exc.status == 404 else None,
+    return APIError(exc.status, exc.code, exc.message, param="model" if exc.status == 404 else exc.param,
                     headers=headers)
 
 
@@ -227,6 +232,34 @@ async def _next(events: AsyncIterator[StreamEvent], deadline: float) -> StreamEv
         return await asyncio.wait_for(anext(events), max(deadline - time.perf_counter(), 0.001))
     except StopAsyncIteration:
         return None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the worker's first event."""
+
+
+async def _first_unless_gone(request: Request, events: AsyncIterator[StreamEvent],
+                             deadline: float) -> StreamEvent | None:
+    """The worker's first event; :class:`_ClientGone` if the client disconnects first (while
+    its request waits for the model or for its turn), the worker's stream then closed."""
+    first = asyncio.ensure_future(_next(events, deadline))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+    if first.cancelled():
+        raise _ClientGone
+    return first.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def serve_completion(request: Request, tenant_id: str, generation: GenerationRequest, *, kind: Kind,
@@ -239,13 +272,18 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
     deadline = tally.started + settings.inference_timeout_s
     events = _client(request).generate(generation)
     try:
-        first = await _next(events, deadline)
+        first = await _first_unless_gone(request, events, deadline)
     except (TimeoutError, InferenceUnavailable, InferenceRejected) as exc:
         error = _api_error(exc, model)
         slots.release(tenant_id)
         await events.aclose()
         tally.done(error.code)
         raise error from exc
+    except _ClientGone:
+        slots.release(tenant_id)
+        await events.aclose()
+        tally.done("client_closed")
+        return Response(status_code=499)  # nobody reads it: the connection is gone
     except BaseException:
         slots.release(tenant_id)
         await events.aclose()
