@@ -4,6 +4,7 @@ completion on that model through its inference worker, and stops every child on 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -98,3 +99,74 @@ def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(c) for c in children)
+
+
+# ---- the supervisor that keeps serve's children running --------------------------------
+
+SLEEPER = [sys.executable, "-c", ("from tunefleet.cli.supervise import die_with_parent; die_with_parent(); "
+           "import time; time.sleep(120)")]
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    """Another thread (the supervisor's) changes what ``predicate`` reads; nothing to await."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_child_that_exits_is_restarted_after_a_growing_backoff_and_logged(caplog) -> None:
+    from tunefleet.cli.supervise import ChildSpec, Supervisor
+
+    caplog.set_level(logging.WARNING, logger="tunefleet.serve")
+    supervisor = Supervisor([ChildSpec("sleeper", SLEEPER)], backoff_s=0.5, check_interval_s=0.05)
+    supervisor.start()
+    try:
+        first = supervisor.pids()["sleeper"][0]
+        os.kill(first, signal.SIGKILL)
+        _wait_for(lambda: len(supervisor.pids()["sleeper"]) == 2)
+        second = supervisor.pids()["sleeper"][1]
+        killed_at = time.monotonic()
+        os.kill(second, signal.SIGKILL)
+        _wait_for(lambda: len(supervisor.pids()["sleeper"]) == 3)
+        assert time.monotonic() - killed_at >= 1.0  # the second restart waits twice as long
+        third = supervisor.pids()["sleeper"][2]
+        assert _alive(third)
+    finally:
+        supervisor.stop(grace_s=5)
+    assert not _alive(third)
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [f"sleeper (pid {first}) exited with signal 9; restarting it in 0 s (restart 1)",
+                      f"sleeper (pid {second}) exited with signal 9; restarting it in 1 s (restart 2)"]
+
+
+def test_a_child_that_stops_answering_its_health_check_is_killed_and_restarted(caplog) -> None:
+    from tunefleet.cli.supervise import ChildSpec, Supervisor
+
+    caplog.set_level(logging.WARNING, logger="tunefleet.serve")
+    answers = iter([True])  # healthy once, then stuck
+    supervisor = Supervisor([ChildSpec("worker", SLEEPER, healthy=lambda: next(answers, False))],
+                            backoff_s=0.1, check_interval_s=0.05, probe_interval_s=0.05, probe_failures=3)
+    supervisor.start()
+    try:
+        _wait_for(lambda: len(supervisor.pids()["worker"]) == 2)
+    finally:
+        supervisor.stop(grace_s=5)
+    stuck = supervisor.pids()["worker"][0]
+    assert not _alive(stuck)
+    assert [r.getMessage() for r in caplog.records][:2] == [
+        f"worker (pid {stuck}) failed 3 health checks in a row; killing it",
+        f"worker (pid {stuck}) exited with signal 9; restarting it in 0 s (restart 1)"]
+
+
+def test_children_die_with_a_supervisor_killed_by_sigkill() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ("import sys, time; from tunefleet.cli.supervise import ChildSpec, Supervisor; "
+         f"s = Supervisor([ChildSpec('sleeper', {SLEEPER!r})]); s.start(); "
+         "print(s.pids()['sleeper'][0], flush=True); time.sleep(120)")],
+        cwd=REPO, stdout=subprocess.PIPE)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.kill()  # before or after the child asked for its parent's death signal: it ends either way
+    parent.wait()
+    _wait_for(lambda: not _alive(child), timeout=60)
