@@ -26,7 +26,7 @@ from pydantic import SecretStr
 from api.db.models import Job
 from api.jobs.lifecycle import transition
 from inference.engine import InferenceError, ModelLoading
-from inference.protocol import StreamEvent
+from inference.protocol import ModelRef, StreamEvent
 from inference.server import create_app as worker_app
 from tests.api.conftest import start_running
 
@@ -82,8 +82,14 @@ class ScriptedEngine:
         pass
 
     def preload(self, ref) -> str:
-        self.preloaded.append(ref)
+        with self._changed:
+            self.preloaded.append(ref)
+            self._changed.notify_all()
         return "loading"
+
+    def wait_preloaded(self, count: int, timeout: float = 10) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.preloaded) >= count, timeout)
 
 
 class _ScriptedRun:
@@ -253,6 +259,18 @@ def test_fine_tuned_models_and_checkpoints_are_their_tenants_only(serving, engin
             (oai if model.endswith(("step-9", ":y")) else other).chat.completions.create(model=model, messages=MESSAGES)
         assert caught.value.code == "model_not_found" and caught.value.param == "model", model
     assert len(engine.requests) == asked  # the worker never heard of them
+
+
+def test_a_job_that_succeeds_hints_the_worker_to_load_its_base_model(serving, engine, tenant_key, make_job,
+                                                                    db_session, client, settings) -> None:
+    owner = tenant_key()
+    row, _, _ = job_with_adapters(client, db_session, settings, make_job(owner.headers)["id"])
+    serving()  # the last app built installs the hook: this one, whose worker is the scripted one
+    assert engine.preloaded == []  # running jobs and checkpoints hint nothing
+    transition(db_session, row, "succeeded", actor="executor")
+    db_session.commit()
+    assert engine.wait_preloaded(1), "no preload hint"
+    assert engine.preloaded == [ModelRef(id="tunefleet-tiny-llama", path=str(settings.models_dir / "tiny-llama"))]
 
 
 def test_a_tenant_over_its_concurrent_limit_gets_429_with_retry_after(serving, engine, tenant_key) -> None:
