@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,12 +41,47 @@ def _alive(pid: int) -> bool:
     return bool(state.stdout.strip()) and not state.stdout.strip().startswith("Z")
 
 
+def _child(pid: int, role: str) -> int | None:
+    """The child of ``pid`` running the ``role`` command (``worker``, ``scheduler``, ``inference``)."""
+    for child in _children(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if role.encode() in argv:
+            return child
+    return None
+
+
+def _worker_killed_mid_stream_is_restarted(serve_pid: int, base: str, headers: dict[str, str],
+                                           log_path: Path) -> None:
+    """kill -9 the inference worker while a client streams: the stream ends with an error
+    event and [DONE] (no hang), serve restarts the worker, and the tenant's next request
+    (its only slot given back) is answered once the new worker has loaded the model."""
+    worker = _child(serve_pid, "inference")
+    assert worker is not None
+    body = {"model": "tunefleet-tiny-llama", "prompt": "hi", "max_tokens": 400, "n": 16, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", headers=headers, json=body, timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+        assert '"text_completion"' in next(lines)
+        os.kill(worker, signal.SIGKILL)
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]" and '"code":"inference_unavailable"' in rest[-2], rest[-3:]
+    _wait_for(lambda: f"inference worker (pid {worker}) exited with signal 9; restarting" in log_path.read_text())
+    again = httpx.post(f"{base}/v1/completions", headers=headers, timeout=300,
+                       json={"model": "tunefleet-tiny-llama", "prompt": "hi", "max_tokens": 2})
+    assert again.status_code == 200, again.text  # held while the new worker starts and loads the model
+    assert _child(serve_pid, "inference") not in (None, worker)
+
+
 @pytest.mark.slow
 def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
     port = free_port()
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEFLEET_")}
     env["OMP_NUM_THREADS"] = "1"
+    env["TUNEFLEET_INFERENCE_MAX_CONCURRENT_PER_TENANT"] = "1"  # a slot not given back shows as a 429
     log_path = tmp_path / "serve.log"
     log = log_path.open("w+")
     proc = subprocess.Popen(
@@ -90,6 +126,11 @@ def test_serve_starts_everything_and_stops_on_sigterm(tmp_path) -> None:
             assert time.monotonic() < deadline, "the inference worker did not come up"
             time.sleep(0.5)
         assert done.json()["model"] == "tunefleet-tiny-llama" and done.json()["usage"]["completion_tokens"] >= 1
+        _worker_killed_mid_stream_is_restarted(proc.pid, base, headers, log_path)
+        celery = _child(proc.pid, "worker")
+        os.kill(celery, signal.SIGKILL)  # any child that exits is started again
+        _wait_for(lambda: f"worker (pid {celery}) exited with signal 9; restarting" in log_path.read_text())
+        _wait_for(lambda: _child(proc.pid, "worker") not in (None, celery))
         children = _children(proc.pid)
         assert children, "no worker/scheduler subprocesses"
     finally:
