@@ -227,6 +227,15 @@ def _api_error(exc: Exception, model: str) -> APIError:
                     headers=headers)
 
 
+def _event_error(event: StreamEvent) -> APIError:
+    """A generation's ``error`` event as the caller's error: the worker stopping (a restart)
+    is worth a retry; anything else is a failed generation."""
+    if event.code == "worker_stopping":
+        return APIError(503, "inference_unavailable", "The inference worker restarted; retry.",
+                        headers={"Retry-After": "5"})
+    return APIError(500, "generation_failed", "The generation failed; retry, or report it.")
+
+
 async def _next(events: AsyncIterator[StreamEvent], deadline: float) -> StreamEvent | None:
     try:
         return await asyncio.wait_for(anext(events), max(deadline - time.perf_counter(), 0.001))
@@ -305,7 +314,7 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
         while (event := await _next(events, deadline)) is not None:
             tally.see(event)
             if event.type == "error":
-                raise APIError(500, "generation_failed", "The generation failed; retry, or report it.")
+                raise _event_error(event)
             if event.type == "text":
                 texts[event.index].append(event.text or "")
     except (TimeoutError, InferenceUnavailable) as exc:
@@ -382,8 +391,9 @@ async def _sse(events: AsyncIterator[StreamEvent], tally: _Tally, chunks: _Chunk
                 break
             tally.see(event)
             if event.type == "error":
-                outcome = "generation_failed"
-                yield _data(APIError(500, "generation_failed", "The generation failed; retry, or report it.").body())
+                error = _event_error(event)
+                outcome = error.code
+                yield _data(error.body())
                 break
             if event.type in ("text", "finish") and event.index not in opened and chunks.kind == "chat":
                 opened.add(event.index)

@@ -49,6 +49,7 @@ class ScriptedEngine:
         self.refusal: InferenceError | None = None
         self.held = self.gated = False
         self.delay_s = 0.0
+        self.fail_code: str | None = None  # an error event after start instead of the text
         self._changed = threading.Condition()
 
     def release(self) -> None:
@@ -124,6 +125,9 @@ class _ScriptedRun:
             if not self._wait_while("gated"):
                 return
             time.sleep(self.engine.delay_s)
+            if self.engine.fail_code is not None:
+                self.sink(StreamEvent(type="error", code=self.engine.fail_code, message="scripted"))
+                return
             for index in range(self.request.sampling.n):
                 self.sink(StreamEvent(type="text", index=index, text="Hel"))
                 self.sink(StreamEvent(type="text", index=index, text="lo"))
@@ -364,6 +368,14 @@ def test_worker_refusals_and_failures_are_clear_errors(serving, engine, tenant_k
                         ({"n": 17}, "invalid_request")):
         refused = post(base_url, **extra)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == code, (extra, refused.text)
+
+    # The worker stopping under a generation (serve restarts it): worth a retry, mid-stream too.
+    engine.fail_code = "worker_stopping"
+    stopped = post(base_url)
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "inference_unavailable"
+    streamed = post(base_url, stream=True).text.split("\n\n")
+    assert '"code":"inference_unavailable"' in streamed[-3] and streamed[-2] == "data: [DONE]", streamed
+    engine.fail_code = None
 
     engine.delay_s = 2.0
     slow = post(serving(inference_timeout_s=0.5))
