@@ -111,6 +111,10 @@ def inference(
     max_adapters: Annotated[int, typer.Option(help="LoRA adapters kept loaded per base model.")] = 8,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: cuda if present).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    turn_tokens: Annotated[int | None, typer.Option(
+        help="Tokens a generation computes per turn before another tenant's gets the model (default 16).")] = None,
+    stall_limit_s: Annotated[float | None, typer.Option(
+        help="/healthz answers 503 once a generation holds a model this long without a token (default 300).")] = None,
     fd: Annotated[int | None, typer.Option(help="Serve on this inherited listening socket (set by serve).",
                                            hidden=True)] = None,
 ) -> None:
@@ -125,6 +129,8 @@ def inference(
             "--max-adapters", str(max_adapters)]
     args += ["--device", device] if device else []
     args += ["--threads", str(threads)] if threads else []
+    args += ["--turn-tokens", str(turn_tokens)] if turn_tokens else []
+    args += ["--stall-limit-s", str(stall_limit_s)] if stall_limit_s else []
     args += ["--fd", str(fd)] if fd is not None else []
     raise typer.Exit(main(args))
 
