@@ -18,6 +18,7 @@ from api import observability, rate_limits, webhooks
 from api.admin import routes as admin
 from api.artifacts import artifact_store, file_store
 from api.body_limit import BodySizeLimitMiddleware
+from api.checkpoint_permissions import routes as checkpoint_permissions
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.files import routes as files
@@ -73,7 +74,8 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
-    for module in (health, files, uploads, jobs, outputs, models, reports, admin, fleet_routes, inference):
+    for module in (health, files, uploads, jobs, checkpoint_permissions, outputs, models, reports, admin,
+                   fleet_routes, inference):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
