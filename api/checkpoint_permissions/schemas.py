@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import Field, StringConstraints
 
 from api.db.base import to_unix
 from api.db.models import CheckpointPermission
-from api.schemas.common import ListPublic, Strict
+from api.schemas.common import ListPublic, PublicObject, Strict
 
 # Tenants one request may grant (OpenAI sets no number; the list must stay a request's worth).
 MAX_PROJECT_IDS = 100
@@ -22,7 +22,7 @@ class PermissionCreate(Strict):
         description="Ids of the organizations (tenants, org-...) of this service to share the model with.")
 
 
-class CheckpointPermissionPublic(BaseModel):
+class CheckpointPermissionPublic(PublicObject):
     """OpenAI's ``checkpoint.permission``; ``project_id`` is the tenant the model is shared with."""
 
     id: str
@@ -38,7 +38,7 @@ class CheckpointPermissionPublic(BaseModel):
 CheckpointPermissionsPublic = ListPublic[CheckpointPermissionPublic]
 
 
-class CheckpointPermissionDeleted(BaseModel):
+class CheckpointPermissionDeleted(PublicObject):
     id: str
     object: Literal["checkpoint.permission"] = "checkpoint.permission"
     deleted: bool = True

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import Field, StringConstraints
 
 from api.db.base import to_unix
 from api.db.models import Upload, UploadPart
 from api.files.commands import MAX_EXPIRY_S, MIN_EXPIRY_S
 from api.files.schemas import FilePublic
-from api.schemas.common import AcceptWholeFloats, Strict
+from api.schemas.common import AcceptWholeFloats, PublicObject, Strict
 from api.uploads.queries import status_now
 
 # S3 puts at most 10,000 parts in one object, and so does an upload here.
@@ -46,7 +46,7 @@ class UploadComplete(Strict):
         None, description="The md5 of the whole file (hex): the parts put together in this order must match it.")
 
 
-class UploadPublic(BaseModel):
+class UploadPublic(PublicObject):
     """OpenAI's ``upload``; ``file`` is the File once the upload is completed."""
 
     id: str
@@ -68,7 +68,7 @@ class UploadPublic(BaseModel):
         )
 
 
-class UploadPartPublic(BaseModel):
+class UploadPartPublic(PublicObject):
     """OpenAI's ``upload.part``."""
 
     id: str
