@@ -116,11 +116,12 @@ def test_a_character_may_span_two_parts_but_a_file_that_is_not_utf8_is_refused(c
     line = json.dumps({"messages": [{"role": "user", "content": "Un café ?"},
                                     {"role": "assistant", "content": "Oui."}]}, ensure_ascii=False).encode() + b"\n"
     cut = line.index("é".encode()) + 1  # between the two bytes of the é
-    upload = _create(client, headers, len(line))
+    upload = _create(client, headers, len(line), expires_after={"anchor": "created_at", "seconds": 7200})
     parts = [_part_id(client, headers, upload["id"], line[:cut]), _part_id(client, headers, upload["id"], line[cut:])]
     done = _complete(client, headers, upload["id"], parts)
     assert done.status_code == 200, done.text
-    assert done.json()["file"]["status"] == "processed"
+    made = done.json()["file"]
+    assert made["status"] == "processed" and made["expires_at"] == made["created_at"] + 7200
 
     bad = line.replace("é".encode(), b"\xe9")
     upload = _create(client, headers, len(bad))
