@@ -22,6 +22,7 @@ from api.errors import install_error_handlers
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
+from api.graders import routes as graders
 from api.health import routes as health
 from api.inference import routes as inference
 from api.jobs import routes as jobs
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
-    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):
+    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference, graders):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
