@@ -68,9 +68,10 @@ def test_endless_allocation_hits_the_memory_limit() -> None:
     assert (reward, code) == (None, "memory_limit")
 
 
-def test_huge_output_is_cut_off() -> None:
+def test_huge_output_is_cut_off_and_closed_output_ends_the_process() -> None:
     assert only(run("print('x' * (10 << 20))\nreturn 1.0"))[1] == "output_limit"
     assert only(run("os.write(1, b'y' * (10 << 20))\nreturn 1.0"))[1] == "output_limit"
+    assert only(run("os.close(1)\nos.close(2)\nwhile True:\n    pass"))[1] == "crashed"
 
 
 def test_a_grader_that_misbehaves_answers_a_runtime_error() -> None:

@@ -228,8 +228,13 @@ class PythonGraderProcess:
                 self._stop(SandboxStopped(OUTPUT_LIMIT, f"the grader printed over {self.limits.output_bytes} bytes"))
 
     def _death(self) -> SandboxStopped:
-        """Why the process ended (it closed its output)."""
-        status = self._process.wait()
+        """Why the process ended (it closed its output; a grader may close it and go on)."""
+        try:
+            status = self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            self._process.wait()
+            return SandboxStopped(CRASHED, "the grader closed its output")
         if status == -signal.SIGSYS:
             return SandboxStopped(FORBIDDEN_SYSCALL, "the grader made a system call the sandbox forbids "
                                                      "(network, processes, programs, other processes)")
