@@ -100,6 +100,19 @@ model_load_failed              503   completions: the base model failed to load 
 adapter_load_failed            503   completions: the adapter does not load on its base model
 adapter_not_found              404   completions: the model's adapter files are gone from storage
 inference_timeout              504   completions: longer than ``TUNEFLEET_INFERENCE_TIMEOUT_S``
+invalid_grader                 400   graders: a malformed grader object (``param`` = the field), e.g. an
+                                     unknown type, a missing field, a multi grader inside a multi grader
+invalid_grader_template        400   graders: a ``{{ }}`` template with another namespace than item and
+                                     sample, an unknown sample variable, or broken syntax
+invalid_grader_formula         400   graders: a multi grader's ``calculate_output`` that does not parse,
+                                     names no sub-grader, or uses what the formulas do not offer
+invalid_python_grader          400   graders: a python grader whose source does not compile, is over
+                                     256 kB, or defines no ``grade(sample, item)``
+unsupported_evaluation_metric  400   graders: ``cosine`` (evals only), or ``meteor`` without its WordNet data
+invalid_grader_model           400   graders: a score_model grader's ``model`` that this service does not
+                                     serve to the caller (nor allows at its external grader endpoint)
+graders_busy                   429   graders: python graders of the organization (or of the whole
+                                     service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """

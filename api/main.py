@@ -24,6 +24,7 @@ from api.errors import install_error_handlers
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
+from api.graders import routes as graders
 from api.health import routes as health
 from api.inference import routes as inference
 from api.jobs import routes as jobs
@@ -75,7 +76,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
     for module in (health, files, uploads, jobs, checkpoint_permissions, outputs, models, reports, admin,
-                   fleet_routes, inference):
+                   fleet_routes, inference, graders):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
