@@ -18,7 +18,7 @@ import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from api.settings import Settings
 
 CHUNK = 1024 * 1024
+# What the S3 store holds in memory while it writes a stream: one part of a multipart
+# upload (S3 wants at least 5 MiB in every part but the last).
+S3_STREAM_PART = 8 * 1024 * 1024
 
 
 def safe_key(name: str) -> str:
@@ -72,6 +75,10 @@ class ArtifactStore(Protocol):
 
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        """Write ``chunks`` as one object without holding more than a part of it in memory;
+        nothing is left at ``key`` when ``chunks`` raises."""
+
     def read_bytes(self, key: str) -> bytes: ...
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
@@ -81,6 +88,9 @@ class ArtifactStore(Protocol):
     def size(self, key: str) -> int: ...
 
     def delete(self, key: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under the folder ``prefix`` (nothing when there is none)."""
 
     def list(self, prefix: str = "") -> list[str]: ...
 
@@ -135,6 +145,21 @@ class LocalArtifactStore:
         tmp.write_bytes(data)
         os.replace(tmp, target)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".partial")
+        # Tenant data: readable by the service's user only, like an upload's temporary file.
+        handle = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        try:
+            with handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, target)
+
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
@@ -151,6 +176,11 @@ class LocalArtifactStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        folder = self._path(prefix)
+        if folder.is_dir():
+            shutil.rmtree(folder)
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
@@ -196,6 +226,41 @@ class S3ArtifactStore:
     def put_bytes(self, key: str, data: bytes) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        """One PUT for a stream shorter than ``S3_STREAM_PART``, else a multipart upload of
+        parts of that size (aborted if ``chunks`` raises, so S3 keeps no orphan parts)."""
+        target = self._key(key)
+        buffer = bytearray()
+        upload_id: str | None = None
+        parts: list[dict[str, object]] = []
+
+        def flush() -> None:
+            nonlocal upload_id
+            if upload_id is None:
+                upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=target)["UploadId"]
+            number = len(parts) + 1
+            answer = self._client.upload_part(Bucket=self.bucket, Key=target, UploadId=upload_id,
+                                              PartNumber=number, Body=bytes(buffer))
+            parts.append({"ETag": answer["ETag"], "PartNumber": number})
+            buffer.clear()
+
+        try:
+            for chunk in chunks:
+                buffer += chunk
+                if len(buffer) >= S3_STREAM_PART:
+                    flush()
+            if upload_id is None:
+                self._client.put_object(Bucket=self.bucket, Key=target, Body=bytes(buffer))
+                return
+            if buffer:
+                flush()
+            self._client.complete_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id,
+                                                   MultipartUpload={"Parts": parts})
+        except BaseException:
+            if upload_id is not None:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id)
+            raise
+
     def read_bytes(self, key: str) -> bytes:
         return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
@@ -219,6 +284,14 @@ class S3ArtifactStore:
 
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key(prefix) + "/")
+        for page in pages:  # at most 1,000 keys a page, as many as one delete_objects takes
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:
+                self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
 
     def list(self, prefix: str = "") -> list[str]:
         full = self._key(prefix) if prefix else self.prefix

@@ -15,7 +15,8 @@ missing_api_key                401   no ``Authorization: Bearer`` header
 invalid_api_key                401   unknown, malformed or revoked key
 invalid_job_token              401   report endpoint: wrong or missing job token
 job_token_expired              401   report endpoint: the job stopped running over a minute ago
-permission_denied              403   an admin-only route with a tenant key
+permission_denied              403   an admin-only route with a tenant key; a checkpoint's
+                                     permissions managed by a tenant it is shared with
 not_found                      404   unknown route, or an object of another tenant
 method_not_allowed             405   wrong HTTP method
 invalid_json                   400   the body is not valid JSON (or not UTF-8)
@@ -44,9 +45,21 @@ invalid_file                   400   training/validation file missing, invalid o
                                      another tenant (``param`` = the field)
 file_not_ready                 400   the file is still being validated
 file_in_use                    409   deleting a file that a live job still needs
-empty_file                     400   an upload with zero bytes
-not_utf8                       400   an upload that is not UTF-8 text
-file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES``
+empty_file                     400   an upload (or an upload's part) with zero bytes
+not_utf8                       400   an upload that is not UTF-8 text (an upload in parts: at
+                                     completion)
+file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES`` (``POST
+                                     /v1/uploads``: its ``bytes``), or a part over 64 MiB
+upload_not_pending             409   a part, completion or cancel of an upload already
+                                     completed, cancelled or expired
+upload_size_mismatch           400   parts that hold more than the upload's ``bytes``, or
+                                     (completion) not exactly as many
+invalid_part_ids               400   completion: an id twice, one not a part of this upload
+                                     (``param`` = ``part_ids[i]``), or a part left out
+md5_mismatch                   400   completion: the parts in this order do not have that md5
+too_many_parts                 400   an upload's 10,001st part
+invalid_project_id             400   a checkpoint permission for no tenant, or for its owner
+permission_conflict            409   concurrent grants of one checkpoint kept colliding
 request_too_large              413   any other body over ``TUNEFLEET_MAX_REQUEST_BYTES`` (before auth)
 idempotency_conflict           409   an ``Idempotency-Key`` reused with another body
 invalid_state_transition       409   e.g. cancelling a succeeded job
@@ -93,6 +106,19 @@ model_load_failed              503   completions: the base model failed to load 
 adapter_load_failed            503   completions: the adapter does not load on its base model
 adapter_not_found              404   completions: the model's adapter files are gone from storage
 inference_timeout              504   completions: longer than ``TUNEFLEET_INFERENCE_TIMEOUT_S``
+invalid_grader                 400   graders: a malformed grader object (``param`` = the field), e.g. an
+                                     unknown type, a missing field, a multi grader inside a multi grader
+invalid_grader_template        400   graders: a ``{{ }}`` template with another namespace than item and
+                                     sample, an unknown sample variable, or broken syntax
+invalid_grader_formula         400   graders: a multi grader's ``calculate_output`` that does not parse,
+                                     names no sub-grader, or uses what the formulas do not offer
+invalid_python_grader          400   graders: a python grader whose source does not compile, is over
+                                     256 kB, or defines no ``grade(sample, item)``
+unsupported_evaluation_metric  400   graders: ``cosine`` (evals only), or ``meteor`` without its WordNet data
+invalid_grader_model           400   graders: a score_model grader's ``model`` that this service does not
+                                     serve to the caller (nor allows at its external grader endpoint)
+graders_busy                   429   graders: python graders of the organization (or of the whole
+                                     service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """

@@ -9,6 +9,7 @@ through ``api.deps``. It does not migrate the database: ``tunefleet db upgrade``
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from fastapi import FastAPI
@@ -17,11 +18,13 @@ from api import observability, rate_limits, webhooks
 from api.admin import routes as admin
 from api.artifacts import artifact_store, file_store
 from api.body_limit import BodySizeLimitMiddleware
+from api.checkpoint_permissions import routes as checkpoint_permissions
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
+from api.graders import routes as graders
 from api.health import routes as health
 from api.inference import preload
 from api.inference import routes as inference
@@ -36,6 +39,7 @@ from api.queue import CeleryQueue, TaskQueue
 from api.reports import routes as reports
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
+from api.uploads import routes as uploads
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,8 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
-    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):
+    for module in (health, files, uploads, jobs, checkpoint_permissions, outputs, models, reports, admin,
+                   fleet_routes, inference, graders):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
@@ -121,6 +126,11 @@ def _ensure_admin_key(settings: Settings) -> None:
         print(f"tunefleet: the first admin API key (shown once): {new_key}", flush=True)
 
 
+_UPLOAD_PART = re.compile(r"^/v1/uploads/[^/]+/parts$")
+
+
 def _is_file_upload(scope: dict) -> bool:
-    """``POST /v1/files`` streams its body to disk under its own limit (api/files/uploads.py)."""
-    return scope.get("method") == "POST" and scope.get("path") == "/v1/files"
+    """``POST /v1/files`` and ``POST /v1/uploads/{id}/parts`` stream their bodies to disk
+    under their own limits (api/files/uploads.py)."""
+    path = scope.get("path", "")
+    return scope.get("method") == "POST" and (path == "/v1/files" or _UPLOAD_PART.match(path) is not None)

@@ -31,13 +31,16 @@ import os
 import secrets
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.ids import key_prefix
+
+if TYPE_CHECKING:
+    from trainers.common.graders.sandbox import SandboxLimits
 
 MiB = 1024 * 1024
 _UNSAFE_SECRETS = {"", "changeme", "change-me", "secret", "dev", "development", "test"}
@@ -180,6 +183,26 @@ class Settings(BaseSettings):
     webhook_retry_max_s: float = Field(default=3600.0, gt=0)
     webhook_timeout_s: float = Field(default=10.0, gt=0, description="Per attempt (connect + response).")
     webhook_rotation_grace_s: int = Field(default=86400, ge=0, le=7 * 86400)
+    # Graders (POST /v1/fine_tuning/alpha/graders/*, trainers.common.graders): a python
+    # grader runs in a sandboxed process under these limits; a score_model grader asks a
+    # model this service serves, or, for the models grader_external_models names, the
+    # OpenAI-compatible endpoint grader_external_url (checked like a webhook target).
+    grader_memory_bytes: int = Field(default=1 << 30, ge=64 << 20,
+                                     description="Address space of a python grader's process.")
+    grader_seconds_per_sample: float = Field(default=10.0, gt=0, le=600,
+                                             description="Longest a python grader may take on one sample.")
+    grader_seconds_per_call: float = Field(default=60.0, gt=0, le=3600,
+                                           description="Longest one graders/run may spend in python graders.")
+    grader_output_bytes: int = Field(default=65536, ge=1024,
+                                     description="What a python grader may print (and answer) per sample.")
+    grader_max_concurrent: int = Field(default=4, ge=1,
+                                       description="Python graders running at once in one API process (more: 429).")
+    grader_max_concurrent_per_tenant: int = Field(default=1, ge=1,
+                                                  description="Python graders a tenant may have running at once.")
+    grader_external_url: str | None = Field(default=None, description="An OpenAI-compatible /v1 base URL.")
+    grader_external_models: str | None = Field(
+        default=None, description="Models (comma-separated) score_model graders may ask at grader_external_url.")
+    grader_external_api_key: SecretStr | None = None
 
     @field_validator("kueue_priority_classes")
     @classmethod
@@ -349,6 +372,13 @@ class Settings(BaseSettings):
         urls = (self.resolved_database_url, self.resolved_broker_url)
         return [Path(url.split(":///", 1)[1]) for url in urls
                 if url.startswith(("sqlite:///", "sqla+sqlite:///")) and ":memory:" not in url]
+
+    def grader_limits(self) -> SandboxLimits:
+        """The python graders' sandbox limits (``trainers.common.graders.sandbox``)."""
+        from trainers.common.graders.sandbox import SandboxLimits
+
+        return SandboxLimits(memory_bytes=self.grader_memory_bytes, seconds_per_sample=self.grader_seconds_per_sample,
+                             seconds_per_call=self.grader_seconds_per_call, output_bytes=self.grader_output_bytes)
 
     def inference_secret_value(self) -> str:
         """What the API and the inference worker authenticate their channel with."""

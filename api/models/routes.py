@@ -1,5 +1,6 @@
 """``/v1/models``: base models of the registry (the YAML file's and those admins register
-here) and the tenant's fine-tuned adapters (which the tenant may delete)."""
+here), the tenant's fine-tuned adapters (which the tenant may delete) and the adapters other
+tenants share with it (``api.checkpoint_permissions``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
+from api.checkpoint_permissions.queries import shared_with
 from api.db.base import to_unix
-from api.db.models import Job, RegisteredModel
+from api.db.models import CheckpointPermission, Job, RegisteredModel
 from api.deps import (
     AdminDep,
     BaseModelsDep,
@@ -47,6 +49,10 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
+def _shared(permission: CheckpointPermission, job: Job) -> dict[str, Any]:
+    return {**_adapter(job), "id": permission.model, "created": to_unix(permission.created_at)}
+
+
 @router.get("", response_model=ModelsPublic)
 def list_models(
     session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep, started_at: StartedAtDep
@@ -56,6 +62,7 @@ def list_models(
     ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
     data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
     data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
+    data += [_shared(p, j) for p, j in shared_with(session, tenant.id)]
     return {"object": "list", "data": data}
 
 
@@ -81,9 +88,12 @@ def retrieve_model(
     if row is not None:
         return _registered(row)
     job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
-    if job is None:
+    if job is not None:
+        return _adapter(job)
+    shared = next(((p, j) for p, j in shared_with(session, tenant.id) if p.model == model_id), None)
+    if shared is None:
         raise not_found("model", model_id)
-    return _adapter(job)
+    return _shared(*shared)
 
 
 @router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))

@@ -28,6 +28,13 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PublicObject(BaseModel):
+    """An object as answered: every field is always sent, so the document marks each one
+    required, those with a default (``object``) and those that may be null included."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
 class ListPublic(BaseModel, Generic[T]):
     """``{"object": "list", "data": [...], "has_more": bool, "first_id", "last_id"}``."""
 

@@ -178,6 +178,8 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
             queue.send("tunefleet.sweep_stale_validations")
             # Delete uploads past their expires_after that no unfinished job uses.
             queue.send("tunefleet.delete_expired_files")
+            # End uploads left pending past their hour, and delete their parts.
+            queue.send("tunefleet.expire_uploads")
             last_sweep = started
         try:
             result = run_once(components)
