@@ -46,11 +46,14 @@ from starlette.types import Receive, Scope, Send
 
 from api.errors import APIError
 from api.ids import new_id
+from api.inference.served_models import ServedModel
+from api.settings import Settings
 from inference.client import (
     GenerationRequest,
     InferenceClient,
     InferenceRejected,
     InferenceUnavailable,
+    ModelRef,
     StreamEvent,
 )
 
@@ -159,6 +162,14 @@ class _Tally:
             elapsed = time.perf_counter() - self.first_text_at
             if elapsed > 0:
                 DECODE_RATE.observe((self.completion_tokens - 1) / elapsed)
+
+
+def local_routing(served: ServedModel, tenant_id: str, settings: Settings) -> dict[str, Any]:
+    """A generation request's models for the embedded worker (local paths), whose turn it
+    takes, and how long it may wait for its base model to load."""
+    adapter = None if served.adapter_path is None else ModelRef(id=served.id, path=served.adapter_path)
+    return {"base": ModelRef(id=served.base.id, path=served.base.path), "adapter": adapter, "tenant": tenant_id,
+            "load_wait_s": min(settings.inference_load_wait_s, settings.inference_timeout_s)}
 
 
 def endpoint_name(kind: Kind) -> str:

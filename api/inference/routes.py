@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import BaseModelsDep, CurrentTenant, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
-from api.inference.completions import serve_completion
+from api.inference.completions import local_routing, serve_completion
 from api.inference.proxy import proxy_completion
 from api.inference.schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -31,7 +31,7 @@ from api.inference.schemas import (
 from api.inference.served_models import ServedModel, resolve_served_model
 from api.settings import Settings
 from inference.client import GenerationRequest
-from inference.protocol import ModelRef, Sampling
+from inference.protocol import Sampling
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
@@ -58,14 +58,6 @@ def _sampling(body: ChatCompletionCreate | CompletionCreate, asked: int | None, 
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                     stop=body.stop_sequences(), n=body.n or 1)
-
-
-def _routing(served: ServedModel, tenant_id: str, settings: Settings) -> dict[str, Any]:
-    """The generation request's models (local paths), whose turn it takes, and how long it
-    may wait for its base model to load."""
-    adapter = None if served.adapter_path is None else ModelRef(id=served.id, path=served.adapter_path)
-    return {"base": ModelRef(id=served.base.id, path=served.base.path), "adapter": adapter, "tenant": tenant_id,
-            "load_wait_s": min(settings.inference_load_wait_s, settings.inference_timeout_s)}
 
 
 async def _resolve(session: Session, tenant_id: str, settings: Settings, base_models: BaseModelsDep,
@@ -109,7 +101,7 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, s
                                       stream=bool(body.stream))
     tools = tuple(body.tools) if body.tools and body.tool_choice != "none" else None
     generation = GenerationRequest(
-        **_routing(served, tenant.id, settings), tools=tools,
+        **local_routing(served, tenant.id, settings), tools=tools,
         messages=tuple(_text_content(m, i) for i, m in enumerate(body.messages)),
         sampling=_sampling(body, body.max_completion_tokens or body.max_tokens, DEFAULT_CHAT_MAX_TOKENS),
     )
@@ -131,7 +123,7 @@ async def create_completion(body: CompletionCreate, request: Request, session: S
     if served.base.inference_url is not None:
         return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
                                       path="/v1/completions", endpoint="completions", stream=bool(body.stream))
-    generation = GenerationRequest(**_routing(served, tenant.id, settings), prompt=prompts[0],
+    generation = GenerationRequest(**local_routing(served, tenant.id, settings), prompt=prompts[0],
                                    sampling=_sampling(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
     return await serve_completion(request, tenant.id, generation, kind="text", model=body.model,
                                   stream=bool(body.stream),

@@ -29,116 +29,54 @@ from inference.engine import InferenceError, ModelLoading
 from inference.protocol import ModelRef, StreamEvent
 from inference.server import create_app as worker_app
 from tests.api.conftest import start_running
+from tests.inference.scripted import ScriptedEngine
 
 SECRET = "s" * 32
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-class ScriptedEngine:
-    """Answers every request with "Hel" + "lo" per choice (3 tokens, length), each on a thread
-    of its own as the real engine does; records the requests and which of them were cancelled.
+class HelloEngine(ScriptedEngine):
+    """Answers every request with "Hel" + "lo" per choice (3 tokens, length).
 
     ``loading`` / ``refusal``: refuse instead; ``held``: wait before the ``start`` event (a
-    model loading, a turn awaited) and ``gated``: after it, until :meth:`release`."""
+    model loading, a turn awaited) and ``gated``: after it, until :meth:`release`;
+    ``fail_code``: an error event after ``start`` instead of the text."""
 
     def __init__(self) -> None:
-        self.requests: list[Any] = []
-        self.cancelled: list[Any] = []
-        self.preloaded: list[Any] = []
+        super().__init__()
         self.loading = False
         self.refusal: InferenceError | None = None
         self.held = self.gated = False
         self.delay_s = 0.0
-        self.fail_code: str | None = None  # an error event after start instead of the text
-        self._changed = threading.Condition()
+        self.fail_code: str | None = None
 
     def release(self) -> None:
-        with self._changed:
-            self.held = self.gated = False
-            self._changed.notify_all()
+        self.held = self.gated = False
+        self.changed()
 
-    def start(self, request, sink):
-        with self._changed:
-            self.requests.append(request)
-            self._changed.notify_all()
-        run = _ScriptedRun(self, request, sink)
-        threading.Thread(target=run.play, daemon=True).start()
-        return run
-
-    def wait_requests(self, count: int, timeout: float = 30) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: len(self.requests) >= count, timeout)
-
-    def wait_cancelled(self, count: int = 1, timeout: float = 10) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: len(self.cancelled) >= count, timeout)
-
-    def status(self) -> dict[str, Any]:
-        return {}
-
-    def stalled_s(self) -> float:
-        return 0.0
-
-    def cancel_all(self, reason=None) -> None:
-        pass
-
-    def preload(self, ref) -> str:
-        with self._changed:
-            self.preloaded.append(ref)
-            self._changed.notify_all()
-        return "loading"
-
-    def wait_preloaded(self, count: int, timeout: float = 10) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: len(self.preloaded) >= count, timeout)
-
-
-class _ScriptedRun:
-    def __init__(self, engine: ScriptedEngine, request, sink) -> None:
-        self.engine, self.request, self.sink = engine, request, sink
-        self.stopped = False
-
-    def cancel(self, reason=None) -> None:
-        with self.engine._changed:
-            if not self.stopped:
-                self.stopped = True
-                self.engine.cancelled.append(self.request)
-            self.engine._changed.notify_all()
-
-    def _wait_while(self, flag: str) -> bool:
-        """False if cancelled while ``flag`` held it."""
-        with self.engine._changed:
-            self.engine._changed.wait_for(lambda: self.stopped or not getattr(self.engine, flag), 60)
-            return not self.stopped
-
-    def play(self) -> None:
-        try:
-            if self.engine.loading:
-                self.sink(ModelLoading(self.request.base.id))
-                return
-            if self.engine.refusal is not None:
-                self.sink(self.engine.refusal)
-                return
-            if not self._wait_while("held"):
-                return
-            self.sink(StreamEvent(type="start", prompt_tokens=5, queued_s=0.0))
-            if not self._wait_while("gated"):
-                return
-            time.sleep(self.engine.delay_s)
-            if self.engine.fail_code is not None:
-                self.sink(StreamEvent(type="error", code=self.engine.fail_code, message="scripted"))
-                return
-            for index in range(self.request.sampling.n):
-                self.sink(StreamEvent(type="text", index=index, text="Hel"))
-                self.sink(StreamEvent(type="text", index=index, text="lo"))
-                self.sink(StreamEvent(type="finish", index=index, finish_reason="length", completion_tokens=3))
-        finally:
-            self.sink(None)
+    def generate(self, request):
+        if self.loading:
+            raise ModelLoading(request.base.id)
+        if self.refusal is not None:
+            raise self.refusal
+        if not self.wait_until(lambda: not self.held):
+            return
+        yield StreamEvent(type="start", prompt_tokens=5, queued_s=0.0)
+        if not self.wait_until(lambda: not self.gated):
+            return
+        time.sleep(self.delay_s)
+        if self.fail_code is not None:
+            yield StreamEvent(type="error", code=self.fail_code, message="scripted")
+            return
+        for index in range(request.sampling.n):
+            yield StreamEvent(type="text", index=index, text="Hel")
+            yield StreamEvent(type="text", index=index, text="lo")
+            yield StreamEvent(type="finish", index=index, finish_reason="length", completion_tokens=3)
 
 
 @pytest.fixture
-def engine() -> ScriptedEngine:
-    return ScriptedEngine()
+def engine() -> HelloEngine:
+    return HelloEngine()
 
 
 @pytest.fixture
