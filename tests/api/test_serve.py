@@ -211,3 +211,23 @@ def test_children_die_with_a_supervisor_killed_by_sigkill() -> None:
     parent.kill()  # before or after the child asked for its parent's death signal: it ends either way
     parent.wait()
     _wait_for(lambda: not _alive(child), timeout=60)
+
+
+def test_the_inference_probe_fails_on_a_stalled_model_and_on_no_answer(live_server) -> None:
+    from inference.server import create_app as worker_app
+    from tests.inference.scripted import ScriptedEngine
+    from tunefleet.cli.operator import _inference_probe
+
+    class Stalled(ScriptedEngine):
+        stalled = 0.0
+
+        def stalled_s(self) -> float:
+            return self.stalled
+
+    engine, secret = Stalled(), "p" * 32
+    url = live_server(worker_app(engine, secret, stall_limit_s=60))
+    assert _inference_probe(url, secret)()
+    engine.stalled = 61.0  # a generation holds its model without a token for longer than the limit
+    assert not _inference_probe(url, secret)()
+    assert not _inference_probe(url, "q" * 32)()  # a worker that refuses the probe
+    assert not _inference_probe(f"http://127.0.0.1:{free_port()}", secret)()  # nobody listens
