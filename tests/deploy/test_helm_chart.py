@@ -448,6 +448,22 @@ def test_the_service_accepts_the_rendered_production_settings(component, monkeyp
     assert settings.k8s_namespace == "tunefleet-training"
 
 
+def test_an_http_public_url_starts_only_with_the_operators_opt_in(monkeypatch):
+    base = {**load_values("two-pools-taints"), "publicUrl": "http://tunefleet.example.com"}
+
+    def api_settings(values: dict) -> object:
+        docs = tuple(d for path, text in sorted(render(values).items()) if path.endswith(".yaml")
+                     for d in yaml.safe_load_all(text) if d)
+        container = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]["containers"][0]
+        return settings_from(resolved_env(docs, container), monkeypatch)
+
+    with pytest.raises(ValueError, match="TUNEFLEET_ALLOW_HTTP_PUBLIC_URL"):
+        api_settings(base)
+    assert api_settings({**base, "allowHttpPublicUrl": True}).allow_http_public_url is True
+    # The chart's own in-cluster address (publicUrl empty) is http by construction.
+    assert api_settings({**base, "publicUrl": ""}).public_url.startswith("http://")
+
+
 def test_without_a_database_the_service_refuses_to_start_and_says_what_to_set(monkeypatch):
     docs = rendered_docs("default")
     container = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]["containers"][0]
