@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     # of org/name, comma-separated, e.g. "Qwen/Qwen3-*,meta-llama/*". Unset: the Hub is off.
     # huggingface_hub reads HF_TOKEN and HF_ENDPOINT (operator-set) from the environment.
     hub_allowed_repos: str | None = None
+    # Directories under which admins may register a local checkpoint (POST /v1/models),
+    # comma-separated; a source is resolved (symlinks, ``..``) before it is compared.
+    # Unset: <data>/models only.
+    model_roots: str | None = None
     hub_timeout_s: float = Field(default=30.0, gt=0, description="Per Hub request (metadata, read).")
     max_upload_bytes: int = Field(default=512 * MiB, ge=1)
     # Every other request body (JSON, forms, trainer reports), checked before routing.
@@ -352,6 +356,12 @@ class Settings(BaseSettings):
     @property
     def tmp_dir(self) -> Path:
         return self.data_path / "tmp"
+
+    @property
+    def model_root_dirs(self) -> tuple[Path, ...]:
+        """Where local checkpoints may be registered from, symlinks resolved."""
+        entries = [e.strip() for e in (self.model_roots or "").split(",") if e.strip()]
+        return tuple(Path(e).resolve() for e in entries) or (self.models_dir.resolve(),)
 
     def job_dir(self, job_id: str) -> Path:
         """``<data>/jobs/<job_id>``: the job's spec, trainer.log and local checkpoints."""
