@@ -29,6 +29,7 @@ import hmac
 import ipaddress
 import math
 import os
+import re
 import secrets
 import socket
 from functools import lru_cache
@@ -452,11 +453,16 @@ def _networks(value: str | None) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6
 
 
 def guessable(secret: str) -> bool:
-    """Whether ``secret`` falls to fewer than 2**MIN_SECRET_BITS guesses by zxcvbn's estimate
-    (which looks at 72 characters at most: a secret whose first 72 are strong is strong)."""
+    """Whether ``secret`` falls to fewer than 2**MIN_SECRET_BITS guesses by zxcvbn's estimate,
+    the lower of the secret's and of its letters and digits alone: zxcvbn prices the
+    punctuation between words as brute force, so ``change-me-to-a-random-token`` would
+    otherwise pass. It looks at 72 characters at most (a strong start makes a strong secret)."""
     from zxcvbn import zxcvbn
 
-    return zxcvbn(secret[:72])["guesses_log10"] * math.log2(10) < MIN_SECRET_BITS
+    def bits(text: str) -> float:
+        return zxcvbn(text[:72])["guesses_log10"] * math.log2(10) if text else 0.0
+
+    return min(bits(secret), bits(re.sub(r"[^A-Za-z0-9]", "", secret))) < MIN_SECRET_BITS
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -64,6 +64,9 @@ def test_real_production_settings_pass() -> None:
     ({"secret_key": "abcdefghijklmnopqrstuvwxyz012345"}, "TUNEFLEET_SECRET_KEY"),
     ({"secret_key": "qwertyuiopasdfghjklzxcvbnm1234567890"}, "TUNEFLEET_SECRET_KEY"),
     ({"secret_key": "Tunefleet-Production-Secret-2026!"}, "TUNEFLEET_SECRET_KEY"),
+    # The placeholders of .env.example: words with punctuation between them.
+    ({"secret_key": "change-me-to-48-random-characters-000000000000000"}, "TUNEFLEET_SECRET_KEY"),
+    ({"metrics_token": "change-me-to-a-random-metrics-token"}, "TUNEFLEET_METRICS_TOKEN"),
     ({"admin_api_key": "tf_aaaaaaaa_" + "a" * 32}, "TUNEFLEET_ADMIN_API_KEY"),
     ({"admin_api_key": "tf_abcd1234_" + "0123456789abcdef" * 2}, "TUNEFLEET_ADMIN_API_KEY"),
     ({"metrics_token": "prometheus-scrape-token"}, "TUNEFLEET_METRICS_TOKEN"),
