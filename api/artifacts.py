@@ -19,8 +19,9 @@ import os
 import shutil
 import stat
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from api.errors import APIError
 from api.settings import resolved_dir
@@ -65,6 +66,24 @@ def _has_symlink(root: str, key: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class OpenedObject:
+    """A stored object opened for reading: its size, and its bytes in chunks. Once opened
+    it is read whole even if it is deleted meanwhile (a local file through its handle, an
+    S3 object through the GET that started)."""
+
+    size: int
+    chunks: Iterator[bytes]
+
+
+def _read_chunks(handle: IO[bytes], chunk_size: int) -> Iterator[bytes]:
+    try:
+        while chunk := handle.read(chunk_size):
+            yield chunk
+    finally:
+        handle.close()
+
+
 class ArtifactStore(Protocol):
     """A rooted key -> bytes store."""
 
@@ -82,6 +101,10 @@ class ArtifactStore(Protocol):
     def read_bytes(self, key: str) -> bytes: ...
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        """``key`` opened now (``FileNotFoundError`` if it is not stored): what a download
+        answers from, so its status and length are those of an object it holds."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -164,9 +187,11 @@ class LocalArtifactStore:
         return self._path(key).read_bytes()
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        with self._path(key).open("rb") as handle:
-            while chunk := handle.read(chunk_size):
-                yield chunk
+        yield from self.open(key, chunk_size).chunks
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        handle = self._path(key).open("rb")
+        return OpenedObject(size=os.fstat(handle.fileno()).st_size, chunks=_read_chunks(handle, chunk_size))
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -265,8 +290,18 @@ class S3ArtifactStore:
         return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-        yield from body.iter_chunks(chunk_size)
+        yield from self.open(key, chunk_size).chunks
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise FileNotFoundError(f"s3://{self.bucket}/{self._key(key)}") from exc
+            raise
+        return OpenedObject(size=int(response["ContentLength"]), chunks=_read_chunks(response["Body"], chunk_size))
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -275,7 +310,7 @@ class S3ArtifactStore:
             self._client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+            if _is_missing(exc):
                 return False
             raise
 
@@ -307,6 +342,20 @@ class S3ArtifactStore:
         return self._client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
         )
+
+
+def open_or_404(store: ArtifactStore, key: str, missing: APIError) -> OpenedObject:
+    """``store.open(key)``, or ``missing`` (a 404) when the object is not stored: a download
+    answers only once it holds its object."""
+    try:
+        return store.open(key)
+    except FileNotFoundError:
+        raise missing from None
+
+
+def _is_missing(exc: Exception) -> bool:
+    """Whether a botocore ``ClientError`` says the object is not there."""
+    return getattr(exc, "response", {}).get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}
 
 
 def store_for(location: str, *, s3_endpoint_url: str | None = None) -> ArtifactStore:

@@ -26,6 +26,7 @@ invalid_cursor                 400   ``after`` does not name an object of this l
 invalid_model                  400   unknown base model (``param`` = ``model``)
 model_exists                   409   POST /v1/models: the id is taken (YAML or a registration)
 invalid_model_source           400   ... a source not a directory, s3:// prefix nor Hub id
+model_source_not_allowed       400   ... a directory not under TUNEFLEET_MODEL_ROOTS (links resolved)
 model_config_unreadable        400   ... a checkpoint without a readable config.json (or its sizes)
 unsupported_architecture       400   ... a model_type the trainers do not train
 tokenizer_missing              400   ... a checkpoint without tokenizer files

@@ -349,8 +349,8 @@ class _Chunks:
         self.created = int(time.time())
 
     def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        # No system_fingerprint: OpenAI types it as a string, and no backend one is tracked.
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def complete(self, results: list[tuple[str, str]], usage: dict[str, int]) -> dict[str, Any]:
         if self.kind == "chat":

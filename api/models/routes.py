@@ -16,7 +16,6 @@ from api.deps import (
     AdminDep,
     BaseModelsDep,
     CurrentKey,
-    CurrentTenant,
     QueueDep,
     SessionDep,
     SettingsDep,
@@ -37,10 +36,15 @@ def _base(entry: BaseModelEntry, started: int) -> dict[str, Any]:
             "revision": entry.revision}
 
 
-def _registered(row: RegisteredModel) -> dict[str, Any]:
-    return {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
-            "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
-            "source": row.source, "status": row.status, "revision": row.commit_sha, "error": row.error}
+def _registered(row: RegisteredModel, *, admin: bool) -> dict[str, Any]:
+    """A registration; where its files are (``source``, and an ``error`` that may quote it)
+    is the operator's business, shown to admins only."""
+    model = {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
+             "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
+             "status": row.status, "revision": row.commit_sha}
+    if admin:
+        model.update(source=row.source, error=row.error)
+    return model
 
 
 def _adapter(job: Job) -> dict[str, Any]:
@@ -55,14 +59,14 @@ def _shared(permission: CheckpointPermission, job: Job) -> dict[str, Any]:
 
 @router.get("", response_model=ModelsPublic)
 def list_models(
-    session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep, started_at: StartedAtDep
+    session: SessionDep, key: CurrentKey, registry: BaseModelsDep, started_at: StartedAtDep
 ) -> dict[str, Any]:
     """The declared base models, the registered ones ready to train on, the tenant's adapters."""
     data = [_base(e, started_at) for e in registry.declared.values()]
     ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
-    data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
-    data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
-    data += [_shared(p, j) for p, j in shared_with(session, tenant.id)]
+    data += [_registered(r, admin=key.grants_admin) for r in session.scalars(ready) if r.id not in registry.declared]
+    data += [_adapter(j) for j in session.scalars(tenant_adapters(key.tenant_id).order_by(Job.created_at))]
+    data += [_shared(p, j) for p, j in shared_with(session, key.tenant_id)]
     return {"object": "list", "data": data}
 
 
@@ -73,12 +77,12 @@ def create_model(body: ModelCreate, session: SessionDep, key: AdminDep, settings
     answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
     row = register_model(session, settings, registry, body, admin_tenant_id=key.tenant_id,
                          queue=queue)
-    return _registered(row)
+    return _registered(row, admin=True)
 
 
 @router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
 def retrieve_model(
-    model_id: str, session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep,
+    model_id: str, session: SessionDep, key: CurrentKey, registry: BaseModelsDep,
     started_at: StartedAtDep,
 ) -> dict[str, Any]:
     entry = registry.declared.get(model_id)
@@ -86,11 +90,11 @@ def retrieve_model(
         return _base(entry, started_at)
     row = session.get(RegisteredModel, model_id)
     if row is not None:
-        return _registered(row)
-    job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
+        return _registered(row, admin=key.grants_admin)
+    job = session.scalar(tenant_adapters(key.tenant_id).where(Job.fine_tuned_model == model_id))
     if job is not None:
         return _adapter(job)
-    shared = next(((p, j) for p, j in shared_with(session, tenant.id) if p.model == model_id), None)
+    shared = next(((p, j) for p, j in shared_with(session, key.tenant_id) if p.model == model_id), None)
     if shared is None:
         raise not_found("model", model_id)
     return _shared(*shared)

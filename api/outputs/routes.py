@@ -25,7 +25,7 @@ from fastapi.responses import PlainTextResponse, RedirectResponse, Response, Str
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
+from api.artifacts import ArtifactStore, open_or_404, safe_key, sha256_stored, store_for
 from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
 from api.deps import CurrentKey, QueueDep, SessionDep, SessionFactoryDep, SettingsDep
 from api.errors import APIError, error_responses
@@ -37,7 +37,7 @@ from api.outputs.logs import read_job_log
 from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
 from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
 from api.reports.schemas import PREFERENCE_METRICS
-from api.responses import EventStreamResponse, OctetStreamResponse
+from api.responses import EventStreamResponse, OctetStreamResponse, attachment
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,10 @@ def download_artifact(
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
         return RedirectResponse(url, status_code=307)
-    if not store.exists(object_key):
-        raise APIError(404, "artifact_not_found",
-                       f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
-                       param="name")
-    return _file_response(store, object_key, row.sha256)
+    opened = open_or_404(store, object_key, APIError(
+        404, "artifact_not_found", f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
+        param="name"))
+    return attachment(opened, filename=object_key.rsplit("/", 1)[-1], headers={"X-Checksum-Sha256": row.sha256})
 
 
 def _stored_row(row: RowT | None, prefixes: tuple[str, ...], *, kind: str, name: str, job: Job,
@@ -137,14 +136,6 @@ def _stored_row(row: RowT | None, prefixes: tuple[str, ...], *, kind: str, name:
     log.warning("%s %s of job %s has a location outside %s: %r", kind, name, job.id, where, row.location)
     raise APIError(404, f"{kind}_not_found",
                    f"{kind.capitalize()} '{name}' of job '{job.id}' is not in {where}.", param=param)
-
-
-def _file_response(store: ArtifactStore, key: str, sha256: str) -> StreamingResponse:
-    return StreamingResponse(
-        store.iter_bytes(key), media_type="application/octet-stream",
-        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": sha256,
-                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
-    )
 
 
 # ---- a checkpoint's adapter ---------------------------------------------------------
@@ -203,7 +194,14 @@ def download_checkpoint_artifact(
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
         return RedirectResponse(url, status_code=307)
-    return _file_response(store, object_key, sha256_stored(store, object_key))
+    missing = APIError(404, "checkpoint_not_stored", f"Checkpoint '{checkpoint_id}' of job '{job.id}' is no "
+                       "longer stored (only the last checkpoints are kept).", param="checkpoint_id")
+    try:  # a checkpoint pruned while this request runs is a 404 at any point before the answer
+        sha256 = sha256_stored(store, object_key)
+    except FileNotFoundError:
+        raise missing from None
+    opened = open_or_404(store, object_key, missing)
+    return attachment(opened, filename=object_key.rsplit("/", 1)[-1], headers={"X-Checksum-Sha256": sha256})
 
 
 # ---- merged exports -----------------------------------------------------------------

@@ -26,6 +26,7 @@ from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot, HeldGpus
 from scheduling.pools import NodePool
+from trainers.common.private_files import PRIVATE_FILE_MODE, private_dir, write_private_text
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
 from worker.spec_builder import write_spec
@@ -63,8 +64,7 @@ class LocalExecutor:
         self.queue = queue
 
     def launch(self, job: JobRef, spec: TrainerSpec, placement: object) -> None:
-        job_dir = self.settings.job_dir(job.id)
-        job_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.settings.job_dir(job.id))
         stop_path(self.settings, job.id).unlink(missing_ok=True)
         write_spec(spec, spec_path(self.settings, job.id))
         if not self.queue.send(RUN_LOCAL_JOB, job.id, getattr(job, "attempt", None)):
@@ -72,8 +72,8 @@ class LocalExecutor:
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
         path = stop_path(self.settings, job.id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(reason.value)
+        private_dir(path.parent)
+        write_private_text(path, reason.value)
 
     def snapshot(self) -> CapacitySnapshot:
         """The configured local pools, minus the slots of jobs running on them (packed onto
@@ -112,7 +112,7 @@ class LocalExecutor:
             last = heartbeat.stat().st_mtime if heartbeat.exists() else (
                 started_at.timestamp() if started_at else now)
             if now - last > STALE_HEARTBEAT_S:
-                heartbeat.touch()  # one re-send per stale period
+                heartbeat.touch(mode=PRIVATE_FILE_MODE)  # one re-send per stale period
                 if self.queue.send(RUN_LOCAL_JOB, job_id, attempt):
                     changes.append(ObservedChange(
                         job_id=job_id, kind=ObservedKind.RETRYING,
