@@ -88,15 +88,21 @@ model_not_found                404   completions: not a base model, nor a fine-t
                                      checkpoint of this organization (``param`` = ``model``)
 unsupported_parameter          400   completions: a parameter this service does not implement
 unsupported_content            400   completions: a non-text content part
+generation_failed              500   completions: the model failed while generating (a stream
+                                     that started gets it as an error event)
+context_length_exceeded        400   completions: prompt tokens + ``max_tokens`` over the model's
+                                     context (``param`` = ``messages`` or ``prompt``)
 too_many_requests              429   completions: the organization's concurrent completions are
                                      running already (``Retry-After``)
 token_limit_exceeded           429   completions: the organization's tokens of the last minute are
                                      used up (``Retry-After``)
-model_loading                  503   completions: the base model is being loaded (``Retry-After``)
+model_loading                  503   completions: the base model is still loading after
+                                     ``TUNEFLEET_INFERENCE_LOAD_WAIT_S`` (``Retry-After``)
 model_unavailable              503   completions: the base model's files are not on this machine
 model_unavailable              400   job creation, estimates: a local base model's directory or
                                      its ``config.json`` is missing (``param`` = ``model``)
-inference_unavailable          503   completions: the inference worker / server is not reachable
+inference_unavailable          503   completions: the inference worker / server is not reachable,
+                                     died or restarted (mid-stream: an error event)
 model_load_failed              503   completions: the base model failed to load (the next request retries)
 adapter_load_failed            503   completions: the adapter does not load on its base model
 adapter_not_found              404   completions: the model's adapter files are gone from storage

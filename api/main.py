@@ -26,6 +26,7 @@ from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
 from api.graders import routes as graders
 from api.health import routes as health
+from api.inference import preload
 from api.inference import routes as inference
 from api.jobs import routes as jobs
 from api.jobs.pages import CachedJobListMiddleware, JobPageCache
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
     webhooks.install(app)
+    preload.install(settings)  # a job that succeeds hints the inference worker to load its base
     # Inside the latency middleware (added after it), so cached answers are measured too.
     app.add_middleware(CachedJobListMiddleware, route=jobs.list_route())
     observability.install(app)

@@ -172,6 +172,10 @@ class Settings(BaseSettings):
         default=4, ge=1, description="Completions a tenant may have running at once (more: 429)."
     )
     inference_timeout_s: float = Field(default=300.0, gt=0, description="Longest a completion may take.")
+    inference_load_wait_s: float = Field(
+        default=120.0, ge=0, le=3600,
+        description="How long a completion waits for its base model to load before 503 model_loading.",
+    )
     inference_tokens_per_minute_per_tenant: int | None = Field(
         default=None, ge=1,
         description="Prompt + completion tokens a tenant may use per minute (more: 429). Default: no limit.",

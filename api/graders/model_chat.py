@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
-from api.inference.completions import serve_completion
+from api.inference.completions import local_routing, serve_completion
 from api.inference.proxy import proxy_completion
 from api.inference.schemas import DEFAULT_CHAT_MAX_TOKENS
 from api.inference.served_models import ServedModel, resolve_served_model
@@ -34,7 +34,7 @@ from api.models.base_models import BaseModelRegistry
 from api.settings import Settings
 from api.webhooks.urls import TargetURLError, checked_target, pinned_request
 from inference.client import GenerationRequest
-from inference.protocol import ModelRef, Sampling
+from inference.protocol import Sampling
 from trainers.common.graders import ChatCompletionError, ChatReply, ChatRequest
 from trainers.common.graders.models import MultiGrader, ScoreModelGrader
 from trainers.common.target_urls import split_hosts
@@ -100,13 +100,13 @@ class ModelChat:
         if served.base.inference_url is not None:
             return await proxy_completion(self.request, self.tenant_id, served, _payload(chat),
                                           path="/v1/chat/completions", endpoint="chat.completions", stream=False)
-        adapter = None if served.adapter_path is None else ModelRef(id=served.id, path=served.adapter_path)
         sampling = Sampling(max_tokens=chat.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                            fit_context=chat.max_completion_tokens is None,
                             temperature=1.0 if chat.temperature is None else chat.temperature,
                             top_p=1.0 if chat.top_p is None else chat.top_p, seed=chat.seed)
         # The embedded worker cannot hold a model to a JSON schema: a bare number or the
         # JSON the prompt asks for both parse (model_grader.parse_score).
-        generation = GenerationRequest(base=ModelRef(id=served.base.id, path=served.base.path), adapter=adapter,
+        generation = GenerationRequest(**local_routing(served, self.tenant_id, self.settings),
                                        messages=tuple(chat.messages), sampling=sampling)
         return await serve_completion(self.request, self.tenant_id, generation, kind="chat", model=served.id,
                                       stream=False, include_usage=False)

@@ -18,27 +18,24 @@ from pydantic import SecretStr
 
 from inference.protocol import StreamEvent
 from inference.server import create_app as worker_app
+from tests.inference.scripted import ScriptedEngine
 
 SECRET = "s" * 32
 CHECK = {"type": "string_check", "name": "Example string check grader", "input": "{{sample.output_text}}",
          "reference": "{{item.label}}", "operation": "eq"}
 
 
-class ScoreEngine:
+class ScoreEngine(ScriptedEngine):
     """A model that answers ``answer`` to every chat, and keeps what it was asked."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.answer = '{"steps": [], "result": 0.75}'
-        self.requests: list[Any] = []
 
     def generate(self, request):
-        self.requests.append(request)
         yield StreamEvent(type="start", prompt_tokens=9, queued_s=0.0)
         yield StreamEvent(type="text", index=0, text=self.answer)
         yield StreamEvent(type="finish", index=0, finish_reason="stop", completion_tokens=4)
-
-    def status(self) -> dict[str, Any]:
-        return {}
 
 
 @pytest.fixture
@@ -111,7 +108,8 @@ def test_the_sdk_validates_and_runs_graders(api, tenant_key) -> None:
 
 
 def test_score_model_grades_with_a_model_this_service_serves(api, tenant_key, engine, settings) -> None:
-    oai = OpenAI(api_key=tenant_key().key, base_url=f"{api()}/v1", max_retries=0)
+    tenant = tenant_key()
+    oai = OpenAI(api_key=tenant.key, base_url=f"{api()}/v1", max_retries=0)
     grader = {"type": "score_model", "name": "judge", "model": "tunefleet-tiny-llama", "range": [0, 1],
               "sampling_params": {"temperature": 0, "seed": 42, "max_completions_tokens": 16},
               "input": [{"role": "user", "content": [{"type": "input_text", "text": (
@@ -127,6 +125,7 @@ def test_score_model_grades_with_a_model_this_service_serves(api, tenant_key, en
                                                           "Model answer: fuzzy wuzzy was a bear"},)
     assert asked.base.path == str(settings.models_dir / "tiny-llama")
     assert (asked.sampling.temperature, asked.sampling.seed, asked.sampling.max_tokens) == (0.0, 42, 16)
+    assert (asked.tenant, asked.sampling.fit_context) == (tenant.tenant_id, False)  # turns as that tenant
 
     engine.answer = "I would say it is good"
     unparsed = oai.fine_tuning.alpha.graders.run(grader=grader, model_sample="x", item={"reference_answer": "y"})
