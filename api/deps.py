@@ -30,6 +30,7 @@ from api.db.models import ApiKey, Tenant
 from api.errors import APIError
 from api.jobs.pages import JobPageCache
 from api.models.base_models import BaseModelRegistry
+from api.outputs.stream import StreamSlots
 from api.queue import TaskQueue
 from api.settings import Settings
 from api.ui.session import session_api_key
@@ -69,6 +70,7 @@ JobPagesDep = Annotated[JobPageCache, app_state("job_pages")]
 EngineDep = Annotated[Engine, app_state("engine")]
 StartedAtDep = Annotated[int, app_state("started_at")]  # Unix seconds the app was built at
 SessionFactoryDep = Annotated[sessionmaker[Session], app_state("session_factory")]
+StreamSlotsDep = Annotated[StreamSlots, app_state("stream_slots")]  # open job streams (caps)
 
 
 async def get_current_key(

@@ -65,6 +65,8 @@ csrf_failed                    403   a cookie-authenticated unsafe request witho
 tenant_exists                  409   creating a tenant whose name is taken
 rate_limited                   429   too many failed authentications from this IP, or too
                                      many requests for this key / job / IP (``Retry-After``)
+too_many_streams               429   job streams: this key's (or this process's) open streams are at
+                                     ``TUNEFLEET_STREAM_MAX_PER_KEY`` / ``_PER_PROCESS`` (``Retry-After``)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
