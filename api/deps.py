@@ -32,6 +32,7 @@ from api.jobs.pages import JobPageCache
 from api.models.base_models import BaseModelRegistry
 from api.outputs.stream import StreamSlots
 from api.queue import TaskQueue
+from api.rate_limits import mark_verified
 from api.settings import Settings
 from api.ui.session import session_api_key
 from scheduling.pools import NodePool
@@ -78,12 +79,15 @@ async def get_current_key(
     session: SessionDep,
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> ApiKey:
-    """The request's API key, with its ``tenant`` loaded (no lazy load happens later)."""
-    if authorization is not None:
-        key = authenticate_cached(session, authorization)
-        if key is not None:
-            return key
-    return await run_in_threadpool(_key_from_database, request, session, authorization)
+    """The request's API key, with its ``tenant`` loaded (no lazy load happens later).
+
+    The rate limits then count the request against this key's budget (``mark_verified``).
+    """
+    key = authenticate_cached(session, authorization) if authorization is not None else None
+    if key is None:
+        key = await run_in_threadpool(_key_from_database, request, session, authorization)
+    mark_verified(request.scope, ("key", key.prefix))
+    return key
 
 
 def _key_from_database(request: Request, session: Session, authorization: str | None) -> ApiKey:
