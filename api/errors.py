@@ -54,6 +54,8 @@ invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
 invalid_artifact_location      400   report endpoint: outputs or checkpoints outside the job's own
                                      output / checkpoint directory, or control characters
+report_too_large               413   report endpoint: a batch over ``TUNEFLEET_REPORT_MAX_ITEMS`` items
+                                     (``param`` = ``items``) or ``TUNEFLEET_REPORT_MAX_BYTES``
 invalid_tracking_uri           400   an MLflow ``tracking_uri`` that is not http(s)://host
 tracking_uri_not_public        400   ... that resolves to an internal address (and is not in
                                      ``TUNEFLEET_TRACKER_ALLOWED_HOSTS``)

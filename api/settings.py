@@ -142,6 +142,18 @@ class Settings(BaseSettings):
         default=1200, ge=1, description="Requests per API key (per client IP without one)."
     )
     rate_limit_reports_per_min: int = Field(default=600, ge=1, description="Trainer reports per job.")
+    # Trainer report bounds (api/reports/ingest.py). Past a report's caps: 413 report_too_large
+    # (the trainers' reporter forms its batches well under them). Past a job's quota its
+    # trainer's later metric and event items are dropped (checkpoints, artifacts and errors
+    # still apply), so a runaway trainer cannot fill the database.
+    report_max_items: int = Field(default=1000, ge=1, description="Items in one trainer report.")
+    report_max_bytes: int = Field(default=1 * MiB, ge=1024, description="Bytes of one trainer report's body.")
+    report_max_items_per_job: int = Field(
+        default=250_000, ge=1, description="Metric and event items a job's reports may store."
+    )
+    report_max_bytes_per_job: int = Field(
+        default=64 * MiB, ge=1024, description="Bytes (as JSON) of those items a job's reports may store."
+    )
     # Peers whose X-Forwarded-For names the client (IPs or networks, comma-separated);
     # unset: the connection's peer address is the client.
     rate_limit_trusted_proxies: str | None = None

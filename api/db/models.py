@@ -163,6 +163,16 @@ class Job(Base):
         "to ``running`` when the trainer starts, to anything else when it never did."
     )
     usage: Mapped[dict[str, Any] | None]
+    report_items: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items its trainers' reports stored (the job's "
+        "report quota, ``Settings.report_max_items_per_job``)."
+    )
+    report_bytes: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Their size as JSON (``Settings.report_max_bytes_per_job``)."
+    )
+    report_items_dropped: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items not stored because the quota was used up."
+    )
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     @property
@@ -287,6 +297,10 @@ class ReportBatch(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(BigInteger)
     n_items: Mapped[int] = mapped_column(Integer)
+    applied_items: Mapped[int] = mapped_column(
+        Integer, default=0, doc="Items applied so far: a batch is written in bounded transactions, "
+        "and a retry resumes after the last one that committed."
+    )
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
