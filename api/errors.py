@@ -73,6 +73,10 @@ logs_unavailable               502   Kubernetes mode: the cluster refused the po
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
 job_not_succeeded              409   a merged export of a job without a final adapter (yet)
+export_in_progress             409   a merged export of an adapter whose export in another dtype is
+                                     still queued or running (one per adapter at a time)
+too_many_exports               429   the organization's merged exports queued or running are at
+                                     ``TUNEFLEET_EXPORT_MAX_CONCURRENT_PER_TENANT`` (``Retry-After``)
 export_needs_local_storage     400   a merged export with outputs in S3 (local artifact store only)
 model_not_found                404   completions: not a base model, nor a fine-tuned model or
                                      checkpoint of this organization (``param`` = ``model``)

@@ -273,6 +273,29 @@ class Artifact(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
+class Export(Base):
+    """A merged export of a job's adapter (final or a checkpoint's) into its base model.
+
+    ``status``: ``queued`` (sent to a worker), ``running``, ``succeeded`` (its files are the
+    job's artifacts under ``exports/<id>/``) or ``failed`` (the reason is a job event).
+    """
+
+    __tablename__ = "exports"
+    __table_args__ = (
+        Index("ix_exports_job", "job_id", "checkpoint_id"),
+        Index("ix_exports_tenant_status", "tenant_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    checkpoint_id: Mapped[str | None] = mapped_column(String(64))
+    dtype: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class IdempotencyKey(Base):
     """``Idempotency-Key`` of a job creation: same key + same body -> same job."""
 

@@ -32,10 +32,10 @@ from api.deps import (
     StreamSlotsDep,
 )
 from api.errors import APIError, error_responses
-from api.ids import new_id
 from api.jobs.lifecycle import add_event
 from api.jobs.queries import get_job
 from api.outputs import stream
+from api.outputs.exports import request_export
 from api.outputs.logs import read_job_log
 from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
 from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
@@ -213,13 +213,14 @@ def download_checkpoint_artifact(
 
 
 @router.post("/{job_id}/exports", response_model=ExportPublic,
-             responses=error_responses(400, 404, 409))
+             responses=error_responses(400, 404, 409, 429))
 def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: CurrentKey,
                   settings: SettingsDep, queue: QueueDep) -> ExportPublic:
     """Merge the job's final adapter (or a checkpoint's) into its base model, in the background.
 
     Progress and the result are job events; the files appear among the job's artifacts
-    under ``artifacts_prefix``.
+    under ``artifacts_prefix``. Asking again for an export that is queued, running or
+    finished answers that export (``api.outputs.exports``).
     """
     job = get_job(session, key, job_id)
     output = session.scalar(select(Artifact.location).where(Artifact.job_id == job.id,
@@ -233,12 +234,14 @@ def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: Cur
     if job_storage(job.id, settings).outputs[0].startswith("s3://"):
         raise APIError(400, "export_needs_local_storage",
                        "Merged exports need the job's outputs on the service's own disk (local artifact store).")
-    export_id = new_id("ftexp")
-    export = ExportPublic(id=export_id, fine_tuning_job_id=job.id, format=body.format, dtype=body.dtype,
-                          checkpoint=body.checkpoint, artifacts_prefix=f"exports/{export_id}/")
-    add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
+    row, created = request_export(session, job, body.checkpoint, body.dtype,
+                                  settings.export_max_concurrent_per_tenant)
+    export = ExportPublic.of(row)
+    if created:
+        add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
     session.commit()
-    queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
+    if created:
+        queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
     return export
 
 
