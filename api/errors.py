@@ -68,6 +68,8 @@ invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
 invalid_artifact_location      400   report endpoint: outputs or checkpoints outside the job's own
                                      output / checkpoint directory, or control characters
+report_too_large               413   report endpoint: a batch over ``TUNEFLEET_REPORT_MAX_ITEMS`` items
+                                     (``param`` = ``items``) or ``TUNEFLEET_REPORT_MAX_BYTES``
 invalid_tracking_uri           400   an MLflow ``tracking_uri`` that is not http(s)://host
 tracking_uri_not_public        400   ... that resolves to an internal address (and is not in
                                      ``TUNEFLEET_TRACKER_ALLOWED_HOSTS``)
@@ -79,10 +81,16 @@ csrf_failed                    403   a cookie-authenticated unsafe request witho
 tenant_exists                  409   creating a tenant whose name is taken
 rate_limited                   429   too many failed authentications from this IP, or too
                                      many requests for this key / job / IP (``Retry-After``)
+too_many_streams               429   job streams: this key's (or this process's) open streams are at
+                                     ``TUNEFLEET_STREAM_MAX_PER_KEY`` / ``_PER_PROCESS`` (``Retry-After``)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
 job_not_succeeded              409   a merged export of a job without a final adapter (yet)
+export_in_progress             409   a merged export of an adapter whose export in another dtype is
+                                     still queued or running (one per adapter at a time)
+too_many_exports               429   the organization's merged exports queued or running are at
+                                     ``TUNEFLEET_EXPORT_MAX_CONCURRENT_PER_TENANT`` (``Retry-After``)
 export_needs_local_storage     400   a merged export with outputs in S3 (local artifact store only)
 model_not_found                404   completions: not a base model, nor a fine-tuned model or
                                      checkpoint of this organization (``param`` = ``model``)

@@ -35,6 +35,7 @@ from api.models.base_models import load_base_models
 from api.openapi import install_openapi
 from api.outputs import routes as outputs
 from api.outputs.logs import kubernetes_log, register_log_reader
+from api.outputs.stream import StreamSlots
 from api.queue import CeleryQueue, TaskQueue
 from api.reports import routes as reports
 from api.settings import Settings, get_settings
@@ -72,6 +73,8 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.base_models = load_base_models(settings)
     app.state.job_pages = JobPageCache()  # encoded job list pages (api/jobs/pages.py)
     app.state.started_at = int(time.time())
+    app.state.stream_slots = StreamSlots(per_key=settings.stream_max_per_key,
+                                         per_process=settings.stream_max_per_process)
     install_error_handlers(app)
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":

@@ -201,6 +201,16 @@ class Job(Base):
         "to ``running`` when the trainer starts, to anything else when it never did."
     )
     usage: Mapped[dict[str, Any] | None]
+    report_items: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items its trainers' reports stored (the job's "
+        "report quota, ``Settings.report_max_items_per_job``)."
+    )
+    report_bytes: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Their size as JSON (``Settings.report_max_bytes_per_job``)."
+    )
+    report_items_dropped: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items not stored because the quota was used up."
+    )
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     @property
@@ -301,6 +311,29 @@ class Artifact(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
+class Export(Base):
+    """A merged export of a job's adapter (final or a checkpoint's) into its base model.
+
+    ``status``: ``queued`` (sent to a worker), ``running``, ``succeeded`` (its files are the
+    job's artifacts under ``exports/<id>/``) or ``failed`` (the reason is a job event).
+    """
+
+    __tablename__ = "exports"
+    __table_args__ = (
+        Index("ix_exports_job", "job_id", "checkpoint_id"),
+        Index("ix_exports_tenant_status", "tenant_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    checkpoint_id: Mapped[str | None] = mapped_column(String(64))
+    dtype: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class IdempotencyKey(Base):
     """``Idempotency-Key`` of a job creation: same key + same body -> same job."""
 
@@ -325,6 +358,10 @@ class ReportBatch(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(BigInteger)
     n_items: Mapped[int] = mapped_column(Integer)
+    applied_items: Mapped[int] = mapped_column(
+        Integer, default=0, doc="Items applied so far: a batch is written in bounded transactions, "
+        "and a retry resumes after the last one that committed."
+    )
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

@@ -1,7 +1,7 @@
 """uploads, upload_parts: files sent in parts; checkpoint_permissions: models shared with other tenants
 
 Revision ID: 0214_uploads_permissions
-Revises: 0211_restart_backoff
+Revises: 0213_reports_and_exports
 Create Date: 2026-12-02 10:00:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 import api.db.base
 
 revision = "0214_uploads_permissions"
-down_revision = "0211_restart_backoff"
+down_revision = "0213_reports_and_exports"
 branch_labels = None
 depends_on = None
 
