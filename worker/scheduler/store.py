@@ -35,6 +35,7 @@ from api.ids import hash_secret, new_job_token
 from api.jobs.lifecycle import add_event, event_values, lock_job, transition
 from api.models.base_models import load_base_models
 from api.settings import Settings
+from control.job_settings import JobSettings, PlacementSettings
 from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import EstimateError, ModelShape, base_model_shape
 from scheduling.pools import NodePool
@@ -53,11 +54,22 @@ STOP_MARGIN_S = 60.0
 ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a second
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
-# What a queued job's placement needs (the JobRequest), and its current reason/position.
+# What a queued job's placement needs (its settings, the JobRequest), and its current reason/position.
 _QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.method, Job.hyperparameters, Job.placement,
-                  Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
+                  Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.packing, Job.eval, Job.seed,
+                  Job.integrations, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
                   Job.exited_attempt, Job.restart_not_before, Job.restarts)
+
+
+def _pins(user: PlacementSettings, retry: dict[str, Any] | None) -> PlacementSettings:
+    """The user's pins; after an out-of-memory failure, the larger gang on the same pool
+    (``jobs.retry_placement``) where the user pinned no pool or GPU count."""
+    if not retry:
+        return user
+    gang = PlacementSettings.model_validate(retry)
+    return user.model_copy(update={"pool": user.pool if user.pool is not None else gang.pool,
+                                   "gpus": user.gpus if user.gpus is not None else gang.gpus})
 
 
 @dataclass(frozen=True)
@@ -145,15 +157,13 @@ class DbStore:
         shape = shapes[job.model]
         if isinstance(shape, EstimateError):
             raise shape
+        settings = JobSettings.from_row(job)
         return request_from_job(
-            job_id=job.id, tenant=job.tenant_id, model=shape, adapter=job.adapter or {},
-            hyperparameters=job.hyperparameters or {}, max_seq_len=job.max_seq_len, trainer=job.trainer,
-            # The user's pins; after an out-of-memory failure, the larger gang on the same pool.
-            placement={**(job.retry_placement or {}), **(job.placement or {})},
+            job_id=job.id, tenant=job.tenant_id, model=shape, settings=settings,
+            placement=_pins(settings.placement, job.retry_placement),
             priority=int(job.priority or 0),
             created_at=job.created_at.timestamp() if job.created_at else 0.0,
             checkpoint_trainer=(job.usage or {}).get("trainer") if job.resume_from else None,
-            method_type=(job.method or {}).get("type", "supervised"),
         )
 
     def running_jobs(self) -> list[RunningRow]:
