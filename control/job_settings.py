@@ -85,8 +85,10 @@ def method_type_of(stored: Mapping[str, Any] | None) -> MethodType:
     return (stored or {}).get("type") or "supervised"
 
 
-def _given(stored: Mapping[str, Any]) -> dict[str, Any]:
+def _given(stored: Mapping[str, Any]) -> Mapping[str, Any]:
     """A stored mapping without its nulls: a null in a row means "not given"."""
+    if None not in stored.values():  # the common case, without a copy
+        return stored
     return {key: value for key, value in stored.items() if value is not None}
 
 
@@ -116,7 +118,7 @@ class AdapterSettings(_Settings):
     @model_validator(mode="before")
     @classmethod
     def _resolve_quantization(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping):
+        if not isinstance(data, dict):
             return data
         # An empty module list never trained anything: the default modules stand for it.
         given = {key: value for key, value in data.items() if value is not None and value != []}
@@ -241,6 +243,11 @@ class IntegrationSettings(_Settings):
                                name=mlflow.run_name)
 
 
+# The job row's columns that hold its settings (``from_row`` reads them, ``row_columns`` writes them).
+SETTINGS_COLUMNS = ("trainer", "adapter", "method", "hyperparameters", "max_seq_len", "packing", "eval", "seed",
+                    "placement", "integrations")
+
+
 class StoredJob(Protocol):
     """The columns of a job row that hold its settings (an ORM ``Job``, or a selected row)."""
 
@@ -288,11 +295,7 @@ class JobSettings(_Settings):
     @classmethod
     def from_row(cls, job: StoredJob) -> JobSettings:
         """The settings of a stored job (any object with the job row's columns)."""
-        return cls.from_columns(
-            trainer=job.trainer, adapter=job.adapter, method=job.method,
-            hyperparameters=job.hyperparameters, max_seq_len=job.max_seq_len, packing=job.packing,
-            eval=job.eval, seed=job.seed, placement=job.placement, integrations=job.integrations,
-        )
+        return cls.from_columns(**{name: getattr(job, name) for name in SETTINGS_COLUMNS})
 
     @classmethod
     def from_columns(cls, **columns: Any) -> JobSettings:
@@ -301,16 +304,19 @@ class JobSettings(_Settings):
         Raises:
             pydantic.ValidationError: a value of the wrong type, naming its field.
         """
-        given = _given(columns)
+        given = dict(_given(columns))
+        stored_method = given.pop("method", None)
+        kind = method_type_of(stored_method)
+        own = _METHODS[kind].HYPERPARAMETERS if kind in _METHODS else ()
         hyperparameters = _given(given.pop("hyperparameters", None) or {})
-        kind = method_type_of(given.pop("method", None))
-        variant = _METHODS.get(kind, _Method)
-        method = {"type": kind, **{name: hyperparameters.pop(name) for name in variant.HYPERPARAMETERS
-                                   if name in hyperparameters}}
+        given["method"] = {**(stored_method or {}), "type": kind,
+                           **{name: hyperparameters[name] for name in own if name in hyperparameters}}
+        given["hyperparameters"] = ({k: v for k, v in hyperparameters.items() if k not in own} if own
+                                    else hyperparameters)
         for name in ("placement", "eval"):
             if name in given:
                 given[name] = _given(given[name])
-        return cls.model_validate({**given, "method": method, "hyperparameters": hyperparameters})
+        return cls.model_validate(given)
 
     def row_columns(self) -> dict[str, Any]:
         """The job row's settings columns holding this value (what ``from_columns`` reads)."""
