@@ -263,7 +263,7 @@ class JobCreate(Strict):
 
         Args:
             max_seq_len: the sequence length checked against the base model (the body's, or
-                the default ``api.jobs.commands.base_model_and_seq_len`` chose).
+                the default ``api.jobs.commands.base_model_and_settings`` chose).
             seed: the seed the job gets (default: the body's, else the trainer's default).
             hyperparameters: hyperparameters as a row stores them, e.g. resolved for an
                 estimate that knows the example count (default: the requested ones).
