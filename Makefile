@@ -61,7 +61,7 @@ test-fast: install
 	OMP_NUM_THREADS=2 $(PY) -m pytest -m "not slow and not browser" $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check api worker trainers tunefleet inference tests bench
+	$(VENV)/bin/ruff check api worker control scheduling kube trainers tunefleet inference tests bench
 
 # wrk for the API benchmark (bench/api_bench.py).
 bench-deps:

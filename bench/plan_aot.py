@@ -91,6 +91,7 @@ if __name__ == "__main__":  # XLA fixes the CPU device count when jax starts: be
 import jax
 from jax.sharding import Mesh
 
+from control.job_settings import JobSettings, quantization_for
 from scheduling.estimator import HEADROOM, base_model_shape, estimate_on_pool, flops_per_token
 from scheduling.pools import GIB, NodePool, load_pools
 from scheduling.request import training_shape
@@ -171,7 +172,7 @@ def trainer_spec(job: PlanJob, accelerator: str) -> TrainerSpec:
         "data": {"train_file": "unused.jsonl", "format": "chat", "max_seq_len": job.seq},
         "hyperparameters": {"n_epochs": 1, "batch_size": job.batch * fsdp, "micro_batch_size": job.batch,
                             "learning_rate": 1e-4, "max_steps": 1000},
-        "adapter": {"method": job.method, "quantization": "nf4" if job.method == "qlora" else "none",
+        "adapter": {"method": job.method, "quantization": quantization_for(job.method, None),
                     "r": job.r, "alpha": job.alpha, "target_modules": list(job.target_modules)},
         "parallelism": {"mesh": {"data": 1, "fsdp": fsdp, "tensor": job.tensor}, "remat": job.remat},
         "precision": {k: job.bf16_standin if v == "bfloat16" and job.bf16_standin else v
@@ -388,14 +389,15 @@ def estimator_memory(job: PlanJob, pool: NodePool):
     """The estimator's per-GPU breakdown and FLOPs per token for ``job`` on ``job.devices`` GPUs of ``pool``.
 
     As the scheduler: the model's shape from its ``config.json`` (``base_model_shape``),
-    the training shape from the job's adapter and hyperparameters (``training_shape``),
+    the training shape from the job's settings (``training_shape``),
     then ``estimate_on_pool`` with trainer jax_lora and the pinned GPU count. The scheduler
     always plans with checkpointing (the worker runs GPU jobs with ``remat=per_layer``);
     ``--remat none`` is estimated without it.
     """
     shape, _ = base_model_shape(str(job.model_dir), None, model_id=job.model)
-    adapter = {"method": job.method, "r": job.r, "target_modules": list(job.target_modules)}
-    training = training_shape(adapter, {"micro_batch_size": job.batch}, job.seq)
+    training = training_shape(JobSettings.from_columns(
+        adapter={"method": job.method, "r": job.r, "target_modules": list(job.target_modules)},
+        hyperparameters={"micro_batch_size": job.batch}, max_seq_len=job.seq))
     training = replace(training, checkpointing=job.remat != "none")
     est = estimate_on_pool(shape, training, pool, trainer="jax_lora", gpus=job.devices)
     return est.memory, flops_per_token(shape, training, "jax_lora")

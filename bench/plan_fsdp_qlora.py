@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 import torch.distributed as dist
 
+from control.job_settings import JobSettings
 from scheduling.estimator import HEADROOM, base_model_shape, estimate_on_pool, memory_per_gpu
 from scheduling.pools import GIB, load_pools
 from scheduling.request import training_shape
@@ -156,7 +157,9 @@ def estimator_terms(model_dir: Path, ranks: int, seq: int, r: int) -> dict[str, 
     """The estimator's breakdown for this job on the rtx4090 pool, as the scheduler asks it."""
     pool = {p.name: p for p in load_pools(POOLS_FILE)}["rtx4090"]
     shape, _ = base_model_shape(str(model_dir), None, model_id=model_dir.name)
-    training = training_shape({"method": "qlora", "quantization": "nf4", "r": r}, {"micro_batch_size": 1}, seq)
+    training = training_shape(JobSettings.from_columns(
+        adapter={"method": "qlora", "quantization": "nf4", "r": r}, hyperparameters={"micro_batch_size": 1},
+        max_seq_len=seq))
     chosen = estimate_on_pool(shape, training, pool, trainer="fsdp_qlora", gpus=ranks)
     fields = ("weights", "gathered_layer", "lora_params", "lora_grads", "optimizer", "activations", "logits",
               "slack", "framework")

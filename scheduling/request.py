@@ -1,7 +1,7 @@
 """What the scheduler needs to know about a queued job, as one immutable value.
 
-``request_from_job`` is the one mapping from a job's settings (plain values: the base
-model's shape, the adapter and hyperparameter dicts, the placement pins, ...) to a
+``request_from_job`` is the one mapping from a job's settings (the typed
+``control.job_settings.JobSettings``, with the base model's shape beside it) to a
 ``JobRequest``. The scheduler's store builds every queued job's request with it, and the
 API builds the request behind an estimate and behind the estimate stored on a new job
 with it, so what a user is shown and what the scheduler decides cannot drift apart.
@@ -11,15 +11,11 @@ pure and lets the benchmarks build 10,000 of them without a database.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
 
+from control.job_settings import JobSettings, PlacementSettings, TrainerChoice
 from scheduling.estimator import ModelShape, TrainingShape
 from scheduling.priorities import DEFAULT_PRIORITY
-from trainers.spec import DEFAULT_TARGET_MODULES
-
-TrainerChoice = Literal["auto", "jax_lora", "fsdp_qlora"]
 
 
 @dataclass(frozen=True)
@@ -45,35 +41,32 @@ class JobRequest:
     a pool is being grown); otherwise such a job fails (``scheduling.placement.no_pool_fits``)."""
 
 
-def training_shape(adapter: Mapping[str, Any], hyperparameters: Mapping[str, Any],
-                   max_seq_len: int, method_type: str = "supervised") -> TrainingShape:
+def training_shape(settings: JobSettings) -> TrainingShape:
     """The job settings that decide memory: adapter, sequence length, micro batch and
-    objective (``method_type``: the job's ``method.type``, ``supervised`` or ``dpo``).
+    objective (a DPO job holds two sequences per example).
 
-    ``micro_batch_size`` counts when it is an int (resolved, or given by the user); a
-    job whose "auto" hyperparameters are not resolved yet is estimated at micro batch 1.
+    A job whose "auto" hyperparameters are not resolved yet, and that names no micro
+    batch, is estimated at micro batch 1.
     """
-    method = adapter.get("method", "lora")
-    quant = adapter.get("quantization") or ("nf4" if method == "qlora" else "none")
-    micro = hyperparameters.get("micro_batch_size")
+    adapter = settings.adapter
     return TrainingShape(
-        method=method,
-        quantization=quant if method == "qlora" else "none",
-        double_quant=bool(adapter.get("double_quant", False)),
-        hqq_group_size=int(adapter.get("hqq_group_size", 64)),
-        r=int(adapter.get("r", 8)),
-        target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGET_MODULES),
-        seq_len=int(max_seq_len),
-        micro_batch=micro if isinstance(micro, int) else 1,
-        objective="dpo" if method_type == "dpo" else "supervised",
+        method=adapter.method,
+        quantization=adapter.quantization,
+        double_quant=adapter.double_quant,
+        hqq_group_size=adapter.hqq_group_size,
+        r=adapter.r,
+        target_modules=adapter.target_modules,
+        seq_len=settings.max_seq_len,
+        micro_batch=settings.hyperparameters.micro_batch_size or 1,
+        objective="dpo" if settings.method.type == "dpo" else "supervised",
     )
 
 
-def planned_tokens(hyperparameters: Mapping[str, Any], max_seq_len: int) -> int | None:
+def planned_tokens(settings: JobSettings) -> int | None:
     """Tokens the job will process: steps x batch x sequence length (None: not known yet)."""
-    steps, batch = hyperparameters.get("total_steps"), hyperparameters.get("batch_size")
+    steps, batch = settings.hyperparameters.total_steps, settings.hyperparameters.batch_size
     if isinstance(steps, int) and isinstance(batch, int):
-        return steps * batch * int(max_seq_len) or None
+        return steps * batch * settings.max_seq_len or None
     return None
 
 
@@ -82,16 +75,12 @@ def request_from_job(
     job_id: str,
     tenant: str,
     model: ModelShape,
-    adapter: Mapping[str, Any],
-    hyperparameters: Mapping[str, Any],
-    max_seq_len: int,
-    trainer: str,
-    placement: Mapping[str, Any],
+    settings: JobSettings,
     priority: int,
     created_at: float = 0.0,
     total_tokens: int | None = None,
     checkpoint_trainer: str | None = None,
-    method_type: str = "supervised",
+    placement: PlacementSettings | None = None,
 ) -> JobRequest:
     """The ``JobRequest`` of a job (or of a would-be job, for an estimate).
 
@@ -99,32 +88,28 @@ def request_from_job(
         job_id: the job's id (an estimate passes a placeholder).
         tenant: the job's tenant id.
         model: the base model's shape.
-        adapter: the job's ``adapter`` settings as stored.
-        hyperparameters: the job's hyperparameters (resolved, or as requested).
-        max_seq_len: the job's sequence length.
-        trainer: ``auto``, ``jax_lora`` or ``fsdp_qlora`` (anything else counts as auto).
-        placement: the pins (``pool``, ``gpus``) and ``queue_if_unfit``; the store merges an out-of-memory
-            retry's larger gang under the user's pins.
+        settings: the job's settings (hyperparameters resolved, or as requested).
         priority: the priority number.
         created_at: Unix seconds (queue order among equals).
         total_tokens: tokens the job processes; None: from the hyperparameters.
         checkpoint_trainer: the family that wrote the checkpoint a resumed job restarts
-            from; a checkpoint only resumes in its own family, so it wins over ``trainer``.
-        method_type: the job's ``method.type`` (a DPO job holds more per micro batch).
+            from; a checkpoint only resumes in its own family, so it wins over the
+            settings' trainer.
+        placement: the pins to place by, when not the settings' own: the store adds an
+            out-of-memory retry's larger gang under the user's pins, a manifest preview
+            pins its pool.
     """
-    family = trainer if trainer in ("jax_lora", "fsdp_qlora") else "auto"
-    if checkpoint_trainer:
-        family = checkpoint_trainer
+    pins = placement if placement is not None else settings.placement
     return JobRequest(
         job_id=job_id,
         tenant=tenant,
         model=model,
-        training=training_shape(adapter, hyperparameters, max_seq_len, method_type),
+        training=training_shape(settings),
         priority=priority,
         created_at=created_at,
-        total_tokens=total_tokens if total_tokens is not None else planned_tokens(hyperparameters, max_seq_len),
-        trainer=family,
-        pool=placement.get("pool"),
-        gpus=placement.get("gpus"),
-        queue_if_unfit=bool(placement.get("queue_if_unfit", False)),
+        total_tokens=total_tokens if total_tokens is not None else planned_tokens(settings),
+        trainer=checkpoint_trainer or settings.trainer,
+        pool=pins.pool,
+        gpus=pins.gpus,
+        queue_if_unfit=pins.queue_if_unfit,
     )

@@ -18,10 +18,15 @@ functions and under ``TYPE_CHECKING`` alike, because each one is a dependency of
 
 - ``api`` (the HTTP service) never imports ``worker`` (Celery tasks, executors, the
   scheduler loop): the API enqueues work by task name, so it runs without the worker code;
-- ``trainers`` (run inside training pods) never imports ``api``, ``worker`` or
-  ``scheduling``: a trainer image carries no service code;
+- ``control`` (the control-plane core both of them import) imports neither ``api`` nor
+  ``worker``, nor the CLI or the inference worker;
+- ``trainers`` (run inside training pods) never imports ``api``, ``worker``, ``control``
+  or ``scheduling``: a trainer image carries no service code;
 - ``scheduling`` (placement and estimation decisions, pure) imports neither ``api`` nor
-  ``worker``;
+  ``worker``, and of ``control`` only the pure ``control.job_settings`` (a job's settings,
+  which its requests are built from);
+- ``control.job_settings`` itself is pure: the standard library, pydantic and
+  ``trainers.spec``, nothing else;
 - ``inference`` (the inference worker process) imports none of the service packages: the
   API resolves what a tenant may use into paths and sends them over the local channel;
 - ``api`` reaches ``inference`` only through its client (``inference.client`` and the
@@ -31,6 +36,7 @@ functions and under ``TYPE_CHECKING`` alike, because each one is a dependency of
 from __future__ import annotations
 
 import ast
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,18 +54,24 @@ def first_party_packages() -> list[str]:
     return sorted({pattern.rstrip("*").rstrip(".") for pattern in patterns})
 
 
-# `scheduling` is named too: its rules must apply as soon as the folder exists.
-PACKAGES = sorted({*first_party_packages(), "api", "worker", "trainers", "tunefleet", "scheduling", "inference"})
+# `scheduling` and `control` are named too: their rules must apply as soon as the folder exists.
+PACKAGES = sorted({*first_party_packages(), "api", "worker", "control", "trainers", "tunefleet", "scheduling",
+                   "inference"})
 
 # importer package -> packages it must never import
 FORBIDDEN = {
     "api": ("worker",),
-    "trainers": ("api", "worker", "scheduling", "inference"),
+    "control": ("api", "worker", "tunefleet", "inference"),
+    "trainers": ("api", "worker", "control", "scheduling", "inference"),
     "scheduling": ("api", "worker", "inference"),
-    "inference": ("api", "worker", "scheduling", "tunefleet"),
+    "inference": ("api", "worker", "control", "scheduling", "tunefleet"),
 }
 # The only modules of ``inference`` the API may import.
 INFERENCE_CLIENT = ("inference.client", "inference.protocol")
+# The only module of ``control`` that ``scheduling`` may import.
+SCHEDULING_READS_OF_CONTROL = ("control.job_settings",)
+# What ``control.job_settings`` may import besides the standard library.
+JOB_SETTINGS_IMPORTS = ("pydantic", "trainers.spec")
 
 
 @dataclass(frozen=True)
@@ -235,6 +247,51 @@ def test_api_reaches_inference_only_through_its_client(graph: list[Import]) -> N
         if _package(e.importer) == "api" and _package(e.target) == "inference" and e.target not in INFERENCE_CLIENT
     )
     assert not violations, f"api may import only {', '.join(INFERENCE_CLIENT)}:\n" + "\n".join(violations)
+
+
+def test_scheduling_reads_only_the_job_settings_of_control(graph: list[Import]) -> None:
+    violations = sorted(
+        f"{e.importer} imports {e.target} (line {e.line})"
+        for e in graph
+        if _package(e.importer) == "scheduling" and _package(e.target) == "control"
+        and e.target not in SCHEDULING_READS_OF_CONTROL
+    )
+    assert not violations, (f"scheduling may import only {', '.join(SCHEDULING_READS_OF_CONTROL)} of control:\n"
+                            + "\n".join(violations))
+
+
+def _imported_names(path: Path) -> Iterator[tuple[str, int]]:
+    """Every module an import statement of ``path`` names (absolute imports), with its line."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node, _ in _import_nodes(tree.body, True):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, node.lineno) for alias in node.names)
+        elif node.level == 0 and node.module:
+            yield node.module, node.lineno
+        else:
+            yield "." * node.level + (node.module or ""), node.lineno
+
+
+def _allowed_in_job_settings(name: str) -> bool:
+    top = name.split(".", 1)[0]
+    return top in sys.stdlib_module_names or any(
+        name == allowed or name.startswith(f"{allowed}.") for allowed in JOB_SETTINGS_IMPORTS)
+
+
+def test_job_settings_imports_only_the_standard_library_pydantic_and_the_trainer_contract() -> None:
+    path = ROOT / "control" / "job_settings.py"
+    assert path.is_file(), "control/job_settings.py was not found: the rule guards nothing"
+    violations = sorted(f"{name} (line {line})" for name, line in _imported_names(path)
+                        if not _allowed_in_job_settings(name))
+    assert not violations, ("control.job_settings may import only the standard library and "
+                            f"{', '.join(JOB_SETTINGS_IMPORTS)}:\n" + "\n".join(violations))
+
+
+def test_the_purity_rule_tells_allowed_imports_from_others() -> None:
+    assert all(map(_allowed_in_job_settings, ("typing", "collections.abc", "pydantic", "pydantic.fields",
+                                              "trainers.spec", "__future__")))
+    assert not any(map(_allowed_in_job_settings, ("sqlalchemy", "trainers", "trainers.common.formats",
+                                                  "api.settings", "pydantic_settings", "scheduling", ".spec")))
 
 
 def test_the_checker_sees_each_kind_of_import(tmp_path: Path) -> None:

@@ -35,6 +35,11 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # ``sharegpt`` is converted to chat messages on read; ``preference`` (OpenAI's DPO file
 # format: input / preferred_output / non_preferred_output) is the only format a DPO job reads.
 DataFormat = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference"]
+AdapterMethod = Literal["lora", "qlora"]
+# How the frozen base is stored: as is, bitsandbytes NF4, or HQQ 4-bit.
+Quantization = Literal["none", "nf4", "hqq4"]
+LrScheduler = Literal["cosine", "linear", "constant"]
+MethodType = Literal["supervised", "dpo"]
 
 
 def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> bool:
@@ -90,7 +95,7 @@ class HyperparametersSpec(_Strict):
         "multiple of micro_batch_size x data-parallel size (the rest is gradient accumulation)."
     )
     learning_rate: Annotated[float, Field(gt=0, lt=1)]
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_scheduler: LrScheduler = "cosine"
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0
@@ -102,12 +107,12 @@ class HyperparametersSpec(_Strict):
 class AdapterSpec(_Strict):
     """LoRA adapter; QLoRA is LoRA with ``quantization`` set (same code path)."""
 
-    method: Literal["lora", "qlora"] = "lora"
+    method: AdapterMethod = "lora"
     r: Annotated[int, Field(ge=1, le=1024)] = 8
     alpha: Annotated[float, Field(gt=0)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: tuple[TargetModule, ...] = DEFAULT_TARGET_MODULES
-    quantization: Literal["none", "nf4", "hqq4"] = "none"
+    quantization: Quantization = "none"
     double_quant: bool = False
     hqq_group_size: Annotated[int, Field(ge=8)] = 64
     use_dora: bool = False
@@ -207,7 +212,7 @@ class MethodSpec(_Strict):
     preferred answer (off by default, as OpenAI's DPO).
     """
 
-    type: Literal["supervised", "dpo"] = "supervised"
+    type: MethodType = "supervised"
     beta: Annotated[float, Field(gt=0, le=100)] = 0.1
     sft_weight: Annotated[float, Field(ge=0)] = 0.0
 

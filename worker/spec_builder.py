@@ -18,24 +18,21 @@ import os
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any, get_args
+from typing import get_args
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.artifacts import artifact_store, file_store
+from api.artifacts import ArtifactStore, artifact_store, file_store
 from api.db.models import File, Job, ReportBatch
 from api.models.base_models import load_base_models
 from api.settings import Settings
+from control.job_settings import HyperparameterSettings, JobSettings, TrainerChoice
 from trainers.spec import (
-    DEFAULT_TARGET_MODULES,
-    AdapterSpec,
     CheckpointSpec,
     DataFormat,
     DataSpec,
-    EvalSpec,
     HyperparametersSpec,
-    IntegrationSpec,
     MeshSpec,
     MethodSpec,
     ModelSpec,
@@ -44,9 +41,6 @@ from trainers.spec import (
     ReportSpec,
     TrainerSpec,
 )
-
-# API spellings of the trainer -> the spec's recipe names.
-TRAINER_NAMES = {"jax": "jax_lora", "jax_lora": "jax_lora", "fsdp_qlora": "fsdp_qlora"}
 
 
 class SpecError(ValueError):
@@ -58,17 +52,16 @@ class SpecError(ValueError):
         self.message = message
 
 
-def resolve_trainer(requested: str, pool_families: tuple[str, ...]) -> str:
+def resolve_trainer(requested: TrainerChoice, pool_families: tuple[str, ...]) -> str:
     """The recipe for a job on a pool: the pool decides; "auto" takes its first family."""
-    if requested in ("auto", "", None):
+    if requested == "auto":
         return pool_families[0]
-    name = TRAINER_NAMES.get(requested, requested)
-    if name not in pool_families:
+    if requested not in pool_families:
         raise SpecError(
             "trainer_not_available",
             f"trainer '{requested}' does not run on this pool (it runs {', '.join(pool_families)})",
         )
-    return name
+    return requested
 
 
 @cache
@@ -118,58 +111,28 @@ def cpu_host_mesh(host_devices: int) -> MeshSpec:
     return MeshSpec(data=host_devices, fsdp=1, tensor=1)
 
 
-def _integrations(raw: list[dict[str, Any]] | None) -> tuple[IntegrationSpec, ...]:
-    out = []
-    for item in raw or []:
-        kind = item.get("type")
-        if kind == "wandb":
-            cfg = item.get("wandb") or {}
-            out.append(IntegrationSpec(type="wandb", project=cfg.get("project"), name=cfg.get("name"),
-                                       entity=cfg.get("entity"), tags=tuple(cfg.get("tags") or ())))
-        elif kind == "mlflow":
-            cfg = item.get("mlflow") or {}
-            out.append(IntegrationSpec(type="mlflow", tracking_uri=cfg.get("tracking_uri"),
-                                       project=cfg.get("experiment"), name=cfg.get("run_name")))
-    return tuple(out)
-
-
-def _hyperparameters(hp: dict[str, Any], data_parallel: int) -> HyperparametersSpec:
-    batch = int(hp["batch_size"])
-    micro = int(hp.get("micro_batch_size") or 1)
-    # Each data-parallel rank takes `micro` examples per forward; the global batch must
-    # split evenly over ranks and micro-batches.
-    while micro > 1 and batch % (micro * data_parallel):
+def hyperparameters_spec(hp: HyperparameterSettings, data_parallel: int) -> HyperparametersSpec:
+    """The resolved hyperparameters, with the micro batch lowered until the global batch
+    splits evenly over the data-parallel ranks and their micro-batches (each rank takes
+    ``micro`` examples per forward)."""
+    micro = hp.micro_batch_size
+    while micro > 1 and hp.batch_size % (micro * data_parallel):
         micro -= 1
     return HyperparametersSpec(
-        n_epochs=int(hp["n_epochs"]),
-        batch_size=batch,
-        micro_batch_size=micro,
-        learning_rate=float(hp["learning_rate"]),
-        lr_scheduler=hp.get("lr_scheduler") or "cosine",
-        warmup_steps=int(hp.get("warmup_steps") or 0),
-        weight_decay=float(hp.get("weight_decay") or 0.0),
-        max_grad_norm=hp.get("max_grad_norm", 1.0),
-        max_steps=hp.get("max_steps"),
+        n_epochs=hp.n_epochs, batch_size=hp.batch_size, micro_batch_size=micro,
+        learning_rate=hp.learning_rate, lr_scheduler=hp.lr_scheduler, warmup_steps=hp.warmup_steps,
+        weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm, max_steps=hp.max_steps,
     )
-
-
-def method_spec(method: Mapping[str, Any], hp: Mapping[str, Any]) -> MethodSpec:
-    """The loss a job trains with: its ``method.type``, and for DPO the resolved ``beta``
-    and ``sft_weight`` (stored with the job's other hyperparameters)."""
-    if method.get("type", "supervised") != "dpo":
-        return MethodSpec(type="supervised")
-    return MethodSpec(type="dpo", beta=float(hp["beta"]), sft_weight=float(hp.get("sft_weight") or 0.0))
 
 
 MAX_CHECKPOINT_INTERVAL = 500
 
 
-def checkpoint_interval(hp: dict[str, Any]) -> int:
+def checkpoint_interval(hp: HyperparameterSettings) -> int:
     """Steps between checkpoints: one per epoch, as OpenAI's jobs keep epoch checkpoints,
     but at least every MAX_CHECKPOINT_INTERVAL steps so a long epoch is never all lost
     (a SIGTERM — cancel, pause, preemption — checkpoints at once besides)."""
-    total = int(hp.get("total_steps") or 1)
-    per_epoch = max(1, math.ceil(total / max(1, int(hp.get("n_epochs") or 1))))
+    per_epoch = max(1, math.ceil(hp.total_steps / hp.n_epochs))
     return min(per_epoch, MAX_CHECKPOINT_INTERVAL)
 
 
@@ -204,21 +167,63 @@ def build_spec(
         cpu_offload: the placement counted on offloading parameters to host memory.
 
     Raises:
-        SpecError: the model or a file no longer exists.
+        SpecError: the model or a file no longer exists, or the job's hyperparameters are
+            not resolved yet.
     """
     models = load_base_models(settings)
     if job.model not in models:
         raise SpecError("model_not_found", f"base model '{job.model}' is no longer configured")
-    trainer = resolve_trainer(job.trainer, pool_families)
+    job_settings = JobSettings.from_row(job)
+    if not job_settings.resolved:
+        raise SpecError("hyperparameters_not_resolved",
+                        f"job {job.id} has \"auto\" hyperparameters left (its training file is not validated)")
+    trainer = resolve_trainer(job_settings.trainer, pool_families)
+    method = job_settings.method.spec()
+    data = _data_spec(session, job, job_settings, method, file_store(settings))
+    store = artifact_store(settings)
+    checkpoint_dir, spool_dir, termination = _run_locations(settings, store, job.id, in_cluster=in_cluster)
+    hp = job_settings.hyperparameters
+    host_devices = None
+    if trainer == "jax_lora" and pool_accelerator == "cpu" and not in_cluster:
+        host_devices = cpu_host_devices(local_trainer_cores(gpus), hp.batch_size)
+    data_parallel = gpus if trainer == "fsdp_qlora" else host_devices or 1
+    model = models[job.model]
+    return TrainerSpec(
+        job_id=job.id,
+        trainer=trainer,  # type: ignore[arg-type]
+        model=ModelSpec(path=model.path, architecture=model.architecture, name=model.public_id,
+                        revision=model.revision),
+        data=data,
+        hyperparameters=hyperparameters_spec(hp, data_parallel),
+        adapter=job_settings.adapter.spec(),
+        method=method,
+        parallelism=_parallelism(trainer, pool_accelerator, gpus, host_devices, cpu_offload=cpu_offload),
+        precision=precision_for(pool_accelerator),
+        eval=job_settings.eval.spec(),
+        output_dir=store.location(job_output_key(job.id)),
+        checkpoint=CheckpointSpec(dir=checkpoint_dir, resume_from="latest", every_n_steps=checkpoint_interval(hp)),
+        report=ReportSpec(
+            url=f"{settings.public_url}/internal/v1/jobs/{job.id}/reports",
+            token=token,
+            spool_dir=spool_dir,
+            first_seq=_next_report_seq(session, job.id),
+        ),
+        integrations=tuple(integration.spec() for integration in job_settings.integrations),
+        seed=job_settings.seed,
+        suffix=job.suffix,
+        termination_log=termination,
+    )
 
-    files = file_store(settings)
+
+def _data_spec(session: Session, job: Job, job_settings: JobSettings, method: MethodSpec,
+               files: ArtifactStore) -> DataSpec:
+    """The job's files, checked: still there, validated, in a format its method trains."""
     train = session.get(File, job.training_file)
     if train is None or train.deleted_at is not None:
         raise SpecError("file_not_found", f"training file {job.training_file} was deleted")
     fmt = (train.validation or {}).get("format")
     if fmt not in get_args(DataFormat):
         raise SpecError("invalid_file", f"training file {train.id} has no validated format")
-    method = method_spec(job.method or {}, job.hyperparameters)
     if (method.type == "dpo") != (fmt == "preference"):
         raise SpecError("file_method_mismatch",
                         f"training file {train.id} ({fmt}) cannot train with method '{method.type}'")
@@ -228,78 +233,40 @@ def build_spec(
         if valid is None or valid.deleted_at is not None:
             raise SpecError("file_not_found", f"validation file {job.validation_file} was deleted")
         valid_location = files.location(valid.location)
+    return DataSpec(train_file=files.location(train.location), validation_file=valid_location, format=fmt,
+                    max_seq_len=job_settings.max_seq_len, packing=job_settings.packing)
 
-    store = artifact_store(settings)
-    local_store = not store.location().startswith("s3://")
-    job_dir = settings.job_dir(job.id)
+
+def _run_locations(settings: Settings, store: ArtifactStore, job_id: str, *,
+                   in_cluster: bool) -> tuple[str, str, str]:
+    """Where a run keeps its checkpoints, spools its reports and writes why it failed: in a
+    pod, the pod's paths (checkpoints in the artifact store); locally, the job's directory
+    (checkpoints too, unless the artifact store is S3)."""
     if in_cluster:
-        checkpoint_dir = store.location(f"{job.id}/checkpoints")
-        spool_dir, termination = f"/tmp/tunefleet-spool/{job.id}", "/dev/termination-log"
-    else:
-        checkpoint_dir = str(job_dir / "checkpoints") if local_store else store.location(f"{job.id}/checkpoints")
-        spool_dir, termination = str(job_dir / "spool"), str(job_dir / "termination.json")
+        return store.location(f"{job_id}/checkpoints"), f"/tmp/tunefleet-spool/{job_id}", "/dev/termination-log"
+    job_dir = settings.job_dir(job_id)
+    local_store = not store.location().startswith("s3://")
+    checkpoint_dir = str(job_dir / "checkpoints") if local_store else store.location(f"{job_id}/checkpoints")
+    return checkpoint_dir, str(job_dir / "spool"), str(job_dir / "termination.json")
 
-    host_devices = None
-    if trainer == "jax_lora" and pool_accelerator == "cpu" and not in_cluster:
-        host_devices = cpu_host_devices(local_trainer_cores(gpus), int(job.hyperparameters["batch_size"]))
-    if trainer == "fsdp_qlora":
-        data_parallel = gpus
+
+def _parallelism(trainer: str, accelerator: str, gpus: int, host_devices: int | None, *,
+                 cpu_offload: bool) -> ParallelismSpec:
+    """The parallel layout: fsdp_qlora one process per GPU; jax_lora a mesh over the GPUs,
+    or over a CPU host's XLA devices. CPU pools skip activation checkpointing."""
+    if trainer != "jax_lora":
+        mesh = MeshSpec()
+    elif host_devices is not None:
+        mesh = cpu_host_mesh(host_devices)
     else:
-        data_parallel = host_devices or 1
-    adapter = dict(job.adapter or {})
-    quantization = adapter.get("quantization") or ("nf4" if adapter.get("method") == "qlora" else "none")
-    adapter_spec = AdapterSpec(
-        method=adapter.get("method", "lora"),
-        r=int(adapter.get("r", 8)),
-        alpha=float(adapter.get("alpha", 16.0)),
-        dropout=float(adapter.get("dropout", 0.0)),
-        target_modules=tuple(adapter.get("target_modules") or DEFAULT_TARGET_MODULES),
-        quantization=quantization if adapter.get("method") == "qlora" else "none",
-        double_quant=bool(adapter.get("double_quant", False)),
-        hqq_group_size=int(adapter.get("hqq_group_size", 64)),
-        use_dora=bool(adapter.get("use_dora", False)),
-    )
-    parallelism = ParallelismSpec(
+        mesh = MeshSpec(data=1, fsdp=gpus, tensor=1)
+    return ParallelismSpec(
         world_size=gpus if trainer == "fsdp_qlora" else 1,
-        mesh=(MeshSpec() if trainer != "jax_lora"
-              else cpu_host_mesh(host_devices) if host_devices is not None
-              else MeshSpec(data=1, fsdp=gpus, tensor=1)),
+        mesh=mesh,
         host_devices=host_devices,
-        activation_checkpointing="none" if pool_accelerator == "cpu" else "non_reentrant",
-        remat="none" if pool_accelerator == "cpu" else "per_layer",
-        cpu_offload=cpu_offload and trainer == "fsdp_qlora" and pool_accelerator != "cpu",
-    )
-    return TrainerSpec(
-        job_id=job.id,
-        trainer=trainer,  # type: ignore[arg-type]
-        model=ModelSpec(path=models[job.model].path, architecture=models[job.model].architecture,
-                        name=models[job.model].public_id, revision=models[job.model].revision),
-        data=DataSpec(
-            train_file=files.location(train.location),
-            validation_file=valid_location,
-            format=fmt,
-            max_seq_len=job.max_seq_len,
-            packing=job.packing,
-        ),
-        hyperparameters=_hyperparameters(job.hyperparameters, data_parallel),
-        adapter=adapter_spec,
-        method=method,
-        parallelism=parallelism,
-        precision=precision_for(pool_accelerator),
-        eval=EvalSpec(**{k: v for k, v in (job.eval or {}).items() if k in ("every_n_steps", "max_batches")}),
-        output_dir=store.location(job_output_key(job.id)),
-        checkpoint=CheckpointSpec(dir=checkpoint_dir, resume_from="latest",
-                                  every_n_steps=checkpoint_interval(job.hyperparameters)),
-        report=ReportSpec(
-            url=f"{settings.public_url}/internal/v1/jobs/{job.id}/reports",
-            token=token,
-            spool_dir=spool_dir,
-            first_seq=_next_report_seq(session, job.id),
-        ),
-        integrations=_integrations(job.integrations),
-        seed=int(job.seed),
-        suffix=job.suffix,
-        termination_log=termination,
+        activation_checkpointing="none" if accelerator == "cpu" else "non_reentrant",
+        remat="none" if accelerator == "cpu" else "per_layer",
+        cpu_offload=cpu_offload and trainer == "fsdp_qlora" and accelerator != "cpu",
     )
 
 

@@ -3,8 +3,10 @@
 The decisions come from the pure ``scheduling`` package (capacity, estimator, placement,
 the job -> request mapping ``request_from_job``), the same functions the scheduler runs,
 so the estimate a user sees before submitting, the estimate stored on a new job and the
-scheduler's own placement cannot drift apart. This module adds the database reads around
-them and the response shape; the capacity now comes from ``api.fleet.pools``.
+scheduler's own placement cannot drift apart. The job's side is its
+``control.job_settings.JobSettings``: parsed from the row of a stored job, built from the
+body of one not yet submitted as job creation builds it. This module adds the database
+reads around them and the response shape; the capacity now comes from ``api.fleet.pools``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from api.errors import APIError
 from api.files.queries import get_file
 from api.fleet.pools import capacity_snapshot
 from api.fleet.schemas import EstimateRequest
-from api.jobs.commands import base_model_and_seq_len
-from api.jobs.hyperparameters import micro_batch_for, resolve_hyperparameters
+from api.jobs.commands import base_model_and_settings
+from api.jobs.hyperparameters import micro_batch_for, resolve_settings
 from api.models.base_models import BaseModelEntry
+from control.job_settings import AUTO, JobSettings
 from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate, base_model_shape
 from scheduling.placement import (
@@ -35,7 +38,7 @@ from scheduling.placement import (
     trainer_refusal,
 )
 from scheduling.pools import NodePool
-from scheduling.request import JobRequest, planned_tokens, request_from_job
+from scheduling.request import JobRequest, request_from_job
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,15 @@ log = logging.getLogger(__name__)
 # ---- from a job (or a job-shaped body) to what the scheduler sees ----------------------
 
 
-def _estimable(hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """The hyperparameters with the micro batch a given batch size resolves to (the
-    ``"auto"`` rule of ``api.jobs.hyperparameters``), so an estimate before the training file
-    is validated counts the micro batch the job will run with."""
-    hp = dict(hyperparameters)
-    if not isinstance(hp.get("micro_batch_size"), int) and isinstance(hp.get("batch_size"), int):
-        hp["micro_batch_size"] = micro_batch_for(hp["batch_size"])
-    return hp
+def _estimable(settings: JobSettings) -> JobSettings:
+    """The settings with the micro batch a given batch size resolves to (the ``"auto"``
+    rule of ``api.jobs.hyperparameters``), so an estimate before the training file is
+    validated counts the micro batch the job will run with."""
+    hp = settings.hyperparameters
+    if hp.micro_batch_size is not None or hp.batch_size == AUTO:
+        return settings
+    micro = micro_batch_for(hp.batch_size)
+    return settings.model_copy(update={"hyperparameters": hp.model_copy(update={"micro_batch_size": micro})})
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,19 @@ class EstimateInput:
     notes: tuple[str, ...] = ()
 
 
-def job_request(entry: BaseModelEntry, **job: Any) -> EstimateInput:
+def job_request(entry: BaseModelEntry, settings: JobSettings, **job: Any) -> EstimateInput:
     """What the estimate needs of a job, or of a would-be job, on the base model ``entry``.
 
     Args:
         entry: the job's base model; its shape comes from its ``config.json`` when it has one.
-        **job: the job's settings, passed on to ``scheduling.request.request_from_job``
-            (every argument but ``model``, which is ``entry``'s shape): the one job ->
-            request mapping, the scheduler's too.
+        settings: the job's settings.
+        **job: the rest of what ``scheduling.request.request_from_job`` takes (``job_id``,
+            ``tenant``, ``priority``, ...): the one job -> request mapping, the scheduler's too.
     """
     shape, source = base_model_shape(entry.path, entry.params_b, model_id=entry.id)
     # "auto" stays auto: placement picks the family per pool (``trainer_for``), as the
     # scheduler does for the queued job.
-    job["hyperparameters"] = _estimable(job["hyperparameters"])
-    req = request_from_job(model=shape, **job)
+    req = request_from_job(model=shape, settings=_estimable(settings), **job)
     notes = [] if source == "config.json" else [f"model shape from the {source}: an approximation"]
     if req.total_tokens is None:
         notes.append(
@@ -242,7 +245,7 @@ def estimate_request(
     pools: list[NodePool],
 ) -> dict[str, Any]:
     """``POST /v1/fine_tuning/estimate``: validate the job-shaped body, then estimate."""
-    entry, max_seq_len = base_model_and_seq_len(body, base_models)
+    entry, settings = base_model_and_settings(body, base_models)
     if body.placement.pool is not None and body.placement.pool not in {p.name for p in pools}:
         raise APIError(
             400,
@@ -254,23 +257,11 @@ def estimate_request(
     n_examples = body.n_examples
     if body.training_file is not None:
         n_examples = _file_examples(session, tenant, body.training_file, given=n_examples)
-    requested = body.requested_hyperparameters().model_dump(exclude_none=True)
-    hp = resolve_hyperparameters(requested, n_examples, method=body.method_type) if n_examples else requested
-    total = body.total_tokens or planned_tokens(hp, max_seq_len)
+    if n_examples:
+        settings = resolve_settings(settings, n_examples)
     try:
-        inp = job_request(
-            entry,
-            job_id="estimate",
-            tenant=tenant.id,
-            adapter=body.adapter.model_dump(),
-            hyperparameters=hp,
-            max_seq_len=max_seq_len,
-            trainer=body.trainer_name,
-            placement=body.placement.model_dump(exclude_none=True),
-            priority=body.priority_value,
-            total_tokens=total,
-            method_type=body.method_type,
-        )
+        inp = job_request(entry, settings, job_id="estimate", tenant=tenant.id,
+                          priority=body.priority_value, total_tokens=body.total_tokens)
         return estimate(pools, capacity_snapshot(session, pools), inp)
     except EstimateError as exc:
         raise _estimate_error(exc) from exc
@@ -312,18 +303,6 @@ def estimate_job(
     entry = base_models.get(job.model)
     if entry is None:
         raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
-    hp = dict(job.hyperparameters or {})
-    inp = job_request(
-        entry,
-        job_id=job.id,
-        tenant=job.tenant_id,
-        adapter=dict(job.adapter or {}),
-        hyperparameters=hp,
-        max_seq_len=job.max_seq_len,
-        trainer=job.trainer,
-        placement=dict(job.placement or {}),
-        priority=int(job.priority or 0),
-        total_tokens=planned_tokens(hp, job.max_seq_len),
-        method_type=(job.method or {}).get("type", "supervised"),
-    )
+    inp = job_request(entry, JobSettings.from_row(job), job_id=job.id, tenant=job.tenant_id,
+                      priority=int(job.priority or 0))
     return estimate(pools, capacity_snapshot(session, pools), inp)

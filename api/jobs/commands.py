@@ -39,6 +39,7 @@ from api.jobs.schemas import JobCreate
 from api.models.base_models import BaseModelEntry
 from api.models.hub import parse_hub_id
 from api.queue import SCHEDULE, TaskQueue
+from control.job_settings import JobSettings
 from scheduling.estimator import missing_model_files
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
@@ -100,22 +101,22 @@ def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> 
     return file
 
 
-def check_trainer(body: JobCreate) -> None:
-    adapter = body.adapter
-    if not trains_base(body.trainer_name, adapter.quantization, adapter.double_quant):
+def check_trainer(settings: JobSettings) -> None:
+    adapter = settings.adapter
+    if not trains_base(settings.trainer, adapter.quantization, adapter.double_quant):
         base = f"{adapter.quantization} base" + (" with double_quant" if adapter.double_quant else "")
         raise APIError(400, "invalid_request",
                        f"The JAX trainer trains LoRA on bf16/fp32 weights or an NF4 base without "
                        f"double_quant; a {base} needs trainer 'fsdp_qlora' or 'auto'.", param="trainer")
 
 
-def base_model_and_seq_len(
-    body: JobCreate, base_models: dict[str, BaseModelEntry]
-) -> tuple[BaseModelEntry, int]:
-    """The job's base model and sequence length, checked as job creation and estimates
-    both check them: a configured model, a trainer that trains its base, and
-    ``max_seq_len`` (default: the smaller of the model's and ``DEFAULT_MAX_SEQ_LEN``)
-    within the model's."""
+def base_model_and_settings(
+    body: JobCreate, base_models: dict[str, BaseModelEntry], *, seed: int | None = None
+) -> tuple[BaseModelEntry, JobSettings]:
+    """The job's base model and settings, checked as job creation and estimates both check
+    them: a configured model, a trainer that trains its base, and ``max_seq_len``
+    (default: the smaller of the model's and ``DEFAULT_MAX_SEQ_LEN``) within the model's.
+    ``seed``: the seed creation drew for a body that names none."""
     model = base_models.get(body.model)
     if model is None:
         known = ", ".join(sorted(base_models)) or "none"
@@ -123,13 +124,14 @@ def base_model_and_seq_len(
                 "(POST /v1/models) and it is fetched." if parse_hub_id(body.model) else "")
         raise APIError(400, "invalid_model",
                        f"Unknown base model '{body.model}'. Available: {known}.{hint}", param="model")
-    check_trainer(body)
     max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    settings = body.job_settings(max_seq_len=max_seq_len, seed=seed)
+    check_trainer(settings)
     if max_seq_len > model.max_seq_len:
         raise APIError(400, "invalid_request",
                        f"max_seq_len {max_seq_len} exceeds the model's {model.max_seq_len}.",
                        param="max_seq_len")
-    return model, max_seq_len
+    return model, settings
 
 
 def require_model_files(model: BaseModelEntry) -> None:
@@ -177,7 +179,8 @@ def create_job(
                                param="Idempotency-Key")
             return session.get_one(Job, earlier.job_id)
 
-    model, max_seq_len = base_model_and_seq_len(body, base_models)
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    model, settings = base_model_and_settings(body, base_models, seed=seed)
     require_model_files(model)
     training = _usable_file(session, tenant, body.training_file, "training_file")
     validation = (
@@ -185,22 +188,14 @@ def create_job(
         if body.validation_file else None
     )
     for file, param in ((training, "training_file"), (validation, "validation_file")):
-        mismatch = _method_mismatch(file, body.method_type, param) if file is not None else None
+        mismatch = _method_mismatch(file, settings.method.type, param) if file is not None else None
         if mismatch is not None:
             raise mismatch
-    requested = body.requested_hyperparameters().model_dump(exclude_none=True)
     job = Job(
         id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
         validation_file=validation.id if validation else None, status="validating_files",
-        hyperparameters=requested, method={"type": body.method_type},
-        adapter=body.adapter.model_dump(), trainer=body.trainer_name,
-        placement=body.placement.model_dump(exclude_defaults=True), priority=body.priority_value,
-        max_seq_len=max_seq_len, packing=body.packing,
-        eval=body.eval.model_dump(exclude_none=True), suffix=body.suffix,
-        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
-        metadata_=body.metadata,
-        integrations=[i.model_dump(exclude_none=True) for i in body.integrations or []],
-        result_files=[], restarts=0,
+        priority=body.priority_value, suffix=body.suffix, metadata_=body.metadata,
+        result_files=[], restarts=0, **settings.row_columns(),
     )
     try:
         session.add(job)
@@ -263,7 +258,8 @@ def _queue_if_files_ready(session: Session, job: Job) -> bool:
     files = [session.get_one(File, job.training_file)]
     if job.validation_file:
         files.append(session.get_one(File, job.validation_file))
-    method = (job.method or {}).get("type", "supervised")
+    settings = JobSettings.from_row(job)
+    method = settings.method.type
     for file, param in zip(files, ("training_file", "validation_file"), strict=False):
         error = _file_error(file, param) if file.status == "error" else _method_mismatch(file, method, param)
         if error is not None:
@@ -273,7 +269,7 @@ def _queue_if_files_ready(session: Session, job: Job) -> bool:
     if any(f.status != "processed" for f in files):
         return False
     n_examples = int((files[0].validation or {}).get("n_examples") or 0)
-    resolved = resolve_hyperparameters(job.hyperparameters, n_examples, method=method)
+    resolved = resolve_hyperparameters(settings.stored_hyperparameters(), n_examples, method=method)
     transition(
         session, job, "queued", actor="system",
         message=f"Files validated ({n_examples} training examples); job queued.",

@@ -13,12 +13,15 @@ validated):
 - ``micro_batch_size`` = the largest divisor of ``batch_size`` that is <= 4 (the rest is
   gradient accumulation; the placement may lower it further).
 - ``total_steps`` = ``ceil(n / batch_size) x n_epochs`` (or ``max_steps`` when set);
-  ``warmup_steps`` = 3 % of it (rounded) unless given; scheduler ``cosine``.
+  ``warmup_steps`` = 3 % of it (rounded) unless given; the scheduler, weight decay and
+  gradient clipping the trainer contract's defaults (``trainers.spec``: ``cosine``, 0.0,
+  1.0), read through ``control.job_settings``.
 
 A DPO job (``method.type`` "dpo") resolves the same way, an example being one preference
 pair (its preferred and its rejected answer are trained in the same micro batch), plus:
 
-- ``beta`` = 0.1 (OpenAI's and TRL's default); ``sft_weight`` = 0.0 (no supervised term).
+- ``beta`` = 0.1 (OpenAI's and TRL's default); ``sft_weight`` = 0.0 (no supervised term):
+  the trainer contract's ``MethodSpec`` defaults.
 
 A value the user gave is kept as given. The resolved values are stored on the job and
 shown in ``hyperparameters``; the trainer spec is built from them (no "auto" reaches a
@@ -30,11 +33,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from control.job_settings import DpoMethod, HyperparameterSettings, JobSettings
+from trainers.spec import MethodSpec
+
 BASE_LEARNING_RATE = 2e-4
 MIN_EXAMPLES_SEEN = 100
 MAX_EXAMPLES_SEEN = 25_000
 DEFAULT_EPOCHS = 3
-DEFAULT_DPO_BETA = 0.1
+DEFAULT_DPO_BETA = MethodSpec().beta
+# What a hyperparameter that the auto rule leaves alone is when not given.
+_NOT_GIVEN = HyperparameterSettings()
 
 
 def auto_n_epochs(n_examples: int) -> int:
@@ -84,7 +92,7 @@ def resolve_hyperparameters(requested: dict[str, Any], n_examples: int, *,
     warmup = requested.get("warmup_steps")
     preference = (
         {"beta": float(given("beta") or DEFAULT_DPO_BETA),
-         "sft_weight": float(requested.get("sft_weight") or 0.0)}
+         "sft_weight": float(requested.get("sft_weight") or DpoMethod().sft_weight)}
         if method == "dpo" else {}
     )
     return {
@@ -94,10 +102,18 @@ def resolve_hyperparameters(requested: dict[str, Any], n_examples: int, *,
         "learning_rate_multiplier": float(multiplier),
         "learning_rate": float(learning_rate),
         "micro_batch_size": int(given("micro_batch_size") or micro_batch_for(batch_size)),
-        "lr_scheduler": requested.get("lr_scheduler") or "cosine",
+        "lr_scheduler": requested.get("lr_scheduler") or _NOT_GIVEN.lr_scheduler,
         "warmup_steps": int(warmup if warmup is not None else round(0.03 * total_steps)),
-        "weight_decay": float(requested.get("weight_decay") or 0.0),
-        "max_grad_norm": requested.get("max_grad_norm", 1.0),
+        "weight_decay": float(requested.get("weight_decay") or _NOT_GIVEN.weight_decay),
+        "max_grad_norm": requested.get("max_grad_norm", _NOT_GIVEN.max_grad_norm),
         "max_steps": max_steps,
         "total_steps": int(total_steps),
     }
+
+
+def resolve_settings(settings: JobSettings, n_examples: int) -> JobSettings:
+    """``settings`` with their hyperparameters resolved for ``n_examples`` (what the row of
+    a job with these settings stores once its training file is validated)."""
+    resolved = resolve_hyperparameters(settings.stored_hyperparameters(), n_examples,
+                                       method=settings.method.type)
+    return settings.with_hyperparameters(resolved)

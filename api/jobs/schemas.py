@@ -24,6 +24,7 @@ higher runs first.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -41,8 +42,9 @@ from pydantic_core import to_json
 from api.db.base import to_unix
 from api.db.models import Checkpoint, Job, JobEvent
 from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
+from control.job_settings import JobSettings, method_type_of, quantization_for
 from scheduling.priorities import priority_value
-from trainers.spec import DEFAULT_TARGET_MODULES
+from trainers.spec import DEFAULT_TARGET_MODULES, MethodType
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,9 +97,6 @@ class DpoMethod(Strict):
     hyperparameters: DpoHyperparameters = DpoHyperparameters()
 
 
-MethodType = Literal["supervised", "dpo"]
-
-
 class Method(Strict):
     type: MethodType
     supervised: SupervisedMethod | None = None
@@ -118,7 +117,8 @@ class Method(Strict):
 
 
 class Adapter(Strict):
-    """LoRA adapter; QLoRA = LoRA on a 4-bit base (``quantization`` nf4 or hqq4)."""
+    """LoRA adapter; QLoRA = LoRA on a 4-bit base (``quantization`` nf4 or hqq4; left out:
+    nf4, resolved by ``control.job_settings.quantization_for``)."""
 
     method: Literal["lora", "qlora"] = "lora"
     r: Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = 8
@@ -136,13 +136,11 @@ class Adapter(Strict):
 
     @model_validator(mode="after")
     def _method_matches_quantization(self) -> Adapter:
-        if self.quantization is None:
-            self.quantization = "nf4" if self.method == "qlora" else "none"
         if self.method == "qlora" and self.quantization == "none":
             raise ValueError("method 'qlora' needs quantization 'nf4' or 'hqq4'")
-        if self.method == "lora" and self.quantization != "none":
+        if self.method == "lora" and self.quantization not in (None, "none"):
             raise ValueError("quantization needs method 'qlora'")
-        if self.double_quant and self.quantization != "nf4":
+        if self.double_quant and quantization_for(self.method, self.quantization) != "nf4":
             raise ValueError("double_quant applies to quantization 'nf4' only")
         self.target_modules = list(dict.fromkeys(self.target_modules))
         return self
@@ -259,9 +257,27 @@ class JobCreate(Strict):
     def priority_value(self) -> int:
         return priority_value(self.priority)
 
-    @property
-    def trainer_name(self) -> str:
-        return "jax_lora" if self.trainer == "jax" else self.trainer
+    def job_settings(self, *, max_seq_len: int, seed: int | None = None,
+                     hyperparameters: Mapping[str, Any] | None = None) -> JobSettings:
+        """The settings of the job this body creates, as its row will store them.
+
+        Args:
+            max_seq_len: the sequence length checked against the base model (the body's, or
+                the default ``api.jobs.commands.base_model_and_settings`` chose).
+            seed: the seed the job gets (default: the body's, else the trainer's default).
+            hyperparameters: hyperparameters as a row stores them, e.g. resolved for an
+                estimate that knows the example count (default: the requested ones).
+        """
+        if hyperparameters is None:
+            hyperparameters = self.requested_hyperparameters().model_dump(exclude_none=True)
+        return JobSettings.from_columns(
+            trainer=self.trainer, adapter=self.adapter.model_dump(exclude_none=True),
+            method={"type": self.method_type}, hyperparameters=hyperparameters,
+            max_seq_len=max_seq_len, packing=self.packing, eval=self.eval.model_dump(exclude_none=True),
+            seed=seed if seed is not None else self.seed,
+            placement=self.placement.model_dump(exclude_defaults=True),
+            integrations=[i.model_dump(exclude_none=True) for i in self.integrations or []],
+        )
 
 
 # ---- responses -------------------------------------------------------------------
@@ -278,9 +294,9 @@ def _public_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def public_method(method: dict[str, Any], hp: dict[str, Any]) -> dict[str, Any]:
+def public_method(method: dict[str, Any] | None, hp: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's ``method`` object: the type the job trains with and its hyperparameters."""
-    kind = method.get("type", "supervised")
+    kind = method_type_of(method)
     return {"type": kind, kind: {"hyperparameters": hp}}
 
 
@@ -357,7 +373,7 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "trained_tokens": job.trained_tokens, "training_file": job.training_file,
         "validation_file": job.validation_file, "estimated_finish": to_unix(job.estimated_finish),
         "integrations": job.integrations or None, "metadata": job.metadata_,
-        "method": public_method(job.method or {}, hp),
+        "method": public_method(job.method, hp),
         "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
         "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
         "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,

@@ -32,6 +32,7 @@ COPY pyproject.toml README.md ./
 COPY requirements/torch.txt requirements/torch.txt
 COPY api ./api
 COPY worker ./worker
+COPY control ./control
 COPY scheduling ./scheduling
 COPY kube ./kube
 COPY trainers ./trainers

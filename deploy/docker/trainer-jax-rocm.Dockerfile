@@ -40,6 +40,7 @@ COPY pyproject.toml README.md ./
 COPY trainers ./trainers
 COPY api/__init__.py ./api/__init__.py
 COPY worker/__init__.py ./worker/__init__.py
+COPY control/__init__.py ./control/__init__.py
 COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py

@@ -41,6 +41,7 @@ COPY trainers ./trainers
 # `trainers` at run time, the others are empty shells here.
 COPY api/__init__.py ./api/__init__.py
 COPY worker/__init__.py ./worker/__init__.py
+COPY control/__init__.py ./control/__init__.py
 COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py

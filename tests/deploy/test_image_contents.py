@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tests.deploy.test_dockerfiles import REPO_ROOT, sent_to_builder
 
-PACKAGES = ("api", "worker", "scheduling", "kube", "trainers", "tunefleet")
+PACKAGES = ("api", "worker", "control", "scheduling", "kube", "trainers", "tunefleet")
 
 
 def _build_context(dest: Path) -> None:

@@ -46,15 +46,14 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
     from api.db.session import session_scope
     from api.errors import APIError, validation_error
     from api.fleet.estimate import job_request
-    from api.jobs.commands import base_model_and_seq_len
-    from api.jobs.hyperparameters import resolve_hyperparameters
+    from api.jobs.commands import base_model_and_settings
+    from api.jobs.hyperparameters import resolve_settings
     from api.jobs.schemas import JobCreate
     from api.models.base_models import load_base_models
     from scheduling.capacity import CapacitySnapshot
     from scheduling.model_shapes import EstimateError
     from scheduling.placement import place_job
     from scheduling.pools import load_pools
-    from scheduling.request import planned_tokens
     from worker.executors.manifests import launch_manifests
     from worker.scheduler.loop import manifest_options, trainer_env
     from worker.spec_builder import SpecError, build_spec
@@ -66,7 +65,7 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
     pool = pools[pool_name]
     try:
         job_body = JobCreate.model_validate(body)
-        entry, max_seq_len = base_model_and_seq_len(job_body, load_base_models(settings))
+        entry, job_settings = base_model_and_settings(job_body, load_base_models(settings))
     except ValidationError as exc:  # worded as the API words it
         error = validation_error(RequestValidationError(exc.errors()))
         raise PreviewError(error.code, error.message, error.param) from exc
@@ -78,16 +77,11 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
             state = "does not exist" if train is None or train.deleted_at else f"is {train.status}"
             raise PreviewError("invalid_file", f"training file '{job_body.training_file}' {state}; the "
                                "preview needs a validated file (its format and example count).", "training_file")
-        method = job_body.method_type
-        hp = resolve_hyperparameters(job_body.requested_hyperparameters().model_dump(exclude_none=True),
-                                     int((train.validation or {}).get("n_examples") or 0), method=method)
-        placement_pin = {**job_body.placement.model_dump(exclude_none=True), "pool": pool.name}
+        job_settings = resolve_settings(job_settings, int((train.validation or {}).get("n_examples") or 0))
         try:
-            inp = job_request(entry, job_id=PREVIEW_JOB_ID, tenant=tenant,
-                              adapter=job_body.adapter.model_dump(), hyperparameters=hp, max_seq_len=max_seq_len,
-                              trainer=job_body.trainer_name, placement=placement_pin,
-                              priority=job_body.priority_value, total_tokens=planned_tokens(hp, max_seq_len),
-                              method_type=method)
+            inp = job_request(entry, job_settings, job_id=PREVIEW_JOB_ID, tenant=tenant,
+                              priority=job_body.priority_value,
+                              placement=job_settings.placement.model_copy(update={"pool": pool.name}))
         except EstimateError as exc:  # e.g. model_unavailable: the model's files are not there
             raise PreviewError(exc.code, str(exc), "model") from exc
         # The pool idle, with as many nodes as one job may span.
@@ -97,11 +91,8 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
             raise PreviewError("no_fit", f"the job cannot run on pool {pool.name}: {placement.reason_text()}",
                                "placement")
         job = Job(id=PREVIEW_JOB_ID, tenant_id=tenant, model=job_body.model, training_file=train.id,
-                  validation_file=job_body.validation_file, hyperparameters=hp, method={"type": method},
-                  adapter=job_body.adapter.model_dump(), trainer=job_body.trainer_name, priority=job_body.priority_value,
-                  max_seq_len=max_seq_len, packing=job_body.packing, eval=job_body.eval.model_dump(exclude_none=True),
-                  suffix=job_body.suffix, seed=job_body.seed or 0,
-                  integrations=[i.model_dump(exclude_none=True) for i in job_body.integrations or []])
+                  validation_file=job_body.validation_file, priority=job_body.priority_value,
+                  suffix=job_body.suffix, **job_settings.row_columns())
         try:
             spec = build_spec(session, job, settings, pool_accelerator=pool.accelerator,
                               pool_families=(placement.trainer or pool.preferred_trainer(),), gpus=placement.gpus,

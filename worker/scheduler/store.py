@@ -22,8 +22,10 @@ import logging
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import bindparam, insert, or_, select, update
 
 from api.artifacts import file_store
@@ -35,6 +37,7 @@ from api.ids import hash_secret, new_job_token
 from api.jobs.lifecycle import add_event, event_values, lock_job, transition
 from api.models.base_models import load_base_models
 from api.settings import Settings
+from control.job_settings import SETTINGS_COLUMNS, JobSettings, PlacementSettings
 from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import EstimateError, ModelShape, base_model_shape
 from scheduling.pools import NodePool
@@ -53,11 +56,29 @@ STOP_MARGIN_S = 60.0
 ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a second
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
-# What a queued job's placement needs (the JobRequest), and its current reason/position.
-_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.adapter, Job.method, Job.hyperparameters, Job.placement,
-                  Job.trainer, Job.resume_from, Job.usage, Job.max_seq_len, Job.priority, Job.created_at,
+# What a queued job's placement needs (its settings, the JobRequest), and its current reason/position.
+_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, *(getattr(Job, name) for name in SETTINGS_COLUMNS),
+                  Job.resume_from, Job.usage, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
                   Job.exited_attempt, Job.restart_not_before, Job.restarts)
+
+
+_settings_columns = attrgetter(*SETTINGS_COLUMNS)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    return f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+
+
+def _pins(user: PlacementSettings, retry: dict[str, Any] | None) -> PlacementSettings:
+    """The user's pins; after an out-of-memory failure, the larger gang on the same pool
+    (``jobs.retry_placement``) where the user pinned no pool or GPU count."""
+    if not retry:
+        return user
+    gang = PlacementSettings.model_validate(retry)
+    return user.model_copy(update={"pool": user.pool if user.pool is not None else gang.pool,
+                                   "gpus": user.gpus if user.gpus is not None else gang.gpus})
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,8 @@ class DbStore:
         self.kueue_queue = settings.kueue_queue if in_cluster else None
         self._reasons: dict[str, str | None] = {}
         self._positions: dict[str, int | None] = {}
+        # Each queued job's settings columns as last read, and the settings parsed from them.
+        self._settings: dict[str, tuple[tuple[Any, ...], JobSettings]] = {}
 
     # --- reading -----------------------------------------------------------------------
     def queued(self) -> list[JobRequest]:
@@ -102,6 +125,7 @@ class DbStore:
         self._reasons = {j.id: j.queue_reason for j in rows}
         self._positions = {j.id: j.queue_position for j in rows}
         shapes: dict[str, ModelShape | EstimateError] = {}  # per base model, read once per cycle
+        parsed, self._settings = self._settings, {}
         now = self.clock()
         for job in rows:
             if self._previous_run_may_live(job, now):
@@ -115,7 +139,13 @@ class DbStore:
                 unplaceable.append((job.id, reason, None))
                 continue
             try:
-                out.append(self._request(job, models, shapes))
+                settings = self._job_settings(job, parsed)
+            except ValidationError as exc:  # one unreadable row must not stop every tenant's jobs
+                unplaceable.append((job.id, f"waiting: its stored settings cannot be read ({_first_error(exc)})",
+                                    None))
+                continue
+            try:
+                out.append(self._request(job, models, shapes, settings))
             except EstimateError as exc:
                 unplaceable.append((job.id, f"waiting: {exc}", None))
         self._write_waiting(unplaceable)
@@ -133,7 +163,17 @@ class DbStore:
             return False
         return now - float(left_running) < self.settings.stop_grace_s + STOP_MARGIN_S
 
-    def _request(self, job: Any, models: dict[str, Any], shapes: dict[str, ModelShape | EstimateError]) -> JobRequest:
+    def _job_settings(self, job: Any, parsed: dict[str, tuple[tuple[Any, ...], JobSettings]]) -> JobSettings:
+        """The job's settings, parsed again only when its settings columns changed since the
+        last cycle: every cycle reads every queued job, and most of them wait unchanged."""
+        columns = _settings_columns(job)
+        known = parsed.get(job.id)
+        settings = known[1] if known is not None and known[0] == columns else JobSettings.from_row(job)
+        self._settings[job.id] = (columns, settings)
+        return settings
+
+    def _request(self, job: Any, models: dict[str, Any], shapes: dict[str, ModelShape | EstimateError],
+                 settings: JobSettings) -> JobRequest:
         entry = models.get(job.model)
         if entry is None:
             raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
@@ -146,14 +186,11 @@ class DbStore:
         if isinstance(shape, EstimateError):
             raise shape
         return request_from_job(
-            job_id=job.id, tenant=job.tenant_id, model=shape, adapter=job.adapter or {},
-            hyperparameters=job.hyperparameters or {}, max_seq_len=job.max_seq_len, trainer=job.trainer,
-            # The user's pins; after an out-of-memory failure, the larger gang on the same pool.
-            placement={**(job.retry_placement or {}), **(job.placement or {})},
+            job_id=job.id, tenant=job.tenant_id, model=shape, settings=settings,
+            placement=_pins(settings.placement, job.retry_placement),
             priority=int(job.priority or 0),
             created_at=job.created_at.timestamp() if job.created_at else 0.0,
             checkpoint_trainer=(job.usage or {}).get("trainer") if job.resume_from else None,
-            method_type=(job.method or {}).get("type", "supervised"),
         )
 
     def running_jobs(self) -> list[RunningRow]:

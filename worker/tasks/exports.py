@@ -23,6 +23,7 @@ from api.outputs.exports import EXPORTS_DIR, set_export_status
 from api.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
 from api.reports.schemas import ArtifactsItem
 from api.settings import Settings, get_settings
+from control.job_settings import JobSettings
 from trainers.common.peft_export import sha256_file
 from worker.celery_app import app
 
@@ -53,7 +54,7 @@ def run_merged_export(settings: Settings, job_id: str, export_id: str, dtype: st
             source = session.scalar(select(Checkpoint.location).where(Checkpoint.job_id == job.id,
                                                                       Checkpoint.id == checkpoint_id))
         base = load_base_models(settings).get(job.model)
-        qlora = (job.adapter or {}).get("method") == "qlora"
+        qlora = JobSettings.from_row(job).adapter.method == "qlora"
         set_export_status(session, export_id, "running")
         add_event(session, job, f"Merged export {export_id} started ({dtype})",
                   data={"export": export_id, "dtype": dtype, "checkpoint": checkpoint_id})
