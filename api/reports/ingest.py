@@ -230,8 +230,8 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
         start_admitted_launch(session, lock_job(session, job.id) or job, actor="trainer")
     for item in batch.items:
         if isinstance(item, MetricItem):
-            _apply_metric(session, job, item)
-            if (announced := metrics_event(item)) is not None:
+            replaced = _apply_metric(session, job, item)
+            if not replaced and (announced := metrics_event(item)) is not None:
                 add_event(session, job, announced[0], type="metrics", data=announced[1])
         elif isinstance(item, EventItem):
             add_event(session, job, item.message, level=TRAINER_EVENT_LEVELS[item.level], type="message",
@@ -253,12 +253,15 @@ def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Set
     return True
 
 
-def _apply_metric(session: Session, job: Job, item: MetricItem) -> None:
+def _apply_metric(session: Session, job: Job, item: MetricItem) -> bool:
+    """Store the step's metrics; True when they replaced a row of the same step (whose
+    event, if announced, was written already)."""
     values: dict[str, Any] = item.model_dump(exclude={"type"})
     for name in ("train_loss", "valid_loss", "grad_norm", *PREFERENCE_METRICS.values()):
         values[name] = _finite(values[name])
     # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
-    session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step == item.step))
+    replaced = session.execute(
+        delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step == item.step)).rowcount
     session.add(JobMetric(job_id=job.id, **values))
     if job.current_step is None or item.step >= job.current_step:
         job.current_step = item.step
@@ -267,6 +270,7 @@ def _apply_metric(session: Session, job: Job, item: MetricItem) -> None:
         if item.tokens_seen is not None:
             job.trained_tokens = item.tokens_seen
         job.estimated_finish = _estimated_finish(job)
+    return bool(replaced)
 
 
 def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
@@ -320,7 +324,10 @@ def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
         select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == item.step)
     )
     if existing is not None:
+        relisted = existing.location == item.location  # a resumed run lists its checkpoint again
         existing.location, existing.metrics = item.location, metrics
+        if relisted:
+            return
     else:
         session.add(Checkpoint(id=new_id("ftckpt"), job_id=job.id, step=item.step,
                                location=item.location, metrics=metrics))
