@@ -359,3 +359,13 @@ def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
     if changed:
         add_event(session, job, f"Uploaded {len(changed)} output file(s)", type="message",
                   data={"location": item.location, "files": changed})
+
+
+def apply_recovered(session: Session, job: Job, items: list[MetricItem | CheckpointItem]) -> None:
+    """Apply metric and checkpoint items read back from the trainer's outputs (the outcome
+    path's reconciliation, ``worker.report_gaps``), as a report would have, without a batch."""
+    for item in items:
+        if isinstance(item, MetricItem):
+            _apply_metric(session, job, item)
+        else:
+            _apply_checkpoint(session, job, item)

@@ -50,6 +50,7 @@ from worker.executors.local_process import (
     supervision_lock,
 )
 from worker.outcomes import apply_outcome
+from worker.report_gaps import TrainerOutputs
 from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,8 @@ def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOut
         pools = {p.name: p for p in load_pools(settings.node_pools_file)}
         return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
                              max_restarts=settings.max_restarts, now=time.time(),
-                             restart_backoff=(settings.restart_backoff_s, settings.restart_backoff_max_s))
+                             restart_backoff=(settings.restart_backoff_s, settings.restart_backoff_max_s),
+                             outputs=TrainerOutputs(settings, job_id))
 
 
 def _with_reported_error(job: Job, outcome: TrainerOutcome) -> TrainerOutcome:
