@@ -376,7 +376,7 @@ def test_sigterm_then_resume_on_a_fresh_pod_continues_the_same_losses(
     since = stopped["step"] - (stopped["step"] - 1) % every - 1
     resumed_steps = [r["step"] for r in reports if r["type"] == "metric"]
     assert resumed_steps == list(range(since + 1, 11))
-    relisted = [r for r in reports if r["type"] == "checkpoint"][0]
+    relisted = next(r for r in reports if r["type"] == "checkpoint")
     assert (relisted["step"], relisted["location"]) == (stopped["step"], stopped["location"])
 
     reference = _remote_losses(client, uninterrupted["job"])
