@@ -18,9 +18,10 @@ import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from api.errors import APIError
 from api.settings import resolved_dir
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from api.settings import Settings
 
 CHUNK = 1024 * 1024
+# What the S3 store holds in memory while it writes a stream: one part of a multipart
+# upload (S3 wants at least 5 MiB in every part but the last).
+S3_STREAM_PART = 8 * 1024 * 1024
 
 
 def safe_key(name: str) -> str:
@@ -62,6 +66,24 @@ def _has_symlink(root: str, key: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class OpenedObject:
+    """A stored object opened for reading: its size, and its bytes in chunks. Once opened
+    it is read whole even if it is deleted meanwhile (a local file through its handle, an
+    S3 object through the GET that started)."""
+
+    size: int
+    chunks: Iterator[bytes]
+
+
+def _read_chunks(handle: IO[bytes], chunk_size: int) -> Iterator[bytes]:
+    try:
+        while chunk := handle.read(chunk_size):
+            yield chunk
+    finally:
+        handle.close()
+
+
 class ArtifactStore(Protocol):
     """A rooted key -> bytes store."""
 
@@ -72,15 +94,26 @@ class ArtifactStore(Protocol):
 
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        """Write ``chunks`` as one object without holding more than a part of it in memory;
+        nothing is left at ``key`` when ``chunks`` raises."""
+
     def read_bytes(self, key: str) -> bytes: ...
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]: ...
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        """``key`` opened now (``FileNotFoundError`` if it is not stored): what a download
+        answers from, so its status and length are those of an object it holds."""
 
     def exists(self, key: str) -> bool: ...
 
     def size(self, key: str) -> int: ...
 
     def delete(self, key: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under the folder ``prefix`` (nothing when there is none)."""
 
     def list(self, prefix: str = "") -> list[str]: ...
 
@@ -135,13 +168,30 @@ class LocalArtifactStore:
         tmp.write_bytes(data)
         os.replace(tmp, target)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".partial")
+        # Tenant data: readable by the service's user only, like an upload's temporary file.
+        handle = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        try:
+            with handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, target)
+
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        with self._path(key).open("rb") as handle:
-            while chunk := handle.read(chunk_size):
-                yield chunk
+        yield from self.open(key, chunk_size).chunks
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        handle = self._path(key).open("rb")
+        return OpenedObject(size=os.fstat(handle.fileno()).st_size, chunks=_read_chunks(handle, chunk_size))
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -151,6 +201,11 @@ class LocalArtifactStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        folder = self._path(prefix)
+        if folder.is_dir():
+            shutil.rmtree(folder)
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
@@ -196,12 +251,57 @@ class S3ArtifactStore:
     def put_bytes(self, key: str, data: bytes) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
+    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+        """One PUT for a stream shorter than ``S3_STREAM_PART``, else a multipart upload of
+        parts of that size (aborted if ``chunks`` raises, so S3 keeps no orphan parts)."""
+        target = self._key(key)
+        buffer = bytearray()
+        upload_id: str | None = None
+        parts: list[dict[str, object]] = []
+
+        def flush() -> None:
+            nonlocal upload_id
+            if upload_id is None:
+                upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=target)["UploadId"]
+            number = len(parts) + 1
+            answer = self._client.upload_part(Bucket=self.bucket, Key=target, UploadId=upload_id,
+                                              PartNumber=number, Body=bytes(buffer))
+            parts.append({"ETag": answer["ETag"], "PartNumber": number})
+            buffer.clear()
+
+        try:
+            for chunk in chunks:
+                buffer += chunk
+                if len(buffer) >= S3_STREAM_PART:
+                    flush()
+            if upload_id is None:
+                self._client.put_object(Bucket=self.bucket, Key=target, Body=bytes(buffer))
+                return
+            if buffer:
+                flush()
+            self._client.complete_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id,
+                                                   MultipartUpload={"Parts": parts})
+        except BaseException:
+            if upload_id is not None:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id)
+            raise
+
     def read_bytes(self, key: str) -> bytes:
         return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
     def iter_bytes(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-        yield from body.iter_chunks(chunk_size)
+        yield from self.open(key, chunk_size).chunks
+
+    def open(self, key: str, chunk_size: int = CHUNK) -> OpenedObject:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise FileNotFoundError(f"s3://{self.bucket}/{self._key(key)}") from exc
+            raise
+        return OpenedObject(size=int(response["ContentLength"]), chunks=_read_chunks(response["Body"], chunk_size))
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -210,7 +310,7 @@ class S3ArtifactStore:
             self._client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+            if _is_missing(exc):
                 return False
             raise
 
@@ -219,6 +319,14 @@ class S3ArtifactStore:
 
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key(prefix) + "/")
+        for page in pages:  # at most 1,000 keys a page, as many as one delete_objects takes
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:
+                self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
 
     def list(self, prefix: str = "") -> list[str]:
         full = self._key(prefix) if prefix else self.prefix
@@ -234,6 +342,20 @@ class S3ArtifactStore:
         return self._client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
         )
+
+
+def open_or_404(store: ArtifactStore, key: str, missing: APIError) -> OpenedObject:
+    """``store.open(key)``, or ``missing`` (a 404) when the object is not stored: a download
+    answers only once it holds its object."""
+    try:
+        return store.open(key)
+    except FileNotFoundError:
+        raise missing from None
+
+
+def _is_missing(exc: Exception) -> bool:
+    """Whether a botocore ``ClientError`` says the object is not there."""
+    return getattr(exc, "response", {}).get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}
 
 
 def store_for(location: str, *, s3_endpoint_url: str | None = None) -> ArtifactStore:

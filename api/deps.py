@@ -30,7 +30,9 @@ from api.db.models import ApiKey, Tenant
 from api.errors import APIError
 from api.jobs.pages import JobPageCache
 from api.models.base_models import BaseModelRegistry
+from api.outputs.stream import StreamSlots
 from api.queue import TaskQueue
+from api.rate_limits import mark_verified
 from api.settings import Settings
 from api.ui.session import session_api_key
 from scheduling.pools import NodePool
@@ -69,6 +71,7 @@ JobPagesDep = Annotated[JobPageCache, app_state("job_pages")]
 EngineDep = Annotated[Engine, app_state("engine")]
 StartedAtDep = Annotated[int, app_state("started_at")]  # Unix seconds the app was built at
 SessionFactoryDep = Annotated[sessionmaker[Session], app_state("session_factory")]
+StreamSlotsDep = Annotated[StreamSlots, app_state("stream_slots")]  # open job streams (caps)
 
 
 async def get_current_key(
@@ -76,12 +79,15 @@ async def get_current_key(
     session: SessionDep,
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> ApiKey:
-    """The request's API key, with its ``tenant`` loaded (no lazy load happens later)."""
-    if authorization is not None:
-        key = authenticate_cached(session, authorization)
-        if key is not None:
-            return key
-    return await run_in_threadpool(_key_from_database, request, session, authorization)
+    """The request's API key, with its ``tenant`` loaded (no lazy load happens later).
+
+    The rate limits then count the request against this key's budget (``mark_verified``).
+    """
+    key = authenticate_cached(session, authorization) if authorization is not None else None
+    if key is None:
+        key = await run_in_threadpool(_key_from_database, request, session, authorization)
+    mark_verified(request.scope, ("key", key.prefix))
+    return key
 
 
 def _key_from_database(request: Request, session: Session, authorization: str | None) -> ApiKey:

@@ -15,7 +15,8 @@ missing_api_key                401   no ``Authorization: Bearer`` header
 invalid_api_key                401   unknown, malformed or revoked key
 invalid_job_token              401   report endpoint: wrong or missing job token
 job_token_expired              401   report endpoint: the job stopped running over a minute ago
-permission_denied              403   an admin-only route with a tenant key
+permission_denied              403   an admin-only route with a tenant key; a checkpoint's
+                                     permissions managed by a tenant it is shared with
 not_found                      404   unknown route, or an object of another tenant
 method_not_allowed             405   wrong HTTP method
 invalid_json                   400   the body is not valid JSON (or not UTF-8)
@@ -25,6 +26,7 @@ invalid_cursor                 400   ``after`` does not name an object of this l
 invalid_model                  400   unknown base model (``param`` = ``model``)
 model_exists                   409   POST /v1/models: the id is taken (YAML or a registration)
 invalid_model_source           400   ... a source not a directory, s3:// prefix nor Hub id
+model_source_not_allowed       400   ... a directory not under TUNEFLEET_MODEL_ROOTS (links resolved)
 model_config_unreadable        400   ... a checkpoint without a readable config.json (or its sizes)
 unsupported_architecture       400   ... a model_type the trainers do not train
 tokenizer_missing              400   ... a checkpoint without tokenizer files
@@ -44,9 +46,21 @@ invalid_file                   400   training/validation file missing, invalid o
                                      another tenant (``param`` = the field)
 file_not_ready                 400   the file is still being validated
 file_in_use                    409   deleting a file that a live job still needs
-empty_file                     400   an upload with zero bytes
-not_utf8                       400   an upload that is not UTF-8 text
-file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES``
+empty_file                     400   an upload (or an upload's part) with zero bytes
+not_utf8                       400   an upload that is not UTF-8 text (an upload in parts: at
+                                     completion)
+file_too_large                 413   an upload over ``TUNEFLEET_MAX_UPLOAD_BYTES`` (``POST
+                                     /v1/uploads``: its ``bytes``), or a part over 64 MiB
+upload_not_pending             409   a part, completion or cancel of an upload already
+                                     completed, cancelled or expired
+upload_size_mismatch           400   parts that hold more than the upload's ``bytes``, or
+                                     (completion) not exactly as many
+invalid_part_ids               400   completion: an id twice, one not a part of this upload
+                                     (``param`` = ``part_ids[i]``), or a part left out
+md5_mismatch                   400   completion: the parts in this order do not have that md5
+too_many_parts                 400   an upload's 10,001st part
+invalid_project_id             400   a checkpoint permission for no tenant, or for its owner
+permission_conflict            409   concurrent grants of one checkpoint kept colliding
 request_too_large              413   any other body over ``TUNEFLEET_MAX_REQUEST_BYTES`` (before auth)
 idempotency_conflict           409   an ``Idempotency-Key`` reused with another body
 invalid_state_transition       409   e.g. cancelling a succeeded job
@@ -54,6 +68,8 @@ invalid_artifact_path          400   an artifact name escaping the job's output
 artifact_not_found             404   no such artifact
 invalid_artifact_location      400   report endpoint: outputs or checkpoints outside the job's own
                                      output / checkpoint directory, or control characters
+report_too_large               413   report endpoint: a batch over ``TUNEFLEET_REPORT_MAX_ITEMS`` items
+                                     (``param`` = ``items``) or ``TUNEFLEET_REPORT_MAX_BYTES``
 invalid_tracking_uri           400   an MLflow ``tracking_uri`` that is not http(s)://host
 tracking_uri_not_public        400   ... that resolves to an internal address (and is not in
                                      ``TUNEFLEET_TRACKER_ALLOWED_HOSTS``)
@@ -65,30 +81,55 @@ csrf_failed                    403   a cookie-authenticated unsafe request witho
 tenant_exists                  409   creating a tenant whose name is taken
 rate_limited                   429   too many failed authentications from this IP, or too
                                      many requests for this key / job / IP (``Retry-After``)
+too_many_streams               429   job streams: this key's (or this process's) open streams are at
+                                     ``TUNEFLEET_STREAM_MAX_PER_KEY`` / ``_PER_PROCESS`` (``Retry-After``)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
 job_not_succeeded              409   a merged export of a job without a final adapter (yet)
+export_in_progress             409   a merged export of an adapter whose export in another dtype is
+                                     still queued or running (one per adapter at a time)
+too_many_exports               429   the organization's merged exports queued or running are at
+                                     ``TUNEFLEET_EXPORT_MAX_CONCURRENT_PER_TENANT`` (``Retry-After``)
 export_needs_local_storage     400   a merged export with outputs in S3 (local artifact store only)
 model_not_found                404   completions: not a base model, nor a fine-tuned model or
                                      checkpoint of this organization (``param`` = ``model``)
 unsupported_parameter          400   completions: a parameter this service does not implement
 unsupported_content            400   completions: a non-text content part
+generation_failed              500   completions: the model failed while generating (a stream
+                                     that started gets it as an error event)
+context_length_exceeded        400   completions: prompt tokens + ``max_tokens`` over the model's
+                                     context (``param`` = ``messages`` or ``prompt``)
 too_many_requests              429   completions: the organization's concurrent completions are
                                      running already (``Retry-After``)
 token_limit_exceeded           429   completions: the organization's tokens of the last minute are
                                      used up (``Retry-After``)
-model_loading                  503   completions: the base model is being loaded (``Retry-After``)
+model_loading                  503   completions: the base model is still loading after
+                                     ``TUNEFLEET_INFERENCE_LOAD_WAIT_S`` (``Retry-After``)
 model_unavailable              503   completions: the base model's files are not on this machine
 model_unavailable              400   job creation, estimates: a local base model's directory or
                                      its ``config.json`` is missing (``param`` = ``model``)
-inference_unavailable          503   completions: the inference worker / server is not reachable
+inference_unavailable          503   completions: the inference worker / server is not reachable,
+                                     died or restarted (mid-stream: an error event)
 model_load_failed              503   completions: the base model failed to load (the next request retries)
 adapter_load_failed            503   completions: the adapter does not load on its base model
 adapter_not_found              404   completions: the model's adapter files are gone from storage
 inference_timeout              504   completions: longer than ``TUNEFLEET_INFERENCE_TIMEOUT_S``
 database_unavailable           503   the database cannot be reached right now (a restart, a
                                      failover): retry after ``Retry-After`` seconds
+invalid_grader                 400   graders: a malformed grader object (``param`` = the field), e.g. an
+                                     unknown type, a missing field, a multi grader inside a multi grader
+invalid_grader_template        400   graders: a ``{{ }}`` template with another namespace than item and
+                                     sample, an unknown sample variable, or broken syntax
+invalid_grader_formula         400   graders: a multi grader's ``calculate_output`` that does not parse,
+                                     names no sub-grader, or uses what the formulas do not offer
+invalid_python_grader          400   graders: a python grader whose source does not compile, is over
+                                     256 kB, or defines no ``grade(sample, item)``
+unsupported_evaluation_metric  400   graders: ``cosine`` (evals only), or ``meteor`` without its WordNet data
+invalid_grader_model           400   graders: a score_model grader's ``model`` that this service does not
+                                     serve to the caller (nor allows at its external grader endpoint)
+graders_busy                   429   graders: python graders of the organization (or of the whole
+                                     service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details
 =============================  ====  =====================================================
 """

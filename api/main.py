@@ -9,6 +9,7 @@ through ``api.deps``. It does not migrate the database: ``tunefleet db upgrade``
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from fastapi import FastAPI
@@ -17,12 +18,15 @@ from api import observability, rate_limits, webhooks
 from api.admin import routes as admin
 from api.artifacts import artifact_store, file_store
 from api.body_limit import BodySizeLimitMiddleware
+from api.checkpoint_permissions import routes as checkpoint_permissions
 from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
+from api.graders import routes as graders
 from api.health import routes as health
+from api.inference import preload
 from api.inference import routes as inference
 from api.jobs import routes as jobs
 from api.jobs.pages import CachedJobListMiddleware, JobPageCache
@@ -31,10 +35,12 @@ from api.models.base_models import load_base_models
 from api.openapi import install_openapi
 from api.outputs import routes as outputs
 from api.outputs.logs import kubernetes_log, register_log_reader
+from api.outputs.stream import StreamSlots
 from api.queue import CeleryQueue, TaskQueue
 from api.reports import routes as reports
 from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
+from api.uploads import routes as uploads
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +73,19 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.base_models = load_base_models(settings)
     app.state.job_pages = JobPageCache()  # encoded job list pages (api/jobs/pages.py)
     app.state.started_at = int(time.time())
+    app.state.stream_slots = StreamSlots(per_key=settings.stream_max_per_key,
+                                         per_process=settings.stream_max_per_process)
     install_error_handlers(app)
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
-    for module in (health, files, jobs, outputs, models, reports, admin, fleet_routes, inference):
+    for module in (health, files, uploads, jobs, checkpoint_permissions, outputs, models, reports, admin,
+                   fleet_routes, inference, graders):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.
     webhooks.install(app)
+    preload.install(settings)  # a job that succeeds hints the inference worker to load its base
     # Inside the latency middleware (added after it), so cached answers are measured too.
     app.add_middleware(CachedJobListMiddleware, route=jobs.list_route())
     observability.install(app)
@@ -119,6 +129,11 @@ def _ensure_admin_key(settings: Settings) -> None:
         print(f"tunefleet: the first admin API key (shown once): {new_key}", flush=True)
 
 
+_UPLOAD_PART = re.compile(r"^/v1/uploads/[^/]+/parts$")
+
+
 def _is_file_upload(scope: dict) -> bool:
-    """``POST /v1/files`` streams its body to disk under its own limit (api/files/uploads.py)."""
-    return scope.get("method") == "POST" and scope.get("path") == "/v1/files"
+    """``POST /v1/files`` and ``POST /v1/uploads/{id}/parts`` stream their bodies to disk
+    under their own limits (api/files/uploads.py)."""
+    path = scope.get("path", "")
+    return scope.get("method") == "POST" and (path == "/v1/files" or _UPLOAD_PART.match(path) is not None)

@@ -2,15 +2,22 @@
 
 Two limits, each counted in fixed one-minute windows (``limits``' fixed-window strategy):
 
-- failed authentication per client IP (``TUNEFLEET_RATE_LIMIT_FAILED_AUTH_PER_MIN``,
-  tight): counted when the answer is a 401 (a missing, invalid or revoked key, job token
-  or session, a failed dashboard sign-in) and checked before the request reaches any
-  route, so a client over it is answered 429 without a key lookup, whatever it sends;
-- requests per caller (generous): an API key is the caller, by its public prefix (never
-  the secret), with ``TUNEFLEET_RATE_LIMIT_REQUESTS_PER_MIN``; a trainer's report route
-  is keyed by its job (``TUNEFLEET_RATE_LIMIT_REPORTS_PER_MIN``: trainers report in
-  bursts); anything else by the client IP. Only answers other than 401 count, so a forged
-  key carrying a real key's prefix spends the forger's failed-auth budget, not the key's.
+- failed authentication (``TUNEFLEET_RATE_LIMIT_FAILED_AUTH_PER_MIN``, tight), per client
+  IP and per presented credential (the bearer token or dashboard cookie, by its sha256):
+  counted when the answer is a 401 (a missing, invalid or revoked key, job token or
+  session, a failed dashboard sign-in) and checked before the request reaches any route,
+  so a client over it is answered 429 without a key lookup, whatever it sends, and a
+  forged key sent from many addresses is refused too;
+- requests per caller (generous). Only a caller the route has authenticated spends a
+  key's or a job's budget: an API key by its public prefix
+  (``TUNEFLEET_RATE_LIMIT_REQUESTS_PER_MIN``), a trainer by its job
+  (``TUNEFLEET_RATE_LIMIT_REPORTS_PER_MIN``: trainers report in bursts). Everything else
+  -- no credential, a forged one, or one no route looked at (an unknown path's 404, a
+  wrong method's 405) -- spends the client IP's budget. The authenticating dependencies
+  say who they verified (``mark_verified``), and a credential verified here before is
+  checked against its owner's budget from then on (``_VerifiedCredentials``). So a forged
+  key carrying a real key's prefix, or traffic to a job's report route without its token,
+  never spends the real key's or the trainer's budget.
 
 A refused request gets 429 ``rate_limited`` in the error envelope with ``Retry-After``
 (whole seconds until the window ends). Counters live in this process's memory (the
@@ -30,10 +37,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
 
 from fastapi import FastAPI
@@ -43,7 +52,7 @@ from limits.errors import StorageError
 from limits.storage import storage_from_string
 
 from api.errors import APIError
-from api.ids import key_prefix
+from api.ids import hash_secret
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,20 +63,74 @@ Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 
 _COVERED_PREFIXES = ("/v1/", "/internal/")
 _COVERED_PATHS = frozenset({"/ui/login"})
-_REPORTS_PATH = re.compile(r"^/internal/v1/jobs/([^/]+)/reports$")
+_SESSION_COOKIE = "tf_session"  # the dashboard's (api/ui/session.py)
+_VERIFIED_KEY = "tunefleet.verified_caller"
 # A Redis that does not answer must not hold requests up for long.
 _REDIS_TIMEOUT_S = 0.5
 _STORAGE_RETRY_S = 5.0
 _WARNING_INTERVAL_S = 60.0
+# Credentials verified in this process, remembered for about one counting window.
+_VERIFIED_TTL_S = 60.0
+_VERIFIED_MAX = 10_000
+
+Bucket = tuple[str, str]
+
+
+@dataclass
+class Verification:
+    """Who the route authenticated (``("key", prefix)`` or ``("job", job_id)``), if anyone;
+    one per request, set through ``mark_verified``."""
+
+    bucket: Bucket | None = None
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who a request counts against: its client IP, and its per-caller bucket
-    (``("key", prefix)``, ``("job", job_id)`` or ``("ip", ip)``)."""
+    """Who a request counts against: its client IP, the digest of the credential it
+    presents (None without one), and what the route verified."""
 
     ip: str
-    bucket: tuple[str, str]
+    credential: str | None
+    verified: Verification = field(default_factory=Verification)
+
+    @property
+    def ip_bucket(self) -> Bucket:
+        return ("ip", self.ip)
+
+
+def mark_verified(scope: Scope, bucket: Bucket) -> None:
+    """Record that this request authenticated as ``bucket``: its answer spends that budget.
+
+    Called by the authenticating dependencies (``api.deps.get_current_key``,
+    ``api.route_auth.job_token``) once the credential checked out.
+    """
+    verification = scope.get(_VERIFIED_KEY)
+    if verification is not None:
+        verification.bucket = bucket
+
+
+class _VerifiedCredentials:
+    """Credential digest -> the budget it spends, for credentials this process verified in
+    the last ``_VERIFIED_TTL_S`` seconds (at most ``_VERIFIED_MAX``, oldest dropped)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[Bucket, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> Bucket | None:
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None or entry[1] <= self._clock():
+                return None
+            return entry[0]
+
+    def put(self, digest: str, bucket: Bucket) -> None:
+        with self._lock:
+            self._entries.pop(digest, None)
+            self._entries[digest] = (bucket, self._clock() + _VERIFIED_TTL_S)
+            while len(self._entries) > _VERIFIED_MAX:
+                self._entries.popitem(last=False)
 
 
 class RateLimits:
@@ -84,22 +147,26 @@ class RateLimits:
         self.requests = RateLimitItemPerMinute(settings.rate_limit_requests_per_min)
         self.reports = RateLimitItemPerMinute(settings.rate_limit_reports_per_min)
         self.trusted_proxies = settings.trusted_proxies
+        self.verified = _VerifiedCredentials()
         self._retry_storage_at = 0.0
         self._next_warning = 0.0
 
     def caller(self, scope: Scope) -> Caller:
-        ip = client_ip(scope, self.trusted_proxies)
-        if match := _REPORTS_PATH.match(scope["path"]):
-            return Caller(ip, ("job", match.group(1)))
-        prefix = _bearer_key_prefix(scope)
-        return Caller(ip, ("key", prefix) if prefix else ("ip", ip))
+        caller = Caller(client_ip(scope, self.trusted_proxies), _credential_digest(scope))
+        scope[_VERIFIED_KEY] = caller.verified
+        return caller
 
     async def retry_after(self, caller: Caller) -> int | None:
-        """Seconds ``caller`` must wait before its next request, or None if it may go on."""
+        """Seconds ``caller`` must wait before its next request, or None if it may go on.
+
+        The budget checked is the one the request will spend if it is what it was last
+        time: its owner's for a credential verified here before, else its IP's.
+        """
         if self._storage_down():
             return None
+        known = self.verified.get(caller.credential) if caller.credential else None
         try:
-            for item, identifiers in (self._failed_auth(caller), self._budget(caller)):
+            for item, identifiers in (*self._failed_auth(caller), self._budget(known or caller.ip_bucket)):
                 if not await self.limiter.test(item, *identifiers):
                     stats = await self.limiter.get_window_stats(item, *identifiers)
                     return max(1, math.ceil(stats.reset_time - time.time()))
@@ -108,21 +175,29 @@ class RateLimits:
         return None
 
     async def count(self, caller: Caller, status: int) -> None:
-        """Count an answered request: a 401 against the IP's failed-auth limit, anything
-        else against the caller's request budget."""
+        """Count an answered request: a 401 against the failed-auth limits of its IP and
+        credential; anything else against the budget of whom the route verified, or of
+        the IP when it verified no one."""
+        verified = caller.verified.bucket
+        if verified is not None and caller.credential is not None:
+            self.verified.put(caller.credential, verified)
         if self._storage_down():
             return
-        item, identifiers = self._failed_auth(caller) if status == 401 else self._budget(caller)
+        hits = self._failed_auth(caller) if status == 401 else (self._budget(verified or caller.ip_bucket),)
         try:
-            await self.limiter.hit(item, *identifiers)
+            for item, identifiers in hits:
+                await self.limiter.hit(item, *identifiers)
         except StorageError as exc:
             self._storage_failed(exc)
 
-    def _failed_auth(self, caller: Caller) -> tuple[RateLimitItem, tuple[str, ...]]:
-        return self.failed_auth, ("failed-auth", caller.ip)
+    def _failed_auth(self, caller: Caller) -> tuple[tuple[RateLimitItem, tuple[str, ...]], ...]:
+        by_ip = (self.failed_auth, ("failed-auth", caller.ip))
+        if caller.credential is None:
+            return (by_ip,)
+        return by_ip, (self.failed_auth, ("failed-auth-credential", caller.credential))
 
-    def _budget(self, caller: Caller) -> tuple[RateLimitItem, tuple[str, ...]]:
-        return (self.reports if caller.bucket[0] == "job" else self.requests), ("requests", *caller.bucket)
+    def _budget(self, bucket: Bucket) -> tuple[RateLimitItem, tuple[str, ...]]:
+        return (self.reports if bucket[0] == "job" else self.requests), ("requests", *bucket)
 
     def _storage_down(self) -> bool:
         return time.monotonic() < self._retry_storage_at
@@ -195,13 +270,24 @@ def is_rate_limited(path: str) -> bool:
     return path.startswith(_COVERED_PREFIXES) or path in _COVERED_PATHS
 
 
-def _bearer_key_prefix(scope: Scope) -> str | None:
-    """The public prefix of a ``Bearer`` API key (not yet verified), or None."""
+def _credential_digest(scope: Scope) -> str | None:
+    """The sha256 of the request's credential (not yet verified): its ``Authorization``
+    header, else its dashboard session cookie; None when it presents neither."""
+    cookies = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return key_prefix(token.strip()) if scheme.lower() == "bearer" else None
-    return None
+            return hash_secret(value.decode("latin-1").strip())
+        if name == b"cookie":
+            cookies = value.decode("latin-1")
+    if cookies is None:
+        return None
+    morsel = SimpleCookie()
+    try:
+        morsel.load(cookies)
+    except CookieError:  # a malformed cookie header is no credential
+        return None
+    session = morsel.get(_SESSION_COOKIE)
+    return hash_secret(session.value) if session is not None and session.value else None
 
 
 async def _refuse(send: Callable[..., Any], wait_s: int) -> None:

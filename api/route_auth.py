@@ -23,16 +23,19 @@ from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 
 from api.deps import SessionDep, get_current_key, require_admin
+from api.rate_limits import mark_verified
 from api.reports.ingest import authenticate_job
 
 
 def job_token(
-    job_id: str, session: SessionDep,
+    job_id: str, request: Request, session: SessionDep,
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> None:
     """The report route's check: the bearer token is this job's (401, or 404 for another
-    job's token). A route dependency, so it runs before the batch is validated."""
+    job's token). A route dependency, so it runs before the batch is validated. The rate
+    limits then count the request against the job's report budget."""
     authenticate_job(session, job_id, authorization)
+    mark_verified(request.scope, ("job", job_id))
 
 
 # dependency -> the error statuses it answers with
@@ -68,7 +71,7 @@ async def authenticate_route(request: Request) -> None:
     try:
         if job_token in checks:
             job_id = request.path_params.get("job_id", "")
-            await run_in_threadpool(job_token, job_id, session, authorization)
+            await run_in_threadpool(job_token, job_id, request, session, authorization)
         if get_current_key in checks or require_admin in checks:
             key = await get_current_key(request, session, authorization)
             if require_admin in checks:

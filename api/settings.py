@@ -19,7 +19,8 @@ data directory::
 
 With ``TUNEFLEET_ENV=production`` the class refuses settings that are only safe on a
 developer's machine (SQLite, a generated secret key, a server-less broker, a loopback
-public URL with the Kubernetes executor), each with a message that says what to set.
+public URL with the Kubernetes executor, an ``http://`` public URL nobody opted into,
+guessable secrets), each with a message that says what to set.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import hmac
 import ipaddress
 import math
 import os
+import re
 import secrets
+import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -39,8 +42,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.ids import key_prefix
 
+if TYPE_CHECKING:
+    from trainers.common.graders.sandbox import SandboxLimits
+
 MiB = 1024 * 1024
-_UNSAFE_SECRETS = {"", "changeme", "change-me", "secret", "dev", "development", "test"}
+# The fewest guesses (log2) a production secret must take, as zxcvbn estimates them (it
+# knows words, names, dates, sequences, keyboard rows and repeats). 128-bit random tokens
+# score above 90 even when they happen to hold a short pattern; typed values stay far below.
+MIN_SECRET_BITS = 80
 
 
 class Settings(BaseSettings):
@@ -68,6 +77,10 @@ class Settings(BaseSettings):
     # Port of the worker's and the scheduler's /metrics and /healthz (0: not served).
     metrics_port: int = Field(default=0, ge=0, le=65535)
     public_url: str = "http://127.0.0.1:8000"
+    # Production refuses an http:// public URL unless this says it is meant (TLS ends at an
+    # ingress, or trainers report over a cluster-internal address): with it, the dashboard's
+    # cookies are Secure only on requests that arrive as https.
+    allow_http_public_url: bool = False
     executor: Literal["local", "kubernetes"] = "local"
     node_pools_file: Path | None = None
     base_models_file: Path | None = None
@@ -75,6 +88,10 @@ class Settings(BaseSettings):
     # of org/name, comma-separated, e.g. "Qwen/Qwen3-*,meta-llama/*". Unset: the Hub is off.
     # huggingface_hub reads HF_TOKEN and HF_ENDPOINT (operator-set) from the environment.
     hub_allowed_repos: str | None = None
+    # Directories under which admins may register a local checkpoint (POST /v1/models),
+    # comma-separated; a source is resolved (symlinks, ``..``) before it is compared.
+    # Unset: <data>/models only.
+    model_roots: str | None = None
     hub_timeout_s: float = Field(default=30.0, gt=0, description="Per Hub request (metadata, read).")
     max_upload_bytes: int = Field(default=512 * MiB, ge=1)
     # Every other request body (JSON, forms, trainer reports), checked before routing.
@@ -142,10 +159,31 @@ class Settings(BaseSettings):
         default=1200, ge=1, description="Requests per API key (per client IP without one)."
     )
     rate_limit_reports_per_min: int = Field(default=600, ge=1, description="Trainer reports per job.")
+    # Trainer report bounds (api/reports/ingest.py). Past a report's caps: 413 report_too_large
+    # (the trainers' reporter forms its batches well under them). Past a job's quota its
+    # trainer's later metric and event items are dropped (checkpoints, artifacts and errors
+    # still apply), so a runaway trainer cannot fill the database.
+    report_max_items: int = Field(default=1000, ge=1, description="Items in one trainer report.")
+    report_max_bytes: int = Field(default=1 * MiB, ge=1024, description="Bytes of one trainer report's body.")
+    report_max_items_per_job: int = Field(
+        default=250_000, ge=1, description="Metric and event items a job's reports may store."
+    )
+    report_max_bytes_per_job: int = Field(
+        default=64 * MiB, ge=1024, description="Bytes (as JSON) of those items a job's reports may store."
+    )
     # Peers whose X-Forwarded-For names the client (IPs or networks, comma-separated);
     # unset: the connection's peer address is the client.
     rate_limit_trusted_proxies: str | None = None
     rate_limit_key_prefix: str = Field(default="tunefleet-rate-limits", min_length=1)
+    # Live job streams (GET /v1/fine_tuning/jobs/{id}/stream, api/outputs/stream.py) open at
+    # once in one API process: each polls the database, so one client may not open without end.
+    stream_max_per_key: int = Field(default=10, ge=1, description="Open job streams per API key.")
+    stream_max_per_process: int = Field(default=100, ge=1, description="Open job streams per API process.")
+    # Merged exports (POST /v1/fine_tuning/jobs/{id}/exports, api/outputs/exports.py): each
+    # copies the whole base model, so a tenant has this many queued or running at once.
+    export_max_concurrent_per_tenant: int = Field(
+        default=2, ge=1, description="Merged exports an organization may have queued or running (more: 429)."
+    )
     # OpenAI completions (api/inference/routes.py) are generated by the inference worker
     # (`tunefleet inference`, started by `tunefleet serve`) at this loopback URL; requests
     # carry a shared secret (default: derived from the secret key, so both processes know it).
@@ -155,6 +193,10 @@ class Settings(BaseSettings):
         default=4, ge=1, description="Completions a tenant may have running at once (more: 429)."
     )
     inference_timeout_s: float = Field(default=300.0, gt=0, description="Longest a completion may take.")
+    inference_load_wait_s: float = Field(
+        default=120.0, ge=0, le=3600,
+        description="How long a completion waits for its base model to load before 503 model_loading.",
+    )
     inference_tokens_per_minute_per_tenant: int | None = Field(
         default=None, ge=1,
         description="Prompt + completion tokens a tenant may use per minute (more: 429). Default: no limit.",
@@ -176,6 +218,26 @@ class Settings(BaseSettings):
     webhook_retry_max_s: float = Field(default=3600.0, gt=0)
     webhook_timeout_s: float = Field(default=10.0, gt=0, description="Per attempt (connect + response).")
     webhook_rotation_grace_s: int = Field(default=86400, ge=0, le=7 * 86400)
+    # Graders (POST /v1/fine_tuning/alpha/graders/*, trainers.common.graders): a python
+    # grader runs in a sandboxed process under these limits; a score_model grader asks a
+    # model this service serves, or, for the models grader_external_models names, the
+    # OpenAI-compatible endpoint grader_external_url (checked like a webhook target).
+    grader_memory_bytes: int = Field(default=1 << 30, ge=64 << 20,
+                                     description="Address space of a python grader's process.")
+    grader_seconds_per_sample: float = Field(default=10.0, gt=0, le=600,
+                                             description="Longest a python grader may take on one sample.")
+    grader_seconds_per_call: float = Field(default=60.0, gt=0, le=3600,
+                                           description="Longest one graders/run may spend in python graders.")
+    grader_output_bytes: int = Field(default=65536, ge=1024,
+                                     description="What a python grader may print (and answer) per sample.")
+    grader_max_concurrent: int = Field(default=4, ge=1,
+                                       description="Python graders running at once in one API process (more: 429).")
+    grader_max_concurrent_per_tenant: int = Field(default=1, ge=1,
+                                                  description="Python graders a tenant may have running at once.")
+    grader_external_url: str | None = Field(default=None, description="An OpenAI-compatible /v1 base URL.")
+    grader_external_models: str | None = Field(
+        default=None, description="Models (comma-separated) score_model graders may ask at grader_external_url.")
+    grader_external_api_key: SecretStr | None = None
 
     @field_validator("kueue_priority_classes")
     @classmethod
@@ -229,20 +291,7 @@ class Settings(BaseSettings):
                 "TUNEFLEET_DATABASE_URL must point to PostgreSQL in production (SQLite is "
                 "the single-machine embedded default)"
             )
-        if self.secret_key is None:
-            problems.append(
-                "TUNEFLEET_SECRET_KEY must be set in production (a generated key on one "
-                "replica's disk does not work for several replicas)"
-            )
-        elif (
-            self.secret_key.get_secret_value().lower() in _UNSAFE_SECRETS
-            or len(self.secret_key.get_secret_value()) < 32
-            or not looks_random(self.secret_key.get_secret_value())
-        ):
-            problems.append(
-                "TUNEFLEET_SECRET_KEY must be a random value of at least 32 characters "
-                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(48))'`)"
-            )
+        problems += self._secret_problems()
         if self.broker_url is None or self.broker_url.startswith(("sqla+", "filesystem")):
             problems.append(
                 "TUNEFLEET_BROKER_URL must point to Redis in production (redis://host:6379/0)"
@@ -252,17 +301,11 @@ class Settings(BaseSettings):
                 "TUNEFLEET_PUBLIC_URL must be reachable from training pods, not "
                 f"{self.public_url}"
             )
-        if self.admin_api_key is not None and key_prefix(self.admin_api_key.get_secret_value()) is None:
-            # Only keys of this shape ever authenticate (api.auth): any other value would
-            # leave the service without a working admin key.
+        if urlsplit(self.public_url).scheme == "http" and not self.allow_http_public_url:
             problems.append(
-                "TUNEFLEET_ADMIN_API_KEY must look like tf_<8 characters>_<32 characters> "
-                "(`tunefleet admin create-key` prints one)"
-            )
-        if self.metrics_token is None or len(self.metrics_token.get_secret_value()) < 16:
-            problems.append(
-                "TUNEFLEET_METRICS_TOKEN must be set in production (at least 16 characters): "
-                "/metrics names every job and tenant"
+                f"TUNEFLEET_PUBLIC_URL is plain http ({self.public_url}): use https, or set "
+                "TUNEFLEET_ALLOW_HTTP_PUBLIC_URL=true if TLS ends in front of the service (the "
+                "dashboard's cookies are then Secure only on requests that arrive as https)"
             )
         if self.webhook_allow_private:
             problems.append(
@@ -272,6 +315,43 @@ class Settings(BaseSettings):
         if problems:
             raise ValueError("unsafe production settings: " + "; ".join(problems))
         return self
+
+    def _secret_problems(self) -> list[str]:
+        """What is wrong with the production secrets: each must be present where required
+        and hard to guess (``guessable``), whatever its length."""
+        problems: list[str] = []
+        generate = ("one that takes 2**80 guesses: some 25 random letters and digits, e.g. "
+                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        secret_key = self.secret_key.get_secret_value() if self.secret_key else None
+        if secret_key is None:
+            problems.append(
+                "TUNEFLEET_SECRET_KEY must be set in production (a generated key on one "
+                "replica's disk does not work for several replicas)"
+            )
+        elif len(secret_key) < 32 or guessable(secret_key):
+            problems.append(f"TUNEFLEET_SECRET_KEY must be a random value of at least 32 characters, {generate}")
+        admin_key = self.admin_api_key.get_secret_value() if self.admin_api_key else None
+        if admin_key is not None and key_prefix(admin_key) is None:
+            # Only keys of this shape ever authenticate (api.auth): any other value would
+            # leave the service without a working admin key.
+            problems.append(
+                "TUNEFLEET_ADMIN_API_KEY must look like tf_<8 characters>_<32 characters> "
+                "(`tunefleet admin create-key` prints one)"
+            )
+        elif admin_key is not None and guessable(admin_key.rsplit("_", 1)[1]):
+            problems.append(
+                "TUNEFLEET_ADMIN_API_KEY's last 32 characters are guessable: use a key "
+                "`tunefleet admin create-key` printed"
+            )
+        metrics_token = self.metrics_token.get_secret_value() if self.metrics_token else None
+        if metrics_token is None or len(metrics_token) < 16 or guessable(metrics_token):
+            problems.append(
+                "TUNEFLEET_METRICS_TOKEN must be set in production to a random value of at least "
+                f"16 characters, {generate} (/metrics names every running job)"
+            )
+        if self.inference_secret is not None and guessable(self.inference_secret.get_secret_value()):
+            problems.append(f"TUNEFLEET_INFERENCE_SECRET must be unset or a random value, {generate}")
+        return problems
 
     # ---- derived locations -------------------------------------------------------
 
@@ -326,6 +406,12 @@ class Settings(BaseSettings):
     def tmp_dir(self) -> Path:
         return self.data_path / "tmp"
 
+    @property
+    def model_root_dirs(self) -> tuple[Path, ...]:
+        """Where local checkpoints may be registered from, symlinks resolved."""
+        entries = [e.strip() for e in (self.model_roots or "").split(",") if e.strip()]
+        return tuple(Path(e).resolve() for e in entries) or (self.models_dir.resolve(),)
+
     def job_dir(self, job_id: str) -> Path:
         """``<data>/jobs/<job_id>``: the job's spec, trainer.log and local checkpoints."""
         return self.jobs_dir / job_id
@@ -345,6 +431,13 @@ class Settings(BaseSettings):
         urls = (self.resolved_database_url, self.resolved_broker_url)
         return [Path(url.split(":///", 1)[1]) for url in urls
                 if url.startswith(("sqlite:///", "sqla+sqlite:///")) and ":memory:" not in url]
+
+    def grader_limits(self) -> SandboxLimits:
+        """The python graders' sandbox limits (``trainers.common.graders.sandbox``)."""
+        from trainers.common.graders.sandbox import SandboxLimits
+
+        return SandboxLimits(memory_bytes=self.grader_memory_bytes, seconds_per_sample=self.grader_seconds_per_sample,
+                             seconds_per_call=self.grader_seconds_per_call, output_bytes=self.grader_output_bytes)
 
     def inference_secret_value(self) -> str:
         """What the API and the inference worker authenticate their channel with."""
@@ -382,17 +475,30 @@ def resolved_dir(path: Path) -> Path:
 
 
 def _is_loopback(url: str) -> bool:
-    """Whether ``url`` names this machine only (127.0.0.0/8, ::1, localhost, 0.0.0.0)."""
+    """Whether ``url`` names this machine only (127.0.0.0/8, ::1, localhost, 0.0.0.0), in
+    any spelling a resolver accepts for it (``127.1``, ``2130706433``, ``0x7f.0.0.1``)."""
     host = (urlsplit(url if "://" in url else f"http://{url}").hostname or "").rstrip(".").lower()
     if host == "localhost" or host.endswith(".localhost"):
         return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
+    address = _literal_address(host)
+    if address is None:
         return False
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback or address.is_unspecified
+
+
+def _literal_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` spells, if it is one: standard notation, or the classic IPv4
+    forms (fewer parts, decimal, octal, hex) that ``getaddrinfo`` also takes literally."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def _networks(value: str | None) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -401,22 +507,17 @@ def _networks(value: str | None) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6
     return tuple(ipaddress.ip_network(e.strip(), strict=False) for e in entries if e.strip())
 
 
-def looks_random(secret: str) -> bool:
-    """A rough guard against typed or patterned secrets: enough distinct characters for
-    about 100 bits (length x log2(distinct characters)), and no repetition of a shorter
-    block (``changeme`` four times has 7 distinct characters, and period 8)."""
-    distinct = len(set(secret))
-    if distinct < 8 or len(secret) * math.log2(distinct) < 100:
-        return False
-    return _shortest_period(secret) > len(secret) // 2
+def guessable(secret: str) -> bool:
+    """Whether ``secret`` falls to fewer than 2**MIN_SECRET_BITS guesses by zxcvbn's estimate,
+    the lower of the secret's and of its letters and digits alone: zxcvbn prices the
+    punctuation between words as brute force, so ``change-me-to-a-random-token`` would
+    otherwise pass. It looks at 72 characters at most (a strong start makes a strong secret)."""
+    from zxcvbn import zxcvbn
 
+    def bits(text: str) -> float:
+        return zxcvbn(text[:72])["guesses_log10"] * math.log2(10) if text else 0.0
 
-def _shortest_period(text: str) -> int:
-    """The smallest p with text[i] == text[i + p] for every i (len(text) if none)."""
-    for period in range(1, len(text)):
-        if text[period:] == text[:-period]:
-            return period
-    return len(text)
+    return min(bits(secret), bits(re.sub(r"[^A-Za-z0-9]", "", secret))) < MIN_SECRET_BITS
 
 
 def _write_private(path: Path, text: str) -> None:

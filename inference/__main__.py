@@ -11,7 +11,11 @@ import logging
 import os
 import sys
 
+from inference.engine import DEFAULT_TURN_TOKENS
+from inference.server import DEFAULT_STALL_LIMIT_S
+
 SECRET_ENV = "TUNEFLEET_INFERENCE_SECRET"
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-adapters", type=int, default=8, help="LoRA adapters kept loaded per base model.")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present).")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
+    parser.add_argument("--turn-tokens", type=int, default=DEFAULT_TURN_TOKENS,
+                        help="Tokens a generation computes per turn before another tenant's gets the model.")
+    parser.add_argument("--stall-limit-s", type=float, default=DEFAULT_STALL_LIMIT_S,
+                        help="/healthz answers 503 once a generation holds a model this long without a token.")
     args = parser.parse_args(argv)
     secret = os.environ.get(SECRET_ENV, "")
     if len(secret) < 16:
@@ -32,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from inference.engine import Engine
+    from inference.engine import Engine, InferenceError
     from inference.server import create_app
 
     if args.threads:
@@ -40,14 +48,26 @@ def main(argv: list[str] | None = None) -> int:
     # Imported now, not on the first request: a base model's load then takes its own time only.
     import peft  # noqa: F401
     import transformers  # noqa: F401
-    app = create_app(Engine(max_adapters=args.max_adapters, device=args.device), secret)
+    engine = Engine(max_adapters=args.max_adapters, device=args.device, turn_tokens=args.turn_tokens)
+    app = create_app(engine, secret, stall_limit_s=args.stall_limit_s)
+    stopping = InferenceError(503, "worker_stopping", "The inference worker is stopping; retry.")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # SIGTERM/SIGINT: end every generation at its next token (their callers get an
+            # error event), so open streams close now instead of holding the shutdown.
+            engine.cancel_all(stopping)
+            super().handle_exit(sig, frame)
+
+    # A stream the generation's end did not close is cut after this many seconds.
+    options: dict[str, object] = {"log_level": "warning", "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S}
     if args.fd is None:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        Server(uvicorn.Config(app, host=args.host, port=args.port, **options)).run()
     else:
         import socket
 
         listener = socket.socket(fileno=args.fd)  # family and type read from the socket itself
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+        Server(uvicorn.Config(app, **options)).run(sockets=[listener])
     return 0
 
 

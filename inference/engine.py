@@ -1,19 +1,31 @@
 """Generation for many LoRA adapters on few base models: each base loaded once, adapters
-switched per request.
+switched per turn, turns shared fairly between tenants.
 
-A base model is loaded on first use, in a background thread, while requests for it are
-answered :class:`ModelLoading` (the API's 503 ``model_loading``): a multi-GB load never
-holds a request open. Once loaded it stays loaded. Its adapters are PEFT adapters on one
-``PeftModel`` (``load_adapter`` / ``set_adapter``), at most ``max_adapters`` per base in
-least-recently-used order (``delete_adapter`` frees the oldest); a base-model request runs
-with the adapters disabled. Switching adapters changes the model's state, so generations
-on one base run one at a time (its lock); requests for other bases run in parallel.
+A base model is loaded on first use, in a background thread. A request for a base that
+is still loading waits for it up to its ``load_wait_s`` (the API's
+``TUNEFLEET_INFERENCE_LOAD_WAIT_S``), then is answered :class:`ModelLoading` (the API's
+503 ``model_loading``); :meth:`Engine.preload` starts a load ahead of the first request.
+Once loaded a base stays loaded. Its adapters are PEFT adapters on one ``PeftModel``
+(``load_adapter`` / ``set_adapter``), at most ``max_adapters`` per base in
+least-recently-used order (``delete_adapter`` frees the oldest one no running generation
+uses); a base-model request runs with the adapters disabled.
+
+Each request is a :class:`Generation` on a thread of its own. Switching adapters changes
+the model's state, so on one base one generation computes at a time: it holds the model
+for a *turn* (``inference.turns``: round robin over tenants, a token budget per turn),
+then hands it on and waits for its next turn with its KV cache kept, so no tenant's long
+request stalls another's short one. A request is bounded by the model: prompt tokens +
+``max_tokens`` must fit ``max_position_embeddings`` (else 400
+``context_length_exceeded``, OpenAI's answer).
 
 Decoding is ``transformers``' own ``generate`` on the PEFT model, so greedy output is the
-same as ``PeftModel.from_pretrained(base, adapter).generate(...)`` token for token.
-Streaming comes from a streamer that sees each new token: it decodes the completion so
-far, ends the generation at a stop string (holding back text that may be the start of
-one), and hands new text to the caller through a queue.
+same as ``PeftModel.from_pretrained(base, adapter).generate(...)`` token for token, and a
+seeded sampling the same as ``torch.manual_seed(seed)`` + ``generate`` (the generation's
+random state is set aside while others take their turns). One stopping criterion sees
+every new token: it decodes the completion so far, ends the generation at a stop string
+(holding back text that may be the start of one), hands new text to the caller, and
+passes the turn on. :meth:`Generation.cancel` (the caller went away) ends the generation
+at its next token, or at once while it waits for a turn or a load.
 """
 
 from __future__ import annotations
@@ -25,24 +37,30 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.protocol import GenerationRequest, ModelRef, Sampling, StreamEvent
+from inference.protocol import GenerationRequest, ModelRef, StreamEvent
+from inference.turns import FairTurns, Seat, TurnCancelled
 
 log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DEFAULT_TURN_TOKENS = 16
+
+# What a generation hands its caller: events, an InferenceError before it started, None at the end.
+Sink = Callable[["StreamEvent | InferenceError | None"], None]
 
 
 class InferenceError(Exception):
-    """A request the engine cannot serve: ``status`` and a stable ``code`` for the caller."""
+    """A request the engine cannot serve: ``status``, a stable ``code`` and the request
+    field at fault (``param``) for the caller."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.param = status, code, message, param
 
 
 class ModelLoading(InferenceError):
@@ -53,55 +71,107 @@ class ModelLoading(InferenceError):
         self.retry_after_s = retry_after_s
 
 
+class _Cancelled(Exception):
+    """The caller cancelled the generation before it produced anything."""
+
+
 @dataclass
 class LoadedBase:
     model: Any  # a transformers model, wrapped in a PeftModel once it has an adapter
     tokenizer: Any
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    turns: FairTurns
+    context: int | None  # max_position_embeddings: prompt + completion tokens
     adapters: OrderedDict[str, str] = field(default_factory=OrderedDict)  # cache key -> adapter name
+    pins: Counter[str] = field(default_factory=Counter)  # adapter name -> generations using it
 
 
 class Engine:
     """Base models and their adapters, on one device of this process."""
 
-    def __init__(self, *, max_adapters: int = 8, device: str | None = None) -> None:
+    def __init__(self, *, max_adapters: int = 8, device: str | None = None,
+                 turn_tokens: int = DEFAULT_TURN_TOKENS) -> None:
         import torch
 
         if max_adapters < 1:
             raise ValueError("max_adapters must be at least 1")
         self.max_adapters = max_adapters
+        self.turn_tokens = turn_tokens
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         # fp32 on CPU (no fast bf16 matmuls there); bf16 on GPUs.
         self.dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self._bases: dict[str, LoadedBase] = {}
         self._loading: set[str] = set()
         self._failed: dict[str, str] = {}
-        self._guard = threading.Lock()
+        self._generations: set[Generation] = set()
+        # Guards the state above; loads and turns are waited for on it, cancels wake it.
+        self._changed = threading.Condition()
 
     # -- base models ---------------------------------------------------------------------
 
     def base(self, ref: ModelRef) -> LoadedBase:
         """The loaded base; starts loading it (and raises :class:`ModelLoading`) if needed."""
-        with self._guard:
-            loaded = self._bases.get(ref.path)
-            if loaded is not None:
-                return loaded
-            if ref.path in self._failed:
-                reason = self._failed.pop(ref.path)  # the next request tries again
-                raise InferenceError(503, "model_load_failed", f"Model '{ref.id}' could not be loaded: {reason}")
-            if ref.path not in self._loading:
-                if "://" in ref.path:
-                    raise InferenceError(
-                        400, "model_not_local",
-                        f"Model '{ref.id}' is not in a local directory ({ref.path}); the embedded "
-                        "inference worker serves local models only.",
-                    )
-                if not os.path.isdir(ref.path):
-                    raise InferenceError(503, "model_unavailable",
-                                         f"Model '{ref.id}' is not on this machine (no directory {ref.path}).")
-                self._loading.add(ref.path)
-                threading.Thread(target=self._load, args=(ref,), name=f"load {ref.id}", daemon=True).start()
+        with self._changed:
+            return self._base(ref, report_failure_once=True)
+
+    def wait_for_base(self, ref: ModelRef, timeout_s: float, cancelled: Callable[[], bool]) -> LoadedBase:
+        """The loaded base, waiting up to ``timeout_s`` while it loads (:class:`ModelLoading` past that)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            waited = False
+            while True:
+                try:
+                    return self._base(ref, report_failure_once=not waited)
+                except ModelLoading:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    if cancelled():
+                        raise _Cancelled from None
+                    waited = True
+                    self._changed.wait(left)
+
+    def _base(self, ref: ModelRef, *, report_failure_once: bool) -> LoadedBase:
+        loaded = self._bases.get(ref.path)
+        if loaded is not None:
+            return loaded
+        if ref.path in self._failed:
+            # A fresh request takes the failure (the next one tries again); one that waited
+            # for this very load only reads it.
+            reason = self._failed.pop(ref.path) if report_failure_once else self._failed[ref.path]
+            raise InferenceError(503, "model_load_failed", f"Model '{ref.id}' could not be loaded: {reason}")
+        if ref.path not in self._loading:
+            self._start_load(ref)
         raise ModelLoading(ref.id)
+
+    def _start_load(self, ref: ModelRef) -> None:
+        if "://" in ref.path:
+            raise InferenceError(
+                400, "model_not_local",
+                f"Model '{ref.id}' is not in a local directory ({ref.path}); the embedded "
+                "inference worker serves local models only.",
+            )
+        if not os.path.isdir(ref.path):
+            raise InferenceError(503, "model_unavailable",
+                                 f"Model '{ref.id}' is not on this machine (no directory {ref.path}).")
+        self._loading.add(ref.path)
+        threading.Thread(target=self._load, args=(ref,), name=f"load {ref.id}", daemon=True).start()
+
+    def preload(self, ref: ModelRef) -> str:
+        """Start loading ``ref`` if this engine is idle: ``loaded``, ``loading`` (now or
+        already), ``busy`` (generations or another load run: not now) or ``unavailable``."""
+        with self._changed:
+            if ref.path in self._bases:
+                return "loaded"
+            if ref.path in self._loading:
+                return "loading"
+            if self._generations or self._loading:
+                return "busy"
+            try:
+                self._start_load(ref)
+            except InferenceError as exc:
+                log.info("not preloading %s: %s", ref.id, exc.message)
+                return "unavailable"
+            return "loading"
 
     def _load(self, ref: ModelRef) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,31 +180,80 @@ class Engine:
         try:
             tokenizer = AutoTokenizer.from_pretrained(ref.path)
             model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=self.dtype).to(self.device).eval()
-        except Exception as exc:  # reported to the next request for this model
+        except Exception as exc:  # reported to the requests for this model
             log.exception("loading %s from %s failed", ref.id, ref.path)
-            with self._guard:
+            with self._changed:
                 self._loading.discard(ref.path)
                 self._failed[ref.path] = f"{type(exc).__name__}: {exc}"
+                self._changed.notify_all()
             return
-        with self._guard:
-            self._bases[ref.path] = LoadedBase(model=model, tokenizer=tokenizer)
+        context = getattr(model.config, "max_position_embeddings", None)
+        with self._changed:
+            self._bases[ref.path] = LoadedBase(model=model, tokenizer=tokenizer,
+                                               turns=FairTurns(self.turn_tokens, self._changed),
+                                               context=context if isinstance(context, int) else None)
             self._loading.discard(ref.path)
+            self._changed.notify_all()
         log.info("loaded %s in %.1f s", ref.id, time.perf_counter() - started)
 
     def status(self) -> dict[str, Any]:
-        with self._guard:
+        with self._changed:
             return {"loaded": sorted(self._bases), "loading": sorted(self._loading),
-                    "adapters": {path: len(b.adapters) for path, b in self._bases.items()}}
+                    "adapters": {path: len(b.adapters) for path, b in self._bases.items()},
+                    "generations": len(self._generations)}
+
+    def stalled_s(self) -> float:
+        """The longest time a base's turn holder has gone without a token (0 when all idle)."""
+        with self._changed:
+            return max((b.turns.stalled_s() for b in self._bases.values()), default=0.0)
+
+    # -- generations ---------------------------------------------------------------------
+
+    def start(self, request: GenerationRequest, sink: Sink) -> Generation:
+        """Start ``request`` on a thread of its own; its events go to ``sink`` (see :class:`Generation`)."""
+        generation = Generation(self, request, sink)
+        with self._changed:
+            self._generations.add(generation)
+        generation.thread.start()
+        return generation
+
+    def generate(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        """``request``'s events, the first being ``start``; a request that cannot start
+        raises its :class:`InferenceError` on the first ``next``. Closing the iterator
+        cancels the generation and waits for its thread to end."""
+        events: queue.SimpleQueue[StreamEvent | InferenceError | None] = queue.SimpleQueue()
+        generation = self.start(request, events.put)
+        try:
+            while (item := events.get()) is not None:
+                if isinstance(item, InferenceError):
+                    raise item
+                yield item
+        finally:
+            generation.cancel()
+            generation.thread.join()
+
+    def cancel_all(self, reason: InferenceError | None = None) -> None:
+        """Cancel every generation (the worker is shutting down), telling their callers ``reason``."""
+        with self._changed:
+            running = list(self._generations)
+        for generation in running:
+            generation.cancel(reason)
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _forget(self, generation: Generation) -> None:
+        with self._changed:
+            self._generations.discard(generation)
 
     # -- adapters ------------------------------------------------------------------------
 
-    def _activate(self, base: LoadedBase, adapter: ModelRef | None) -> contextlib.AbstractContextManager[Any]:
-        """Make ``adapter`` the active one (loading it, evicting the least recently used);
-        for a base-model request, a context with the adapters disabled. Call under the lock."""
+    def _use_adapter(self, base: LoadedBase, adapter: ModelRef) -> str:
+        """Load ``adapter`` if needed and pin it (unpin with ``base.pins``); evicts the least
+        recently used adapters no generation uses. Call while holding a turn."""
         from peft import PeftModel
 
-        if adapter is None:
-            return base.model.disable_adapter() if isinstance(base.model, PeftModel) else contextlib.nullcontext()
         weights = os.path.join(adapter.path, ADAPTER_WEIGHTS)
         try:
             # The path and the weights' mtime: a checkpoint rewritten in place is reloaded.
@@ -156,13 +275,26 @@ class Engine:
                 raise InferenceError(503, "adapter_load_failed",
                                      f"Adapter of '{adapter.id}' does not load on its base model: {exc}") from exc
             base.adapters[key] = name
+        base.pins[name] += 1
+        for old_key, old_name in list(base.adapters.items()):
+            if len(base.adapters) <= self.max_adapters:
+                break
+            if base.pins[old_name] == 0:
+                del base.adapters[old_key]
+                base.model.delete_adapter(old_name)
+        return name
+
+    @staticmethod
+    def _activate(base: LoadedBase, name: str | None) -> contextlib.AbstractContextManager[Any]:
+        """Make adapter ``name`` the active one, or (None) disable the adapters, for one turn."""
+        from peft import PeftModel
+
+        if name is None:
+            return base.model.disable_adapter() if isinstance(base.model, PeftModel) else contextlib.nullcontext()
         base.model.set_adapter(name)
-        while len(base.adapters) > self.max_adapters:
-            _old_key, old_name = base.adapters.popitem(last=False)
-            base.model.delete_adapter(old_name)
         return contextlib.nullcontext()
 
-    # -- generation ----------------------------------------------------------------------
+    # -- prompts -------------------------------------------------------------------------
 
     def prompt_ids(self, base: LoadedBase, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: messages through the chat template, or the text as is."""
@@ -181,66 +313,175 @@ class Engine:
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok(request.prompt)["input_ids"]
 
-    def generate(self, request: GenerationRequest) -> Iterator[StreamEvent]:
-        """Stream the request's events, the first being ``start``.
 
-        Nothing runs until the first ``next()``, which raises :class:`InferenceError` when
-        the request cannot start (model loading, adapter missing, bad messages): a server
-        primes the iterator before it answers, so those become HTTP errors.
-        """
-        base = self.base(request.base)
-        ids = self.prompt_ids(base, request)
+def completion_budget(context: int | None, request: GenerationRequest, prompt_tokens: int) -> int:
+    """The completion tokens ``request`` may have: its ``max_tokens`` when prompt + that fits
+    ``context``; a default ``max_tokens`` (``fit_context``) shortened to the room left.
+    Else 400 ``context_length_exceeded`` with OpenAI's message."""
+    wanted = request.sampling.max_tokens
+    if context is None:
+        return wanted
+    room = context - prompt_tokens
+    if request.sampling.fit_context and room >= 1:
+        return min(wanted, room)
+    if prompt_tokens + wanted <= context:
+        return wanted
+    asked = 1 if request.sampling.fit_context else wanted
+    where, param = ("the messages", "messages") if request.messages is not None else ("the prompt", "prompt")
+    raise InferenceError(
+        400, "context_length_exceeded",
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt_tokens + asked} tokens ({prompt_tokens} in {where}, {asked} in the completion). "
+        f"Please reduce the length of {where} or completion.", param=param,
+    )
+
+
+class Generation:
+    """One request on its own thread: waits for its base (up to ``load_wait_s``), then for
+    a turn, then streams each choice's events to ``sink``: ``start`` first, ``text`` and
+    ``finish`` per choice, or ``error``; an :class:`InferenceError` instead of ``start``
+    when it cannot start; ``None`` last, always."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, sink: Sink) -> None:
+        self.engine, self.request, self._sink = engine, request, sink
+        self.thread = threading.Thread(target=self._run, name="generate", daemon=True)
+        self._cancelled = threading.Event()
+        self._reason: InferenceError | None = None
+        self._started = False
+        self._base: LoadedBase | None = None
+        self._seat = Seat(request.tenant)
+        self._adapter: str | None = None
+        self._turn: contextlib.ExitStack | None = None
+        self._rng: tuple[Any, Any] | None = None
+
+    def cancel(self, reason: InferenceError | None = None) -> None:
+        """End the generation at its next token (at once while it waits). With a
+        ``reason``, a caller still listening gets it as an ``error`` event."""
+        if reason is not None and not self._cancelled.is_set():
+            self._reason = reason
+        self._cancelled.set()
+        self.engine._wake()
+
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+            if self.cancelled() and self._reason is not None:
+                self._fail(self._reason)
+        except (_Cancelled, TurnCancelled):
+            if self._reason is not None:
+                self._fail(self._reason)
+        except InferenceError as exc:
+            self._fail(exc)
+        except Exception as exc:
+            log.exception("generation failed")
+            self._fail(InferenceError(500, "generation_failed", str(exc)))
+        finally:
+            self._sink(None)
+            self.engine._forget(self)
+
+    def _fail(self, exc: InferenceError) -> None:
+        if self._started:
+            self._sink(StreamEvent(type="error", code=exc.code, message=exc.message))
+        else:
+            self._sink(exc)
+
+    def _serve(self) -> None:
+        request = self.request
+        base = self._base = self.engine.wait_for_base(request.base, request.load_wait_s, self.cancelled)
+        ids = self.engine.prompt_ids(base, request)
+        max_tokens = completion_budget(base.context, request, len(ids))
         queued = time.perf_counter()
-        with base.lock:
-            active = self._activate(base, request.adapter)
-            yield StreamEvent(type="start", prompt_tokens=len(ids), queued_s=time.perf_counter() - queued)
-            with active:
-                if request.sampling.seed is not None:
-                    import torch
+        base.turns.acquire(self._seat, self.cancelled)
+        try:
+            if request.adapter is not None:
+                self._adapter = self.engine._use_adapter(base, request.adapter)
+            self._begin_turn(first=True)
+            self._started = True
+            self._sink(StreamEvent(type="start", prompt_tokens=len(ids), queued_s=time.perf_counter() - queued))
+            for index in range(request.sampling.n):
+                if self.cancelled():
+                    return
+                self._choice(base, ids, max_tokens, index)
+        finally:
+            self._end_turn()
+            if self._adapter is not None:
+                base.pins[self._adapter] -= 1
+            base.turns.release(self._seat)
 
-                    torch.manual_seed(request.sampling.seed)
-                for index in range(request.sampling.n):
-                    yield from self._choice(base, ids, request.sampling, index)
+    # -- turns ---------------------------------------------------------------------------
 
-    def _choice(self, base: LoadedBase, ids: list[int], sampling: Sampling, index: int) -> Iterator[StreamEvent]:
+    def _begin_turn(self, *, first: bool = False) -> None:
         import torch
 
-        stream = _ChoiceStream(base.tokenizer, sampling.stop, index)
-        input_ids = torch.tensor([ids], device=self.device)
-        kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, "do_sample": sampling.temperature > 0}
+        assert self._base is not None
+        self._turn = contextlib.ExitStack()
+        self._turn.enter_context(self.engine._activate(self._base, self._adapter))
+        seed = self.request.sampling.seed
+        if seed is None:
+            return
+        if first:
+            torch.manual_seed(seed)
+        elif self._rng is not None:
+            cpu, device = self._rng
+            torch.set_rng_state(cpu)
+            if device is not None:
+                torch.cuda.set_rng_state(device, self.engine.device)
+
+    def _end_turn(self) -> None:
+        import torch
+
+        if self._turn is None:
+            return
+        if self.request.sampling.seed is not None:  # set aside while other generations sample
+            device = torch.cuda.get_rng_state(self.engine.device) if self.engine.device.startswith("cuda") else None
+            self._rng = (torch.get_rng_state(), device)
+        self._turn.close()
+        self._turn = None
+
+    def after_tokens(self, tokens: int) -> None:
+        """Count ``tokens`` of work; past the turn's budget, hand the model on and wait for
+        the next turn (:class:`TurnCancelled` if cancelled meanwhile)."""
+        assert self._base is not None
+        if self._base.turns.spend(self._seat, tokens):
+            self._end_turn()
+            self._base.turns.pass_on(self._seat, self.cancelled)
+            self._begin_turn()
+
+    # -- one choice ----------------------------------------------------------------------
+
+    def _choice(self, base: LoadedBase, ids: list[int], max_tokens: int, index: int) -> None:
+        import torch
+
+        sampling = self.request.sampling
+        stream = _ChoiceStream(base.tokenizer, sampling.stop, index, self._sink)
+        input_ids = torch.tensor([ids], device=self.engine.device)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "do_sample": sampling.temperature > 0}
         if sampling.temperature > 0:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         pad = base.tokenizer.pad_token_id
         if pad is None:
             pad = base.model.config.eos_token_id
-        failure: list[Exception] = []
-
-        def run() -> None:
-            try:
-                with torch.inference_mode():
-                    base.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                        streamer=stream, stopping_criteria=[stream.criterion()],
-                                        pad_token_id=pad, **kwargs)
-            except Exception as exc:  # handed to the consumer, which reports it to the caller
-                log.exception("generation failed")
-                failure.append(exc)
-            finally:
-                stream.close()
-
-        thread = threading.Thread(target=run, name="generate", daemon=True)
-        thread.start()
-        try:
-            while (event := stream.events.get()) is not None:
-                yield event
-        finally:
-            stream.cancelled = True  # the caller left: the criterion ends generate at the next token
-            thread.join()
-        if failure:
-            yield StreamEvent(type="error", index=index, code="generation_failed", message=str(failure[0]))
-            return
         eos = _eos_ids(base)
+        try:
+            with torch.inference_mode():
+                base.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    stopping_criteria=[_step_criterion(self, stream, prompt_tokens=len(ids),
+                                                                       max_tokens=max_tokens, eos=eos)],
+                                    pad_token_id=pad, **kwargs)
+        except TurnCancelled:
+            raise
+        except Exception as exc:  # reported to the caller as an error event
+            log.exception("generation failed")
+            self._sink(StreamEvent(type="error", index=index, code="generation_failed", message=str(exc)))
+            return
+        if self.cancelled():
+            return
+        stream.end()
         reason = "stop" if stream.stopped or (stream.ids and stream.ids[-1] in eos) else "length"
-        yield StreamEvent(type="finish", index=index, finish_reason=reason, completion_tokens=len(stream.ids))
+        self._sink(StreamEvent(type="finish", index=index, finish_reason=reason, completion_tokens=len(stream.ids)))
 
 
 def _eos_ids(base: LoadedBase) -> set[int]:
@@ -250,28 +491,45 @@ def _eos_ids(base: LoadedBase) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
+def _step_criterion(generation: Generation, stream: _ChoiceStream, *, prompt_tokens: int, max_tokens: int,
+                    eos: set[int]) -> Any:
+    """The hook ``generate`` calls after every new token (before the next forward pass):
+    stream the token, honour stop strings and cancellation, take turns. The first call
+    also counts the prompt's prefill against the turn."""
+    from transformers import StoppingCriteria
+
+    class _Step(StoppingCriteria):
+        def __init__(self) -> None:
+            self.prefill = prompt_tokens
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            import torch
+
+            token = int(input_ids[0, -1])
+            stream.add(token)
+            last = len(stream.ids) >= max_tokens or token in eos  # generate ends here by itself
+            if not (last or stream.stopped or generation.cancelled()):
+                generation.after_tokens(1 + self.prefill)
+                self.prefill = 0
+            done = stream.stopped or generation.cancelled()
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return _Step()
+
+
 class _ChoiceStream:
-    """A ``generate`` streamer for one choice: new text as events, stop strings honoured.
+    """One choice's completion: new text as events, stop strings honoured."""
 
-    ``generate`` calls ``put`` with the prompt first, then with each new token.
-    """
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], index: int) -> None:
-        self.tokenizer, self.stop, self.index = tokenizer, stop, index
-        self.events: queue.Queue[StreamEvent | None] = queue.Queue()
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], index: int, sink: Sink) -> None:
+        self.tokenizer, self.stop, self.index, self._sink = tokenizer, stop, index, sink
         self.ids: list[int] = []
         self.sent = 0  # characters of the completion text already sent
         self.stopped = False  # a stop string was generated
-        self.cancelled = False
-        self._prompt_seen = False
 
-    def put(self, value: Any) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
+    def add(self, token: int) -> None:
         if self.stopped:
             return
-        self.ids.extend(int(t) for t in value.reshape(-1).tolist())
+        self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.stop if s) if i >= 0), default=-1)
         if cut >= 0:
@@ -295,7 +553,7 @@ class _ChoiceStream:
 
     def _send(self, text: str) -> None:
         if len(text) > self.sent:
-            self.events.put(StreamEvent(type="text", index=self.index, text=text[self.sent:]))
+            self._sink(StreamEvent(type="text", index=self.index, text=text[self.sent:]))
             self.sent = len(text)
 
     def end(self) -> None:
@@ -303,20 +561,3 @@ class _ChoiceStream:
         stays a replacement character, as in a plain decode of the same tokens)."""
         if not self.stopped:
             self._send(self.tokenizer.decode(self.ids, skip_special_tokens=True))
-
-    def close(self) -> None:
-        self.events.put(None)
-
-    def criterion(self) -> Any:
-        from transformers import StoppingCriteria
-
-        stream = self
-
-        class _Stop(StoppingCriteria):
-            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-                import torch
-
-                done = stream.stopped or stream.cancelled
-                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-        return _Stop()

@@ -6,11 +6,19 @@ model or checkpoint of the caller's tenant) into local paths, and sends the work
 
     POST /v1/generate      X-Tunefleet-Inference-Secret: <shared secret>
     -> 200 application/x-ndjson, one StreamEvent per line, as tokens are produced
-    -> 503 {"code": "model_loading", ...} with Retry-After while the base model loads
-    -> 4xx/5xx {"code", "message"} otherwise
+    -> 503 {"code": "model_loading", ...} with Retry-After when the base model is still
+       loading after the request's ``load_wait_s``
+    -> 4xx/5xx {"code", "message", "param"} otherwise
+    POST /v1/preload       a ModelRef: load that base now if the worker is idle
+    -> 202 {"status": "loaded" | "loading" | "busy" | "unavailable"}
+    GET  /healthz          -> 200, or 503 {"status": "stalled"} when a generation holds a
+       model without producing a token for longer than the worker's stall limit
 
-The worker knows nothing of tenants, jobs or the database: it only loads what it is told,
-so the API stays the single place that decides who may read which adapter. The shared
+Closing the response stream cancels the generation at its next token.
+
+The worker knows nothing of jobs or the database: it only loads what it is told, so the
+API stays the single place that decides who may read which adapter. The request's
+``tenant`` is an opaque key the worker shares each model's turns by. The shared
 secret keeps other local users and processes from using the worker (and reading models
 through it); the loopback address keeps it off the network.
 """
@@ -23,6 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SECRET_HEADER = "X-Tunefleet-Inference-Secret"
 GENERATE_PATH = "/v1/generate"
+PRELOAD_PATH = "/v1/preload"
+HEALTH_PATH = "/healthz"
+MAX_N = 16  # choices per request
 
 
 class _Strict(BaseModel):
@@ -38,11 +49,14 @@ class ModelRef(_Strict):
 
 class Sampling(_Strict):
     max_tokens: int = Field(ge=1, le=1_000_000)
+    fit_context: bool = Field(default=False, description=(
+        "max_tokens is a default, not the caller's: shorten it to the room the prompt leaves in the "
+        "model's context instead of refusing the request."))
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
 
 
 class GenerationRequest(_Strict):
@@ -55,6 +69,9 @@ class GenerationRequest(_Strict):
     tools: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
     sampling: Sampling
+    tenant: str = Field(default="", max_length=256, description="Whose request: turns on a model rotate over these.")
+    load_wait_s: float = Field(default=0.0, ge=0.0, le=3600.0,
+                               description="How long to wait for a base model that is loading before 503.")
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:

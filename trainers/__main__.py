@@ -256,4 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Before anything is written: checkpoints, logs, metrics and the adapter are the
+    # tenant's, and most of their writers (torch, safetensors) take no file mode.
+    from trainers.common.private_files import restrict_new_files
+
+    restrict_new_files()
     sys.exit(main())

@@ -101,7 +101,8 @@ def start_scheduler_metrics(settings: Settings) -> None:
         totals = {p.name: p.gpus_per_node * p.nodes for p in pools}
         set_pool_capacity_provider(lambda: totals)
         factory = session_factory(settings.resolved_database_url)
-        registry.register(DatabaseCollector(lambda: factory, enabled=GAUGE_EXPORTER.is_set))
+        registry.register(DatabaseCollector(lambda: factory, enabled=GAUGE_EXPORTER.is_set,
+                                            job_series=_token(settings) is not None))
     serve_metrics(settings.metrics_port, registry, SCHEDULER_HEARTBEAT.stale_reason, token=_token(settings))
     log.info("scheduler metrics on :%d/metrics (database gauges: %s)", settings.metrics_port,
              settings.metrics_database_gauges)

@@ -92,6 +92,44 @@ class File(Base):
     deleted_at: Mapped[dt.datetime | None]
 
 
+UPLOAD_STATUSES = ("pending", "completed", "cancelled", "expired")
+
+
+class Upload(Base):
+    """OpenAI's ``upload``: a file sent in parts (``api/uploads``), a File once completed."""
+
+    __tablename__ = "uploads"
+    __table_args__ = (
+        Index("ix_uploads_tenant_created", "tenant_id", "created_at"),
+        Index("ix_uploads_status_expires", "status", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger, doc="Declared at creation; the parts must add up to it.")
+    purpose: Mapped[str] = mapped_column(String(32))
+    mime_type: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    file_expires_after_s: Mapped[int | None] = mapped_column(
+        Integer, doc="The upload's expires_after.seconds: the completed File expires this long after it is made.")
+    file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), doc="The File made at completion.")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(doc="A pending upload expires then; its parts are deleted.")
+
+
+class UploadPart(Base):
+    """OpenAI's ``upload.part``: one chunk of an upload's bytes, stored under ``uploads/<upload>/``."""
+
+    __tablename__ = "upload_parts"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    location: Mapped[str] = mapped_column(String(1024), doc="Key of the part in the file store.")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class Job(Base):
     """A fine-tuning job: OpenAI's ``fine_tuning.job`` plus scheduling/trainer extensions."""
 
@@ -168,6 +206,16 @@ class Job(Base):
         "outputs (``metrics.jsonl``, checkpoint folders) could not supply either "
         "(``worker.report_gaps``): ``missing_metric_steps`` (ranges), ``missing_checkpoints``. "
         "None: complete."
+    )
+    report_items: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items its trainers' reports stored (the job's "
+        "report quota, ``Settings.report_max_items_per_job``)."
+    )
+    report_bytes: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Their size as JSON (``Settings.report_max_bytes_per_job``)."
+    )
+    report_items_dropped: Mapped[int] = mapped_column(
+        BigInteger, default=0, doc="Metric and event items not stored because the quota was used up."
     )
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -269,6 +317,29 @@ class Artifact(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
+class Export(Base):
+    """A merged export of a job's adapter (final or a checkpoint's) into its base model.
+
+    ``status``: ``queued`` (sent to a worker), ``running``, ``succeeded`` (its files are the
+    job's artifacts under ``exports/<id>/``) or ``failed`` (the reason is a job event).
+    """
+
+    __tablename__ = "exports"
+    __table_args__ = (
+        Index("ix_exports_job", "job_id", "checkpoint_id"),
+        Index("ix_exports_tenant_status", "tenant_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    checkpoint_id: Mapped[str | None] = mapped_column(String(64))
+    dtype: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class IdempotencyKey(Base):
     """``Idempotency-Key`` of a job creation: same key + same body -> same job."""
 
@@ -293,6 +364,10 @@ class ReportBatch(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(BigInteger)
     n_items: Mapped[int] = mapped_column(Integer)
+    applied_items: Mapped[int] = mapped_column(
+        Integer, default=0, doc="Items applied so far: a batch is written in bounded transactions, "
+        "and a retry resumes after the last one that committed."
+    )
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
@@ -331,4 +406,22 @@ class RegisteredModel(Base):
     commit_sha: Mapped[str | None] = mapped_column(String(64), doc="Hub: the commit fetched")
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, doc="{code, message} when failed")
     created_by: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class CheckpointPermission(Base):
+    """OpenAI's ``checkpoint.permission``: another tenant (``project_id``) may use a model of
+    ``job``: a checkpoint's (``step``) or, with no step, the job's fine-tuned model."""
+
+    __tablename__ = "checkpoint_permissions"
+    __table_args__ = (
+        UniqueConstraint("model", "project_id", name="uq_checkpoint_permissions_model_project"),
+        Index("ix_checkpoint_permissions_project", "project_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(600), doc="The shared model's name, as completions name it.")
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int | None] = mapped_column(Integer, doc="The checkpoint's step; None: the final model.")
+    project_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

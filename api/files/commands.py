@@ -70,16 +70,26 @@ def create_file(
     assert upload.path is not None
     file_id = new_id("file")
     store.put_file(file_key(file_id), upload.path, move=True)
+    row = add_file(session, tenant, file_id, filename=upload.filename, size=upload.size, sha256=upload.sha256,
+                   purpose=purpose, expires_after_s=expires_after_s)
+    session.commit()
+    queue.send(VALIDATE_FILE, file_id)
+    return row
+
+
+def add_file(
+    session: Session, tenant: Tenant, file_id: str, *, filename: str | None, size: int, sha256: str,
+    purpose: str, expires_after_s: int | None,
+) -> File:
+    """Add the row of a new file (status ``uploaded``) whose content is already stored at
+    ``file_key(file_id)``; the caller commits, then sends its validation."""
     created = utcnow()
     row = File(
-        id=file_id, tenant_id=tenant.id, filename=clean_filename(upload.filename),
-        bytes=upload.size, purpose=purpose, status="uploaded", location=file_key(file_id),
-        sha256=upload.sha256, created_at=created,
+        id=file_id, tenant_id=tenant.id, filename=clean_filename(filename), bytes=size, purpose=purpose,
+        status="uploaded", location=file_key(file_id), sha256=sha256, created_at=created,
         expires_at=None if expires_after_s is None else created + dt.timedelta(seconds=expires_after_s),
     )
     session.add(row)
-    session.commit()
-    queue.send(VALIDATE_FILE, file_id)
     return row
 
 

@@ -8,12 +8,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
+from api.artifacts import open_or_404
 from api.deps import CurrentTenant, FileStoreDep, QueueDep, SessionDep, SettingsDep
-from api.errors import error_responses
+from api.errors import error_responses, not_found
 from api.files import commands, queries
 from api.files.schemas import FileDeleted, FilePublic, FilesPublic
 from api.files.uploads import receive_upload
-from api.responses import body_content
+from api.responses import attachment, body_content
 from api.schemas.common import PageAfter
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -94,13 +95,11 @@ def file_content(
     file_id: str, session: SessionDep, tenant: CurrentTenant, store: FileStoreDep
 ) -> StreamingResponse:
     row = queries.get_file(session, tenant, file_id)
+    # A file being deleted has lost its content already: it is gone, as its row soon is.
+    opened = open_or_404(store, row.location, not_found("file", file_id))
     # Uploads are JSONL; a job's results file is a CSV.
     media_type, suffix = ("text/csv", "csv") if row.purpose == commands.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
-    return StreamingResponse(
-        store.iter_bytes(row.location), media_type=media_type,
-        headers={"Content-Length": str(row.bytes),
-                 "Content-Disposition": f'attachment; filename="{row.id}.{suffix}"'},
-    )
+    return attachment(opened, filename=f"{row.id}.{suffix}", media_type=media_type)
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))

@@ -19,9 +19,12 @@ class FilePublic(BaseModel):
     filename: str
     purpose: str
     status: Literal["uploaded", "processed", "error"]
-    status_details: str | None = None
-    expires_at: int | None = Field(None, description="When the file expires (set by the upload's "
-                                   "expires_after); it is then deleted.")
+    # OpenAI types both as a string and an integer: absent, not null, when there is none.
+    status_details: str | None = Field(None, exclude_if=lambda value: value is None,
+                                       description="Why validation failed (absent otherwise).")
+    expires_at: int | None = Field(None, exclude_if=lambda value: value is None,
+                                   description="When the file expires (set by the upload's "
+                                   "expires_after); it is then deleted. Absent when it does not.")
     sha256: str
     validation: dict[str, Any] | None = None
 

@@ -2,14 +2,16 @@
 
 The format rules live in ``trainers.common.formats`` (pure Python, shared with the
 trainers), so the service and the trainers agree on what a valid file is by
-construction. ``validate_file`` reads the file from the artifact store, runs the
-validator, sets ``processed`` or ``error`` with the report, and advances the jobs that
+construction. ``validate_file`` streams the file from the artifact store through the
+validator (``VALIDATION_CHUNK`` bytes and one line at a time: memory stays flat up to the
+upload limit, however short the lines), sets ``processed`` or ``error`` with the report, and advances the jobs that
 waited for it. It is idempotent: a file already decided is left as it is.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -21,10 +23,12 @@ from api.jobs.commands import advance_after_validation
 log = logging.getLogger(__name__)
 
 MAX_REPORTED_ERRORS = 50
+VALIDATION_CHUNK = 64 * 1024
 
 
-def validation_report(data: bytes) -> dict[str, Any]:
-    """The validator's report as JSON-ready dict (errors with line numbers and codes)."""
+def validation_report(data: bytes | Iterable[bytes]) -> dict[str, Any]:
+    """The validator's report as JSON-ready dict (errors with line numbers and codes), of
+    the file's bytes or its chunks."""
     from trainers.common.formats import validate_jsonl
 
     return validate_jsonl(data, max_errors=MAX_REPORTED_ERRORS).to_dict()
@@ -57,5 +61,5 @@ def validate_file(session: Session, store: ArtifactStore, file_id: str) -> list[
         return []
     if file.status != "uploaded":
         return advance_after_validation(session, file)
-    report = validation_report(store.read_bytes(file.location))
+    report = validation_report(store.iter_bytes(file.location, chunk_size=VALIDATION_CHUNK))
     return apply_validation(session, file, report)

@@ -44,7 +44,7 @@ def list_node_pools(session: SessionDep, key: CurrentKey, pools: NodePoolsDep) -
     rows = pool_views(session, pools, key)
     data = [NodePoolPublic(**row) for row in rows]
     return NodePoolsPublic(
-        data=data, first_id=data[0].name if data else None, last_id=data[-1].name if data else None
+        data=data, first_id=data[0].name if data else "", last_id=data[-1].name if data else ""
     )
 
 

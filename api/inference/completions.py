@@ -8,15 +8,19 @@ Steps (:func:`serve_completion`):
    ``TUNEFLEET_INFERENCE_TOKENS_PER_MINUTE_PER_TENANT``, a tenant whose requests of the last
    60 s used that many tokens (prompt + completion, counted when each ends) gets 429
    ``token_limit_exceeded`` until enough of them are a minute old (``Retry-After``);
-2. the worker's first event (it answers once the base model is loaded and the adapter
-   active): its refusals become errors here, e.g. 503 ``model_loading`` with
-   ``Retry-After`` while a base model loads (the OpenAI SDK retries those by itself), 503
-   ``inference_unavailable`` when the worker cannot be reached;
+2. the worker's first event (it answers once the base model is loaded -- the worker holds
+   the request up to ``TUNEFLEET_INFERENCE_LOAD_WAIT_S`` for that -- and the request has
+   its turn on the model): its refusals become errors here, e.g. 400
+   ``context_length_exceeded``, 503 ``model_loading`` with ``Retry-After`` when the model
+   is still loading after that wait (the OpenAI SDK retries those by itself), 503
+   ``inference_unavailable`` when the worker cannot be reached. A client that disconnects
+   meanwhile gets its slot back at once and its generation is cancelled;
 3. the answer: one ``chat.completion`` / ``text_completion`` object, or Server-Sent Events
    with OpenAI's chunks, ending ``data: [DONE]``. The whole request has
    ``TUNEFLEET_INFERENCE_TIMEOUT_S``: 504 ``inference_timeout``, or an error event in a
-   stream that already started. A client that leaves mid-stream closes the worker's stream
-   too, which ends that generation at the next token.
+   stream that already started (so does a worker that dies mid-stream). A client that
+   leaves mid-stream closes the worker's stream too, which ends that generation at the
+   next token.
 
 Prometheus metrics: requests by endpoint and outcome, prompt and completion tokens, time
 to first token, time queued for the model, and each request's decode tokens/s.
@@ -25,6 +29,7 @@ to first token, time queued for the model, and each request's decode tokens/s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -41,11 +46,14 @@ from starlette.types import Receive, Scope, Send
 
 from api.errors import APIError
 from api.ids import new_id
+from api.inference.served_models import ServedModel
+from api.settings import Settings
 from inference.client import (
     GenerationRequest,
     InferenceClient,
     InferenceRejected,
     InferenceUnavailable,
+    ModelRef,
     StreamEvent,
 )
 
@@ -156,6 +164,14 @@ class _Tally:
                 DECODE_RATE.observe((self.completion_tokens - 1) / elapsed)
 
 
+def local_routing(served: ServedModel, tenant_id: str, settings: Settings) -> dict[str, Any]:
+    """A generation request's models for the embedded worker (local paths), whose turn it
+    takes, and how long it may wait for its base model to load."""
+    adapter = None if served.adapter_path is None else ModelRef(id=served.id, path=served.adapter_path)
+    return {"base": ModelRef(id=served.base.id, path=served.base.path), "adapter": adapter, "tenant": tenant_id,
+            "load_wait_s": min(settings.inference_load_wait_s, settings.inference_timeout_s)}
+
+
 def endpoint_name(kind: Kind) -> str:
     return "chat.completions" if kind == "chat" else "completions"
 
@@ -218,8 +234,17 @@ def _api_error(exc: Exception, model: str) -> APIError:
         return APIError(503, "inference_unavailable", "The inference worker failed; retry later.",
                         headers={"Retry-After": "5"})
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-    return APIError(exc.status, exc.code, exc.message, param="model" if exc.status == 404 else None,
+    return APIError(exc.status, exc.code, exc.message, param="model" if exc.status == 404 else exc.param,
                     headers=headers)
+
+
+def _event_error(event: StreamEvent) -> APIError:
+    """A generation's ``error`` event as the caller's error: the worker stopping (a restart)
+    is worth a retry; anything else is a failed generation."""
+    if event.code == "worker_stopping":
+        return APIError(503, "inference_unavailable", "The inference worker restarted; retry.",
+                        headers={"Retry-After": "5"})
+    return APIError(500, "generation_failed", "The generation failed; retry, or report it.")
 
 
 async def _next(events: AsyncIterator[StreamEvent], deadline: float) -> StreamEvent | None:
@@ -227,6 +252,34 @@ async def _next(events: AsyncIterator[StreamEvent], deadline: float) -> StreamEv
         return await asyncio.wait_for(anext(events), max(deadline - time.perf_counter(), 0.001))
     except StopAsyncIteration:
         return None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the worker's first event."""
+
+
+async def _first_unless_gone(request: Request, events: AsyncIterator[StreamEvent],
+                             deadline: float) -> StreamEvent | None:
+    """The worker's first event; :class:`_ClientGone` if the client disconnects first (while
+    its request waits for the model or for its turn), the worker's stream then closed."""
+    first = asyncio.ensure_future(_next(events, deadline))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+    if first.cancelled():
+        raise _ClientGone
+    return first.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def serve_completion(request: Request, tenant_id: str, generation: GenerationRequest, *, kind: Kind,
@@ -239,13 +292,18 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
     deadline = tally.started + settings.inference_timeout_s
     events = _client(request).generate(generation)
     try:
-        first = await _next(events, deadline)
+        first = await _first_unless_gone(request, events, deadline)
     except (TimeoutError, InferenceUnavailable, InferenceRejected) as exc:
         error = _api_error(exc, model)
         slots.release(tenant_id)
         await events.aclose()
         tally.done(error.code)
         raise error from exc
+    except _ClientGone:
+        slots.release(tenant_id)
+        await events.aclose()
+        tally.done("client_closed")
+        return Response(status_code=499)  # nobody reads it: the connection is gone
     except BaseException:
         slots.release(tenant_id)
         await events.aclose()
@@ -267,7 +325,7 @@ async def serve_completion(request: Request, tenant_id: str, generation: Generat
         while (event := await _next(events, deadline)) is not None:
             tally.see(event)
             if event.type == "error":
-                raise APIError(500, "generation_failed", "The generation failed; retry, or report it.")
+                raise _event_error(event)
             if event.type == "text":
                 texts[event.index].append(event.text or "")
     except (TimeoutError, InferenceUnavailable) as exc:
@@ -291,8 +349,8 @@ class _Chunks:
         self.created = int(time.time())
 
     def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        # No system_fingerprint: OpenAI types it as a string, and no backend one is tracked.
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def complete(self, results: list[tuple[str, str]], usage: dict[str, int]) -> dict[str, Any]:
         if self.kind == "chat":
@@ -344,8 +402,9 @@ async def _sse(events: AsyncIterator[StreamEvent], tally: _Tally, chunks: _Chunk
                 break
             tally.see(event)
             if event.type == "error":
-                outcome = "generation_failed"
-                yield _data(APIError(500, "generation_failed", "The generation failed; retry, or report it.").body())
+                error = _event_error(event)
+                outcome = error.code
+                yield _data(error.body())
                 break
             if event.type in ("text", "finish") and event.index not in opened and chunks.kind == "chat":
                 opened.add(event.index)

@@ -14,10 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
+from sqlalchemy.orm import Session
 
 from api.deps import BaseModelsDep, CurrentTenant, SessionDep, SettingsDep
 from api.errors import APIError, error_responses
-from api.inference.completions import serve_completion
+from api.inference.completions import local_routing, serve_completion
 from api.inference.proxy import proxy_completion
 from api.inference.schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -28,8 +29,9 @@ from api.inference.schemas import (
     CompletionCreate,
 )
 from api.inference.served_models import ServedModel, resolve_served_model
+from api.settings import Settings
 from inference.client import GenerationRequest
-from inference.protocol import ModelRef, Sampling
+from inference.protocol import Sampling
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
@@ -49,15 +51,23 @@ def _unsupported(body: ChatCompletionCreate | CompletionCreate) -> None:
                        param=name)
 
 
-def _sampling(body: ChatCompletionCreate | CompletionCreate, max_tokens: int) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+def _sampling(body: ChatCompletionCreate | CompletionCreate, asked: int | None, default: int) -> Sampling:
+    """What to sample; a ``max_tokens`` the caller did not give is a default the worker
+    shortens to the room the prompt leaves in the model's context."""
+    return Sampling(max_tokens=asked or default, fit_context=asked is None,
+                    temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                     stop=body.stop_sequences(), n=body.n or 1)
 
 
-def _refs(served: ServedModel) -> dict[str, ModelRef | None]:
-    adapter = None if served.adapter_path is None else ModelRef(id=served.id, path=served.adapter_path)
-    return {"base": ModelRef(id=served.base.id, path=served.base.path), "adapter": adapter}
+async def _resolve(session: Session, tenant_id: str, settings: Settings, base_models: BaseModelsDep,
+                   model: str) -> ServedModel:
+    """The served model, with the session closed: a completion may run for minutes and must
+    not hold a database connection meanwhile."""
+    try:
+        return await run_in_threadpool(resolve_served_model, session, tenant_id, settings, base_models, model)
+    finally:
+        await run_in_threadpool(session.close)
 
 
 def _text_content(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -84,16 +94,16 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, s
     for index, message in enumerate(body.messages):
         if not isinstance(message.get("role"), str):
             raise APIError(400, "invalid_request", "Every message needs a 'role'.", param=f"messages.{index}.role")
-    served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
-                                     base_models, body.model)
+    served = await _resolve(session, tenant.id, settings, base_models, body.model)
     if served.base.inference_url is not None:
         return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
                                       path="/v1/chat/completions", endpoint="chat.completions",
                                       stream=bool(body.stream))
     tools = tuple(body.tools) if body.tools and body.tool_choice != "none" else None
     generation = GenerationRequest(
-        **_refs(served), messages=tuple(_text_content(m, i) for i, m in enumerate(body.messages)), tools=tools,
-        sampling=_sampling(body, body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS),
+        **local_routing(served, tenant.id, settings), tools=tools,
+        messages=tuple(_text_content(m, i) for i, m in enumerate(body.messages)),
+        sampling=_sampling(body, body.max_completion_tokens or body.max_tokens, DEFAULT_CHAT_MAX_TOKENS),
     )
     return await serve_completion(request, tenant.id, generation, kind="chat", model=body.model,
                                   stream=bool(body.stream),
@@ -109,13 +119,12 @@ async def create_completion(body: CompletionCreate, request: Request, session: S
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise APIError(400, "invalid_request", "Send one prompt per request.", param="prompt")
-    served = await run_in_threadpool(resolve_served_model, session, tenant.id, settings,
-                                     base_models, body.model)
+    served = await _resolve(session, tenant.id, settings, base_models, body.model)
     if served.base.inference_url is not None:
         return await proxy_completion(request, tenant.id, served, body.model_dump(exclude_unset=True),
                                       path="/v1/completions", endpoint="completions", stream=bool(body.stream))
-    generation = GenerationRequest(**_refs(served), prompt=prompts[0],
-                                   sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    generation = GenerationRequest(**local_routing(served, tenant.id, settings), prompt=prompts[0],
+                                   sampling=_sampling(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS))
     return await serve_completion(request, tenant.id, generation, kind="text", model=body.model,
                                   stream=bool(body.stream),
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage))

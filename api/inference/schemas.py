@@ -120,7 +120,8 @@ class _Answer(BaseModel):
     created: int
     model: str
     usage: Usage
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(None, exclude_if=lambda value: value is None,
+                                           description="Not served: OpenAI types it as a string.")
 
 
 class ChatCompletion(_Answer):

@@ -6,7 +6,9 @@
 - a fine-tuned model, ``ft:<base>:<org>[:<suffix>]:<job id>``: a succeeded job of the
   caller's tenant whose adapter is still stored (``api.models.fine_tuned``);
 - a checkpoint of one, ``<fine-tuned model>:ckpt-step-<N>`` (also of a job still running),
-  as ``GET /v1/fine_tuning/jobs/{id}/checkpoints`` lists them.
+  as ``GET /v1/fine_tuning/jobs/{id}/checkpoints`` lists them;
+- either of these of another tenant that shares it with the caller's
+  (``api.checkpoint_permissions``), while the permission exists.
 
 Anything else, and every model of another tenant, is the same 404 ``model_not_found``:
 another tenant's models are not even confirmed to exist. The answer holds the local
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.checkpoint_permissions.queries import sharing_owner
 from api.db.models import Artifact, Checkpoint, Job
 from api.errors import APIError
 from api.jobs.schemas import fine_tuned_model_id
@@ -52,6 +55,7 @@ def resolve_served_model(session: Session, tenant_id: str, settings: Settings,
     entry = base_models.get(model_id)
     if entry is not None:
         return ServedModel(model_id, entry, None)
+    tenant_id = sharing_owner(session, model_id, tenant_id) or tenant_id  # look among the owner's models
     checkpoint = _CHECKPOINT.match(model_id)
     if checkpoint is not None:
         job, path = _checkpoint_adapter(session, tenant_id, settings, checkpoint["model"], int(checkpoint["step"]))

@@ -54,7 +54,7 @@ class Hyperparameters(Strict):
     """OpenAI's three (each a value or "auto") plus optional expert settings."""
 
     n_epochs: Auto | Annotated[int, Field(strict=True, ge=1, le=50), AcceptWholeFloats] = "auto"
-    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=1024), AcceptWholeFloats] = "auto"
+    batch_size: Auto | Annotated[int, Field(strict=True, ge=1, le=256), AcceptWholeFloats] = "auto"  # OpenAI's cap
     learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=50)] = "auto"
     learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
     micro_batch_size: PositiveInt | None = None
@@ -382,7 +382,7 @@ def jobs_page_json(jobs: list[Job], *, has_more: bool) -> bytes:
     data = [public_job_fields(job) for job in jobs]
     return to_json({
         "object": "list", "data": data, "has_more": has_more,
-        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+        "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else "",
     })
 
 
@@ -396,14 +396,14 @@ class JobEventPublic(BaseModel):
     level: Literal["info", "warn", "error"]
     message: str
     type: Literal["message", "metrics"]
-    data: dict[str, Any] | None
+    data: dict[str, Any] = Field(default_factory=dict, description="The event's data; {} when it has none.")
 
     @classmethod
     def of(cls, event: JobEvent) -> JobEventPublic:
         return cls(
             id=event.id, created_at=to_unix(event.created_at) or 0,
             level=event.level,  # type: ignore[arg-type]
-            message=event.message, type="metrics" if event.type == "metrics" else "message", data=event.data,
+            message=event.message, type="metrics" if event.type == "metrics" else "message", data=event.data or {},
         )
 
 
@@ -421,7 +421,8 @@ class CheckpointPublic(BaseModel):
     created_at: int
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
-    metrics: dict[str, float | None]
+    metrics: dict[str, float] = Field(description="The step's metrics; one not measured (no validation "
+                                      "set, say) is left out, as OpenAI types each as a number.")
     step_number: int
 
     @classmethod
@@ -429,7 +430,8 @@ class CheckpointPublic(BaseModel):
         return cls(
             id=checkpoint.id, created_at=to_unix(checkpoint.created_at) or 0,
             fine_tuned_model_checkpoint=checkpoint_model_id(job, checkpoint.step),
-            fine_tuning_job_id=job.id, metrics=checkpoint.metrics or {},
+            fine_tuning_job_id=job.id,
+            metrics={name: value for name, value in (checkpoint.metrics or {}).items() if value is not None},
             step_number=checkpoint.step,
         )
 

@@ -17,6 +17,7 @@ deleted through the API.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -58,7 +59,8 @@ def register_model(session: Session, settings: Settings, registry: BaseModelRegi
         row.status, row.revision = "fetching", ref.revision
         row.hf_id = body.hf_id or ref.repo_id
     else:
-        _mark_ready(row, body.source, _check_source(body.source, settings))
+        location = _allowed_location(body.source, settings)
+        _mark_ready(row, location, _check_source(location, settings))
     session.add(row)
     session.commit()
     if ref is not None:
@@ -112,6 +114,21 @@ def fetch_registered_model(session: Session, settings: Settings, model_id: str) 
         log.warning("Hub model %s (%s) failed: %s", model_id, row.source, row.error)
     session.commit()
     return row.status
+
+
+def _allowed_location(source: str, settings: Settings) -> str:
+    """``source`` itself for an s3:// prefix; for a directory, its real path, which must lie
+    under one of ``settings.model_root_dirs`` (a link or ``..`` cannot lead out of them).
+    The real path is what is checked and trained on, so a link changed later does not
+    redirect the registration."""
+    if source.startswith("s3://"):
+        return source
+    real = Path(source).resolve()
+    if not any(real.is_relative_to(root) for root in settings.model_root_dirs):
+        raise APIError(400, "model_source_not_allowed",
+                       f"'{source}' is not under a directory models may be registered from "
+                       "(TUNEFLEET_MODEL_ROOTS).", param="source")
+    return str(real)
 
 
 def _check_source(source: str, settings: Settings) -> CheckpointInfo:

@@ -1,5 +1,6 @@
 """``/v1/models``: base models of the registry (the YAML file's and those admins register
-here) and the tenant's fine-tuned adapters (which the tenant may delete)."""
+here), the tenant's fine-tuned adapters (which the tenant may delete) and the adapters other
+tenants share with it (``api.checkpoint_permissions``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
+from api.checkpoint_permissions.queries import shared_with
 from api.db.base import to_unix
-from api.db.models import Job, RegisteredModel
+from api.db.models import CheckpointPermission, Job, RegisteredModel
 from api.deps import (
     AdminDep,
     BaseModelsDep,
     CurrentKey,
-    CurrentTenant,
     QueueDep,
     SessionDep,
     SettingsDep,
@@ -35,10 +36,15 @@ def _base(entry: BaseModelEntry, started: int) -> dict[str, Any]:
             "revision": entry.revision}
 
 
-def _registered(row: RegisteredModel) -> dict[str, Any]:
-    return {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
-            "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
-            "source": row.source, "status": row.status, "revision": row.commit_sha, "error": row.error}
+def _registered(row: RegisteredModel, *, admin: bool) -> dict[str, Any]:
+    """A registration; where its files are (``source``, and an ``error`` that may quote it)
+    is the operator's business, shown to admins only."""
+    model = {"id": row.id, "object": "model", "created": to_unix(row.created_at), "owned_by": "tunefleet",
+             "kind": "base", "architecture": row.architecture, "max_seq_len": row.max_seq_len,
+             "status": row.status, "revision": row.commit_sha}
+    if admin:
+        model.update(source=row.source, error=row.error)
+    return model
 
 
 def _adapter(job: Job) -> dict[str, Any]:
@@ -47,15 +53,20 @@ def _adapter(job: Job) -> dict[str, Any]:
             "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
 
 
+def _shared(permission: CheckpointPermission, job: Job) -> dict[str, Any]:
+    return {**_adapter(job), "id": permission.model, "created": to_unix(permission.created_at)}
+
+
 @router.get("", response_model=ModelsPublic)
 def list_models(
-    session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep, started_at: StartedAtDep
+    session: SessionDep, key: CurrentKey, registry: BaseModelsDep, started_at: StartedAtDep
 ) -> dict[str, Any]:
     """The declared base models, the registered ones ready to train on, the tenant's adapters."""
     data = [_base(e, started_at) for e in registry.declared.values()]
     ready = select(RegisteredModel).where(RegisteredModel.status == "ready").order_by(RegisteredModel.created_at)
-    data += [_registered(r) for r in session.scalars(ready) if r.id not in registry.declared]
-    data += [_adapter(j) for j in session.scalars(tenant_adapters(tenant.id).order_by(Job.created_at))]
+    data += [_registered(r, admin=key.grants_admin) for r in session.scalars(ready) if r.id not in registry.declared]
+    data += [_adapter(j) for j in session.scalars(tenant_adapters(key.tenant_id).order_by(Job.created_at))]
+    data += [_shared(p, j) for p, j in shared_with(session, key.tenant_id)]
     return {"object": "list", "data": data}
 
 
@@ -66,12 +77,12 @@ def create_model(body: ModelCreate, session: SessionDep, key: AdminDep, settings
     answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
     row = register_model(session, settings, registry, body, admin_tenant_id=key.tenant_id,
                          queue=queue)
-    return _registered(row)
+    return _registered(row, admin=True)
 
 
 @router.get("/{model_id:path}", response_model=ModelPublic, responses=error_responses(404))
 def retrieve_model(
-    model_id: str, session: SessionDep, tenant: CurrentTenant, registry: BaseModelsDep,
+    model_id: str, session: SessionDep, key: CurrentKey, registry: BaseModelsDep,
     started_at: StartedAtDep,
 ) -> dict[str, Any]:
     entry = registry.declared.get(model_id)
@@ -79,11 +90,14 @@ def retrieve_model(
         return _base(entry, started_at)
     row = session.get(RegisteredModel, model_id)
     if row is not None:
-        return _registered(row)
-    job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
-    if job is None:
+        return _registered(row, admin=key.grants_admin)
+    job = session.scalar(tenant_adapters(key.tenant_id).where(Job.fine_tuned_model == model_id))
+    if job is not None:
+        return _adapter(job)
+    shared = next(((p, j) for p, j in shared_with(session, key.tenant_id) if p.model == model_id), None)
+    if shared is None:
         raise not_found("model", model_id)
-    return _adapter(job)
+    return _shared(*shared)
 
 
 @router.delete("/{model_id:path}", response_model=ModelDeleted, responses=error_responses(403, 404, 409))

@@ -42,11 +42,14 @@ class DatabaseCollector(Collector):
     """Yields the state gauges from one short read-only session per scrape."""
 
     def __init__(self, session_factory: Callable[[], sessionmaker[Session]], *,
-                 enabled: Callable[[], bool] | None = None) -> None:
+                 enabled: Callable[[], bool] | None = None, job_series: bool = True) -> None:
         """``enabled``: asked at every scrape; False yields nothing (a standby scheduler
-        replica leaves the gauges to the active one)."""
+        replica leaves the gauges to the active one). ``job_series``: whether the running
+        jobs' gauges (labelled with their ids) are yielded: only where a token guards the
+        scrape, since job ids belong to their tenants."""
         self._session_factory = session_factory
         self._enabled = enabled
+        self._job_series = job_series
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self._enabled is not None and not self._enabled():
@@ -119,7 +122,8 @@ class DatabaseCollector(Collector):
             yield total
             yield free
 
-        yield from self._running_jobs(session)
+        if self._job_series:
+            yield from self._running_jobs(session)
         yield from self._webhooks(session)
 
     def _running_jobs(self, session: Session) -> Iterator[GaugeMetricFamily]:

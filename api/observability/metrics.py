@@ -111,10 +111,10 @@ def process_registry() -> CollectorRegistry:
     return registry
 
 
-def _registry(settings: Settings, factory: sessionmaker[Session]) -> CollectorRegistry:
+def _registry(settings: Settings, factory: sessionmaker[Session], *, job_series: bool) -> CollectorRegistry:
     registry = process_registry()
     if settings.metrics_database_gauges == "api":
-        registry.register(DatabaseCollector(lambda: factory))
+        registry.register(DatabaseCollector(lambda: factory, job_series=job_series))
     return registry
 
 
@@ -126,10 +126,12 @@ class _DefaultRegistryCollector:
 @router.get("/metrics", response_model=None)
 def metrics(request: Request, settings: SettingsDep, factory: SessionFactoryDep) -> Response:
     """Prometheus text format. With ``TUNEFLEET_METRICS_TOKEN`` set, a matching bearer
-    token is required (job ids are labels; keep them off the open internet)."""
+    token is required; without one (a developer's machine) the per-job gauges, whose labels
+    are job ids, are left out."""
     token = os.environ.get("TUNEFLEET_METRICS_TOKEN")
     if token:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), token.encode()):
             raise APIError(401, "invalid_metrics_token", "GET /metrics needs 'Authorization: Bearer <metrics token>'.")
-    return Response(generate_latest(_registry(settings, factory)), media_type=CONTENT_TYPE_LATEST)
+    registry = _registry(settings, factory, job_series=bool(token))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

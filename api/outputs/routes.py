@@ -12,11 +12,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request
@@ -25,19 +21,26 @@ from fastapi.responses import PlainTextResponse, RedirectResponse, Response, Str
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import ArtifactStore, safe_key, sha256_stored, store_for
-from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobEvent, JobMetric
-from api.deps import CurrentKey, QueueDep, SessionDep, SessionFactoryDep, SettingsDep
+from api.artifacts import ArtifactStore, open_or_404, safe_key, sha256_stored, store_for
+from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobMetric
+from api.deps import (
+    CurrentKey,
+    QueueDep,
+    SessionDep,
+    SessionFactoryDep,
+    SettingsDep,
+    StreamSlotsDep,
+)
 from api.errors import APIError, error_responses
-from api.ids import new_id
 from api.jobs.lifecycle import add_event
 from api.jobs.queries import get_job
-from api.jobs.schemas import JobEventPublic
+from api.outputs import stream
+from api.outputs.exports import request_export
 from api.outputs.logs import read_job_log
 from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
 from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
 from api.reports.schemas import PREFERENCE_METRICS
-from api.responses import EventStreamResponse, OctetStreamResponse
+from api.responses import EventStreamResponse, OctetStreamResponse, attachment
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -117,11 +120,10 @@ def download_artifact(
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
         return RedirectResponse(url, status_code=307)
-    if not store.exists(object_key):
-        raise APIError(404, "artifact_not_found",
-                       f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
-                       param="name")
-    return _file_response(store, object_key, row.sha256)
+    opened = open_or_404(store, object_key, APIError(
+        404, "artifact_not_found", f"Artifact '{object_key}' of job '{job.id}' is registered but missing on disk.",
+        param="name"))
+    return attachment(opened, filename=object_key.rsplit("/", 1)[-1], headers={"X-Checksum-Sha256": row.sha256})
 
 
 def _stored_row(row: RowT | None, prefixes: tuple[str, ...], *, kind: str, name: str, job: Job,
@@ -137,14 +139,6 @@ def _stored_row(row: RowT | None, prefixes: tuple[str, ...], *, kind: str, name:
     log.warning("%s %s of job %s has a location outside %s: %r", kind, name, job.id, where, row.location)
     raise APIError(404, f"{kind}_not_found",
                    f"{kind.capitalize()} '{name}' of job '{job.id}' is not in {where}.", param=param)
-
-
-def _file_response(store: ArtifactStore, key: str, sha256: str) -> StreamingResponse:
-    return StreamingResponse(
-        store.iter_bytes(key), media_type="application/octet-stream",
-        headers={"Content-Length": str(store.size(key)), "X-Checksum-Sha256": sha256,
-                 "Content-Disposition": f'attachment; filename="{key.rsplit("/", 1)[-1]}"'},
-    )
 
 
 # ---- a checkpoint's adapter ---------------------------------------------------------
@@ -203,20 +197,28 @@ def download_checkpoint_artifact(
     url = store.presigned_url(object_key, expires_s=900)
     if url is not None:
         return RedirectResponse(url, status_code=307)
-    return _file_response(store, object_key, sha256_stored(store, object_key))
+    missing = APIError(404, "checkpoint_not_stored", f"Checkpoint '{checkpoint_id}' of job '{job.id}' is no "
+                       "longer stored (only the last checkpoints are kept).", param="checkpoint_id")
+    try:  # a checkpoint pruned while this request runs is a 404 at any point before the answer
+        sha256 = sha256_stored(store, object_key)
+    except FileNotFoundError:
+        raise missing from None
+    opened = open_or_404(store, object_key, missing)
+    return attachment(opened, filename=object_key.rsplit("/", 1)[-1], headers={"X-Checksum-Sha256": sha256})
 
 
 # ---- merged exports -----------------------------------------------------------------
 
 
 @router.post("/{job_id}/exports", response_model=ExportPublic,
-             responses=error_responses(400, 404, 409))
+             responses=error_responses(400, 404, 409, 429))
 def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: CurrentKey,
                   settings: SettingsDep, queue: QueueDep) -> ExportPublic:
     """Merge the job's final adapter (or a checkpoint's) into its base model, in the background.
 
     Progress and the result are job events; the files appear among the job's artifacts
-    under ``artifacts_prefix``.
+    under ``artifacts_prefix``. Asking again for an export that is queued, running or
+    finished answers that export (``api.outputs.exports``).
     """
     job = get_job(session, key, job_id)
     output = session.scalar(select(Artifact.location).where(Artifact.job_id == job.id,
@@ -230,114 +232,37 @@ def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: Cur
     if job_storage(job.id, settings).outputs[0].startswith("s3://"):
         raise APIError(400, "export_needs_local_storage",
                        "Merged exports need the job's outputs on the service's own disk (local artifact store).")
-    export_id = new_id("ftexp")
-    export = ExportPublic(id=export_id, fine_tuning_job_id=job.id, format=body.format, dtype=body.dtype,
-                          checkpoint=body.checkpoint, artifacts_prefix=f"exports/{export_id}/")
-    add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
+    row, created = request_export(session, job, body.checkpoint, body.dtype,
+                                  settings.export_max_concurrent_per_tenant)
+    export = ExportPublic.of(row)
+    if created:
+        add_event(session, job, f"Merged export {export.id} queued", data=export.model_dump())
     session.commit()
-    queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
+    if created:
+        queue.send("tunefleet.export_merged", job.id, export.id, body.dtype, body.checkpoint)
     return export
 
 
 # ---- live stream (Server-Sent Events) ---------------------------------------------
 
-POLL_S = 0.5
-HEARTBEAT_S = 15.0
-
-
-def _parse_cursor(value: str | None) -> tuple[int, int]:
-    """SSE ids are ``<event seq>.<metric seq>``; anything else restarts from the beginning."""
-    try:
-        events, metrics = (value or "").split(".")
-        return max(0, int(events)), max(0, int(metrics))
-    except ValueError:
-        return 0, 0
-
-
-def _poll(session_factory: Any, job_id: str, cursor: tuple[int, int]) -> tuple[list[str], tuple[int, int], bool]:
-    """New SSE messages since ``cursor``, the new cursor, and whether the job has ended."""
-    event_seq, metric_seq = cursor
-    out: list[str] = []
-    session: Session = session_factory()
-    try:
-        job = session.get_one(Job, job_id)
-        events = session.scalars(
-            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > event_seq)
-            .order_by(JobEvent.seq).limit(500)
-        ).all()
-        metrics = session.scalars(
-            select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.seq > metric_seq)
-            .order_by(JobMetric.seq).limit(500)
-        ).all()
-        for event in events:
-            event_seq = event.seq
-            kind = "status" if event.type == "status" else "event"
-            payload = JobEventPublic.of(event).model_dump()
-            if kind == "status":
-                payload["status"] = (event.data or {}).get("to")
-            out.append(_sse(kind, payload, f"{event_seq}.{metric_seq}"))
-        for metric in metrics:
-            metric_seq = metric.seq
-            out.append(_sse("metric", metric_dict(metric), f"{event_seq}.{metric_seq}"))
-        done = job.is_terminal and len(events) < 500 and len(metrics) < 500
-        return out, (event_seq, metric_seq), done
-    finally:
-        session.close()
-
-
-async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:
-    """Set ``gone`` once the client disconnects, by reading the ASGI channel until it says so.
-
-    ``request.is_disconnected()`` only peeks (it cancels its read at once), so on a server
-    whose disconnect message takes a moment to arrive it never saw one and the stream
-    kept polling and writing for a client that had left, until its job ended.
-    """
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-def _sse(kind: str, data: dict[str, Any], event_id: str) -> str:
-    return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
 
 @router.get("/{job_id}/stream", response_model=None, response_class=EventStreamResponse,
-            responses=error_responses(404))
+            responses=error_responses(404, 429))
 async def stream_job(
     job_id: str, request: Request, session: SessionDep, key: CurrentKey,
-    factory: SessionFactoryDep,
+    factory: SessionFactoryDep, slots: StreamSlotsDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
     """Events (status changes included) and metrics as they arrive; ends when the job does.
 
-    Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume.
+    Reconnect with ``Last-Event-ID`` (the ``id`` of the last message seen) to resume. Open
+    streams are capped per API key and per service process (429 ``too_many_streams``).
     """
     job = await run_in_threadpool(get_job, session, key, job_id)
-
-    async def messages() -> AsyncIterator[str]:
-        cursor = _parse_cursor(last_event_id)
-        idle = 0.0
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, gone))
-        try:
-            yield "retry: 2000\n\n"
-            while not gone.is_set():
-                batch, cursor, done = await run_in_threadpool(_poll, factory, job.id, cursor)
-                if gone.is_set():
-                    return
-                for message in batch:
-                    yield message
-                if done:
-                    yield _sse("end", {"id": job.id}, f"{cursor[0]}.{cursor[1]}")
-                    return
-                idle = 0.0 if batch else idle + POLL_S
-                if idle >= HEARTBEAT_S:
-                    idle = 0.0
-                    yield ": keep-alive\n\n"
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(gone.wait(), POLL_S)  # the poll interval, or less
-        finally:
-            watcher.cancel()
-
-    return StreamingResponse(messages(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # The request's session would otherwise keep its connection for as long as the stream
+    # stays open; each poll takes its own connection and gives it back.
+    await run_in_threadpool(session.close)
+    release = slots.take(key.id)
+    messages = stream.job_messages(request, factory, job.id, stream.parse_cursor(last_event_id), metric_dict)
+    return stream.SlotStreamResponse(messages, release,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.db.models import Export
+from api.outputs.exports import artifacts_prefix
 from api.reports.schemas import PreferenceMetrics
 
 
@@ -65,5 +67,10 @@ class ExportPublic(BaseModel):
     format: Literal["merged"]
     dtype: str
     checkpoint: str | None
-    status: Literal["queued"] = "queued"
+    status: Literal["queued", "running", "succeeded", "failed"] = "queued"
     artifacts_prefix: str = Field(description="Where its files appear in the job's artifacts once ready.")
+
+    @classmethod
+    def of(cls, row: Export) -> ExportPublic:
+        return cls(id=row.id, fine_tuning_job_id=row.job_id, format="merged", dtype=row.dtype,
+                   checkpoint=row.checkpoint_id, status=row.status, artifacts_prefix=artifacts_prefix(row.id))

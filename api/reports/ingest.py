@@ -15,11 +15,12 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -218,59 +219,199 @@ def check_batch_locations(job: Job, batch: ReportBatchIn, settings: Settings) ->
             check_checkpoint_location(item.location, job.id, settings, param=f"items[{index}].location")
 
 
+def check_report_size(batch: ReportBatchIn, body_bytes: int, settings: Settings) -> None:
+    """413 ``report_too_large`` for a report over ``report_max_items`` or ``report_max_bytes``."""
+    if len(batch.items) > settings.report_max_items:
+        raise APIError(413, "report_too_large",
+                       f"A report holds at most {settings.report_max_items} items; this one has "
+                       f"{len(batch.items)}. Send them in several reports.", param="items")
+    if body_bytes > settings.report_max_bytes:
+        raise APIError(413, "report_too_large",
+                       f"A report's body is at most {settings.report_max_bytes} bytes; this one has "
+                       f"{body_bytes}. Send its items in several reports.")
+
+
 def apply_report(session: Session, job: Job, batch: ReportBatchIn, settings: Settings) -> bool:
-    """Apply ``batch`` to ``job`` and commit; returns False when it was a duplicate."""
+    """Apply ``batch`` to ``job``, committing every ``REPORT_CHUNK_ITEMS`` items; returns
+    False when it was a duplicate.
+
+    The batch's row records how many of its items are applied, and each transaction moves
+    that count on (only from the value it read, so two concurrent retries never apply an
+    item twice): a retry after a crash between two transactions applies the rest. Bounded
+    transactions keep a big report from holding SQLite's write lock (the whole database)
+    or a job's row for longer than one chunk takes.
+    """
     check_batch_locations(job, batch, settings)
-    if session.scalar(
-        select(ReportBatch.id).where(ReportBatch.job_id == job.id, ReportBatch.seq == batch.seq)
-    ) is not None:
+    row_id, applied = _claim_batch(session, job, batch)
+    if applied >= len(batch.items) and row_id is None:
         return False
-    session.add(ReportBatch(job_id=job.id, seq=batch.seq, n_items=len(batch.items)))
+    quota = _Quota(settings.report_max_items_per_job, settings.report_max_bytes_per_job)
+    while applied < len(batch.items):
+        end = min(len(batch.items), applied + REPORT_CHUNK_ITEMS)
+        locked = lock_job(session, job.id)
+        if locked is None:  # the job was deleted meanwhile
+            session.rollback()
+            return False
+        if not _advance(session, row_id, applied, end):
+            session.rollback()  # a concurrent retry applied this chunk: go on after its progress
+            applied = session.scalar(select(ReportBatch.applied_items).where(ReportBatch.id == row_id)) or 0
+            session.rollback()
+            continue
+        began = time.monotonic()
+        _apply_items(session, locked, batch.items[applied:end], quota)
+        session.commit()
+        applied = end
+        if applied < len(batch.items):
+            _let_other_writers_in(session, time.monotonic() - began)
+    return True
+
+
+# Items applied per transaction (see apply_report).
+REPORT_CHUNK_ITEMS = 100
+MAX_CHUNK_PAUSE_S = 0.1
+
+
+def _let_other_writers_in(session: Session, chunk_s: float) -> None:
+    """On SQLite, pause between two chunks for as long as the last one held the write lock.
+
+    A writer waiting for SQLite's lock retries on a back-off of up to 100 ms; a report that
+    takes the lock again at once would win every time and starve it for the whole batch.
+    PostgreSQL locks rows, and other tenants' rows are never this report's.
+    """
+    if session.get_bind().dialect.name == "sqlite":
+        time.sleep(min(chunk_s, MAX_CHUNK_PAUSE_S))
+
+
+def _claim_batch(session: Session, job: Job, batch: ReportBatchIn) -> tuple[int | None, int]:
+    """The batch's row id and how many of its items are applied; (None, n) for a batch
+    applied whole before (a duplicate). The first transaction of a new batch records it
+    (and, for a job Kueue started, the trainer's start)."""
     if job.awaiting_start_since is not None:  # Kueue started it: the first report says so
         start_admitted_launch(session, lock_job(session, job.id) or job, actor="trainer")
-    for item in batch.items:
+    row = ReportBatch(job_id=job.id, seq=batch.seq, n_items=len(batch.items), applied_items=0)
+    session.add(row)
+    try:
+        session.commit()
+        return row.id, 0
+    except IntegrityError:
+        session.rollback()  # this seq was seen before (a retry): applied whole, or partly
+    existing = session.execute(
+        select(ReportBatch.id, ReportBatch.applied_items, ReportBatch.n_items)
+        .where(ReportBatch.job_id == job.id, ReportBatch.seq == batch.seq)
+    ).one()
+    session.rollback()
+    if existing.applied_items >= existing.n_items:
+        return None, existing.n_items
+    return existing.id, existing.applied_items
+
+
+def _advance(session: Session, row_id: int | None, applied: int, end: int) -> bool:
+    """Move the batch's progress from ``applied`` to ``end``; False if it is not at ``applied``."""
+    moved = session.execute(
+        update(ReportBatch).where(ReportBatch.id == row_id, ReportBatch.applied_items == applied)
+        .values(applied_items=end)
+    )
+    return moved.rowcount == 1
+
+
+@dataclass
+class _Quota:
+    """How many metric and event items (and bytes of them) a job's reports may store."""
+
+    max_items: int
+    max_bytes: int
+
+    def admits(self, session: Session, job: Job, size: int) -> bool:
+        """Count an item of ``size`` bytes against ``job``'s quota; False (dropped) past it.
+
+        The first dropped item leaves one warning event, so the tenant learns why later
+        metrics and events are missing."""
+        if job.report_items + 1 <= self.max_items and job.report_bytes + size <= self.max_bytes:
+            job.report_items += 1
+            job.report_bytes += size
+            return True
+        if not job.report_items_dropped:
+            add_event(session, job, f"The trainer's reports reached this job's quota ({self.max_items} items, "
+                      f"{self.max_bytes} bytes of metrics and events): later metrics and events are not stored; "
+                      "checkpoints, output files and errors still are.", level="warn", type="message",
+                      data={"code": "report_quota_exceeded"})
+        job.report_items_dropped += 1
+        return False
+
+
+def _apply_items(session: Session, job: Job, items: list[Any], quota: _Quota) -> None:
+    """Apply ``items`` to the locked ``job`` in the current transaction.
+
+    Once the job has an outcome (succeeded, failed, cancelled) nothing a late report says
+    changes it: metrics and events are still stored (a trainer's last flush may arrive
+    just after its exit was seen) but leave the job's fields alone, and output files and
+    errors are not applied (an event records a late error).
+    """
+    metrics: dict[int, dict[str, Any]] = {}  # step -> row values; a step reported twice: the last wins
+    announced_before = _stored_steps(session, job, items)  # a step's metrics event is written once
+    for item in items:
+        if isinstance(item, MetricItem | EventItem) and not quota.admits(session, job, _item_bytes(item)):
+            continue
         if isinstance(item, MetricItem):
-            replaced = _apply_metric(session, job, item)
-            if not replaced and (announced := metrics_event(item)) is not None:
+            metrics[item.step] = _metric_values(job, item)
+            if item.step not in announced_before and (announced := metrics_event(item)) is not None:
                 add_event(session, job, announced[0], type="metrics", data=announced[1])
+            announced_before.add(item.step)
         elif isinstance(item, EventItem):
             add_event(session, job, item.message, level=TRAINER_EVENT_LEVELS[item.level], type="message",
                       data=item.data)
         elif isinstance(item, CheckpointItem):
             _apply_checkpoint(session, job, item)
-        elif isinstance(item, ArtifactsItem):
+        elif isinstance(item, ArtifactsItem) and not job.is_terminal:
             apply_artifacts(session, job, item)
         elif isinstance(item, ErrorItem):
-            job.error = {"code": item.code, "message": item.message, "param": None}
-            add_event(session, job, f"{item.code}: {item.message}", level="error", type="message",
-                      data={"code": item.code})
-    try:
-        session.commit()
-    except IntegrityError:
-        # A concurrent retry of the same batch committed first: this one is the duplicate.
-        session.rollback()
-        return False
-    return True
+            _apply_error(session, job, item)
+    _store_metrics(session, job, metrics)
 
 
-def _apply_metric(session: Session, job: Job, item: MetricItem) -> bool:
-    """Store the step's metrics; True when they replaced a row of the same step (whose
-    event, if announced, was written already)."""
+def _stored_steps(session: Session, job: Job, items: list[Any]) -> set[int]:
+    """The steps of ``items``' metrics that the job has a row for already."""
+    steps = {item.step for item in items if isinstance(item, MetricItem)}
+    if not steps:
+        return set()
+    return set(session.scalars(select(JobMetric.step).where(JobMetric.job_id == job.id, JobMetric.step.in_(steps))))
+
+
+def _store_metrics(session: Session, job: Job, metrics: dict[int, dict[str, Any]]) -> None:
+    if metrics:
+        # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
+        session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step.in_(metrics)))
+        session.execute(insert(JobMetric), list(metrics.values()))
+
+
+def _item_bytes(item: MetricItem | EventItem) -> int:
+    return len(item.model_dump_json(by_alias=True))
+
+
+def _apply_error(session: Session, job: Job, item: ErrorItem) -> None:
+    if job.is_terminal:
+        add_event(session, job, f"The trainer reported {item.code}: {item.message} after the job {job.status}; "
+                  "the job's outcome stays as it is.", level="warn", type="message",
+                  data={"code": item.code, "ignored": True})
+        return
+    job.error = {"code": item.code, "message": item.message, "param": None}
+    add_event(session, job, f"{item.code}: {item.message}", level="error", type="message",
+              data={"code": item.code})
+
+
+def _metric_values(job: Job, item: MetricItem) -> dict[str, Any]:
+    """The metric row's values; the running job's progress fields follow the newest step."""
     values: dict[str, Any] = item.model_dump(exclude={"type"})
     for name in ("train_loss", "valid_loss", "grad_norm", *PREFERENCE_METRICS.values()):
         values[name] = _finite(values[name])
-    # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
-    replaced = session.execute(
-        delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step == item.step)).rowcount
-    session.add(JobMetric(job_id=job.id, **values))
-    if job.current_step is None or item.step >= job.current_step:
+    if not job.is_terminal and (job.current_step is None or item.step >= job.current_step):
         job.current_step = item.step
         if item.total_steps:
             job.total_steps = item.total_steps
         if item.tokens_seen is not None:
             job.trained_tokens = item.tokens_seen
         job.estimated_finish = _estimated_finish(job)
-    return bool(replaced)
+    return {"job_id": job.id, **values}
 
 
 def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
@@ -364,8 +505,8 @@ def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
 def apply_recovered(session: Session, job: Job, items: list[MetricItem | CheckpointItem]) -> None:
     """Apply metric and checkpoint items read back from the trainer's outputs (the outcome
     path's reconciliation, ``worker.report_gaps``), as a report would have, without a batch."""
+    _store_metrics(session, job, {item.step: _metric_values(job, item) for item in items
+                                  if isinstance(item, MetricItem)})
     for item in items:
-        if isinstance(item, MetricItem):
-            _apply_metric(session, job, item)
-        else:
+        if isinstance(item, CheckpointItem):
             _apply_checkpoint(session, job, item)

@@ -28,22 +28,30 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PublicObject(BaseModel):
+    """An object as answered: every field is always sent, so the document marks each one
+    required, those with a default (``object``) and those that may be null included."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
 class ListPublic(BaseModel, Generic[T]):
     """``{"object": "list", "data": [...], "has_more": bool, "first_id", "last_id"}``."""
 
     object: Literal["list"] = "list"
     data: list[T]
     has_more: bool = False
-    first_id: str | None = None
-    last_id: str | None = None
+    # OpenAI types both as strings its file list always has: an empty page has "" (no id).
+    first_id: str = ""
+    last_id: str = ""
 
     @classmethod
     def page(cls, data: list[T], *, has_more: bool = False) -> Self:
         """The page of ``data`` (objects with an ``id``): ``first_id`` and ``last_id`` are
-        the ids at its two ends, None for an empty page."""
+        the ids at its two ends, "" for an empty page."""
         ids = [item.id for item in data[:1] + data[-1:]]  # type: ignore[attr-defined]
-        return cls(data=data, has_more=has_more, first_id=ids[0] if ids else None,
-                   last_id=ids[-1] if ids else None)
+        return cls(data=data, has_more=has_more, first_id=ids[0] if ids else "",
+                   last_id=ids[-1] if ids else "")
 
 
 # The query parameters of the newest-first lists (api.pagination.page_newest_first).

@@ -36,6 +36,9 @@ SCOPED: list[tuple[str, str, Any]] = [
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/artifacts", None),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/artifacts/{checkpoint_file}", None),
     ("POST", "/v1/fine_tuning/jobs/{job_id}/exports", {"format": "merged"}),
+    ("GET", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions", None),
+    ("POST", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions", "grant"),
+    ("DELETE", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions/{permission_id}", None),
     ("GET", "/v1/models/{model_id}", None),
     ("DELETE", "/v1/models/{model_id}", None),  # last: the owner's call deletes the model
 ]
@@ -82,8 +85,9 @@ def test_route_table_covers_every_route(app) -> None:
 
 @pytest.fixture
 def world(client, tenant_key, make_job, settings, db_session):
-    """Tenant A with a finished job (adapter, checkpoint, metric, log) and B, a stranger."""
-    a, b = tenant_key(), tenant_key()
+    """Tenant A with a finished job (adapter, checkpoint, metric, log, the checkpoint shared
+    with a third tenant) and B, a stranger."""
+    a, b, grantee = tenant_key(), tenant_key(), tenant_key()
     job = make_job(a.headers)
     row, token = start_running(db_session, job["id"])
     out = settings.data_path / "artifacts" / job["id"] / "output"
@@ -107,16 +111,22 @@ def world(client, tenant_key, make_job, settings, db_session):
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("step 1 loss 2.0\n")
     checkpoints = client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints", headers=a.headers).json()["data"]
+    shared = checkpoints[0]["fine_tuned_model_checkpoint"]
+    permission = client.post(f"/v1/fine_tuning/checkpoints/{shared}/permissions", headers=a.headers,
+                             json={"project_ids": [grantee.tenant_id]}).json()["data"][0]["id"]
     names = {
         "file_id": job["training_file"], "job_id": job["id"],
         "name": "adapter/adapter_model.safetensors", "model_id": row.fine_tuned_model,
         "tenant_id": a.tenant_id, "key_id": "key-x",
         "checkpoint_id": checkpoints[0]["id"], "checkpoint_file": "adapter_model.safetensors",
+        "fine_tuned_model_checkpoint": shared, "permission_id": permission, "grantee_id": grantee.tenant_id,
     }
     return {"a": a, "b": b, "names": names, "token": token}
 
 
-def _call(client, method: str, path: str, body: Any, headers: dict[str, str]):
+def _call(client, method: str, path: str, body: Any, headers: dict[str, str], names: dict[str, str] | None = None):
+    if body == "grant":
+        body = {"project_ids": [(names or FAKE_NAMES)["grantee_id"]]}
     if body == "upload":
         return client.request(method, path, headers=headers,
                               files={"file": ("t.jsonl", chat_lines(2))},
@@ -128,7 +138,9 @@ def _call(client, method: str, path: str, body: Any, headers: dict[str, str]):
 
 FAKE_NAMES = {"file_id": "file-x", "job_id": "ftjob-x", "name": "adapter/a.bin",
               "model_id": "m", "tenant_id": "org-x", "key_id": "key-x",
-              "checkpoint_id": "ftckpt-x", "checkpoint_file": "a.bin"}
+              "checkpoint_id": "ftckpt-x", "checkpoint_file": "a.bin",
+              "fine_tuned_model_checkpoint": "ft:m:org-x:ftjob-x:ckpt-step-1", "permission_id": "cp-x",
+              "grantee_id": "org-y"}
 BAD_AUTH = ({}, {"Authorization": "Bearer tf_aaaaaaaa_" + "b" * 32},
             {"Authorization": "Basic abc"}, {"Authorization": "Bearer"})
 
@@ -145,12 +157,12 @@ def test_no_key_or_bad_key_is_401(client) -> None:
 def test_other_tenant_gets_404_and_owner_does_not(client, world) -> None:
     for method, template, body in SCOPED:
         path = template.format(**world["names"])
-        response = _call(client, method, path, body, world["b"].headers)
+        response = _call(client, method, path, body, world["b"].headers, world["names"])
         assert response.status_code == 404, (path, response.text)
         assert response.json()["error"]["code"] == "not_found"
     for method, template, body in SCOPED:
         path = template.format(**world["names"])
-        owner = _call(client, method, path, body, world["a"].headers)
+        owner = _call(client, method, path, body, world["a"].headers, world["names"])
         # The owner gets through (the job has ended, so actions are 409, not 404).
         assert owner.status_code in {200, 409}, (path, owner.text)
 
@@ -166,24 +178,24 @@ def test_lists_show_only_own_objects(client, world) -> None:
     assert created.status_code == 400  # file-x is nobody's file: never someone else's job
 
 
-JOB_ROUTES = [r for r in SCOPED if r[1].startswith("/v1/fine_tuning/jobs/")]
+OPEN_TO_ADMINS = [r for r in SCOPED if r[1].startswith(("/v1/fine_tuning/jobs/", "/v1/fine_tuning/checkpoints/"))]
 
 
 def test_admin_opens_every_organizations_job_but_not_its_files(client, world, admin_key) -> None:
-    """An admin key reads and acts on any organization's job (the dashboard's admin view);
-    files, models and lists stay per organization."""
+    """An admin key reads and acts on any organization's job (the dashboard's admin view)
+    and manages its checkpoints' permissions; files, models and lists stay per organization."""
     admin = {"Authorization": f"Bearer {admin_key}"}
-    for method, template, body in JOB_ROUTES:
+    for method, template, body in OPEN_TO_ADMINS:
         path = template.format(**world["names"])
-        response = _call(client, method, path, body, admin)
+        response = _call(client, method, path, body, admin, world["names"])
         # The job has ended: reads are 200, actions are refused by the lifecycle (409).
         assert response.status_code in {200, 409}, (path, response.text)
         if method == "GET" and not path.endswith(("/stream", "/logs", "/adapter_model.safetensors")):
             assert response.status_code == 200, (path, response.text)
     for method, template, body in SCOPED:
-        if (method, template, body) not in JOB_ROUTES:
+        if (method, template, body) not in OPEN_TO_ADMINS:
             path = template.format(**world["names"])
-            assert _call(client, method, path, body, admin).status_code == 404, path
+            assert _call(client, method, path, body, admin, world["names"]).status_code == 404, path
     assert client.get("/v1/fine_tuning/jobs", headers=admin).json()["data"] == []
 
 

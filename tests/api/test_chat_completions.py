@@ -7,10 +7,15 @@ The worker is the real server and client over real HTTP; only its engine is scri
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -20,44 +25,58 @@ from pydantic import SecretStr
 
 from api.db.models import Job
 from api.jobs.lifecycle import transition
-from inference.engine import ModelLoading
-from inference.protocol import StreamEvent
+from inference.engine import InferenceError, ModelLoading
+from inference.protocol import ModelRef, StreamEvent
 from inference.server import create_app as worker_app
 from tests.api.conftest import start_running
+from tests.inference.scripted import ScriptedEngine
 
 SECRET = "s" * 32
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-class ScriptedEngine:
-    """Answers every request with "Hel" + "lo" per choice (3 tokens, length), after ``gate``."""
+class HelloEngine(ScriptedEngine):
+    """Answers every request with "Hel" + "lo" per choice (3 tokens, length).
+
+    ``loading`` / ``refusal``: refuse instead; ``held``: wait before the ``start`` event (a
+    model loading, a turn awaited) and ``gated``: after it, until :meth:`release`;
+    ``fail_code``: an error event after ``start`` instead of the text."""
 
     def __init__(self) -> None:
-        self.requests: list[Any] = []
+        super().__init__()
         self.loading = False
-        self.gate: threading.Event | None = None
+        self.refusal: InferenceError | None = None
+        self.held = self.gated = False
         self.delay_s = 0.0
+        self.fail_code: str | None = None
+
+    def release(self) -> None:
+        self.held = self.gated = False
+        self.changed()
 
     def generate(self, request):
-        self.requests.append(request)
         if self.loading:
             raise ModelLoading(request.base.id)
+        if self.refusal is not None:
+            raise self.refusal
+        if not self.wait_until(lambda: not self.held):
+            return
         yield StreamEvent(type="start", prompt_tokens=5, queued_s=0.0)
-        if self.gate is not None:
-            self.gate.wait(20)
+        if not self.wait_until(lambda: not self.gated):
+            return
         time.sleep(self.delay_s)
+        if self.fail_code is not None:
+            yield StreamEvent(type="error", code=self.fail_code, message="scripted")
+            return
         for index in range(request.sampling.n):
             yield StreamEvent(type="text", index=index, text="Hel")
             yield StreamEvent(type="text", index=index, text="lo")
             yield StreamEvent(type="finish", index=index, finish_reason="length", completion_tokens=3)
 
-    def status(self) -> dict[str, Any]:
-        return {}
-
 
 @pytest.fixture
-def engine() -> ScriptedEngine:
-    return ScriptedEngine()
+def engine() -> HelloEngine:
+    return HelloEngine()
 
 
 @pytest.fixture
@@ -69,9 +88,23 @@ def serving(settings, inline_queue, engine, live_server):
 
     def start(**overrides: Any) -> str:
         values = {"inference_url": worker_url, "inference_secret": SecretStr(SECRET), **overrides}
-        return live_server(create_app(settings.model_copy(update=values), queue=inline_queue))
+        start.app = create_app(settings.model_copy(update=values), queue=inline_queue)
+        return live_server(start.app)
 
     return start
+
+
+@contextlib.contextmanager
+def _raw_post(url: str, body: dict[str, Any], headers: dict[str, str]) -> Iterator[None]:
+    """POST ``body`` on a socket of our own and hang up when the block ends: a client that
+    gives up while its request waits."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": parts.netloc, "Content-Type": "application/json",
+                                                  "Content-Length": str(len(payload))}.items())
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(f"POST {parts.path} HTTP/1.1\r\n{head}\r\n".encode() + payload)
+        yield
 
 
 def _sdk(base_url: str, key: str) -> OpenAI:
@@ -92,6 +125,8 @@ def test_openai_shapes_and_what_the_worker_is_asked(serving, engine, tenant_key,
     assert asked.messages == tuple(MESSAGES)
     assert (asked.sampling.max_tokens, asked.sampling.temperature, asked.sampling.top_p, asked.sampling.seed,
             asked.sampling.stop, asked.sampling.n) == (7, 0.0, 0.5, 3, ("\n\n",), 2)
+    # The caller's max_tokens is binding; turns are taken as this tenant; a loading model is waited for.
+    assert (asked.sampling.fit_context, asked.tenant, asked.load_wait_s) == (False, tenant.tenant_id, 120.0)
 
     chunks = list(oai.chat.completions.create(model="tunefleet-tiny-llama", messages=MESSAGES, stream=True,
                                               stream_options={"include_usage": True}))
@@ -99,7 +134,8 @@ def test_openai_shapes_and_what_the_worker_is_asked(serving, engine, tenant_key,
             for c in chunks[:-1]] == [("assistant", "", None), (None, "Hel", None), (None, "lo", None),
                                       (None, None, "length")]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 8
-    assert engine.requests[-1].sampling.max_tokens == 512  # the default when none is given
+    # The default when none is given, shortened by the worker to what the context leaves.
+    assert (engine.requests[-1].sampling.max_tokens, engine.requests[-1].sampling.fit_context) == (512, True)
 
     text = oai.completions.create(model="tunefleet-tiny-llama", prompt="2+2=", max_tokens=3)
     assert text.object == "text_completion" and text.choices[0].text == "Hello"
@@ -167,8 +203,20 @@ def test_fine_tuned_models_and_checkpoints_are_their_tenants_only(serving, engin
     assert len(engine.requests) == asked  # the worker never heard of them
 
 
+def test_a_job_that_succeeds_hints_the_worker_to_load_its_base_model(serving, engine, tenant_key, make_job,
+                                                                    db_session, client, settings) -> None:
+    owner = tenant_key()
+    row, _, _ = job_with_adapters(client, db_session, settings, make_job(owner.headers)["id"])
+    serving()  # the last app built installs the hook: this one, whose worker is the scripted one
+    assert engine.preloaded == []  # running jobs and checkpoints hint nothing
+    transition(db_session, row, "succeeded", actor="executor")
+    db_session.commit()
+    assert engine.wait_preloaded(1), "no preload hint"
+    assert engine.preloaded == [ModelRef(id="tunefleet-tiny-llama", path=str(settings.models_dir / "tiny-llama"))]
+
+
 def test_a_tenant_over_its_concurrent_limit_gets_429_with_retry_after(serving, engine, tenant_key) -> None:
-    engine.gate = threading.Event()
+    engine.gated = True
     base_url = serving(inference_max_concurrent_per_tenant=1)
     first, second = tenant_key(), tenant_key()
     body = {"model": "tunefleet-tiny-llama", "messages": MESSAGES, "stream": True}
@@ -183,11 +231,59 @@ def test_a_tenant_over_its_concurrent_limit_gets_429_with_retry_after(serving, e
                                                                           timeout=30)))
         thread.start()  # another organization is not limited by this one
         time.sleep(0.5)
-        engine.gate.set()
+        engine.release()
         held.read()
         thread.join()
     assert others[0].status_code == 200
     assert httpx.post(url, json=body, headers=first.headers, timeout=30).status_code == 200  # slot given back
+
+
+def test_a_client_that_leaves_gets_its_slot_back_and_its_generation_cancelled(serving, engine, tenant_key) -> None:
+    base_url = serving(inference_max_concurrent_per_tenant=1)
+    tenant = tenant_key()
+    url = f"{base_url}/v1/chat/completions"
+    body = {"model": "tunefleet-tiny-llama", "messages": MESSAGES, "stream": True}
+    # While its request waits for the model (loading, or another tenant's turn) ...
+    engine.held = True
+    with _raw_post(url, body, tenant.headers):
+        assert engine.wait_requests(1)
+    assert engine.wait_cancelled(1), "the worker's generation was not cancelled"
+    # ... and while it streams.
+    engine.held, engine.gated = False, True
+    with httpx.stream("POST", url, json=body, headers=tenant.headers, timeout=30) as response:
+        assert response.status_code == 200  # the stream started; the client leaves
+    assert engine.wait_cancelled(2)
+    engine.release()
+    # The slot came back each time (the API gives it back before it closes the worker's stream).
+    assert httpx.post(url, json=body, headers=tenant.headers, timeout=30).status_code == 200
+
+
+def test_a_running_completion_holds_no_database_connection(serving, engine, tenant_key) -> None:
+    base_url = serving()
+    engine.gated = True
+    pool = serving.app.state.engine.pool
+    tenant = tenant_key()
+    body = {"model": "tunefleet-tiny-llama", "messages": MESSAGES, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=tenant.headers,
+                      timeout=30) as response:
+        assert response.status_code == 200
+        assert pool.checkedout() == 0  # many long completions cannot use up the pool
+        engine.release()
+        response.read()
+
+
+def test_a_prompt_over_the_models_context_is_openais_400(serving, engine, tenant_key) -> None:
+    oai = _sdk(serving(), tenant_key().key)
+    engine.refusal = InferenceError(400, "context_length_exceeded", "This model's maximum context length is 512 "
+                                    "tokens. However, you requested 600 tokens (100 in the messages, 500 in the "
+                                    "completion). Please reduce the length of the messages or completion.",
+                                    param="messages")
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model="tunefleet-tiny-llama", messages=MESSAGES, max_tokens=500)
+    error = refused.value.body
+    assert (refused.value.code, refused.value.param, error["type"]) == ("context_length_exceeded", "messages",
+                                                                        "invalid_request_error")
+    assert error["message"].startswith("This model's maximum context length is 512 tokens.")
 
 
 def test_worker_refusals_and_failures_are_clear_errors(serving, engine, tenant_key, live_server) -> None:
@@ -206,9 +302,18 @@ def test_worker_refusals_and_failures_are_clear_errors(serving, engine, tenant_k
     engine.loading = False
     for extra, code in (({"logprobs": True}, "unsupported_parameter"), ({"frequency_penalty": 0.5}, "unsupported_parameter"),
                         ({"temperature": 3}, "invalid_request"), ({"stop": ["a"] * 5}, "invalid_request"),
-                        ({"bogus": 1}, "invalid_request"), ({"messages": [{"content": "no role"}]}, "invalid_request")):
+                        ({"bogus": 1}, "invalid_request"), ({"messages": [{"content": "no role"}]}, "invalid_request"),
+                        ({"n": 17}, "invalid_request")):
         refused = post(base_url, **extra)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == code, (extra, refused.text)
+
+    # The worker stopping under a generation (serve restarts it): worth a retry, mid-stream too.
+    engine.fail_code = "worker_stopping"
+    stopped = post(base_url)
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "inference_unavailable"
+    streamed = post(base_url, stream=True).text.split("\n\n")
+    assert '"code":"inference_unavailable"' in streamed[-3] and streamed[-2] == "data: [DONE]", streamed
+    engine.fail_code = None
 
     engine.delay_s = 2.0
     slow = post(serving(inference_timeout_s=0.5))

@@ -102,3 +102,79 @@ def test_merged_export_loads_in_transformers_with_the_logits_of_base_plus_adapte
     events = [e["message"] for e in client.get(f"{JOBS}/{job_id}/events?limit=100", headers=owner.headers).json()["data"]]
     assert any(m.startswith(f"Merged export {export['id']} ready") for m in events), events
     assert any(m == f"Merged export {export['id']} started (float32)" for m in events)
+    # The same export asked for again is the finished one: no second copy of the model.
+    again = client.post(url, headers=owner.headers, json={"format": "merged", "dtype": "float32"})
+    assert again.status_code == 200 and again.json() | {"status": "queued"} == export
+    assert again.json()["status"] == "succeeded"
+    assert len([name for name, _, _ in inline_queue.sent if name == "tunefleet.export_merged"]) == 1
+
+
+# ---- one export per adapter at a time, a cap per tenant, a finished one reused -------------
+
+
+@pytest.fixture
+def succeeded_job(client, tenant_key, make_job, db_session, settings):
+    """``make(key=None) -> (job id, owner headers)``: a succeeded job with a registered final
+    adapter (its files are not read before the merge runs)."""
+
+    def make(owner=None):
+        owner = owner or tenant_key()
+        job_id = make_job(owner.headers)["id"]
+        row, token = start_running(db_session, job_id)
+        output = settings.data_path / "artifacts" / job_id / "output"
+        answer = client.post(f"/internal/v1/jobs/{job_id}/reports", headers={"Authorization": f"Bearer {token}"},
+                             json={"seq": 0, "items": [{"type": "artifacts", "location": str(output), "files": [
+                                 {"name": "adapter/adapter_model.safetensors", "bytes": 1, "sha256": "a" * 64}]}]})
+        assert answer.status_code == 200, answer.text
+        db_session.refresh(row)
+        transition(db_session, row, "succeeded", actor="executor")
+        db_session.commit()
+        return job_id, owner
+
+    return make
+
+
+def export_tasks(inline_queue) -> list[tuple]:
+    return [args for name, args, _ in inline_queue.sent if name == "tunefleet.export_merged"]
+
+
+def test_back_to_back_requests_share_one_export(client, succeeded_job, inline_queue) -> None:
+    """The probe: 12 back-to-back POSTs made 12 full copies of the model."""
+    job_id, owner = succeeded_job()
+    answers = [client.post(f"{JOBS}/{job_id}/exports", headers=owner.headers, json={"format": "merged"})
+               for _ in range(12)]
+    assert {a.status_code for a in answers} == {200}
+    assert len({a.json()["id"] for a in answers}) == 1
+    assert answers[-1].json()["status"] == "queued"
+    assert len(export_tasks(inline_queue)) == 1
+    # Another dtype of the same adapter waits for this one to end.
+    other = client.post(f"{JOBS}/{job_id}/exports", headers=owner.headers,
+                        json={"format": "merged", "dtype": "float32"})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "export_in_progress"
+    assert answers[0].json()["id"] in other.json()["error"]["message"]
+
+
+def test_a_tenant_runs_a_bounded_number_of_exports_at_once(client, succeeded_job, tenant_key,
+                                                           inline_queue, settings) -> None:
+    owner = tenant_key()
+    jobs = [succeeded_job(owner)[0] for _ in range(settings.export_max_concurrent_per_tenant + 1)]
+    statuses = [client.post(f"{JOBS}/{j}/exports", headers=owner.headers, json={"format": "merged"})
+                for j in jobs]
+    assert [a.status_code for a in statuses[:-1]] == [200] * (len(jobs) - 1)
+    refused = statuses[-1]
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_exports"
+    assert refused.headers["retry-after"].isdigit()
+    # Another tenant's exports are its own.
+    job_id, stranger = succeeded_job()
+    assert client.post(f"{JOBS}/{job_id}/exports", headers=stranger.headers,
+                       json={"format": "merged"}).status_code == 200
+
+
+def test_a_failed_export_can_be_asked_for_again(client, succeeded_job, inline_queue, settings) -> None:
+    job_id, owner = succeeded_job()
+    first = client.post(f"{JOBS}/{job_id}/exports", headers=owner.headers, json={"format": "merged"}).json()
+    # The adapter's files were never written: the merge fails, as a worker would run it.
+    assert exports.run_merged_export(settings, *export_tasks(inline_queue)[0]) == "failed"
+    shown = client.post(f"{JOBS}/{job_id}/exports", headers=owner.headers, json={"format": "merged"}).json()
+    assert shown["id"] != first["id"] and shown["status"] == "queued"
+    assert len(export_tasks(inline_queue)) == 2

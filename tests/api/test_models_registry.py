@@ -23,8 +23,11 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def settings(settings):
-    return settings.model_copy(update={"hub_allowed_repos": "tiny-org/*, other/exact"})
+def settings(settings, tmp_path_factory: pytest.TempPathFactory):
+    """Hub repos allowed, and checkpoints registered from anywhere under the test's temporary
+    directories (the copies and broken variants below are made there)."""
+    return settings.model_copy(update={"hub_allowed_repos": "tiny-org/*, other/exact",
+                                       "model_roots": str(tmp_path_factory.getbasetemp())})
 
 
 def _error(response) -> tuple[int, str, str | None]:
@@ -57,6 +60,43 @@ def test_a_registered_checkpoint_is_listed_for_every_tenant_and_trains(
         409, "model_exists")
     assert _error(client.post("/v1/models", headers=admin, json={"id": "x", "source": "models/a/b"})
                   ) == (400, "invalid_model_source", "source")
+
+
+def test_tenants_are_not_told_where_a_registered_model_lives(
+        client, admin_key, tenant_key, tiny_qwen3: Path) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    tenant = tenant_key()
+    model_id = f"acme/qwen3-{new_id('m')}"
+    assert client.post("/v1/models", headers=admin, json={"id": model_id, "source": str(tiny_qwen3)}
+                       ).status_code == 200
+    listed = {m["id"]: m for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    retrieved = client.get(f"/v1/models/{model_id}", headers=tenant.headers).json()
+    assert listed[model_id].get("source") is None and retrieved.get("source") is None
+    assert str(tiny_qwen3) not in client.get("/v1/models", headers=tenant.headers).text
+    assert client.get(f"/v1/models/{model_id}", headers=admin).json()["source"] == str(tiny_qwen3)
+    admin_list = {m["id"]: m for m in client.get("/v1/models", headers=admin).json()["data"]}
+    assert admin_list[model_id]["source"] == str(tiny_qwen3)
+
+
+def test_only_directories_under_the_model_roots_are_registered(
+        client, admin_key, settings, tiny_qwen3: Path, tmp_path: Path) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    root = tmp_path / "models"
+    inside = root / "qwen3"
+    shutil.copytree(tiny_qwen3, inside)
+    (root / "escape").symlink_to(tiny_qwen3, target_is_directory=True)
+    client.app.state.settings = settings.model_copy(update={"model_roots": f"{tmp_path / 'other'}, {root}"})
+
+    def register(source: str) -> tuple[int, str, str | None]:
+        response = client.post("/v1/models", headers=admin, json={"id": f"m-{new_id('m')}", "source": source})
+        return (200, "", None) if response.status_code == 200 else _error(response)
+
+    refused = (400, "model_source_not_allowed", "source")
+    assert register(str(tiny_qwen3)) == refused  # outside every root
+    assert register(str(root / "escape")) == refused  # a link inside a root to a directory outside
+    assert register(f"{root}/../../{tiny_qwen3.relative_to(tiny_qwen3.parents[1])}") == refused
+    assert register(str(root) + "-sibling") == refused  # a name that only starts like a root
+    assert register(str(inside)) == (200, "", None)
 
 
 def _index(model_dir: Path, weight_map: dict[str, str]) -> None:

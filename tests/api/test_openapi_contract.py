@@ -235,3 +235,39 @@ def test_is_admin_takes_only_a_json_boolean(client, admin_key, value: Any) -> No
     answer = client.post(f"/v1/admin/tenants/{tenant['id']}/api_keys", headers=headers,
                          json={"is_admin": value})
     assert answer.status_code == 400, answer.text
+
+
+# OpenAI's published OpenAPI document (openai/openai-openapi): the properties each object
+# and request body requires, as that document lists them.
+OPENAI_REQUIRED = {
+    "UploadPublic": {"bytes", "created_at", "expires_at", "filename", "id", "purpose", "status"},
+    "UploadPartPublic": {"created_at", "id", "object", "upload_id"},
+    "CheckpointPermissionPublic": {"created_at", "id", "object", "project_id"},
+    "CheckpointPermissionDeleted": {"id", "object", "deleted"},
+    "UploadCreate": {"filename", "purpose", "bytes", "mime_type"},
+    "UploadComplete": {"part_ids"},
+    "PermissionCreate": {"project_ids"},
+}
+
+
+def test_uploads_and_checkpoint_permissions_are_documented_as_openai_types_them(client) -> None:
+    document = client.get("/openapi.json").json()
+    schemas, ops = document["components"]["schemas"], dict(_operations(document))
+    for name, required in OPENAI_REQUIRED.items():
+        assert required <= set(schemas[name]["required"]), name
+    assert set(schemas["UploadPublic"]["properties"]["status"]["enum"]) == {"pending", "completed", "cancelled",
+                                                                            "expired"}
+    for name, kind in (("UploadPublic", "upload"), ("UploadPartPublic", "upload.part"),
+                       ("CheckpointPermissionPublic", "checkpoint.permission")):
+        assert schemas[name]["properties"]["object"]["const"] == kind
+
+    part = ops["POST /v1/uploads/{upload_id}/parts"]
+    body = part["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert body["required"] == ["data"] and body["properties"]["data"]["format"] == "binary"
+    assert {"400", "401", "404", "409", "413"} <= set(part["responses"])
+    assert {"400", "404", "409"} <= set(ops["POST /v1/uploads/{upload_id}/complete"]["responses"])
+    permissions = "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"
+    listed = {p["name"]: p["schema"] for p in ops[f"GET {permissions}"]["parameters"]}
+    assert listed["limit"]["default"] == 10 and listed["order"]["default"] == "descending"
+    assert set(listed["order"]["enum"]) == {"ascending", "descending"} and "project_id" in listed
+    assert {"403", "404"} <= set(ops[f"DELETE {permissions}/{{permission_id}}"]["responses"])

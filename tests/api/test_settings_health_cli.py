@@ -16,7 +16,7 @@ SAFE = {
     "database_url": "postgresql://tf:pw@db:5432/tunefleet",
     "broker_url": "redis://redis:6379/0",
     "secret_key": "kG3v9QzL1pW7xR2tY8uN4mB6cD0fH5jS",
-    "metrics_token": "scrape-token-9Qz2Lp7W",
+    "metrics_token": "kQ9vL2pW7xR3tY8uN4mB6cD1fH5jSz0A",
     "public_url": "https://tunefleet.example.com",
     "executor": "kubernetes",
 }

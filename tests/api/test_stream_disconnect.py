@@ -25,17 +25,17 @@ def backend() -> str:
 
 @pytest.fixture
 def counted_polls(monkeypatch) -> list[float]:
-    from api.outputs import routes as outputs
+    from api.outputs import stream
 
     polls: list[float] = []
-    real_poll = outputs._poll
+    real_poll = stream.poll_job
 
     def counting_poll(*args, **kwargs):
         polls.append(time.monotonic())
         return real_poll(*args, **kwargs)
 
-    monkeypatch.setattr(outputs, "_poll", counting_poll)
-    monkeypatch.setattr(outputs, "POLL_S", 0.05)
+    monkeypatch.setattr(stream, "poll_job", counting_poll)
+    monkeypatch.setattr(stream, "POLL_S", 0.05)
     return polls
 
 

@@ -103,5 +103,7 @@ def test_the_scheduler_loop_sends_the_sweep(settings, monkeypatch) -> None:
     monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
     run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}),
                 stop=threading.Event(), max_cycles=1)
-    # The validation-deadline sweep, and the one that deletes files past their expires_after.
-    assert {"tunefleet.sweep_stale_validations", "tunefleet.delete_expired_files"} <= set(sent)
+    # The validation-deadline sweep, the one that deletes files past their expires_after, and
+    # the one that ends uploads pending past their hour.
+    assert {"tunefleet.sweep_stale_validations", "tunefleet.delete_expired_files",
+            "tunefleet.expire_uploads"} <= set(sent)

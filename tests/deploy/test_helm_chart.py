@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
+from pathlib import Path
 
 import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from jsonschema import Draft202012Validator
 
 from tests.deploy.chart import (
     CHART_DIR,
@@ -35,7 +38,7 @@ from tests.deploy.chart import (
 FULL = f"{RELEASE}-tunefleet"
 VALUE_SETS = list(VALUES_FILES)
 # Kinds that are not part of Kubernetes itself (their CRDs come with the add-on).
-CRD_KINDS = {("kueue.x-k8s.io/v1beta1", "LocalQueue")}
+CRD_KINDS = {("kueue.x-k8s.io/v1beta2", "LocalQueue")}
 
 
 def test_the_three_required_values_files_exist():
@@ -70,12 +73,17 @@ def test_the_validator_rejects_a_broken_manifest():
         kubernetes_validate.validate(deployment, "1.33", strict=True)
 
 
-def test_kueue_local_queue_has_the_kueue_shape():
-    # No schema for Kueue's CRD ships here: check the fields Kueue's v1beta1 API defines.
+def test_kueue_local_queue_is_kueues_served_storage_version():
+    """Against the spec schema of the version Kueue's CRD stores and serves
+    (``kueue/localqueue_spec.json``, extracted by ``kueue/extract.py``): current Kueue
+    releases no longer serve v1beta1."""
+    crd = json.loads((Path(__file__).parent / "kueue" / "localqueue_spec.json").read_text(encoding="utf-8"))
     (queue,) = find(rendered_docs("kueue"), "LocalQueue")
-    assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta1"
+    assert queue["apiVersion"] == crd["apiVersion"] == "kueue.x-k8s.io/v1beta2"
     assert queue["metadata"] == queue["metadata"] | {"name": "gpu-jobs", "namespace": "ml-training"}
     assert queue["spec"] == {"clusterQueue": "team-a"}
+    assert list(Draft202012Validator(crd["spec"]).iter_errors(queue["spec"])) == []
+    assert set(queue["spec"]) <= set(crd["spec"]["properties"])
 
 
 def test_only_kueue_mode_renders_custom_resources():
@@ -446,6 +454,22 @@ def test_the_service_accepts_the_rendered_production_settings(component, monkeyp
     assert settings.env == "production" and settings.executor == "kubernetes"
     assert settings.database_url.startswith("postgresql+psycopg://")
     assert settings.k8s_namespace == "tunefleet-training"
+
+
+def test_an_http_public_url_starts_only_with_the_operators_opt_in(monkeypatch):
+    base = {**load_values("two-pools-taints"), "publicUrl": "http://tunefleet.example.com"}
+
+    def api_settings(values: dict) -> object:
+        docs = tuple(d for path, text in sorted(render(values).items()) if path.endswith(".yaml")
+                     for d in yaml.safe_load_all(text) if d)
+        container = one(docs, "Deployment", f"{FULL}-api")["spec"]["template"]["spec"]["containers"][0]
+        return settings_from(resolved_env(docs, container), monkeypatch)
+
+    with pytest.raises(ValueError, match="TUNEFLEET_ALLOW_HTTP_PUBLIC_URL"):
+        api_settings(base)
+    assert api_settings({**base, "allowHttpPublicUrl": True}).allow_http_public_url is True
+    # The chart's own in-cluster address (publicUrl empty) is http by construction.
+    assert api_settings({**base, "publicUrl": ""}).public_url.startswith("http://")
 
 
 def test_without_a_database_the_service_refuses_to_start_and_says_what_to_set(monkeypatch):

@@ -1,7 +1,8 @@
-"""Use what you trained: the moment a job succeeds, the official ``openai`` SDK chats with
-its fine-tuned model (and a checkpoint of it) through the real service and the real
-inference worker process, and gets the greedy tokens ``peft.PeftModel`` + ``generate``
-produce on the downloaded adapter; another organization gets 404."""
+"""Use what you trained: the moment a job succeeds, the official ``openai`` SDK (no retries)
+chats with its fine-tuned model (and a checkpoint of it) through the real service and the
+real inference worker process -- which the job's success had load the base model -- and
+gets the greedy tokens ``peft.PeftModel`` + ``generate`` produce on the downloaded adapter;
+another organization gets 404."""
 
 from __future__ import annotations
 
@@ -70,10 +71,16 @@ def test_chat_with_the_fine_tuned_model_right_after_its_job_succeeds(service, ti
         assert job["status"] == "succeeded", svc.dump_logs()
         model = job["fine_tuned_model"]
 
-        # Right away: the base model is not loaded yet, so the first answer says so.
-        first = http.post("/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2})
-        assert first.status_code == 503, first.text
-        assert first.json()["error"]["code"] == "model_loading" and int(first.headers["Retry-After"]) >= 1
+        # The job's success hinted the idle worker to load the base model ...
+        deadline = time.monotonic() + 120
+        while "loaded tunefleet-tiny-llama" not in svc.logs["inference"].read_text():
+            assert time.monotonic() < deadline, svc.dump_logs()
+            time.sleep(0.5)
+        # ... and a first request is answered, not told to retry (it would be held while the
+        # model loads, up to TUNEFLEET_INFERENCE_LOAD_WAIT_S).
+        first = http.post("/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2},
+                          timeout=120)
+        assert first.status_code == 200, first.text
 
         adapter_dir = tmp_path / "adapter"
         adapter_dir.mkdir()
@@ -85,8 +92,7 @@ def test_chat_with_the_fine_tuned_model_right_after_its_job_succeeds(service, ti
         _download_checkpoint_adapter(http, job["id"], earliest["id"], checkpoint_dir)
         other_key = _other_tenant(http)
 
-    # The SDK's own retries honour Retry-After while the model loads.
-    oai = OpenAI(api_key=svc.admin_key, base_url=f"{svc.base_url}/v1", max_retries=5)
+    oai = OpenAI(api_key=svc.admin_key, base_url=f"{svc.base_url}/v1", max_retries=0)
     text, prompt_tokens, completion_tokens = _reference(tiny_model_dir, adapter_dir)
     assert text and completion_tokens > 1, "nothing to compare: the reference stops at once"
     done = oai.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
@@ -121,7 +127,7 @@ def test_chat_with_the_fine_tuned_model_right_after_its_job_succeeds(service, ti
         assert caught.value.code == "model_not_found"
 
     metrics = httpx.get(f"{svc.base_url}/metrics").text
-    assert 'tunefleet_inference_requests_total{endpoint="chat.completions",outcome="ok"} 4.0' in metrics
+    assert 'tunefleet_inference_requests_total{endpoint="chat.completions",outcome="ok"} 5.0' in metrics
     assert "tunefleet_inference_time_to_first_token_seconds_count" in metrics
     started = time.perf_counter()  # the loaded model answers fast (no timing assertion: informative)
     oai.completions.create(model=model, prompt="Capital of", max_tokens=4, temperature=0)

@@ -129,6 +129,7 @@ def _values(*, database: str, broker: str, s3: str, public_url: str, port: int, 
     return {
         "environment": "production",
         "publicUrl": public_url,
+        "allowHttpPublicUrl": True,  # TLS is not part of this rehearsal
         "database": {"url": database},
         "broker": {"url": broker},
         "artifacts": {"url": f"s3://{BUCKET}/tunefleet",

@@ -57,7 +57,15 @@ def capacity() -> Iterator[None]:
     set_pool_capacity_provider(None)
 
 
-def test_metrics_reflect_jobs_queue_gpus_trainers_and_requests(service: Service, capacity: None) -> None:
+@pytest.fixture
+def scrape_token(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """A metrics token, as production requires one: the per-job series are then served."""
+    monkeypatch.setenv("TUNEFLEET_METRICS_TOKEN", "scrape-secret")
+    return {"authorization": "Bearer scrape-secret"}
+
+
+def test_metrics_reflect_jobs_queue_gpus_trainers_and_requests(service: Service, capacity: None,
+                                                               scrape_token: dict[str, str]) -> None:
     with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
         fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
         queued = client.jobs.create(model=DEMO_MODEL, training_file=fid)
@@ -73,7 +81,7 @@ def test_metrics_reflect_jobs_queue_gpus_trainers_and_requests(service: Service,
     finisher.start(pool="local", gpus=1)
     finisher.finish("succeeded")
 
-    m = scrape(service.base_url)
+    m = scrape(service.base_url, **scrape_token)
     assert value(m, "tunefleet_metrics_database_up") == 1
     assert value(m, "tunefleet_jobs", status="queued", pool="none") == 1
     assert value(m, "tunefleet_jobs", status="running", pool="local") == 1
@@ -110,6 +118,22 @@ def test_metrics_token_when_configured(service: Service, monkeypatch: pytest.Mon
     assert "tunefleet_jobs" in scrape(service.base_url, authorization="Bearer scrape-secret")
 
 
+def test_open_metrics_name_no_job(service: Service) -> None:
+    """Without a token (a developer's machine) anyone who reaches /metrics reads it: the
+    counts are there, the ids of other tenants' running jobs are not."""
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+        running = client.jobs.create(model=DEMO_MODEL, training_file=fid)
+    driver = JobDriver(service, running.id)
+    driver.start(pool="local", gpus=1)
+    driver.report(driver.metric(1, 10, 2.5, tokens_per_s=900.0))
+    text = httpx.get(f"{service.base_url}/metrics", timeout=10).text
+    m = scrape(service.base_url)
+    assert value(m, "tunefleet_jobs", status="running", pool="local") == 1
+    assert running.id not in text
+    assert not any("job_id" in s.labels for samples in m.values() for s in samples)
+
+
 def test_multiprocess_mode_aggregates_every_process(tmp_path: Path) -> None:
     """Two writer processes and one scraper share PROMETHEUS_MULTIPROC_DIR."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
@@ -133,7 +157,8 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path) -> None:
     assert value(families, "tunefleet_http_request_duration_seconds_count", route="/v1/files") == 2
 
 
-def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capacity: None) -> None:
+def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capacity: None,
+                                                       scrape_token: dict[str, str]) -> None:
     import json
     import re
 
@@ -158,7 +183,7 @@ def test_grafana_dashboard_queries_only_exposed_metrics(service: Service, capaci
         driver = JobDriver(service, client.jobs.create(model=DEMO_MODEL, training_file=fid).id)
     driver.start()
     driver.report(driver.metric(1, 2, 1.0))
-    m = scrape(service.base_url)
+    m = scrape(service.base_url, **scrape_token)
     exposed = {s.name for samples in m.values() for s in samples}
     # The scheduler's own gauge, from its collector.
     scheduler_cycled()

@@ -117,6 +117,53 @@ def test_a_forged_key_with_a_real_prefix_does_not_spend_that_keys_budget(
     assert_rate_limited(user.get("/v1/files", headers=key.headers))
 
 
+def test_a_forged_key_on_unknown_routes_never_spends_the_real_keys_budget(
+        limited_client, tenant_key) -> None:
+    """The probe: 1,210 forged keys carrying bob's prefix, each answered 404 (no route
+    authenticates an unknown path), locked bob out for the minute."""
+    key = tenant_key()
+    forged = {"Authorization": f"Bearer {key.key[:-6]}forged"}
+    attacker = limited_client("192.0.2.70", rate_limit_requests_per_min=3)
+    user = limited_client("192.0.2.71", rate_limit_requests_per_min=3)
+    answers = [attacker.get("/v1/no-such-route", headers=forged).status_code for _ in range(5)]
+    # The forger's unverified requests count against its own address.
+    assert answers[:3] == [404] * 3 and answers[3:] == [429] * 2
+    assert [user.get("/v1/files", headers=key.headers).status_code for _ in range(3)] == [200] * 3
+    assert_rate_limited(user.get("/v1/files", headers=key.headers))
+
+
+def test_failed_authentications_count_by_the_presented_key_too(limited_client, tenant_key) -> None:
+    """A forged key sent from many addresses is refused once it failed the limit's number of
+    times, whatever address sends it next; the real key it imitates is not."""
+    key = tenant_key()
+    forged = {"Authorization": f"Bearer {key.key[:-6]}forged"}
+    for n in range(3):
+        bot = limited_client(f"198.51.100.{10 + n}", rate_limit_failed_auth_per_min=3)
+        assert bot.get("/v1/files", headers=forged).status_code == 401
+    assert_rate_limited(limited_client("198.51.100.20", rate_limit_failed_auth_per_min=3)
+                        .get("/v1/files", headers=forged))
+    user = limited_client("198.51.100.21", rate_limit_failed_auth_per_min=3)
+    assert user.get("/v1/files", headers=key.headers).status_code == 200
+
+
+def test_unauthenticated_traffic_to_the_report_route_never_spends_the_trainers_budget(
+        limited_client, tenant_key, make_job, db_session, client) -> None:
+    """The probe: ~600 unauthenticated GETs of a job's report route (405 each) made the
+    job's own trainer get 429."""
+    from tests.api.conftest import start_running
+
+    owner = tenant_key()
+    job = make_job(owner.headers)
+    _, token = start_running(db_session, job["id"])
+    path = f"/internal/v1/jobs/{job['id']}/reports"
+    stranger = limited_client("203.0.113.90", rate_limit_reports_per_min=3, rate_limit_requests_per_min=3)
+    trainer = limited_client("10.8.0.3", rate_limit_reports_per_min=3, rate_limit_requests_per_min=3)
+    assert [stranger.get(path).status_code for _ in range(5)] == [405] * 3 + [429] * 2
+    posted = [trainer.post(path, json={"seq": seq, "items": []},
+                           headers={"Authorization": f"Bearer {token}"}).status_code for seq in range(4)]
+    assert posted == [200] * 3 + [429]
+
+
 def test_unauthenticated_routes_are_limited_per_ip(limited_client) -> None:
     first = limited_client("192.0.2.1", rate_limit_requests_per_min=3)
     second = limited_client("192.0.2.2", rate_limit_requests_per_min=3)
@@ -136,13 +183,15 @@ def test_forwarded_for_is_read_only_from_a_trusted_proxy(limited_client) -> None
         answer = proxy.get("/v1/files", headers={**BAD_KEY, "X-Forwarded-For": "198.51.100.77"})
         assert answer.status_code == 401
     assert proxy.get("/v1/files", headers={**BAD_KEY, "X-Forwarded-For": "198.51.100.77"}).status_code == 429
-    # Another client behind the same proxy has its own count.
-    assert proxy.get("/v1/files", headers={**BAD_KEY, "X-Forwarded-For": "198.51.100.78"}).status_code == 401
+    # Another client behind the same proxy (with another bad key: the first one is spent) has its own count.
+    other_key = {"Authorization": "Bearer tf_zyxwvuts_" + "y" * 32}
+    assert proxy.get("/v1/files", headers={**other_key, "X-Forwarded-For": "198.51.100.78"}).status_code == 401
     # An untrusted peer cannot pick its address: it is counted as itself.
     direct = limited_client("198.51.100.50", rate_limit_failed_auth_per_min=2,
                             rate_limit_trusted_proxies="10.0.0.5")
+    third_key = {"Authorization": "Bearer tf_qponmlkj_" + "z" * 32}
     for n in range(3):
-        spoofed = {**BAD_KEY, "X-Forwarded-For": f"192.0.2.{n}"}
+        spoofed = {**third_key, "X-Forwarded-For": f"192.0.2.{n}"}
         assert direct.get("/v1/files", headers=spoofed).status_code == (401 if n < 2 else 429)
 
 

@@ -4,7 +4,10 @@ checked for several findings at once, so the suite pays for one training run:
 - the trainer checks a job's MLflow ``tracking_uri`` before connecting: a loopback
   listener is never hit, and the job's events carry no text from the failure;
 - a local trainer gets a minimal environment (no secret key, admin key, database URL);
-- the spec (holding the job token) and the SQLite database are readable by their owner only.
+- the spec (holding the job token) and the SQLite database are readable by their owner only;
+- so is every file the trainer and the local executor wrote for the job (checkpoints'
+  ``dcp/*.distcp``, ``trainer.log``, ``metrics.jsonl``, ``training_config.json``, the
+  adapter), in directories only their owner can enter.
 """
 
 from __future__ import annotations
@@ -86,3 +89,13 @@ def test_a_real_job_keeps_tenant_trackers_secrets_and_files_confined(service) ->
 
     assert _mode(job_dir / "spec.json") == 0o600
     assert _mode(svc.data_dir / "tunefleet.db") == 0o600
+    output = svc.data_dir / "artifacts" / job_id
+    written = {p.relative_to(svc.data_dir).as_posix(): _mode(p) for p in [job_dir, output, *job_dir.rglob("*"),
+                                                                       *output.rglob("*")]}
+    for name in ("trainer.log", "output/metrics.jsonl", "output/training_config.json",
+                 "output/adapter/adapter_model.safetensors"):
+        assert any(path.endswith(name) for path in written), (name, sorted(written))
+    assert any(path.endswith(".distcp") and "/dcp/" in path for path in written), sorted(written)
+    exposed = {path: oct(mode) for path, mode in written.items()
+               if mode != (0o700 if (svc.data_dir / path).is_dir() else 0o600)}
+    assert exposed == {}

@@ -645,18 +645,54 @@ _PARSERS: dict[str, Any] = {
 }
 
 
-def _split_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        yield number, raw.rstrip(b"\r")
+def split_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes, int]]:
+    """The lines of a file read in ``chunks``: (1-based number, the line without its end,
+    its length in bytes), holding one line at a time.
+
+    A line longer than ``MAX_LINE_BYTES`` keeps only its first ``MAX_LINE_BYTES + 1``
+    bytes (its length is still counted in full): it is refused anyway, and a file that is
+    one huge line must not be held whole. A UTF-8 byte order mark before the first line
+    is dropped.
+    """
+    number, parts, kept, length = 1, [], 0, 0
+    for chunk in chunks:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            length += len(piece)
+            if kept <= MAX_LINE_BYTES:
+                piece = piece[: MAX_LINE_BYTES + 1 - kept]
+                parts.append(piece)
+                kept += len(piece)
+            if end < 0:
+                break
+            yield _line(number, parts, length)
+            number, parts, kept, length = number + 1, [], 0, 0
+            start = end + 1
+    yield _line(number, parts, length)
 
 
-def _decode_line(number: int, raw: bytes) -> Any:
-    """Bytes of one non-blank line -> parsed JSON; raises FormatError with the line number."""
-    if len(raw) > MAX_LINE_BYTES:
+def _line(number: int, parts: list[bytes], length: int) -> tuple[int, bytes, int]:
+    raw = b"".join(parts)
+    if number == 1 and raw.startswith(_BOM):
+        raw, length = raw[len(_BOM):], length - len(_BOM)
+    if raw.endswith(b"\r"):
+        return number, raw[:-1], length - 1
+    return number, raw, length
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _decode_line(number: int, raw: bytes, length: int | None = None) -> Any:
+    """Bytes of one non-blank line -> parsed JSON; raises FormatError with the line number.
+
+    ``length``: the line's full length when ``raw`` is only its start (``split_lines``)."""
+    length = len(raw) if length is None else length
+    if length > MAX_LINE_BYTES:
         raise FormatError(
-            "line_too_long", f"line is {len(raw)} bytes, the limit is {MAX_LINE_BYTES}", number
+            "line_too_long", f"line is {length} bytes, the limit is {MAX_LINE_BYTES}", number
         )
     try:
         text = raw.decode("utf-8")
@@ -686,11 +722,13 @@ def _content_chars(example: AnyExample) -> int:
     return tools + sum(_message_chars(m) for m in turns)
 
 
-def validate_jsonl(data: bytes, *, max_errors: int = 50, min_examples: int = 1) -> ValidationReport:
-    """Validate a whole JSONL training file.
+def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
+                   min_examples: int = 1) -> ValidationReport:
+    """Validate a whole JSONL training file, one line at a time.
 
     Args:
-        data: the file's bytes.
+        data: the file's bytes, or its bytes in chunks (memory then stays flat whatever
+            the file's size: one chunk and one line at a time).
         max_errors: keep at most this many problems in ``errors`` (all are counted).
         min_examples: fewer valid examples than this is a ``too_few_examples`` problem.
 
@@ -706,12 +744,12 @@ def validate_jsonl(data: bytes, *, max_errors: int = 50, min_examples: int = 1) 
         if len(report.errors) < max_errors:
             report.errors.append(FileProblem(line, code, message))
 
-    for number, raw in _split_lines(data):
+    for number, raw, length in split_lines((data,) if isinstance(data, bytes) else data):
         if not raw.strip():
             continue
         saw_line = True
         try:
-            obj = _decode_line(number, raw)
+            obj = _decode_line(number, raw, length)
             if not isinstance(obj, dict):
                 raise FormatError("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
             if report.format is None:

@@ -17,7 +17,9 @@ logged once (with its details, in the trainer's log), turned into a warning even
 user that names only the exception class (a tracking server's answer never reaches the
 job's events), and that tracker is switched off. A tenant-named ``tracking_uri`` must pass
 ``trainers.common.target_urls`` (public http(s), or a host in
-``TUNEFLEET_TRACKER_ALLOWED_HOSTS``) before the trainer connects to it.
+``TUNEFLEET_TRACKER_ALLOWED_HOSTS``) before the trainer connects to it; its name then
+resolves only to the checked addresses (``trainers.common.pinned_hosts``), redirects are
+refused, and the adapter goes only to the artifact store that server proxies.
 The tracker libraries are imported only when a job asks for them (trainer images that
 never mirror need neither). Credentials come from the environment of the trainer
 (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN`` ...), never from the spec.
@@ -33,7 +35,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
+from trainers.common import pinned_hosts
 from trainers.common.target_urls import check_target, split_hosts
 from trainers.spec import IntegrationSpec, TrainerSpec
 
@@ -81,11 +85,9 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, integration: IntegrationSpec, spec: TrainerSpec) -> None:
+        self.tenant_named = bool(integration.tracking_uri)
         if integration.tracking_uri:
-            # The tenant named this server: check it now, right before connecting (the API
-            # checked it at creation; a DNS answer may have changed since).
-            check_target(integration.tracking_uri, noun="tracking_uri",
-                         allowed_hosts=split_hosts(os.environ.get(TRACKER_ALLOWED_HOSTS_ENV)))
+            _guard_tenant_tracker(integration.tracking_uri)
         from mlflow import MlflowClient
 
         uri = integration.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -119,10 +121,40 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=batch)
 
     def log_adapter(self, adapter_dir: Path) -> None:
-        self.client.log_artifacts(self.run_id, str(adapter_dir), artifact_path="adapter")
+        if not self.tenant_named:
+            self.client.log_artifacts(self.run_id, str(adapter_dir), artifact_path="adapter")
+            return
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        # The run's artifact location is the tenant's server's answer: the upload goes
+        # through that same server or nowhere (an s3:// or file:// answer would make the
+        # trainer write with the service's own credentials or on its own disk).
+        location = self.client.get_run(self.run_id).info.artifact_uri
+        _check_proxied_artifacts(location, self.client.tracking_uri)
+        get_artifact_repository(location, tracking_uri=self.client.tracking_uri).log_artifacts(
+            str(adapter_dir), "adapter")
 
     def finish(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _guard_tenant_tracker(tracking_uri: str) -> None:
+    """Check a tenant-named tracking server right before connecting (the API checked it at
+    creation; a DNS answer may have changed since), pin its name to the checked addresses,
+    and make MLflow refuse redirects, as webhook delivery does: a redirect would send the
+    trainer to a host no check looked at."""
+    target = check_target(tracking_uri, noun="tracking_uri",
+                          allowed_hosts=split_hosts(os.environ.get(TRACKER_ALLOWED_HOSTS_ENV)))
+    pinned_hosts.pin(target)
+    os.environ["MLFLOW_ALLOW_HTTP_REDIRECTS"] = "false"
+
+
+def _check_proxied_artifacts(location: str, tracking_uri: str) -> None:
+    """``location`` must be ``mlflow-artifacts:`` served by the tracking server itself."""
+    parts = urlsplit(location)
+    if parts.scheme != "mlflow-artifacts" or parts.netloc not in ("", urlsplit(tracking_uri).netloc):
+        raise ValueError(f"the tracking server's artifact location {location!r} is not served "
+                         "through that server (mlflow-artifacts:); the adapter is not uploaded")
 
 
 class WandbTracker:

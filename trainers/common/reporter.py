@@ -64,6 +64,9 @@ class Reporter:
         flush_interval_s: how often the background thread forms and sends a batch.
         local_path: JSONL file for standalone mode (url None).
         max_items_per_batch: larger pending queues are split into several batches.
+        max_bytes_per_batch: so are those whose items are larger than this as JSON (the API
+            refuses reports over its caps, 1000 items and 1 MiB by default, with 413
+            ``report_too_large``; these defaults stay well under them).
         timeout_s: per-request timeout.
         max_backoff_s: cap of the exponential retry delay.
         clock: monotonic clock (injectable for tests).
@@ -80,6 +83,7 @@ class Reporter:
         flush_interval_s: float = 2.0,
         local_path: str | Path | None = None,
         max_items_per_batch: int = 500,
+        max_bytes_per_batch: int = 512 * 1024,
         timeout_s: float = 10.0,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -92,6 +96,7 @@ class Reporter:
         self.url = url
         self.flush_interval_s = flush_interval_s
         self.max_items_per_batch = max_items_per_batch
+        self.max_bytes_per_batch = max_bytes_per_batch
         self.max_backoff_s = max_backoff_s
         self.rejected: tuple[int, str] | None = None
         self.mirror: Any | None = None  # an object with add(item), e.g. a TrackerMirror
@@ -246,13 +251,23 @@ class Reporter:
             with self._lock:
                 self._idle.notify_all()
 
+    def _batch_length(self) -> int:
+        """How many pending items the next batch takes: at most ``max_items_per_batch``
+        and ``max_bytes_per_batch`` of JSON, and at least one (call with the lock held)."""
+        size = 0
+        for count, item in enumerate(self._pending[: self.max_items_per_batch]):
+            size += len(json.dumps(item, default=str)) + 1
+            if size > self.max_bytes_per_batch and count:
+                return count
+        return self.max_items_per_batch
+
     def _form_batches(self) -> None:
         """Move pending items into numbered batches (spooled or written locally)."""
         while True:
             with self._lock:
                 if not self._pending:
                     return
-                items = self._pending[: self.max_items_per_batch]
+                items = self._pending[: self._batch_length()]
                 seq = self._next_seq
                 if self._spool is not None:
                     # Persist the batch and the next seq before dropping the items from
@@ -303,7 +318,7 @@ class Reporter:
             if self.rejected is not None:
                 return False
             with self._lock:
-                items = self._pending[: self.max_items_per_batch]
+                items = self._pending[: self._batch_length()]
                 seq = self._next_seq
                 self._next_seq = seq + 1
             try:

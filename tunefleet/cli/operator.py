@@ -3,21 +3,23 @@
 ``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
 sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
 permissions), builds the files of the demo model the default registry lists, then runs the API (uvicorn, in this process), a Celery worker, the
-scheduler loop and the inference worker (subprocesses) together, and stops them all on
-Ctrl-C or SIGTERM. The production roles run the same code one per process/pod:
+scheduler loop and the inference worker (subprocesses) together, restarts a child that
+exits or (the inference worker) stops answering (``tunefleet.cli.supervise``), and stops
+them all on Ctrl-C or SIGTERM. The production roles run the same code one per process/pod:
 ``tunefleet db upgrade`` (``tunefleet.cli.admin``), ``uvicorn --factory api.main:create_app``,
 ``tunefleet worker``, ``tunefleet scheduler``, ``tunefleet inference``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -65,8 +67,10 @@ def ensure_admin_key(settings) -> str | None:
 
 
 def _cli_command(*args: str) -> list[str]:
-    """This CLI as a subprocess command (works without the console script on PATH)."""
-    return [sys.executable, "-c", "import sys; from tunefleet.cli.main import app; app()", *args]
+    """This CLI as a child of ``serve`` (works without the console script on PATH); the child
+    first asks to die with ``serve`` (``tunefleet.cli.supervise.die_with_parent``)."""
+    code = "from tunefleet.cli.supervise import die_with_parent; die_with_parent(); from tunefleet.cli import app; app()"
+    return [sys.executable, "-c", code, *args]
 
 
 def worker(
@@ -107,6 +111,10 @@ def inference(
     max_adapters: Annotated[int, typer.Option(help="LoRA adapters kept loaded per base model.")] = 8,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ... (default: cuda if present).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    turn_tokens: Annotated[int | None, typer.Option(
+        help="Tokens a generation computes per turn before another tenant's gets the model (default 16).")] = None,
+    stall_limit_s: Annotated[float | None, typer.Option(
+        help="/healthz answers 503 once a generation holds a model this long without a token (default 300).")] = None,
     fd: Annotated[int | None, typer.Option(help="Serve on this inherited listening socket (set by serve).",
                                            hidden=True)] = None,
 ) -> None:
@@ -121,6 +129,8 @@ def inference(
             "--max-adapters", str(max_adapters)]
     args += ["--device", device] if device else []
     args += ["--threads", str(threads)] if threads else []
+    args += ["--turn-tokens", str(turn_tokens)] if turn_tokens else []
+    args += ["--stall-limit-s", str(stall_limit_s)] if stall_limit_s else []
     args += ["--fd", str(fd)] if fd is not None else []
     raise typer.Exit(main(args))
 
@@ -179,27 +189,30 @@ def _listen_on_loopback(preferred_port: int) -> socket.socket:
     return listener
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: get SIGTERM if `serve` dies, even by SIGKILL (Linux prctl)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _inference_probe(url: str, secret: str) -> Callable[[], bool]:
+    """The inference worker's health: ``/healthz`` answers 200 within 5 s (503 when a
+    generation is stalled on its model; no answer when the process is wedged)."""
+    import httpx
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    from inference.protocol import HEALTH_PATH, SECRET_HEADER
 
-
-def _stop(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
-    """SIGTERM every child, then SIGKILL what is still alive after ``grace_s``."""
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for child in children:
+    def healthy() -> bool:
         try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+            return httpx.get(url + HEALTH_PATH, headers={SECRET_HEADER: secret}, timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return healthy
+
+
+def _log_restarts() -> None:
+    """The supervisor's warnings (a child exited, restarts) on stderr, next to uvicorn's log."""
+    from tunefleet.cli.supervise import log
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def serve(
@@ -250,22 +263,25 @@ def serve(
         typer.echo(f"  admin API key: see {settings.data_path / 'admin_key'} "
                    "(or TUNEFLEET_ADMIN_API_KEY)")
 
-    # Children get SIGTERM when this process dies, even by SIGKILL (no threads exist yet,
-    # so running preexec_fn is safe here).
-    worker_cmd = _cli_command("worker", f"--concurrency={worker_concurrency}", "--loglevel=WARNING")
-    children = [subprocess.Popen(worker_cmd, preexec_fn=_die_with_parent)]  # noqa: PLW1509
+    # Kept running (restarted with a backoff when one exits or, for the inference worker,
+    # stops answering its health check) and stopped with this process, even by SIGKILL.
+    from tunefleet.cli.supervise import ChildSpec, Supervisor
+
+    specs = [ChildSpec("worker", _cli_command("worker", f"--concurrency={worker_concurrency}",
+                                              "--loglevel=WARNING"))]
     if not no_scheduler:
-        scheduler_cmd = _cli_command("scheduler")
-        children.append(subprocess.Popen(scheduler_cmd, preexec_fn=_die_with_parent))  # noqa: PLW1509
+        specs.append(ChildSpec("scheduler", _cli_command("scheduler")))
     if not no_inference:
+        probe = _inference_probe(settings.inference_url, settings.inference_secret_value())
         if inference_listener is None:  # TUNEFLEET_INFERENCE_URL set: the worker binds its port
-            inference_cmd, kept = _cli_command("inference"), ()
-        else:
-            inference_cmd = _cli_command("inference", "--fd", str(inference_listener.fileno()))
-            kept = (inference_listener.fileno(),)
-        children.append(subprocess.Popen(inference_cmd, preexec_fn=_die_with_parent, pass_fds=kept))  # noqa: PLW1509
-        if inference_listener is not None:
-            inference_listener.close()  # the worker holds its own copy
+            specs.append(ChildSpec("inference worker", _cli_command("inference"), healthy=probe))
+        else:  # every (re)started worker serves on the same listening socket, kept open here
+            specs.append(ChildSpec("inference worker",
+                                   _cli_command("inference", "--fd", str(inference_listener.fileno())),
+                                   pass_fds=(inference_listener.fileno(),), healthy=probe))
+    _log_restarts()
+    children = Supervisor(specs)
+    children.start()
     if demo:
         key_file = settings.data_path / "admin_key"
         admin_key = new_key or (key_file.read_text().strip() if key_file.exists() else "")
@@ -289,6 +305,8 @@ def serve(
     try:
         uvicorn.run("api.main:create_app", factory=True, host=host, port=port, log_level="info")
     finally:
-        _stop(children)
+        children.stop()
+        if inference_listener is not None:
+            inference_listener.close()
     if received:
         raise typer.Exit(0)

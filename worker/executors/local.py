@@ -29,6 +29,7 @@ from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot, HeldGpus
 from scheduling.pools import NodePool
+from trainers.common.private_files import private_dir, write_private_text
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
 from worker.executors.local_process import supervised
@@ -71,8 +72,7 @@ class LocalExecutor:
         self._resent: dict[str, tuple[int, float]] = {}  # job id -> (attempt, when its task was sent again)
 
     def launch(self, job: JobRef, spec: TrainerSpec, placement: object) -> None:
-        job_dir = self.settings.job_dir(job.id)
-        job_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.settings.job_dir(job.id))
         stop_path(self.settings, job.id).unlink(missing_ok=True)
         write_spec(spec, spec_path(self.settings, job.id))
         if not self.queue.send(RUN_LOCAL_JOB, job.id, getattr(job, "attempt", None)):
@@ -80,8 +80,8 @@ class LocalExecutor:
 
     def stop(self, job: JobRef, reason: StopReason) -> None:
         path = stop_path(self.settings, job.id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(reason.value)
+        private_dir(path.parent)
+        write_private_text(path, reason.value)
 
     def snapshot(self) -> CapacitySnapshot:
         """The configured local pools, minus the slots of jobs running on them (packed onto

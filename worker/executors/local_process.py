@@ -33,6 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainers.common.private_files import (
+    PRIVATE_FILE_MODE,
+    open_private_log,
+    private_dir,
+    write_private_text,
+)
 from trainers.exit_codes import ExitCode
 
 log = logging.getLogger(__name__)
@@ -94,7 +100,7 @@ def supervision_lock(job_dir: Path, wait_s: float = 10.0) -> Iterator[bool]:
     worker killed mid-job never blocks the one that takes over. The descriptor is not
     inherited by the trainer (PEP 446).
     """
-    job_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(job_dir)
     fd = os.open(job_dir / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + wait_s
@@ -236,14 +242,14 @@ def supervise_trainer(
     python: str = sys.executable,
 ) -> TrainerOutcome:
     """Run the trainer of `spec_path` until it ends for good (see the module docstring)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(log_path.parent)
     child_env = {**trainer_base_env(os.environ), **trainer_env(_spec_trainer(spec_path)), **(env or {})}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     restarts = 0
     history: list[int] = []
     while True:
         termination_path.unlink(missing_ok=True)
-        with log_path.open("ab") as log_file:
+        with open_private_log(log_path) as log_file:
             proc = subprocess.Popen(
                 [python, "-m", "trainers", "--spec", str(spec_path)],
                 stdout=log_file,
@@ -252,7 +258,7 @@ def supervise_trainer(
                 env=child_env,
                 start_new_session=True,
             )
-        pid_path.write_text(str(proc.pid))
+        write_private_text(pid_path, str(proc.pid))
         stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s,
                         heartbeat_path=heartbeat_path)
         pid_path.unlink(missing_ok=True)
@@ -291,7 +297,7 @@ def _backoff(delay_s: float, *, should_stop: Callable[[], bool], poll_s: float, 
     deadline = time.monotonic() + delay_s
     while time.monotonic() < deadline:
         if heartbeat_path is not None:
-            heartbeat_path.touch()
+            heartbeat_path.touch(mode=PRIVATE_FILE_MODE)
         if should_stop():
             return True
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
@@ -308,7 +314,7 @@ def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: f
     stop_sent_at: float | None = None
     while True:
         if heartbeat_path is not None:
-            heartbeat_path.touch()
+            heartbeat_path.touch(mode=PRIVATE_FILE_MODE)
         try:
             proc.wait(timeout=poll_s)
             return stop_sent_at is not None

@@ -152,9 +152,11 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    from api.inference.preload import install as install_preload
     from api.webhooks import install_hooks
 
     install_hooks()  # status changes made in this process notify webhooks too
+    install_preload(settings)  # and a job that succeeds hints the inference worker to load its base
     components = build_components(settings)
     log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
     cycles = 0
@@ -176,6 +178,8 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
             queue.send("tunefleet.sweep_stale_validations")
             # Delete uploads past their expires_after that no unfinished job uses.
             queue.send("tunefleet.delete_expired_files")
+            # End uploads left pending past their hour, and delete their parts.
+            queue.send("tunefleet.expire_uploads")
             last_sweep = started
         try:
             result = run_once(components)

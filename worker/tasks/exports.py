@@ -19,6 +19,7 @@ from api.db.models import Artifact, Checkpoint, Job
 from api.db.session import session_scope
 from api.jobs.lifecycle import add_event
 from api.models.base_models import load_base_models
+from api.outputs.exports import EXPORTS_DIR, set_export_status
 from api.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
 from api.reports.schemas import ArtifactsItem
 from api.settings import Settings, get_settings
@@ -27,7 +28,6 @@ from worker.celery_app import app
 
 log = logging.getLogger(__name__)
 
-EXPORTS_DIR = "exports"
 MAX_SHARD_SIZE = "5GB"
 QLORA_NOTE = ("Trained with QLoRA against the base quantized to 4 bits, the adapter is merged here onto the "
               "dequantized (full-precision) base: close to, not the same as, what it was trained against.")
@@ -54,6 +54,7 @@ def run_merged_export(settings: Settings, job_id: str, export_id: str, dtype: st
                                                                       Checkpoint.id == checkpoint_id))
         base = load_base_models(settings).get(job.model)
         qlora = (job.adapter or {}).get("method") == "qlora"
+        set_export_status(session, export_id, "running")
         add_event(session, job, f"Merged export {export_id} started ({dtype})",
                   data={"export": export_id, "dtype": dtype, "checkpoint": checkpoint_id})
         title = f"Job {job.id} merged{f' at checkpoint {checkpoint_id}' if checkpoint_id else ''}"
@@ -67,6 +68,7 @@ def run_merged_export(settings: Settings, job_id: str, export_id: str, dtype: st
     except Exception as exc:  # reported to the user as the export's outcome
         log.exception("merged export %s of %s failed", export_id, job_id)
         with session_scope(db_url) as session:
+            set_export_status(session, export_id, "failed")
             add_event(session, session.get_one(Job, job_id), f"Merged export {export_id} failed: {exc}",
                       level="error", data={"export": export_id})
         return "failed"
@@ -75,6 +77,7 @@ def run_merged_export(settings: Settings, job_id: str, export_id: str, dtype: st
     with session_scope(db_url) as session:
         job = session.get_one(Job, job_id)
         apply_artifacts(session, job, ArtifactsItem(type="artifacts", location=output, files=files))
+        set_export_status(session, export_id, "succeeded")
         add_event(session, job, f"Merged export {export_id} ready: {len(files)} files under {EXPORTS_DIR}/{export_id}/",
                   data={"export": export_id, "files": [f["name"] for f in files]})
     return "succeeded"

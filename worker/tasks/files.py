@@ -14,7 +14,9 @@ No file stays ``uploaded`` forever, and no job waits on one forever:
   the same to files still ``uploaded`` ``file_validation_deadline_s`` after their upload.
 
 ``tunefleet.delete_expired_files`` (sent by the scheduler loop every minute too) deletes
-the files whose ``expires_after`` has passed, each once no unfinished job uses it.
+the files whose ``expires_after`` has passed, each once no unfinished job uses it, and
+``tunefleet.expire_uploads`` (the same minute) ends the uploads still pending an hour after
+they were created, deleting their parts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from api.files.validation import validate_file
 from api.jobs.lifecycle import lock_job, transition
 from api.queue import SCHEDULE, CeleryQueue
 from api.settings import get_settings
+from api.uploads.commands import expire_uploads
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,17 @@ def delete_expired_files_task() -> list[str]:
     if deleted:
         log.info("deleted %d expired file(s): %s", len(deleted), ", ".join(deleted))
     return deleted
+
+
+@app.task(name="tunefleet.expire_uploads", acks_late=True, reject_on_worker_lost=True)
+def expire_uploads_task() -> list[str]:
+    """Expire the uploads still pending past their ``expires_at``; their parts are deleted."""
+    settings = get_settings()
+    with session_scope(settings.resolved_database_url) as session:
+        expired = expire_uploads(session, store=file_store(settings))
+    if expired:
+        log.info("expired %d upload(s): %s", len(expired), ", ".join(expired))
+    return expired
 
 
 def pending_file_ids(database_url: str) -> list[str]:

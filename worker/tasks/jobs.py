@@ -32,6 +32,7 @@ from api.artifacts import file_store
 from api.db.models import Job
 from api.db.session import session_scope
 from api.errors import APIError
+from api.inference.preload import install as install_preload
 from api.jobs.lifecycle import add_event, lock_job
 from api.queue import SCHEDULE, CeleryQueue
 from api.reports.ingest import apply_artifacts, apply_report
@@ -83,6 +84,7 @@ def run_local_job(job_id: str, attempt: int | None = None) -> str:
     """Supervise the trainer of ``job_id``'s run ``attempt`` until it ends; returns the job's
     final status. ``attempt`` None (a task sent before attempts were numbered): the current one."""
     settings = get_settings()
+    install_preload(settings)  # a job that succeeds here hints the inference worker to load its base
     db_url = settings.resolved_database_url
     job_dir = settings.job_dir(job_id)
     path = spec_path(settings, job_id)

@@ -143,6 +143,8 @@ Environment of the API, worker and scheduler containers (docs/internals.md "Sett
   value: /tmp/tunefleet
 - name: TUNEFLEET_PUBLIC_URL
   value: {{ include "tunefleet.publicUrl" . | quote }}
+- name: TUNEFLEET_ALLOW_HTTP_PUBLIC_URL
+  value: {{ or (not .Values.publicUrl) .Values.allowHttpPublicUrl | quote }}
 - name: TUNEFLEET_ARTIFACT_URL
   value: {{ .Values.artifacts.url | quote }}
 {{- with .Values.artifacts.s3.endpointUrl }}

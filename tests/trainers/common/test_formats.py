@@ -429,3 +429,25 @@ def test_sharegpt_maps_to_messages():
 def test_sharegpt_problems(obj, code):
     report = validate_jsonl(jsonl(SHAREGPT, obj), min_examples=0)
     assert [(e.line, e.code) for e in report.errors] == [(2, code)], report.errors
+
+
+def test_lines_read_in_chunks_are_the_lines_of_the_whole_file() -> None:
+    from trainers.common.formats import split_lines
+
+    data = b"\xef\xbb\xbf" + b'{"a": 1}\r\n\n' + b"x" * 50 + b"\nlast"
+    expected = [(n, raw.rstrip(b"\r"), len(raw.rstrip(b"\r")))
+                for n, raw in enumerate(data[3:].split(b"\n"), start=1)]
+    for size in (1, 3, 7, len(data)):
+        chunks = [data[i:i + size] for i in range(0, len(data), size)]
+        assert list(split_lines(chunks)) == expected, size
+
+
+def test_a_line_over_the_limit_is_refused_without_being_held_whole(monkeypatch) -> None:
+    from trainers.common import formats
+
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", 16)
+    lines = list(formats.split_lines([b"y" * 10] * 10 + [b"\n{}"]))
+    assert [(n, len(raw), length) for n, raw, length in lines] == [(1, 17, 100), (2, 2, 2)]
+    report = formats.validate_jsonl([b"y" * 10] * 10 + [b"\n{}"])
+    assert report.errors[0].to_dict() == {"line": 1, "code": "line_too_long",
+                                          "message": "line is 100 bytes, the limit is 16"}

@@ -1,7 +1,7 @@
 """jobs.report_gaps: what a job's records lack that its trainer's outputs could not supply
 
 Revision ID: 0212_report_gaps
-Revises: 0211_restart_backoff
+Revises: 0214_uploads_permissions
 Create Date: 2026-12-06 09:00:00
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0212_report_gaps"
-down_revision = "0211_restart_backoff"
+down_revision = "0214_uploads_permissions"
 branch_labels = None
 depends_on = None
 
