@@ -115,6 +115,8 @@ model_load_failed              503   completions: the base model failed to load 
 adapter_load_failed            503   completions: the adapter does not load on its base model
 adapter_not_found              404   completions: the model's adapter files are gone from storage
 inference_timeout              504   completions: longer than ``TUNEFLEET_INFERENCE_TIMEOUT_S``
+database_unavailable           503   the database cannot be reached right now (a restart, a
+                                     failover): retry after ``Retry-After`` seconds
 invalid_grader                 400   graders: a malformed grader object (``param`` = the field), e.g. an
                                      unknown type, a missing field, a multi grader inside a multi grader
 invalid_grader_template        400   graders: a ``{{ }}`` template with another namespace than item and
@@ -143,12 +145,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import iter_route_contexts
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas.errors import ErrorResponse
 
 log = logging.getLogger(__name__)
+
+# Seconds a client waits before retrying while the database is unreachable: a restart or
+# a failover takes seconds.
+DATABASE_RETRY_AFTER_S = 5
 
 _TYPES = {
     400: "invalid_request_error",
@@ -333,5 +340,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if database_unavailable(exc):
+            log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+            return APIError(503, "database_unavailable", "The database is unavailable; retry shortly.",
+                            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)}).response()
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, "internal_error", "Internal server error.", type="api_error").response()
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached now, not that a request is wrong:
+    a refused or dropped connection, a server shutting down, no pooled connection in time."""
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated

@@ -24,7 +24,10 @@ REQUEUE            queued from the latest checkpoint, one restart more; failed p
 
 Every terminal outcome closes the job's open usage segment and records that the run of
 its attempt has stopped (``jobs.exited_attempt``): the scheduler does not start the next
-attempt of a job while an older one may still write its checkpoints. An outcome of an
+attempt of a job while an older one may still write its checkpoints. First, what the
+run's reports never delivered is read back from its trainer's outputs
+(``worker.report_gaps``): a job resumes from the checkpoint its trainer really wrote last,
+and never succeeds with holes in its records unannounced (``jobs.report_gaps``). An outcome of an
 attempt older than the job's current one never moves the job: after a pause and an
 immediate resume, the old run's exit must not end the new run (it used to mark it
 succeeded with a quarter of its steps).
@@ -47,6 +50,7 @@ from scheduling.pools import NodePool
 from scheduling.usage import close_segment
 from trainers.exit_codes import ExitCode
 from worker.executors.base import ObservedChange, ObservedKind, StopReason, restart_delay_s
+from worker.report_gaps import TrainerOutputs, fill_report_gaps
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ TERMINAL_KINDS = frozenset({ObservedKind.SUCCEEDED, ObservedKind.FAILED, Observe
 
 def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: ArtifactStore,
                   pools: Mapping[str, NodePool], max_restarts: int, now: float,
-                  restart_backoff: tuple[float, float] = (0.0, 0.0)) -> str:
+                  restart_backoff: tuple[float, float] = (0.0, 0.0),
+                  outputs: TrainerOutputs | None = None) -> str:
     """Turn ``outcome`` into the job's next state (see the module docstring).
 
     Args:
@@ -71,6 +76,7 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
         now: the time (seconds since the epoch) the run's usage segment ends.
         restart_backoff: (base, cap) seconds of ``restart_delay_s``: a requeued lost run is
             admitted again no earlier than that (``jobs.restart_not_before``).
+        outputs: the job's trainer outputs, to fill what its reports lack from; None: not read.
 
     Returns:
         The job's status afterwards.
@@ -97,6 +103,9 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
                                 f" the job is at attempt {attempt} now, so this changes nothing.")
         return job.status
     job.exited_attempt = max(job.exited_attempt or 0, attempt)
+    if outputs is not None:
+        succeeding = outcome.kind == ObservedKind.SUCCEEDED and (job.status == "running" or awaiting)
+        fill_report_gaps(session, job, outputs, succeeded=succeeding)
     if job.status != "running" and not awaiting:
         return _after_stop(session, job, outcome, now)
     usage = close_segment(job.usage, now=now)
@@ -158,11 +167,15 @@ def _after_stop(session: Any, job: Job, outcome: ObservedChange, now: float) -> 
     """The run ended after the API (cancel, pause) or a report had already moved the job."""
     if job.usage:
         job.usage = close_segment(job.usage, now=now)
+    message = f"The trainer stopped ({outcome.message or outcome.kind.value})"
     if job.status in ("paused", "queued"):
         # Resume from where this run really stopped: its final checkpoint was written
-        # after the job left ``running``.
-        job.resume_from = resume_point(session, job)
-    add_event(session, job, f"The trainer stopped ({outcome.message or outcome.kind.value}).")
+        # after the job left ``running`` (a pause, then a resume before the run ended).
+        resume = resume_point(session, job)
+        if resume != job.resume_from:
+            message += f"; the job resumes from {resume or 'the start'}"
+        job.resume_from = resume
+    add_event(session, job, f"{message}.")
     return job.status
 
 

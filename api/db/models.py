@@ -201,6 +201,12 @@ class Job(Base):
         "to ``running`` when the trainer starts, to anything else when it never did."
     )
     usage: Mapped[dict[str, Any] | None]
+    report_gaps: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, doc="Set when a run ended with records its trainer's reports never delivered and its "
+        "outputs (``metrics.jsonl``, checkpoint folders) could not supply either "
+        "(``worker.report_gaps``): ``missing_metric_steps`` (ranges), ``missing_checkpoints``. "
+        "None: complete."
+    )
     report_items: Mapped[int] = mapped_column(
         BigInteger, default=0, doc="Metric and event items its trainers' reports stored (the job's "
         "report quota, ``Settings.report_max_items_per_job``)."

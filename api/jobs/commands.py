@@ -321,11 +321,13 @@ def resume_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) 
     job = lock_job_of(session, key, job_id)
     actor = actor_of(key)
     checkpoint = latest_checkpoint(session, job)
-    transition(
-        session, job, "queued", actor=actor,
-        message="Job resumed" + (f" from step {checkpoint.step}." if checkpoint else "."),
-        resume_from=checkpoint.location if checkpoint else job.resume_from,
-    )
+    if (job.attempt or 0) > (job.exited_attempt or 0):
+        # Its run is still stopping and writes one more checkpoint; the run's end names it.
+        message = "Job resumed; it resumes from the checkpoint its stopping run writes."
+    else:
+        message = "Job resumed" + (f" from step {checkpoint.step}." if checkpoint else ".")
+    transition(session, job, "queued", actor=actor, message=message,
+               resume_from=checkpoint.location if checkpoint else job.resume_from)
     session.commit()
     queue.send(SCHEDULE)
     return job

@@ -350,6 +350,11 @@ class JobPublic(BaseModel):
     restarts: int
     estimate: dict[str, Any] | None
     usage: dict[str, Any] | None
+    report_gaps: dict[str, Any] | None = Field(
+        None, description="Set when a run ended with metrics or checkpoints that neither its trainer's "
+        "reports nor its outputs supplied: `missing_metric_steps` (e.g. `\"3-4,7\"`) and "
+        "`missing_checkpoints` (steps). Null: the records are complete."
+    )
 
     @classmethod
     def of(cls, job: Job) -> JobPublic:
@@ -381,7 +386,7 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "started_at": to_unix(job.started_at),
         "total_steps": job.total_steps, "current_step": job.current_step,
         "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,
-        "usage": job.usage,
+        "usage": job.usage, "report_gaps": job.report_gaps,
     }
 
 

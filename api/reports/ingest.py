@@ -348,13 +348,15 @@ def _apply_items(session: Session, job: Job, items: list[Any], quota: _Quota) ->
     errors are not applied (an event records a late error).
     """
     metrics: dict[int, dict[str, Any]] = {}  # step -> row values; a step reported twice: the last wins
+    announced_before = _stored_steps(session, job, items)  # a step's metrics event is written once
     for item in items:
         if isinstance(item, MetricItem | EventItem) and not quota.admits(session, job, _item_bytes(item)):
             continue
         if isinstance(item, MetricItem):
             metrics[item.step] = _metric_values(job, item)
-            if (announced := metrics_event(item)) is not None:
+            if item.step not in announced_before and (announced := metrics_event(item)) is not None:
                 add_event(session, job, announced[0], type="metrics", data=announced[1])
+            announced_before.add(item.step)
         elif isinstance(item, EventItem):
             add_event(session, job, item.message, level=TRAINER_EVENT_LEVELS[item.level], type="message",
                       data=item.data)
@@ -364,6 +366,18 @@ def _apply_items(session: Session, job: Job, items: list[Any], quota: _Quota) ->
             apply_artifacts(session, job, item)
         elif isinstance(item, ErrorItem):
             _apply_error(session, job, item)
+    _store_metrics(session, job, metrics)
+
+
+def _stored_steps(session: Session, job: Job, items: list[Any]) -> set[int]:
+    """The steps of ``items``' metrics that the job has a row for already."""
+    steps = {item.step for item in items if isinstance(item, MetricItem)}
+    if not steps:
+        return set()
+    return set(session.scalars(select(JobMetric.step).where(JobMetric.job_id == job.id, JobMetric.step.in_(steps))))
+
+
+def _store_metrics(session: Session, job: Job, metrics: dict[int, dict[str, Any]]) -> None:
     if metrics:
         # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
         session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step.in_(metrics)))
@@ -451,7 +465,10 @@ def _apply_checkpoint(session: Session, job: Job, item: CheckpointItem) -> None:
         select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == item.step)
     )
     if existing is not None:
+        relisted = existing.location == item.location  # a resumed run lists its checkpoint again
         existing.location, existing.metrics = item.location, metrics
+        if relisted:
+            return
     else:
         session.add(Checkpoint(id=new_id("ftckpt"), job_id=job.id, step=item.step,
                                location=item.location, metrics=metrics))
@@ -483,3 +500,13 @@ def apply_artifacts(session: Session, job: Job, item: ArtifactsItem) -> None:
     if changed:
         add_event(session, job, f"Uploaded {len(changed)} output file(s)", type="message",
                   data={"location": item.location, "files": changed})
+
+
+def apply_recovered(session: Session, job: Job, items: list[MetricItem | CheckpointItem]) -> None:
+    """Apply metric and checkpoint items read back from the trainer's outputs (the outcome
+    path's reconciliation, ``worker.report_gaps``), as a report would have, without a batch."""
+    _store_metrics(session, job, {item.step: _metric_values(job, item) for item in items
+                                  if isinstance(item, MetricItem)})
+    for item in items:
+        if isinstance(item, CheckpointItem):
+            _apply_checkpoint(session, job, item)

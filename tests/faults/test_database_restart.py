@@ -4,6 +4,10 @@ A restart closes every server connection; the API's pool still holds them. The t
 does to the pool what a restart does, terminating each backend of the test database
 (``pg_terminate_backend``), and asks again: the pool must notice (pre-ping) and connect
 anew instead of handing the request a dead connection.
+
+While the database cannot be reached at all, every route -- a user's and a trainer's
+report alike -- answers 503 ``database_unavailable`` with ``Retry-After``, not a 500 that
+reads as a bug.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PG_ADMIN_DSN, make_settings
+from tests.conftest import PG_ADMIN_DSN, free_port, make_settings
 
 pytestmark = pytest.mark.postgres
 
@@ -49,3 +53,21 @@ def test_the_first_request_after_a_database_restart_succeeds(pg_url: str, tmp_pa
         for path in ("/v1/files", "/v1/fine_tuning/jobs", "/v1/files"):
             answer = client.get(path, headers=headers)
             assert answer.status_code == 200, answer.text
+
+
+def test_requests_while_the_database_is_down_answer_503_with_retry_after(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from api.queue import RecordingQueue
+
+    down = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/tunefleet"  # nothing listens there
+    app = create_app(make_settings(tmp_path, database_url=down), queue=RecordingQueue())
+    client = TestClient(app, raise_server_exceptions=False)
+    report = {"seq": 1, "items": [{"type": "metric", "step": 1, "train_loss": 1.0}]}
+    for method, path, body, token in (("GET", "/v1/fine_tuning/jobs", None, "tf_abcdefgh_" + "0" * 32),
+                                      ("POST", "/internal/v1/jobs/ftjob-x/reports", report, "job-token")):
+        answer = client.request(method, path, json=body, headers={"Authorization": f"Bearer {token}"})
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"] == "5"
+        assert answer.json()["error"]["code"] == "database_unavailable"

@@ -78,4 +78,7 @@ def test_a_full_disk_fails_the_job_with_disk_full_and_keeps_what_was_acknowledge
         assert _listed_checkpoints(http, job_id) == [FIRST_CHECKPOINT]
     kept = stack.data_dir / "jobs" / job_id / "checkpoints" / f"step-{FIRST_CHECKPOINT}"
     assert (kept / "trainer_state.json").exists()
+    # The metrics log holds whole lines only: the one the full disk cut short was taken back.
+    log = (stack.data_dir / "artifacts" / job_id / "output" / "metrics.jsonl").read_text()
+    assert log.endswith("\n") and production.output_metric_steps(stack.data_dir, job_id), log[-200:]
     assert stack.supervisors_alive() == {"api": None, "worker": None, "scheduler": None}

@@ -8,6 +8,9 @@ it is at-least-once -- a receiver may see an event twice, always with the same
   signed (verified with the ``standardwebhooks`` reference library), and is accepted once.
 - The Celery worker is killed (-9) while the receiver holds its request: the worker that
   comes back delivers the event again, same id, same body.
+- The event happens while the worker is dead (its delivery task waits in the queue): the
+  worker that comes back delivers it exactly once, although both the queued task and its
+  start-up sweep of overdue deliveries send it.
 
 The event is a job's cancellation (``fine_tuning.job.cancelled``), the cheapest event a
 real job makes.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,4 +121,29 @@ def test_a_worker_killed_mid_delivery_delivers_the_event_when_it_comes_back(
     # The killed attempt's transaction died with the worker: the log holds the one that worked.
     assert delivery["attempts"] == 1 and delivery["response_status"] == 204, delivery
     assert len(receiver.received) == 2  # at-least-once: the held request, then the redelivery
+    _assert_one_event_signed(receiver.received, endpoint["secret"], job_id)
+
+
+def test_an_event_while_the_worker_is_dead_is_delivered_once_when_it_comes_back(
+    stack: ProductionStack, receiver: Receiver
+) -> None:
+    from worker.tasks.webhooks import RESEND_AFTER_START_S
+
+    receiver.start()
+    with stack.tenant_http("webhooks-dead") as http:
+        endpoint = _endpoint(http, receiver)
+        file_id = production.upload_examples(http)  # validated by the worker while it lives
+        stack.service.stop("worker", sig=signal.SIGKILL)
+        job_id = production.submit(http, file_id, n_epochs=1)
+        assert http.post(f"/fine_tuning/jobs/{job_id}/cancel").status_code == 200
+        assert (_delivery(http, endpoint["id"]) or {}).get("status") == "pending"
+        stack.service.start("worker")
+        stack.wait_ready()
+        swept = time.monotonic() + RESEND_AFTER_START_S + 5  # the start-up sweep has run by then
+        wait_until(lambda: (_delivery(http, endpoint["id"]) or {}).get("status") == "succeeded", 60,
+                   f"the delivery after the worker came back\n{stack.service.dump_logs()}")
+        production.sleep_until(swept)
+        delivery = _delivery(http, endpoint["id"])
+    assert delivery["attempts"] == 1 and delivery["response_status"] == 204, delivery
+    assert len(receiver.received) == 1, [r.headers for r in receiver.received]
     _assert_one_event_signed(receiver.received, endpoint["secret"], job_id)

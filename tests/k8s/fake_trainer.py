@@ -5,7 +5,11 @@ token arrived through the Secret, prints its distributed environment as JSON, th
 ``succeed`` (exit 0), ``user_error`` (termination message + exit 10), ``sleep`` (wait
 for SIGTERM, "checkpoint" -- taking ``FAKE_TRAINER_STOP_DELAY_S`` seconds -- exit 12),
 ``crash`` (exit 1), ``oom_on_one_gpu`` (out of GPU memory, termination message + exit 11,
-when its gang is one GPU; else ``succeed``).
+when its gang is one GPU; else ``succeed``), ``unreported`` (writes the outputs of an
+8-step run -- ``metrics.jsonl`` and a checkpoint every 4 steps, as the real trainer lays
+them out -- reports none of it, as when the API was down and the spool died with the
+pod, and exits 0), ``unreported_then_hang`` (the same up to the step-4 checkpoint, then
+waits to be killed).
 """
 
 import json
@@ -40,7 +44,21 @@ if mode == "oom_on_one_gpu" and int(env["NPROC_PER_NODE"] or 1) * int(env["NNODE
     with open(spec["termination_log"], "w") as f:
         json.dump({"code": "out_of_memory", "message": "out of memory: CUDA out of memory"}, f)
     sys.exit(11)
-if mode == "sleep":
+if mode.startswith("unreported"):
+    last = 4 if mode == "unreported_then_hang" else 8
+    os.makedirs(spec["output_dir"], exist_ok=True)
+    with open(os.path.join(spec["output_dir"], "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "total_steps": 8, "train_loss": 2.0 / s, "time": 1.0}) + "\n"
+                     for s in range(1, last + 1))
+    for step in range(4, last + 1, 4):
+        folder = os.path.join(spec["checkpoint"]["dir"], f"step-{step}")
+        os.makedirs(os.path.join(folder, "adapter"), exist_ok=True)
+        with open(os.path.join(folder, "adapter", "adapter_model.safetensors"), "wb") as f:
+            f.write(b"weights")
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:  # written last: complete
+            json.dump({"step": step, "metrics": {"train_loss": 2.0 / step}}, f)
+    print("outputs written", flush=True)
+if mode in ("sleep", "unreported_then_hang"):
     while True:
         time.sleep(0.1)
 sys.exit(0)

@@ -12,6 +12,13 @@ leaves a half checkpoint that :func:`latest_checkpoint` would pick; a write that
 (``ENOSPC``) removes its temporary directory. Framework tensors
 are the recipe's business: it passes a ``write_tensors(dir)`` callback.
 
+Reports: given the run's reporter, :func:`save_checkpoint` spools every report item
+queued so far before the rename (the next run resumes from a visible checkpoint and never
+produces its steps again, so their metrics must be on disk first), reports the checkpoint
+right after it, and prunes only checkpoints whose listing the API has acknowledged. A
+kill between the rename and that report loses only the listing, which the resumed run
+sends again (:func:`report_resumed`) with the metric rows since the checkpoint before it.
+
 Resuming: :func:`resolve_resume` is the one rule both recipes follow for
 ``checkpoint.resume_from`` (what counts as a checkpoint to resume from).
 
@@ -27,10 +34,10 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -130,17 +137,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointReporter(Protocol):
+    """What :func:`save_checkpoint` needs of the run's reporter (``trainers.common.reporter``)."""
+
+    def persist(self) -> None: ...
+
+    def checkpoint(self, step: int, location: str, metrics: dict[str, Any]) -> None: ...
+
+    def unacknowledged_checkpoints(self) -> set[int]: ...
+
+
 def save_checkpoint(
     root: str | Path,
     state: TrainerState,
     write_tensors: Callable[[Path], None],
     *,
     keep_last: int,
+    reporter: CheckpointReporter | None = None,
 ) -> Path:
     """Atomically write ``step-<state.step>`` under ``root`` and prune to ``keep_last``.
 
     Args:
         write_tensors: called with the (temporary) directory to put framework files in.
+        reporter: the run's reporter: what it holds is spooled before the rename, the
+            checkpoint reported after it, and a checkpoint whose listing the API has not
+            acknowledged is never pruned (module docstring). None: no reports.
 
     Returns:
         The final checkpoint directory.
@@ -156,6 +177,8 @@ def save_checkpoint(
         write_tensors(tmp)
         (tmp / TRAINER_STATE).write_text(json.dumps(state.to_dict(), indent=1), encoding="utf-8")
         _fsync_tree(tmp)
+        if reporter is not None:
+            reporter.persist()
     except BaseException:
         # A save that failed (a full disk, most often) leaves nothing behind: its partial
         # files would keep the disk full for the error report that comes next.
@@ -169,18 +192,43 @@ def save_checkpoint(
     else:
         os.replace(tmp, final)
     _fsync_dir(base)
-    prune_checkpoints(base, keep_last)
+    keep: set[int] = set()
+    if reporter is not None:
+        reporter.checkpoint(state.step, str(final), dict(state.metrics))
+        keep = reporter.unacknowledged_checkpoints()
+    prune_checkpoints(base, keep_last, keep=keep)
     return final
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted paths."""
+def prune_checkpoints(root: str | Path, keep_last: int, *, keep: Iterable[int] = ()) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints, sparing the steps in ``keep``;
+    returns the deleted paths."""
     if keep_last < 1:
         raise ValueError("keep_last must be >= 1")
-    doomed = [p for _, p in list_checkpoints(root)[:-keep_last]]
+    spared = set(keep)
+    doomed = [p for step, p in list_checkpoints(root)[:-keep_last] if step not in spared]
     for p in doomed:
         shutil.rmtree(p)
     return doomed
+
+
+def report_resumed(reporter: Any, root: str | Path, checkpoint_dir: str | Path, state: TrainerState,
+                   metric_rows: Iterable[dict[str, Any]], *, every_n_steps: int) -> None:
+    """Report again the checkpoint a run resumes from, and the metric rows since the
+    periodic checkpoint before it (``metrics.jsonl``, kept up to the resumed step).
+
+    The run that wrote it may have died between its rename and its report, or with a
+    spool that died with its pod; the API applies both idempotently (a step's metrics and a
+    checkpoint's listing are replaced, not added). A checkpoint from outside ``root`` (an
+    explicit ``resume_from`` of another run) is not this job's to list.
+    """
+    if Path(checkpoint_dir).resolve().parent != Path(root).resolve():
+        return
+    since = state.step - (state.step - 1) % every_n_steps - 1  # the periodic checkpoint's step
+    for row in metric_rows:
+        if since < int(row.get("step", 0)) <= state.step:
+            reporter.metric(**row)
+    reporter.checkpoint(state.step, str(checkpoint_dir), dict(state.metrics))
 
 
 def load_trainer_state(checkpoint_dir: str | Path) -> TrainerState:

@@ -12,6 +12,7 @@ Layout (docs/internals.md)::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,17 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
     def append(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        """Append ``row`` as one whole line, or nothing: a write the disk cuts short (full)
+        is taken back before the error goes on, so the log never ends in half a row."""
+        line = memoryview((json.dumps(row) + "\n").encode("utf-8"))
+        with open(self.path, "ab", buffering=0) as f:
+            start = f.seek(0, os.SEEK_END)
+            try:
+                while line:
+                    line = line[f.write(line):]
+            except OSError:
+                os.ftruncate(f.fileno(), start)
+                raise
 
     def rows(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -18,11 +18,15 @@ Delivery guarantees, and how:
 - Transport errors and 5xx/408/429 answers are retried with exponential backoff (capped).
   Other 4xx (wrong token, job gone) cannot succeed by retrying: the reporter stops
   sending, keeps the spool, and exposes the answer in ``rejected``.
-- ``checkpoint()`` spools its item, and every item queued before it, before it returns:
-  a trainer killed right after saving a checkpoint (it resumes from it) must not lose
-  the checkpoint's listing or the metric steps that led to it, which otherwise wait in
-  memory for the next tick. The resumed run's reporter finds them in the spool and
-  sends them first.
+- ``persist()`` spools every queued item now, and ``checkpoint()`` spools its item and
+  every item queued before it before it returns. ``save_checkpoint``
+  (``trainers.common.checkpointing``) persists before it renames a checkpoint into
+  place: a trainer killed the instant the checkpoint became visible (the next run
+  resumes from it, so it never produces those steps again) must not lose the metric
+  steps that led to it, which otherwise wait in memory for the next tick. The resumed
+  run's reporter finds them in the spool and sends them first.
+- ``unacknowledged_checkpoints()`` names the checkpoints whose listing the API has not
+  acknowledged yet (queued or spooled): ``save_checkpoint`` never prunes those.
 - ``close()`` forms a last batch and tries to deliver everything within a deadline;
   what is left stays spooled. Items it cannot spool (the disk is full) are sent from
   memory after the spooled batches: the trainer's last word (its error) still arrives.
@@ -153,6 +157,29 @@ class Reporter:
         self.add({"type": "checkpoint", "step": step, "location": location, "metrics": metrics})
         self._form_batches()  # on disk (fsynced) now, not at the next tick
         self._wake.set()  # and sent now, not at the next tick
+
+    def persist(self) -> None:
+        """Spool every item queued so far (fsynced) now, not at the next tick.
+
+        Raises:
+            OSError: the spool could not be written.
+        """
+        self._form_batches()
+
+    def unacknowledged_checkpoints(self) -> set[int]:
+        """Steps of the checkpoints reported to the API that it has not acknowledged yet:
+        queued, or spooled and not sent. Empty in standalone mode (no API to wait for)."""
+        if self._client is None:
+            return set()
+        with self._lock:
+            steps = {int(item["step"]) for item in self._pending if item["type"] == "checkpoint"}
+        for seq in self._spooled_seqs():
+            try:
+                batch = json.loads((self._spool / f"{seq:012d}.json").read_text(encoding="utf-8"))  # type: ignore[operator]
+            except FileNotFoundError:
+                continue  # acknowledged (and deleted) since the listing
+            steps.update(int(item["step"]) for item in batch["items"] if item.get("type") == "checkpoint")
+        return steps
 
     def artifacts(self, location: str, files: list[dict[str, Any]]) -> None:
         self.add({"type": "artifacts", "location": location, "files": files})

@@ -414,6 +414,8 @@ class S3Staging:
         self.output_dir = job / "output" if self.output_uri else Path(spec.output_dir)
         self.checkpoint_dir = job / "checkpoints" if self.checkpoint_uri else Path(spec.checkpoint.dir)
         self.resume_dir = job / "resume" / PurePosixPath(self.resume_uri.key).name if self.resume_uri else None
+        # The newest checkpoint in the bucket, staged to resume from (local folder, its URI).
+        self._staged_resume: tuple[Path, S3Location] | None = None
 
         checkpoint = {"dir": str(self.checkpoint_dir)}
         if self.resume_dir is not None:
@@ -497,6 +499,7 @@ class S3Staging:
             return 0  # a first start: nothing to resume, like an empty local dir
         step, loc = found[-1]
         local = self.checkpoint_dir / f"step-{step}"
+        self._staged_resume = (local, loc)
         if (local / TRAINER_STATE).is_file():
             return 0  # this pod's disk already has it
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -510,6 +513,9 @@ class S3Staging:
         if self.checkpoint_uri is None:
             return location
         local = Path(location)
+        staged, self._staged_resume = self._staged_resume, None
+        if staged is not None and local.resolve() == staged[0].resolve():
+            return staged[1].uri  # the resumed run lists it again: it came from the bucket whole
         try:
             rel = local.resolve().relative_to(self.checkpoint_dir.resolve()).as_posix()
         except ValueError:
@@ -579,21 +585,26 @@ class PublishingReporter:
         """Publish, then pass on. A failed upload raises (the recipe stops) and is also kept
         in :attr:`failure`: items relayed by a launcher thread raise there, not in the
         recipe, so the entry point checks it after the recipe returns."""
+        self._inner.add(self._published(item))
+
+    def checkpoint(self, step: int, location: str, metrics: dict[str, Any]) -> None:
+        """Upload, then report (spooled before this returns, as the inner reporter does)."""
+        item = self._published({"type": "checkpoint", "step": step, "location": location, "metrics": metrics})
+        self._inner.checkpoint(step, item["location"], metrics)
+
+    def _published(self, item: dict[str, Any]) -> dict[str, Any]:
         kind = item.get("type")
         try:
             if kind == "checkpoint" and isinstance(item.get("location"), str):
-                item = {**item, "location": self._staging.publish_checkpoint(item["location"])}
-            elif kind == "artifacts" and isinstance(item.get("location"), str):
+                return {**item, "location": self._staging.publish_checkpoint(item["location"])}
+            if kind == "artifacts" and isinstance(item.get("location"), str):
                 location, files = self._staging.publish_outputs(item["location"], list(item.get("files", [])))
-                item = {**item, "location": location, "files": files}
+                return {**item, "location": location, "files": files}
         except TrainerError as exc:
             if self.failure is None:
                 self.failure = exc
             raise
-        self._inner.add(item)
-
-    def checkpoint(self, step: int, location: str, metrics: dict[str, Any]) -> None:
-        self.add({"type": "checkpoint", "step": step, "location": location, "metrics": metrics})
+        return item
 
     def artifacts(self, location: str, files: list[dict[str, Any]]) -> None:
         self.add({"type": "artifacts", "location": location, "files": files})

@@ -159,12 +159,14 @@ def save_checkpoint_distributed(
     *,
     keep_last: int,
     write_adapter: Callable[[Path], None],
+    reporter: Any | None = None,
 ) -> Path:
     """Write ``step-<state.step>`` atomically with every rank's DCP shard in it.
 
     ``state`` is a ``trainers.common.checkpointing.TrainerState``; ``write_adapter(dir)``
     writes the gathered PEFT adapter (rank 0; the gather must already have happened on
-    all ranks). Returns the final directory (on every rank).
+    all ranks); ``reporter`` (rank 0) reports it as ``save_checkpoint`` does. Returns the
+    final directory (on every rank).
     """
     from trainers.common.checkpointing import checkpoint_path, save_checkpoint
 
@@ -175,7 +177,7 @@ def save_checkpoint_distributed(
             save_sharded(tmp, model, optimizer, ctx)
             write_adapter(tmp / ADAPTER_DIR)
 
-        final = save_checkpoint(root, state, write_tensors, keep_last=keep_last)
+        final = save_checkpoint(root, state, write_tensors, keep_last=keep_last, reporter=reporter)
     else:
         tmp = shared_path(None, ctx)
         save_sharded(tmp, model, optimizer, ctx)

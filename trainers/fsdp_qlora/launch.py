@@ -131,7 +131,10 @@ class ReportRelay:
                 self._offset += len(line.encode("utf-8"))
                 item = json.loads(line)
                 item.pop("seq", None)  # the launcher's reporter numbers its own batches
-                self.reporter.add(item)
+                if item.get("type") == "checkpoint":  # spooled now, as rank 0 reported it
+                    self.reporter.checkpoint(item["step"], item["location"], item.get("metrics", {}))
+                else:
+                    self.reporter.add(item)
 
 
 def rank_main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from trainers.common.checkpointing import (
     TrainerState,
     capture_host_rng,
     load_trainer_state,
+    report_resumed,
     resolve_resume,
     restore_host_rng,
 )
@@ -182,6 +183,9 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             if ctx.is_main:
                 reporter.event(f"resumed from {resume_path.name}", data={"step": step, "cursor": cursor.to_dict()})
         metrics_log = MetricsLog(output_dir, resume_step=step if resume_path is not None else None) if ctx.is_main else None
+        if resume_path is not None and ctx.is_main:
+            report_resumed(reporter, spec.checkpoint.dir, resume_path, state, metrics_log.rows(),
+                           every_n_steps=spec.checkpoint.every_n_steps)
         batches = data.train.micro_batches(cursor)
         # Without FSDP there is no mixed-precision policy: autocast does the casting.
         autocast = (
@@ -201,12 +205,11 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
             state = TrainerState(step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
                                  metrics=dict(last), extra={"tokens_seen": tokens_seen,
                                                             "world_size": ctx.world_size})
-            path = save_checkpoint_distributed(spec.checkpoint.dir, state, model, optimizer, ctx,
+            # Rank 0 reports it: its metrics are spooled before the rename, its listing after.
+            return save_checkpoint_distributed(spec.checkpoint.dir, state, model, optimizer, ctx,
                                                keep_last=spec.checkpoint.keep_last,
-                                               write_adapter=lambda d: write_adapter(d, adapter))
-            if ctx.is_main:
-                reporter.checkpoint(step, str(path), dict(last))
-            return path
+                                               write_adapter=lambda d: write_adapter(d, adapter),
+                                               reporter=reporter if ctx.is_main else None)
 
         # -- train loop ---------------------------------------------------------------------
         losses: dict[int, float] = {}

@@ -40,6 +40,7 @@ from trainers.common.checkpointing import (
     TrainerState,
     capture_host_rng,
     load_trainer_state,
+    report_resumed,
     resolve_resume,
     restore_host_rng,
     save_checkpoint,
@@ -327,6 +328,9 @@ def run(
             restore_host_rng(resume_state.rng)
             if int(state["step"]) != step:
                 raise UserError(f"checkpoint {resume_from} is inconsistent (step mismatch)", code="incompatible_checkpoint")
+            if primary:
+                report_resumed(reporter, ckpt_root, resume_from, resume_state, metrics_log.rows(),
+                               every_n_steps=spec.checkpoint.every_n_steps)
 
         sc = StepConfig(
             cfg=cfg,
@@ -387,9 +391,9 @@ def run(
                 metrics=last_metrics,
                 extra={"trainer": "jax_lora", "seed": spec.seed, "tokens_seen": tokens_seen},
             )
-            path = save_checkpoint(ckpt_root, ts, write_tensors, keep_last=spec.checkpoint.keep_last)
-            reporter.checkpoint(step, str(path), last_metrics)
-            return path
+            # Its metrics are spooled before the rename, its listing right after it.
+            return save_checkpoint(ckpt_root, ts, write_tensors, keep_last=spec.checkpoint.keep_last,
+                                   reporter=reporter)
 
         if primary:
             write_training_config(out_dir, spec)

@@ -4,9 +4,11 @@ The embedded default (`tunefleet serve`) places jobs on the `local` pool, whose 
 are trainer slots of this machine. `launch` writes the spec into the job directory and
 sends the Celery task ``tunefleet.run_local_job``; that task (worker/tasks/jobs.py)
 supervises the trainer process (worker/executors/local_process.py) and writes the
-outcome through the one transition function. Because the task is ``acks_late``, a
-worker killed mid-run gets it again: the task then stops the orphaned trainer and
-starts it anew from its latest checkpoint.
+outcome through the one transition function. A worker killed mid-run leaves the job's
+supervisor lock free: `reconcile` (every scheduling cycle) sends the task again within
+seconds, and the worker that runs it stops the orphaned trainer and starts it anew from
+its latest checkpoint -- or, for a job cancelled or paused meanwhile, records how the run
+ended.
 
 `stop` leaves a stop request in the job directory (the reason: cancel, pause, preempt);
 the supervising task also stops the trainer whenever the job's status is no longer
@@ -15,10 +17,11 @@ the supervising task also stops the trainer whenever the job's status is no long
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from api.db.models import Job
 from api.db.session import session_scope
@@ -26,17 +29,21 @@ from api.queue import RUN_LOCAL_JOB, TaskQueue
 from api.settings import Settings
 from scheduling.capacity import CapacitySnapshot, HeldGpus
 from scheduling.pools import NodePool
-from trainers.common.private_files import PRIVATE_FILE_MODE, private_dir, write_private_text
+from trainers.common.private_files import private_dir, write_private_text
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
+from worker.executors.local_process import supervised
 from worker.spec_builder import write_spec
 
 SPEC_FILE = "spec.json"
 STOP_FILE = "stop_request"
 LOG_FILE = "trainer.log"
 HEARTBEAT_FILE = "supervisor.heartbeat"
-# A supervising task touches its heartbeat several times a second; one silent this long
-# has died with its worker (a broker without redelivery, e.g. the server-less one).
+# A supervising task touches its heartbeat several times a second and holds the job's
+# supervisor lock: a lock nobody holds and a heartbeat silent this long mean its worker died.
+ORPHAN_AFTER_S = 2.0
+# A run admitted this long ago whose task never touched the heartbeat: the task was lost
+# (a broker without redelivery, e.g. the server-less one, or a worker killed with it).
 STALE_HEARTBEAT_S = 60.0
 
 
@@ -62,6 +69,7 @@ class LocalExecutor:
         self.settings = settings
         self.pools = {p.name: p for p in pools}
         self.queue = queue
+        self._resent: dict[str, tuple[int, float]] = {}  # job id -> (attempt, when its task was sent again)
 
     def launch(self, job: JobRef, spec: TrainerSpec, placement: object) -> None:
         private_dir(self.settings.job_dir(job.id))
@@ -90,33 +98,56 @@ class LocalExecutor:
              for jid, tenant, priority, pool, gpus, started in rows))
 
     def reconcile(self) -> list[ObservedChange]:
-        """Re-supervise running local jobs whose supervising task died with its worker.
+        """Send the task again for every run no supervisor watches any more.
 
         Outcomes need no collecting: the supervising task writes each one itself. But a
-        worker killed mid-job takes its task along on brokers that do not redeliver
-        (kombu's server-less transport); a stale heartbeat tells, and the task is sent
-        again (it stops the orphaned trainer and resumes from the latest checkpoint).
+        worker killed mid-run takes its task along (Redis gives it back only after the
+        broker's visibility timeout, the server-less transport never): the job's
+        supervisor lock is then free while its run has no recorded end, and the task is
+        sent again within ``ORPHAN_AFTER_S`` plus one cycle. For a running job it stops the
+        orphaned trainer and resumes it from its latest checkpoint; for a job that left
+        ``running`` meanwhile (cancelled, paused) it stops the trainer and records the
+        run's end. A task lost before it ever ran is sent again after
+        ``STALE_HEARTBEAT_S``.
         """
         changes: list[ObservedChange] = []
         now = time.time()
         with session_scope(self.settings.resolved_database_url) as session:
             rows = session.execute(
-                select(Job.id, Job.started_at, Job.attempt)
-                .where(Job.status == "running", Job.pool.in_(list(self.pools)))
+                select(Job.id, Job.status, Job.attempt, Job.usage, Job.started_at)
+                .where(Job.pool.in_(list(self.pools)),
+                       or_(Job.status == "running", Job.attempt > Job.exited_attempt))
             ).all()
-        for job_id, started_at, attempt in rows:
-            job_dir = self.settings.job_dir(job_id)
-            if not (job_dir / SPEC_FILE).exists():
+        for job_id, status, attempt, usage, started_at in rows:
+            if not self._orphaned(job_id, attempt, _admitted_at(usage, started_at, now), now):
                 continue
-            heartbeat = job_dir / HEARTBEAT_FILE
-            last = heartbeat.stat().st_mtime if heartbeat.exists() else (
-                started_at.timestamp() if started_at else now)
-            if now - last > STALE_HEARTBEAT_S:
-                heartbeat.touch(mode=PRIVATE_FILE_MODE)  # one re-send per stale period
-                if self.queue.send(RUN_LOCAL_JOB, job_id, attempt):
-                    changes.append(ObservedChange(
-                        job_id=job_id, kind=ObservedKind.RETRYING,
-                        message="the worker supervising the trainer stopped; supervising it again "
-                                "(the trainer resumes from its latest checkpoint)",
-                    ))
+            self._resent[job_id] = (attempt, now)
+            if self.queue.send(RUN_LOCAL_JOB, job_id, attempt) and status == "running":
+                changes.append(ObservedChange(
+                    job_id=job_id, kind=ObservedKind.RETRYING,
+                    message="the worker supervising the trainer stopped; supervising it again "
+                            "(the trainer resumes from its latest checkpoint)",
+                ))
         return changes
+
+    def _orphaned(self, job_id: str, attempt: int, admitted: float, now: float) -> bool:
+        """Whether the run of ``attempt`` has neither a supervisor nor a task sent for it lately."""
+        job_dir = self.settings.job_dir(job_id)
+        if not (job_dir / SPEC_FILE).exists() or supervised(job_dir):
+            return False
+        sent_attempt, sent_at = self._resent.get(job_id, (None, 0.0))
+        if sent_attempt == attempt and now - sent_at < STALE_HEARTBEAT_S:
+            return False  # sent again already; that task has yet to take the lock
+        heartbeat = job_dir / HEARTBEAT_FILE
+        beat = heartbeat.stat().st_mtime if heartbeat.exists() else 0.0
+        if beat >= admitted:  # a supervisor of this run ran, and none holds the lock now
+            return now - beat > ORPHAN_AFTER_S
+        return now - admitted > STALE_HEARTBEAT_S
+
+
+def _admitted_at(usage: dict | None, started_at: object, now: float) -> float:
+    """When the job's current run was admitted: its usage's last segment's start."""
+    segments = (usage or {}).get("segments") or []
+    if segments and segments[-1].get("start") is not None:
+        return float(segments[-1]["start"])
+    return started_at.timestamp() if isinstance(started_at, dt.datetime) else now

@@ -118,6 +118,25 @@ def supervision_lock(job_dir: Path, wait_s: float = 10.0) -> Iterator[bool]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def supervised(job_dir: Path) -> bool:
+    """Whether a live supervisor holds the job's lock right now (a probe that never waits).
+
+    The kernel drops a dead supervisor's lock at once, so a free lock means no process
+    watches the job's trainer: a worker killed mid-run shows here the moment it dies.
+    """
+    try:
+        fd = os.open(job_dir / "supervisor.lock", os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor releases a lock the probe took
+    return False
+
+
 def kill_orphan(pid_file: Path, grace_s: float = 10.0) -> bool:
     """Stop a trainer left running by a supervisor that died. Returns True if one was found."""
     try:

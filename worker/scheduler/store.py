@@ -45,6 +45,7 @@ from scheduling.request import JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment, pending_segment
 from worker.executors.base import ObservedChange, RunningRow
 from worker.outcomes import apply_outcome
+from worker.report_gaps import TrainerOutputs
 from worker.scheduler.cycle import Admission, Admitted, Unfit, Waiting
 
 log = logging.getLogger(__name__)
@@ -381,7 +382,8 @@ class DbStore:
     def _apply(self, session: Any, job: Job, ch: ObservedChange) -> None:
         apply_outcome(session, job, ch, files=file_store(self.settings), pools=self.pools,
                       max_restarts=self.max_restarts, now=self.clock(),
-                      restart_backoff=(self.settings.restart_backoff_s, self.settings.restart_backoff_max_s))
+                      restart_backoff=(self.settings.restart_backoff_s, self.settings.restart_backoff_max_s),
+                      outputs=TrainerOutputs(self.settings, job.id))
 
 
 def reason_event(job_id: str, reason: str, now: dt.datetime) -> dict[str, Any]:

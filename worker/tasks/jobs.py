@@ -51,6 +51,7 @@ from worker.executors.local_process import (
     supervision_lock,
 )
 from worker.outcomes import apply_outcome
+from worker.report_gaps import TrainerOutputs
 from worker.spec_builder import local_trainer_threads
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,11 @@ def run_local_job(job_id: str, attempt: int | None = None) -> str:
     if attempt is None:
         attempt = state[1]
     if state != ("running", attempt) or not path.exists():
-        # Paused, cancelled or admitted again before this task ran: its run never starts.
+        # Paused, cancelled or admitted again before this task ran (its run never starts),
+        # or while a worker that died supervised it (its run ends here).
         log.info("%s: the job is %s at attempt %s; the task of attempt %s has nothing to run", job_id, *state,
                  attempt)
-        if _release_attempt(db_url, job_id, attempt, job_dir):
+        if _release_attempt(settings, job_id, attempt, job_dir):
             CeleryQueue(settings).send(SCHEDULE)  # the next attempt may start now
         return "skipped"
     with supervision_lock(job_dir) as mine:
@@ -162,20 +164,25 @@ def _with_retries(what: str, fn: Callable[[], T]) -> T:
             time.sleep(2.0)
 
 
-def _release_attempt(db_url: str, job_id: str, attempt: int, job_dir: Path) -> bool:
+def _release_attempt(settings: Settings, job_id: str, attempt: int, job_dir: Path) -> bool:
     """Record that no trainer of ``attempt`` runs, when no live supervisor watches one (a
     duplicate delivery of the task may be supervising it right now: that one records its
-    own outcome). A trainer orphaned by a dead worker is stopped first. Returns True when
-    recorded."""
+    own outcome). A trainer orphaned by a dead worker is stopped first; the run's end goes
+    through the one outcome path like any other (``exited_attempt``, the resume point, an
+    event). Returns True when recorded."""
     with supervision_lock(job_dir, wait_s=0) as mine:
         if not mine:
             return False
-        kill_orphan(job_dir / "trainer.pid")
-        with session_scope(db_url) as session:
+        orphan = kill_orphan(job_dir / "trainer.pid")
+        with session_scope(settings.resolved_database_url) as session:
             job = lock_job(session, job_id)
             if job is None or attempt > (job.attempt or 0) or attempt <= (job.exited_attempt or 0):
                 return False
-            job.exited_attempt = attempt
+            message = ("its supervising worker died; the worker that took over stopped its trainer" if orphan
+                       else "no trainer of it runs: its supervising worker died, or it never started")
+            _apply(settings, session, job, ObservedChange(
+                job_id, ObservedKind.STOPPED, stop_reason=read_stop_reason(settings, job_id), message=message,
+                attempt=attempt))
             return True
 
 
@@ -265,10 +272,16 @@ def finish(settings: Settings, job_id: str, output_dir: str, outcome: TrainerOut
         change = observed_change(job_id, job.attempt or 0 if attempt is None else attempt, outcome, stop_reason)
         if job.status == "running" and (job.attempt or 0) == change.attempt and change.kind == ObservedKind.SUCCEEDED:
             _register_manifest(session, job, output_dir)
-        pools = {p.name: p for p in load_pools(settings.node_pools_file)}
-        return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
-                             max_restarts=settings.max_restarts, now=time.time(),
-                             restart_backoff=(settings.restart_backoff_s, settings.restart_backoff_max_s))
+        return _apply(settings, session, job, change)
+
+
+def _apply(settings: Settings, session, job: Job, change: ObservedChange) -> str:
+    """``change`` through the one outcome path, with this service's settings."""
+    pools = {p.name: p for p in load_pools(settings.node_pools_file)}
+    return apply_outcome(session, job, change, files=file_store(settings), pools=pools,
+                         max_restarts=settings.max_restarts, now=time.time(),
+                         restart_backoff=(settings.restart_backoff_s, settings.restart_backoff_max_s),
+                         outputs=TrainerOutputs(settings, job.id))
 
 
 def _with_reported_error(job: Job, outcome: TrainerOutcome) -> TrainerOutcome:

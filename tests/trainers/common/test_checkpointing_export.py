@@ -158,3 +158,32 @@ def test_manifest_lists_every_file_with_sha256(tmp_path):
     ]
     assert json.loads((tmp_path / "manifest.json").read_text())["files"] == files
     assert write_manifest(tmp_path) == files  # the manifest never lists itself
+
+
+# A process whose files may not grow past their size now plus 40 bytes (RLIMIT_FSIZE: the
+# kernel writes up to the limit, then refuses, as a disk that fills mid-write does).
+FILLED_MID_LINE = """
+import json, resource, signal, sys
+from trainers.common.outputs import MetricsLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+log = MetricsLog(sys.argv[1])
+log.append({"step": 1, "train_loss": 1.5})
+resource.setrlimit(resource.RLIMIT_FSIZE, (log.path.stat().st_size + 40, resource.RLIM_INFINITY))
+try:
+    log.append({"step": 2, "train_loss": 1.25, "note": "x" * 200})
+except OSError as exc:
+    print(exc.errno)
+"""
+
+
+def test_a_metrics_line_the_disk_cuts_short_is_taken_back(tmp_path):
+    import errno
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-c", FILLED_MID_LINE, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, check=True, timeout=60)
+    assert done.stdout.strip() == str(errno.EFBIG), done.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "train_loss": 1.5}\n'

@@ -217,3 +217,36 @@ def test_a_disk_that_fills_between_a_batch_and_its_seq_loses_no_later_item(tmp_p
         assert api.requests == [1, 2]  # nothing sent twice
     finally:
         api.stop()
+
+
+def test_a_checkpoint_whose_listing_the_api_has_not_acknowledged_is_not_pruned(tmp_path):
+    """With the API away, keep_last=1 keeps every checkpoint saved since (their listings
+    wait in the spool); once the API acknowledged them, the next save prunes them."""
+    from trainers.common.checkpointing import TrainerState, list_checkpoints, save_checkpoint
+    from trainers.common.data import DataCursor
+
+    api = FakeReportAPI().start()
+    rep = Reporter(url=api.url, token="tok", spool_dir=tmp_path / "spool", flush_interval_s=0.02, max_backoff_s=0.1)
+    root = tmp_path / "checkpoints"
+
+    def save(step: int) -> None:
+        rep.metric(step=step, train_loss=1.0)
+        save_checkpoint(root, TrainerState(step=step, epoch=0, cursor=DataCursor()),
+                        lambda d: (d / "weights").write_bytes(b"w"), keep_last=1, reporter=rep)
+
+    save(1)
+    assert rep.flush(timeout_s=10)
+    api.stop()
+    save(2)
+    save(3)
+    assert [step for step, _ in list_checkpoints(root)] == [2, 3]
+    assert rep.unacknowledged_checkpoints() == {2, 3}
+
+    api = FakeReportAPI(port=api.port).start()
+    assert rep.flush(timeout_s=10)
+    save(4)
+    assert [step for step, _ in list_checkpoints(root)] == [4]
+    assert rep.close(timeout_s=10)
+    api.stop()
+    listed = [i["step"] for b in api.applied for i in b["items"] if i["type"] == "checkpoint"]
+    assert listed == [2, 3, 4] and api.metric_steps() == [2, 3, 4]

@@ -370,8 +370,14 @@ def test_sigterm_then_resume_on_a_fresh_pod_continues_the_same_losses(
     assert main(["--spec", str(tmp_path / "spec.json")]) == ExitCode.SUCCESS
     reports = _reports(tmp_path / "pod2", job)
     assert any(r["type"] == "event" and r["message"] == f"resumed from step-{stopped['step']}" for r in reports)
+    # It lists the checkpoint it resumed from again, from the bucket (not uploaded again),
+    # with the rows since the periodic checkpoint before it, and did not start over.
+    every = spec.checkpoint.every_n_steps
+    since = stopped["step"] - (stopped["step"] - 1) % every - 1
     resumed_steps = [r["step"] for r in reports if r["type"] == "metric"]
-    assert resumed_steps == list(range(stopped["step"] + 1, 11))  # it did not start over
+    assert resumed_steps == list(range(since + 1, 11))
+    relisted = next(r for r in reports if r["type"] == "checkpoint")
+    assert (relisted["step"], relisted["location"]) == (stopped["step"], stopped["location"])
 
     reference = _remote_losses(client, uninterrupted["job"])
     resumed = _remote_losses(client, job)  # rows before the checkpoint come from pod 1
