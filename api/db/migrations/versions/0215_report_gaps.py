@@ -1,6 +1,6 @@
 """jobs.report_gaps: what a job's records lack that its trainer's outputs could not supply
 
-Revision ID: 0212_report_gaps
+Revision ID: 0215_report_gaps
 Revises: 0214_uploads_permissions
 Create Date: 2026-12-06 09:00:00
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0212_report_gaps"
+revision = "0215_report_gaps"
 down_revision = "0214_uploads_permissions"
 branch_labels = None
 depends_on = None
