@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run serve test test-fast lint services browser-deps bench-deps bench clean
+.PHONY: install run serve test test-fast lint services browser-deps bench-deps bench image-deps images images-check clean
 
 $(STAMP): pyproject.toml requirements/torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,19 @@ bench-deps:
 
 bench: install bench-deps services
 	$(PY) bench/run_all.py
+
+# The container images (deploy/docker/), built with Debian's podman against a Debian base
+# made here by debootstrap (no registry is needed), then checked and smoke-run from their
+# filesystems (tests/deploy/images/). See DEVELOPERS.md, "Container images".
+image-deps:
+	@{ command -v podman && command -v debootstrap; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman debootstrap >/dev/null; }
+
+images: install image-deps
+	$(PY) scripts/build_images.py
+
+images-check: images services
+	TUNEFLEET_IMAGE_CHECKS=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/deploy/images -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) .tunefleet test-output .pytest_cache

@@ -72,6 +72,19 @@ def _unavailable(what: str, why: object) -> None:
     pytest.skip(message)
 
 
+def stop_process_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+    """Signal ``proc``'s process group (it was started in a session of its own) and wait;
+    SIGKILL once ``timeout`` passes."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -19,17 +19,29 @@ FROM ${PYTHON_IMAGE} AS build
 
 ARG EXTRAS=server
 
+# pip's cache lives in a build cache mount (RUN --mount=type=cache), never in a layer.
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
-# Dependencies first (cached until pyproject.toml changes), then the code.
-COPY pyproject.toml README.md ./
+# Versions: every package is held to the tested version by the constraints files; torch
+# (only with the torch extra) is installed first and alone, as in the Makefile. The
+# dependencies are installed before the code is copied (each extra's constraints file is
+# its whole dependency closure), so a code change only reinstalls the project itself.
 COPY requirements/torch.txt requirements/torch.txt
+COPY deploy/docker/constraints/ /tmp/constraints/
+# hadolint ignore=DL3013
+RUN --mount=type=cache,target=/root/.cache/pip \
+    cat /tmp/constraints/*.txt > /tmp/constraints.txt \
+ && for extra in $(IFS=,; echo ${EXTRAS}); do cat "/tmp/constraints/${extra}.txt"; done > /tmp/closure.txt \
+ && pip install --no-compile "pip==26.3" \
+ && case ",${EXTRAS}," in *,torch,*) pip install --no-compile -c /tmp/constraints.txt -r requirements/torch.txt ;; esac \
+ && pip install --no-compile -c /tmp/constraints.txt -r /tmp/closure.txt
+
+COPY pyproject.toml README.md ./
 COPY api ./api
 COPY worker ./worker
 COPY control ./control
@@ -38,14 +50,8 @@ COPY kube ./kube
 COPY trainers ./trainers
 COPY tunefleet ./tunefleet
 COPY inference ./inference
-COPY deploy/docker/constraints/ /tmp/constraints/
-# Versions: every package is held to the tested version by the constraints files; torch
-# (only with the torch extra) is installed first and alone, as in the Makefile.
-# hadolint ignore=DL3013
-RUN cat /tmp/constraints/*.txt > /tmp/constraints.txt \
- && pip install --no-compile "pip==26.3" \
- && case ",${EXTRAS}," in *,torch,*) pip install --no-compile -c /tmp/constraints.txt -r requirements/torch.txt ;; esac \
- && pip install --no-compile -c /tmp/constraints.txt ".[${EXTRAS}]" \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile -c /tmp/constraints.txt ".[${EXTRAS}]" \
  && if [ "${EXTRAS}" = "server" ]; then python -c "import importlib.util as u, sys; bad=[m for m in ('torch','jax') if u.find_spec(m)]; sys.exit(f'server image must not contain {bad}' if bad else 0)"; fi
 
 # ---- runtime ---------------------------------------------------------------------------

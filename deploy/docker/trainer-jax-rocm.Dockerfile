@@ -16,9 +16,13 @@ ARG ROCM_IMAGE=rocm/dev-ubuntu-22.04:7.2.3-complete
 
 FROM ${ROCM_IMAGE} AS build
 
+# What JAX runs on: "rocm" (the default: AMD's plugin wheels, which load ROCm from the base
+# image) or "cpu" (JAX's own CPU backend: the same image built on a plain Debian base with
+# Python 3.11, to build and run where no GPU is, as in CI).
+ARG ACCELERATOR=rocm
+# pip's cache lives in a build cache mount (RUN --mount=type=cache), never in a layer.
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 # Ubuntu 22.04 ships Python 3.11 in universe (the default python3 is 3.10). Not pinned to a
@@ -33,8 +37,24 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 
 # AMD's documented order: PJRT plugin, JAX plugin, jaxlib, jax; all at one version.
-RUN pip install --no-compile "pip==26.3" \
- && pip install --no-compile "jax-rocm7-pjrt==0.10.2" "jax-rocm7-plugin==0.10.2" "jaxlib==0.10.2" "jax==0.10.2"
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile "pip==26.3" \
+ && case "${ACCELERATOR}" in \
+      rocm) pip install --no-compile "jax-rocm7-pjrt==0.10.2" "jax-rocm7-plugin==0.10.2" "jaxlib==0.10.2" "jax==0.10.2" ;; \
+      cpu) pip install --no-compile "jaxlib==0.10.2" "jax==0.10.2" ;; \
+      *) echo "ACCELERATOR must be rocm or cpu, not ${ACCELERATOR}" >&2; exit 1 ;; \
+    esac
+
+# Versions: held to the tested ones by the constraints files. The trackers extra: MLflow
+# and W&B, which a job's `integrations` may mirror to. Each constraints file is its extra's
+# whole dependency closure: installed before the code is copied, so a code change only
+# reinstalls the project itself.
+COPY deploy/docker/constraints/jax.txt /tmp/constraints.txt
+COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
+# hadolint ignore=DL3013
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile -c /tmp/constraints.txt -c /tmp/constraints-trackers.txt \
+      -r /tmp/constraints.txt -r /tmp/constraints-trackers.txt
 
 COPY pyproject.toml README.md ./
 COPY trainers ./trainers
@@ -45,13 +65,11 @@ COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY inference/__init__.py ./inference/__init__.py
-COPY deploy/docker/constraints/jax.txt /tmp/constraints.txt
-COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
-# Versions: held to the tested ones by the constraints files. The trackers extra: MLflow
-# and W&B, which a job's `integrations` may mirror to.
 # hadolint ignore=DL3013
-RUN pip install --no-compile -c /tmp/constraints.txt -c /tmp/constraints-trackers.txt ".[jax,trackers]" \
- && python -c "import jax, jax_rocm7_plugin; assert jax.__version__ == '0.10.2', jax.__version__" \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile -c /tmp/constraints.txt -c /tmp/constraints-trackers.txt ".[jax,trackers]" \
+ && python -c "import jax; assert jax.__version__ == '0.10.2', jax.__version__" \
+ && if [ "${ACCELERATOR}" = rocm ]; then python -c "import jax_rocm7_plugin"; fi \
  && python -c "import mlflow, wandb; print('mlflow', mlflow.__version__, 'wandb', wandb.__version__)"
 
 FROM ${ROCM_IMAGE} AS runtime

@@ -19,8 +19,12 @@ FROM ${PYTHON_IMAGE} AS build
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG TORCH_INDEX_URL=""
+# What torch must be built for: "cuda" (the default: the build fails on a torch without
+# CUDA) or "cpu" (a build whose package sources give torch's CPU wheel, as CI's do: the same
+# image without GPU code, to build and run where no GPU is).
+ARG ACCELERATOR=cuda
+# pip's cache lives in a build cache mount (RUN --mount=type=cache), never in a layer.
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 RUN python -m venv /opt/venv
@@ -31,9 +35,23 @@ WORKDIR /src
 # later resolution can pull a different build; then the torch extra (transformers, peft,
 # bitsandbytes, hqq, ... pinned in pyproject.toml) with torch held by a constraint.
 COPY requirements/torch.txt requirements/torch.txt
-RUN pip install --no-compile "pip==26.3" \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile "pip==26.3" \
  && pip install --no-compile ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} -r requirements/torch.txt \
- && pip freeze | grep -i '^torch==' > /tmp/torch-constraint.txt
+ && pip freeze | grep -i '^torch==' > /tmp/torch-constraint.txt \
+ && python -c "import os, sys, torch; cuda = torch.version.cuda; want = os.environ['ACCELERATOR']; print('torch', torch.__version__, 'cuda', cuda); sys.exit(0 if want in ('cuda', 'cpu') and bool(cuda) == (want == 'cuda') else f'torch {torch.__version__} is not a {want} build')"
+
+# Versions: held to the tested ones by the constraints files (torch: the build installed
+# above). The trackers extra: MLflow and W&B, which a job's `integrations` may mirror to.
+# Each constraints file is its extra's whole dependency closure: installed before the code
+# is copied, so a code change only reinstalls the project itself.
+COPY deploy/docker/constraints/torch.txt /tmp/constraints.txt
+COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
+# hadolint ignore=DL3013
+RUN --mount=type=cache,target=/root/.cache/pip \
+    grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
+ && pip install --no-compile -c /tmp/constraints-no-torch.txt -c /tmp/torch-constraint.txt \
+      -c /tmp/constraints-trackers.txt -r /tmp/constraints-no-torch.txt -r /tmp/constraints-trackers.txt
 
 COPY pyproject.toml README.md ./
 COPY trainers ./trainers
@@ -46,15 +64,11 @@ COPY scheduling/__init__.py ./scheduling/__init__.py
 COPY kube/__init__.py ./kube/__init__.py
 COPY tunefleet/__init__.py ./tunefleet/__init__.py
 COPY inference/__init__.py ./inference/__init__.py
-COPY deploy/docker/constraints/torch.txt /tmp/constraints.txt
-COPY deploy/docker/constraints/trackers.txt /tmp/constraints-trackers.txt
-# Versions: held to the tested ones by the constraints files (torch: the build installed above).
-# The trackers extra: MLflow and W&B, which a job's `integrations` may mirror to.
 # hadolint ignore=DL3013
-RUN grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
- && pip install --no-compile -c /tmp/constraints-no-torch.txt -c /tmp/torch-constraint.txt \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --no-compile -c /tmp/constraints-no-torch.txt -c /tmp/torch-constraint.txt \
       -c /tmp/constraints-trackers.txt ".[torch,trackers]" \
- && python -c "import torch, bitsandbytes, hqq, peft, transformers; assert torch.version.cuda, 'torch without CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+ && python -c "import torch, bitsandbytes, hqq, peft, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && python -c "import mlflow, wandb; print('mlflow', mlflow.__version__, 'wandb', wandb.__version__)"
 
 FROM ${PYTHON_IMAGE} AS runtime

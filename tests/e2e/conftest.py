@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, flush_redis_db, free_port, own_pg_database
+from tests.conftest import REPO, flush_redis_db, free_port, own_pg_database, stop_process_group
 
 CLI = [sys.executable, "-c", "from tunefleet.cli import app; app()"]
 ENSURE_ADMIN = [sys.executable, "-c", ("from api.settings import get_settings; "
@@ -77,14 +77,8 @@ class Service:
 
     def stop(self, role: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         proc = self.procs.pop(role, None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            stop_process_group(proc, sig, timeout)
 
     def wait_http(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

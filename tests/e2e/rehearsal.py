@@ -33,9 +33,7 @@ endpoint, the public URL and the API's port), as an operator names their own.
 from __future__ import annotations
 
 import base64
-import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -44,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, stop_process_group
 from tests.deploy.chart import find, render
 
 VENV_BIN = Path(sys.executable).parent
@@ -192,15 +190,8 @@ class Container:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 20.0) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout=timeout)
 
     def tail(self, chars: int = 4000) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from api.artifacts import sha256_file
 from api.db.models import Artifact, Checkpoint, Job
 from api.db.session import session_scope
 from api.jobs.lifecycle import add_event
@@ -24,7 +25,6 @@ from api.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
 from api.reports.schemas import ArtifactsItem
 from api.settings import Settings, get_settings
 from control.job_settings import JobSettings
-from trainers.common.peft_export import sha256_file
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)
