@@ -76,14 +76,19 @@ class MetricsLog:
     def __init__(self, output_dir: str | Path, *, resume_step: int | None = None) -> None:
         self.path = Path(output_dir) / METRICS_LOG
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
+        if resume_step is None or not self.path.exists():
+            # A fresh run, or a resume into an output dir of its own (from another run's
+            # checkpoint): the log starts empty.
             self.path.write_text("", encoding="utf-8")
-        elif self.path.exists():
+        else:
             keep = [
                 line for line in self.path.read_text(encoding="utf-8").splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= resume_step
             ]
-            self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            # Replaced whole: a kill mid-write leaves the old log, never half of the kept one.
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            os.replace(tmp, self.path)
 
     def append(self, row: dict[str, Any]) -> None:
         """Append ``row`` as one whole line, or nothing: a write the disk cuts short (full)
