@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from api.errors import APIError
+from api.responses import send_error
+from control.errors import APIError
 
 Scope = dict[str, Any]
 ASGIApp = Callable[..., Any]
@@ -69,11 +70,11 @@ class BodySizeLimitMiddleware:
                 await self._refuse(send)
 
     async def _refuse(self, send: Callable[..., Any]) -> None:
-        await APIError(
+        await send_error(APIError(
             413, "request_too_large",
             f"The request body is larger than {self.max_bytes} bytes; send less per request.",
             headers={"Connection": "close"},
-        ).send_asgi(send)
+        ), send)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -24,17 +24,17 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.artifacts import ArtifactStore
-from api.auth import authenticate, authenticate_cached
-from api.db.models import ApiKey, Tenant
-from api.errors import APIError
 from api.jobs.pages import JobPageCache
-from api.models.base_models import BaseModelRegistry
 from api.outputs.stream import StreamSlots
-from api.queue import TaskQueue
 from api.rate_limits import mark_verified
-from api.settings import Settings
 from api.ui.session import session_api_key
+from control.artifacts import ArtifactStore
+from control.auth import authenticate, authenticate_cached
+from control.db.models import ApiKey, Tenant
+from control.errors import APIError
+from control.models.base_models import BaseModelRegistry
+from control.queue import TaskQueue
+from control.settings import Settings
 from scheduling.pools import NodePool
 
 

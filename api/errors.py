@@ -136,9 +136,7 @@ internal_error                 500   a bug; the message holds no details
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -149,73 +147,16 @@ from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalErr
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.responses import error_response
+from api.route_auth import authenticate_route
 from api.schemas.errors import ErrorResponse
+from control.errors import APIError
 
 log = logging.getLogger(__name__)
 
 # Seconds a client waits before retrying while the database is unreachable: a restart or
 # a failover takes seconds.
 DATABASE_RETRY_AFTER_S = 5
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error answer with a stable code; raise it from routes and query functions."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str | None = None,
-        details: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.type = type or _TYPES.get(status, "api_error")
-        self.details = details
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {
-            "message": self.message,
-            "type": self.type,
-            "param": self.param,
-            "code": self.code,
-        }
-        if self.details:
-            error["details"] = self.details
-        return {"error": error}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-    async def send_asgi(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        """Answer this error through a raw ASGI ``send`` (pure ASGI middlewares, outside
-        FastAPI's exception handlers)."""
-        body = json.dumps(self.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(name.lower().encode(), value.encode()) for name, value in (self.headers or {}).items()]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 # What each error status means on any route; routes list theirs with ``error_responses``.
@@ -236,11 +177,6 @@ _MEANINGS = {
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` for a route decorator: each status answers the error envelope."""
     return {status: {"model": ErrorResponse, "description": _MEANINGS[status]} for status in statuses}
-
-
-def not_found(kind: str, object_id: str, *, param: str | None = None) -> APIError:
-    """The 404 for a missing object (also for another tenant's: isolation, not 403)."""
-    return APIError(404, "not_found", f"No {kind} found with id '{object_id}'.", param=param)
 
 
 def _param_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
@@ -300,16 +236,15 @@ def _unreadable_body(exc: StarletteHTTPException) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error through the OpenAI error envelope."""
-    from api.route_auth import authenticate_route  # it needs the dependencies, which need us
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         await authenticate_route(request)  # a 401 comes before anything about the body
-        return validation_error(exc).response()
+        return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -326,26 +261,26 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             error = APIError(exc.status_code, "http_error", str(exc.detail))
         error.headers = headers or None
-        return error.response()
+        return error_response(error)
 
     @app.exception_handler(DataError)
     async def _data(_request: Request, exc: DataError) -> JSONResponse:
         # The database refused a value the schemas let through (a NUL character in a
         # string, an integer past the column's range): the input is wrong, not the server.
         log.info("database refused a request value: %s", exc.orig)
-        return APIError(
+        return error_response(APIError(
             400, "invalid_request",
             "A value in the request cannot be stored (NUL character or number out of range).",
-        ).response()
+        ))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         if database_unavailable(exc):
             log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
-            return APIError(503, "database_unavailable", "The database is unavailable; retry shortly.",
-                            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)}).response()
+            return error_response(APIError(503, "database_unavailable", "The database is unavailable; retry shortly.",
+                                           headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)}))
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal_error", "Internal server error.", type="api_error").response()
+        return error_response(APIError(500, "internal_error", "Internal server error.", type="api_error"))
 
 
 def database_unavailable(exc: BaseException) -> bool:

@@ -16,31 +16,31 @@ from fastapi import FastAPI
 
 from api import observability, rate_limits, webhooks
 from api.admin import routes as admin
-from api.artifacts import artifact_store, file_store
 from api.body_limit import BodySizeLimitMiddleware
 from api.checkpoint_permissions import routes as checkpoint_permissions
-from api.db.session import get_engine, session_factory
 from api.errors import install_error_handlers
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
 from api.graders import routes as graders
 from api.health import routes as health
-from api.inference import preload
 from api.inference import routes as inference
 from api.jobs import routes as jobs
 from api.jobs.pages import CachedJobListMiddleware, JobPageCache
 from api.models import routes as models
-from api.models.base_models import load_base_models
 from api.openapi import install_openapi
 from api.outputs import routes as outputs
 from api.outputs.logs import kubernetes_log, register_log_reader
 from api.outputs.stream import StreamSlots
-from api.queue import CeleryQueue, TaskQueue
 from api.reports import routes as reports
-from api.settings import Settings, get_settings
 from api.ui.routes import mount_ui
 from api.uploads import routes as uploads
+from control import inference_preload as preload
+from control.artifacts import artifact_store, file_store
+from control.db.session import get_engine, session_factory
+from control.models.base_models import load_base_models
+from control.queue import CeleryQueue, TaskQueue
+from control.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ def _ensure_admin_key(settings: Settings) -> None:
     straight from uvicorn, and nothing else would)."""
     from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-    from api.errors import APIError
-    from tunefleet.cli.operator import ensure_admin_key
+    from control.bootstrap import ensure_admin_key
+    from control.errors import APIError
 
     for attempt in range(2):
         try:

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
+from control.errors import APIError
 
 T = TypeVar("T")
 

@@ -51,9 +51,10 @@ from limits.aio.strategies import FixedWindowRateLimiter
 from limits.errors import StorageError
 from limits.storage import storage_from_string
 
-from api.errors import APIError
-from api.ids import hash_secret
-from api.settings import Settings
+from api.responses import send_error
+from control.errors import APIError
+from control.ids import hash_secret
+from control.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -291,8 +292,8 @@ def _credential_digest(scope: Scope) -> str | None:
 
 
 async def _refuse(send: Callable[..., Any], wait_s: int) -> None:
-    await APIError(
+    await send_error(APIError(
         429, "rate_limited",
         f"Too many requests (or failed authentications) from this client; retry after {wait_s} s.",
         headers={"Retry-After": str(wait_s)},
-    ).send_asgi(send)
+    ), send)

@@ -1,14 +1,19 @@
 """Response classes named for what they send, so ``/openapi.json`` documents the real
-media type of each non-JSON route (FastAPI takes it from ``response_class``)."""
+media type of each non-JSON route (FastAPI takes it from ``response_class``), and an
+error sent as OpenAI's error envelope, through FastAPI or through a raw ASGI ``send``."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from control.errors import APIError
 
 if TYPE_CHECKING:
-    from api.artifacts import OpenedObject
+    from control.artifacts import OpenedObject
 
 
 class OctetStreamResponse(StreamingResponse):
@@ -35,3 +40,18 @@ def attachment(opened: OpenedObject, *, filename: str, media_type: str = "applic
     return StreamingResponse(opened.chunks, media_type=media_type, headers={
         "Content-Length": str(opened.size), "Content-Disposition": f'attachment; filename="{filename}"',
         **(headers or {})})
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """``exc`` as a JSON response in the error envelope."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def send_error(exc: APIError, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    """Answer ``exc`` through a raw ASGI ``send`` (pure ASGI middlewares, outside FastAPI's
+    exception handlers)."""
+    body = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in (exc.headers or {}).items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import SessionDep, get_current_key, require_admin
 from api.rate_limits import mark_verified
-from api.reports.ingest import authenticate_job
+from control.reports.ingest import authenticate_job
 
 
 def job_token(

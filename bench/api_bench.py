@@ -100,9 +100,9 @@ def wrk(url: str, *, duration: int, connections: int, headers: dict[str, str],
 def processed_file(session: Any, tenant: Any) -> Any:
     """A training file of ``tenant`` marked validated (500 chat examples), with no content:
     the benchmarks create jobs from it, nothing trains."""
-    from api.db.models import File
-    from api.files.validation import apply_validation
-    from api.ids import new_id
+    from control.db.models import File
+    from control.files.validation import apply_validation
+    from control.ids import new_id
 
     file = File(id=new_id("file"), tenant_id=tenant.id, filename="bench.jsonl", bytes=1,
                 purpose="fine-tune", status="uploaded", location="files/none", sha256="0" * 64)
@@ -115,13 +115,13 @@ def processed_file(session: Any, tenant: Any) -> Any:
 
 def seed(url: str, n_jobs: int) -> tuple[str, str]:
     """A tenant with a key, one processed file and ``n_jobs`` queued jobs; returns (key, file)."""
-    from api.auth import create_api_key, create_tenant
-    from api.db.session import session_scope
     from api.jobs.commands import create_job
     from api.jobs.schemas import JobCreate
-    from api.models.base_models import load_base_models
-    from api.queue import RecordingQueue
-    from api.settings import Settings
+    from control.auth import create_api_key, create_tenant
+    from control.db.session import session_scope
+    from control.models.base_models import load_base_models
+    from control.queue import RecordingQueue
+    from control.settings import Settings
 
     settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
     models = load_base_models(settings)
@@ -131,7 +131,7 @@ def seed(url: str, n_jobs: int) -> tuple[str, str]:
         file = processed_file(session, tenant)
     body = JobCreate(model="tunefleet-tiny-llama", training_file=file.id)
     with session_scope(url) as session:
-        from api.db.models import Tenant
+        from control.db.models import Tenant
 
         tenant = session.get_one(Tenant, tenant.id)
         for i in range(n_jobs):
@@ -177,8 +177,8 @@ def measure_in_process(url: str, key: str, *, requests: int, concurrency: int,
     from fastapi import FastAPI
 
     from api.main import create_app
-    from api.queue import RecordingQueue
-    from api.settings import Settings
+    from control.queue import RecordingQueue
+    from control.settings import Settings
 
     settings = Settings(_env_file=None, database_url=url, data_dir=Path(tempfile.mkdtemp()))
     app = create_app(settings, queue=RecordingQueue())
@@ -239,7 +239,7 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     work = Path(tempfile.mkdtemp(prefix="tf-bench-"))
     try:
-        from api.db.migrate import upgrade
+        from control.db.migrate import upgrade
 
         upgrade(url)
         t0 = time.perf_counter()
@@ -332,7 +332,7 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
-        from api.db.session import dispose_engine
+        from control.db.session import dispose_engine
 
         dispose_engine(url)
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

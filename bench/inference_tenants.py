@@ -77,7 +77,7 @@ class Service:
                         f"ensure_demo_model; ensure_demo_model(Path({str(data / 'models')!r}))")],
                        cwd=root, env=env, check=True)
         subprocess.run([*CLI, "db", "upgrade"], cwd=root, env=env, check=True, capture_output=True)
-        subprocess.run([sys.executable, "-c", ("from api.settings import get_settings; from tunefleet.cli.operator "
+        subprocess.run([sys.executable, "-c", ("from control.settings import get_settings; from tunefleet.cli.operator "
                         "import ensure_admin_key; ensure_admin_key(get_settings())")],
                        cwd=root, env=env, check=True, capture_output=True)
         with (data / "api.log").open("wb") as api_log, (data / "inference.log").open("wb") as worker_log:

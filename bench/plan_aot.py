@@ -92,7 +92,8 @@ import jax
 from jax.sharding import Mesh
 
 from control.job_settings import JobSettings, quantization_for
-from scheduling.estimator import HEADROOM, base_model_shape, estimate_on_pool, flops_per_token
+from scheduling.estimator import HEADROOM, estimate_on_pool, flops_per_token
+from scheduling.model_files import base_model_shape
 from scheduling.pools import GIB, NodePool, load_pools
 from scheduling.request import training_shape
 from trainers.jax_lora.config import LlamaConfig

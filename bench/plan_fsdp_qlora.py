@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from control.job_settings import JobSettings
-from scheduling.estimator import HEADROOM, base_model_shape, estimate_on_pool, memory_per_gpu
+from scheduling.estimator import HEADROOM, estimate_on_pool, memory_per_gpu
+from scheduling.model_files import base_model_shape
 from scheduling.pools import GIB, load_pools
 from scheduling.request import training_shape
 from trainers.fsdp_qlora.distributed import DistContext, apply_activation_checkpointing, shard_model

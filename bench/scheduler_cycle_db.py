@@ -80,13 +80,13 @@ def count_events(database: str) -> int:
 
 
 def seed(settings, n_jobs: int, seed_value: int = 0) -> None:
-    from api.auth import create_tenant
-    from api.db.models import Tenant
-    from api.db.session import session_scope
     from api.jobs.commands import create_job
     from api.jobs.schemas import JobCreate
-    from api.models.base_models import load_base_models
-    from api.queue import RecordingQueue
+    from control.auth import create_tenant
+    from control.db.models import Tenant
+    from control.db.session import session_scope
+    from control.models.base_models import load_base_models
+    from control.queue import RecordingQueue
 
     rng = random.Random(seed_value)
     models = load_base_models(settings)
@@ -116,8 +116,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=10_000)
     args = parser.parse_args()
 
-    from api.db.migrate import upgrade
-    from api.settings import Settings
+    from control.db.migrate import upgrade
+    from control.settings import Settings
     from worker.scheduler import cycle as cycle_module
     from worker.scheduler.cycle import run_cycle
     from worker.scheduler.store import DbStore
@@ -185,7 +185,7 @@ def main() -> None:
         print(f"a cycle with nothing changed ({len(third.plan.waiting)} waiting, {events_third} events written): "
               f"{steady:.2f} s, planning {planning[2]:.2f} s")
     finally:
-        from api.db.session import dispose_engine
+        from control.db.session import dispose_engine
 
         dispose_engine(url)
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -21,7 +21,7 @@ job it creates, the estimate it shows, the scheduler's request (``scheduling.req
 the trainer spec (``worker.spec_builder``) all read one value.
 
 Hyperparameters keep OpenAI's ``"auto"`` until the training file is validated;
-``api.jobs.hyperparameters`` resolves them and the row stores the result
+``control.jobs.hyperparameters`` resolves them and the row stores the result
 (``JobSettings.resolved`` says whether that happened). ``row_columns`` writes back only the
 fields that were read or given (pydantic's fields set): a row round-trips unchanged, and no
 default is copied into one.
@@ -144,7 +144,7 @@ class HyperparameterSettings(_Settings):
     max_grad_norm: float | None = _spec_default(HyperparametersSpec, "max_grad_norm")
     max_steps: int | None = _spec_default(HyperparametersSpec, "max_steps")
     total_steps: int | None = None
-    """Set when the hyperparameters are resolved (``api.jobs.hyperparameters``)."""
+    """Set when the hyperparameters are resolved (``control.jobs.hyperparameters``)."""
 
     @property
     def resolved(self) -> bool:

@@ -3,7 +3,7 @@
 Fixtures (function scope unless noted):
 
 ``settings``
-    ``api.settings.Settings`` with a fresh temporary data dir, a SQLite database already
+    ``control.settings.Settings`` with a fresh temporary data dir, a SQLite database already
     migrated by Alembic (a copy of a session-wide template, so it costs milliseconds),
     and the server-less broker ``sqla+sqlite:///<data>/broker.db``. ``env="test"``. Its
     data dir holds the files of the demo model the registry lists, as ``serve`` builds
@@ -92,7 +92,7 @@ def free_port() -> int:
 
 
 def make_settings(data_dir: Path, **overrides: Any):
-    from api.settings import Settings
+    from control.settings import Settings
 
     values: dict[str, Any] = {
         "env": "test",
@@ -111,7 +111,7 @@ def make_settings(data_dir: Path, **overrides: Any):
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SQLite database migrated once by Alembic; tests copy it."""
-    from api.db.migrate import upgrade
+    from control.db.migrate import upgrade
 
     path = tmp_path_factory.mktemp("sqlite-template") / "tunefleet.db"
     upgrade(f"sqlite:///{path}")
@@ -143,8 +143,8 @@ def pg_url() -> Iterator[str]:
     admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     admin.execute(f"CREATE DATABASE {name}")
     url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    from api.db.migrate import upgrade
-    from api.db.session import dispose_engine
+    from control.db.migrate import upgrade
+    from control.db.session import dispose_engine
 
     upgrade(url)
     try:
@@ -165,7 +165,7 @@ def own_pg_database(pg_url: str, suffix: str) -> Iterator[str]:
     is gone) and spend their slots on it."""
     import psycopg
 
-    from api.db.session import dispose_engine
+    from control.db.session import dispose_engine
 
     name = f"{pg_url.rsplit('/', 1)[1]}_{suffix}"
     url = f"{pg_url.rsplit('/', 1)[0]}/{name}"
@@ -262,7 +262,7 @@ def _claim_redis_db(claims: Any) -> int:
 
 @pytest.fixture
 def db_session(settings) -> Iterator[Any]:
-    from api.db.session import session_factory
+    from control.db.session import session_factory
 
     session = session_factory(settings.resolved_database_url)()
     try:
@@ -289,9 +289,9 @@ class InlineQueue:
         return True
 
     def validate(self, file_id: str) -> list[str]:
-        from api.artifacts import file_store
-        from api.db.session import session_scope
-        from api.files.validation import validate_file
+        from control.artifacts import file_store
+        from control.db.session import session_scope
+        from control.files.validation import validate_file
 
         with session_scope(self.settings.resolved_database_url) as session:
             return validate_file(session, file_store(self.settings), file_id)
@@ -332,9 +332,9 @@ class TenantKey:
 
 @pytest.fixture
 def tenant_key(settings) -> Callable[..., TenantKey]:
-    from api.auth import create_api_key, create_tenant
-    from api.db.session import session_scope
-    from api.ids import new_id
+    from control.auth import create_api_key, create_tenant
+    from control.db.session import session_scope
+    from control.ids import new_id
 
     def make(name: str | None = None, admin: bool = False) -> TenantKey:
         with session_scope(settings.resolved_database_url) as session:

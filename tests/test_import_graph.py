@@ -18,8 +18,12 @@ functions and under ``TYPE_CHECKING`` alike, because each one is a dependency of
 
 - ``api`` (the HTTP service) never imports ``worker`` (Celery tasks, executors, the
   scheduler loop): the API enqueues work by task name, so it runs without the worker code;
+- ``worker`` never imports ``api``: what both need (settings, database, lifecycle,
+  artifacts, errors, webhooks' outbox, report ingestion, ...) is the core, ``control``;
 - ``control`` (the control-plane core both of them import) imports neither ``api`` nor
-  ``worker``, nor the CLI or the inference worker;
+  ``worker``, nor ``tunefleet`` (the CLI and the SDK);
+- nothing outside ``tunefleet`` imports the CLI (``tunefleet.cli``): it is the top of
+  the graph, which starts the rest;
 - ``trainers`` (run inside training pods) never imports ``api``, ``worker``, ``control``
   or ``scheduling``: a trainer image carries no service code;
 - ``scheduling`` (placement and estimation decisions, pure) imports neither ``api`` nor
@@ -29,8 +33,9 @@ functions and under ``TYPE_CHECKING`` alike, because each one is a dependency of
   ``trainers.spec``, nothing else;
 - ``inference`` (the inference worker process) imports none of the service packages: the
   API resolves what a tenant may use into paths and sends them over the local channel;
-- ``api`` reaches ``inference`` only through its client (``inference.client`` and the
-  ``inference.protocol`` shapes it speaks), never the engine that loads torch and models.
+- ``api`` and ``control`` reach ``inference`` only through its client
+  (``inference.client`` and the ``inference.protocol`` shapes it speaks), never the engine
+  that loads torch and models.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ PACKAGES = sorted({*first_party_packages(), "api", "worker", "control", "trainer
 # importer package -> packages it must never import
 FORBIDDEN = {
     "api": ("worker",),
-    "control": ("api", "worker", "tunefleet", "inference"),
+    "worker": ("api",),
+    "control": ("api", "worker", "tunefleet"),
     "trainers": ("api", "worker", "control", "scheduling", "inference"),
     "scheduling": ("api", "worker", "inference"),
     "inference": ("api", "worker", "control", "scheduling", "tunefleet"),
@@ -77,7 +83,7 @@ JOB_SETTINGS_IMPORTS = ("pydantic", "trainers.spec")
 @dataclass(frozen=True)
 class Import:
     importer: str  # module name, e.g. "api.jobs.routes"
-    target: str  # the first-party module it names, e.g. "api.db.session"
+    target: str  # the first-party module it names, e.g. "control.db.session"
     line: int
     at_import_time: bool  # runs when the importer is imported (counts for cycles)
 
@@ -240,13 +246,25 @@ def test_layering(graph: list[Import], importer: str) -> None:
     assert not violations, f"{importer} must not import {', '.join(forbidden)}:\n" + "\n".join(violations)
 
 
-def test_api_reaches_inference_only_through_its_client(graph: list[Import]) -> None:
+@pytest.mark.parametrize("importer", ["api", "control"])
+def test_the_service_reaches_inference_only_through_its_client(graph: list[Import], importer: str) -> None:
     violations = sorted(
         f"{e.importer} imports {e.target} (line {e.line})"
         for e in graph
-        if _package(e.importer) == "api" and _package(e.target) == "inference" and e.target not in INFERENCE_CLIENT
+        if _package(e.importer) == importer and _package(e.target) == "inference"
+        and e.target not in INFERENCE_CLIENT
     )
-    assert not violations, f"api may import only {', '.join(INFERENCE_CLIENT)}:\n" + "\n".join(violations)
+    assert not violations, f"{importer} may import only {', '.join(INFERENCE_CLIENT)}:\n" + "\n".join(violations)
+
+
+def test_nothing_imports_the_cli_but_the_cli_package(graph: list[Import]) -> None:
+    violations = sorted(
+        f"{e.importer} imports {e.target} (line {e.line})"
+        for e in graph
+        if (e.target == "tunefleet.cli" or e.target.startswith("tunefleet.cli."))
+        and _package(e.importer) != "tunefleet"
+    )
+    assert not violations, "only tunefleet may import tunefleet.cli:\n" + "\n".join(violations)
 
 
 def test_scheduling_reads_only_the_job_settings_of_control(graph: list[Import]) -> None:
@@ -291,7 +309,7 @@ def test_the_purity_rule_tells_allowed_imports_from_others() -> None:
     assert all(map(_allowed_in_job_settings, ("typing", "collections.abc", "pydantic", "pydantic.fields",
                                               "trainers.spec", "__future__")))
     assert not any(map(_allowed_in_job_settings, ("sqlalchemy", "trainers", "trainers.common.formats",
-                                                  "api.settings", "pydantic_settings", "scheduling", ".spec")))
+                                                  "control.settings", "pydantic_settings", "scheduling", ".spec")))
 
 
 def test_the_checker_sees_each_kind_of_import(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ loses nothing. Every task is therefore idempotent by its job/file id.
 
 Start a worker with ``tunefleet worker`` (or ``celery -A worker.celery_app worker``).
 While its consumer runs, the worker writes a heartbeat that ``/readyz`` checks
-(``api.health.worker_heartbeat``).
+(``control.worker_heartbeat``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.consumer.tasks import Tasks
 
-from api.health import worker_heartbeat
-from api.settings import Settings, get_settings
+from control import worker_heartbeat
+from control.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Prometheus endpoints of the Celery worker and the scheduler (``TUNEFLEET_METRICS_PORT``).
 
 Both processes serve ``/metrics`` and ``/healthz`` from a thread of their own
-(``api.observability.exporter``); the chart scrapes them with a PodMonitor and probes
+(``control.observability.exporter``); the chart scrapes them with a PodMonitor and probes
 ``/healthz``:
 
 - worker: its counters (webhook delivery failures counted by the delivery task). The
@@ -25,12 +25,12 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily
 
-from api.observability.exporter import Heartbeat, serve_metrics
-from api.settings import Settings
+from control.observability.exporter import Heartbeat, serve_metrics
+from control.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# The consumer beats every 10 s (api.health.worker_heartbeat.BEAT_INTERVAL_S); three missed beats
+# The consumer beats every 10 s (control.worker_heartbeat.BEAT_INTERVAL_S); three missed beats
 # and more mean it stopped consuming.
 WORKER_HEARTBEAT = Heartbeat("the worker's consumer", stale_after_s=45.0)
 SCHEDULER_HEARTBEAT = Heartbeat("the scheduling loop", stale_after_s=120.0)
@@ -76,7 +76,7 @@ def start_worker_metrics(settings: Settings) -> None:
     """Serve the worker's ``/metrics`` and ``/healthz`` when ``metrics_port`` is set."""
     if not settings.metrics_port:
         return
-    from api.observability.metrics import process_registry
+    from control.observability.registry import process_registry
 
     serve_metrics(settings.metrics_port, process_registry(), WORKER_HEARTBEAT.stale_reason,
                   token=_token(settings))
@@ -87,9 +87,9 @@ def start_scheduler_metrics(settings: Settings) -> None:
     """Serve the scheduler's ``/metrics`` (with the database gauges when it exports them)."""
     if not settings.metrics_port:
         return
-    from api.db.session import session_factory
-    from api.observability.collectors import DatabaseCollector, set_pool_capacity_provider
-    from api.observability.metrics import process_registry
+    from control.db.session import session_factory
+    from control.observability.collectors import DatabaseCollector, set_pool_capacity_provider
+    from control.observability.registry import process_registry
     from scheduling.pools import load_pools
 
     # A slow configured interval must not read as a stuck loop.

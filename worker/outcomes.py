@@ -40,11 +40,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from api.artifacts import ArtifactStore
-from api.db.models import Job
-from api.files.commands import create_result_file
-from api.jobs.lifecycle import add_event, start_admitted_launch, transition
-from api.jobs.queries import latest_checkpoint
+from control.artifacts import ArtifactStore
+from control.db.models import Job
+from control.files.results import create_result_file
+from control.jobs.checkpoints import latest_checkpoint
+from control.jobs.lifecycle import add_event, start_admitted_launch, transition
 from scheduling.estimator import candidate_gpu_counts
 from scheduling.pools import NodePool
 from scheduling.usage import close_segment
@@ -67,7 +67,7 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
     """Turn ``outcome`` into the job's next state (see the module docstring).
 
     Args:
-        session: a session holding ``job`` locked (``api.jobs.lifecycle.lock_job``); the caller commits.
+        session: a session holding ``job`` locked (``control.jobs.lifecycle.lock_job``); the caller commits.
         job: the job the outcome is about.
         outcome: what the executor observed; ``outcome.attempt`` None means the current attempt.
         files: the artifact store (the result CSV of a succeeded job is written there).

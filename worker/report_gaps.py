@@ -26,12 +26,12 @@ from typing import Any
 
 from sqlalchemy import select
 
-from api.artifacts import ArtifactStore, LocalArtifactStore, artifact_store
-from api.db.models import Checkpoint, Job, JobMetric
-from api.jobs.lifecycle import add_event
-from api.reports.ingest import apply_recovered
-from api.reports.schemas import CheckpointItem, MetricItem
-from api.settings import Settings
+from control.artifacts import ArtifactStore, LocalArtifactStore, artifact_store
+from control.db.models import Checkpoint, Job, JobMetric
+from control.jobs.lifecycle import add_event
+from control.reports.ingest import apply_recovered
+from control.reports.schemas import CheckpointItem, MetricItem
+from control.settings import Settings
 from worker.spec_builder import job_output_key
 
 log = logging.getLogger(__name__)

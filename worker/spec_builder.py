@@ -23,11 +23,11 @@ from typing import get_args
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.artifacts import ArtifactStore, artifact_store, file_store
-from api.db.models import File, Job, ReportBatch
-from api.models.base_models import load_base_models
-from api.settings import Settings
+from control.artifacts import ArtifactStore, artifact_store, file_store
+from control.db.models import File, Job, ReportBatch
 from control.job_settings import HyperparameterSettings, JobSettings, TrainerChoice
+from control.models.base_models import load_base_models
+from control.settings import Settings
 from trainers.spec import (
     CheckpointSpec,
     DataFormat,

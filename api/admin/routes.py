@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from api import auth
 from api.admin.schemas import (
     KeyCreate,
     KeyCreated,
@@ -16,9 +15,11 @@ from api.admin.schemas import (
     TenantPublic,
     TenantsPublic,
 )
-from api.db.models import ApiKey, Tenant
 from api.deps import AdminDep, SessionDep
-from api.errors import error_responses, not_found
+from api.errors import error_responses
+from control import auth
+from control.db.models import ApiKey, Tenant
+from control.errors import not_found
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

@@ -11,10 +11,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.checkpoint_permissions.queries import PARAM, SharedModel
-from api.db.base import utcnow
-from api.db.models import CheckpointPermission, Tenant
-from api.errors import APIError, not_found
-from api.ids import new_id
+from control.db.base import utcnow
+from control.db.models import CheckpointPermission, Tenant
+from control.errors import APIError, not_found
+from control.ids import new_id
 
 
 def _checked_tenants(session: Session, shared: SharedModel, project_ids: list[str]) -> list[str]:

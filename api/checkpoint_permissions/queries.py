@@ -15,12 +15,12 @@ from typing import Literal
 from sqlalchemy import and_, exists, or_, select
 from sqlalchemy.orm import Session
 
-from api.db.models import ApiKey, Artifact, Checkpoint, CheckpointPermission, Job
-from api.errors import APIError, not_found
-from api.jobs.schemas import fine_tuned_model_id
 from api.models.fine_tuned import tenant_adapters
 from api.pagination import page_by_created
-from api.reports.ingest import ADAPTER_WEIGHTS
+from control.db.models import ApiKey, Artifact, Checkpoint, CheckpointPermission, Job
+from control.errors import APIError, not_found
+from control.jobs.naming import fine_tuned_model_id
+from control.reports.ingest import ADAPTER_WEIGHTS
 
 _NAME = re.compile(r"^(?P<model>ft:.+?)(?::ckpt-step-(?P<step>\d{1,12}))?$")
 PARAM = "fine_tuned_model_checkpoint"

@@ -6,9 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from api.db.base import to_unix
-from api.db.models import CheckpointPermission
 from api.schemas.common import ListPublic, PublicObject, Strict
+from control.db.base import to_unix
+from control.db.models import CheckpointPermission
 
 # Tenants one request may grant (OpenAI sets no number; the list must stay a request's worth).
 MAX_PROJECT_IDS = 100

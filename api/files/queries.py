@@ -8,10 +8,10 @@ from typing import Literal
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from api.db.base import utcnow
-from api.db.models import File, Tenant
-from api.errors import not_found
 from api.pagination import page_by_created
+from control.db.base import utcnow
+from control.db.models import File, Tenant
+from control.errors import not_found
 
 # OpenAI's list files returns up to 10,000 files a page, and that many by default.
 MAX_LIST_LIMIT = 10_000

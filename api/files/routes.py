@@ -8,14 +8,16 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from api.artifacts import open_or_404
 from api.deps import CurrentTenant, FileStoreDep, QueueDep, SessionDep, SettingsDep
-from api.errors import error_responses, not_found
+from api.errors import error_responses
 from api.files import commands, queries
 from api.files.schemas import FileDeleted, FilePublic, FilesPublic
 from api.files.uploads import receive_upload
 from api.responses import attachment, body_content
 from api.schemas.common import PageAfter
+from control.artifacts import open_or_404
+from control.errors import not_found
+from control.files.results import RESULTS_PURPOSE
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -98,7 +100,7 @@ def file_content(
     # A file being deleted has lost its content already: it is gone, as its row soon is.
     opened = open_or_404(store, row.location, not_found("file", file_id))
     # Uploads are JSONL; a job's results file is a CSV.
-    media_type, suffix = ("text/csv", "csv") if row.purpose == commands.RESULTS_PURPOSE else ("application/jsonl", "jsonl")
+    media_type, suffix = ("text/csv", "csv") if row.purpose == RESULTS_PURPOSE else ("application/jsonl", "jsonl")
     return attachment(opened, filename=f"{row.id}.{suffix}", media_type=media_type)
 
 

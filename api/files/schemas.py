@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from api.db.base import to_unix
-from api.db.models import File
 from api.schemas.common import ListPublic
+from control.db.base import to_unix
+from control.db.models import File
 
 
 class FilePublic(BaseModel):

@@ -22,7 +22,7 @@ from pathlib import Path
 from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from api.errors import APIError
+from control.errors import APIError
 
 MAX_FIELD_BYTES = 4096
 # A file and a purpose are all an upload carries; more parts are refused before parsing them.

@@ -17,17 +17,18 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.db.models import File, Job, Tenant
-from api.errors import APIError
 from api.files.queries import get_file
 from api.fleet.pools import capacity_snapshot
 from api.fleet.schemas import EstimateRequest
 from api.jobs.commands import base_model_and_settings
-from api.jobs.hyperparameters import micro_batch_for, resolve_settings
-from api.models.base_models import BaseModelEntry
+from control.db.models import File, Job, Tenant
+from control.errors import APIError
 from control.job_settings import AUTO, JobSettings
+from control.jobs.hyperparameters import micro_batch_for, resolve_settings
+from control.models.base_models import BaseModelEntry
 from scheduling.capacity import CapacitySnapshot
-from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate, base_model_shape
+from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate
+from scheduling.model_files import base_model_shape
 from scheduling.placement import (
     Placement,
     PreemptionPolicy,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 def _estimable(settings: JobSettings) -> JobSettings:
     """The settings with the micro batch a given batch size resolves to (the ``"auto"``
-    rule of ``api.jobs.hyperparameters``), so an estimate before the training file is
+    rule of ``control.jobs.hyperparameters``), so an estimate before the training file is
     validated counts the micro batch the job will run with."""
     hp = settings.hyperparameters
     if hp.micro_batch_size is not None or hp.batch_size == AUTO:

@@ -19,10 +19,10 @@ from fastapi import FastAPI
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.db.models import ApiKey, Job, PoolCapacity
 from api.fleet.usage import to_timestamp
-from api.observability.collectors import set_pool_capacity_provider
-from api.settings import Settings
+from control.db.models import ApiKey, Job, PoolCapacity
+from control.observability.collectors import set_pool_capacity_provider
+from control.settings import Settings
 from scheduling.capacity import CapacitySnapshot, HeldGpus
 from scheduling.pools import NodePool, load_pools
 

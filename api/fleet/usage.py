@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from api.db.models import ApiKey, Job, Tenant
-from api.errors import APIError, not_found
+from control.db.models import ApiKey, Job, Tenant
+from control.errors import APIError, not_found
 from scheduling.usage import sum_usage
 
 

@@ -25,14 +25,14 @@ from fastapi import Request
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
 from api.inference.completions import local_routing, serve_completion
 from api.inference.proxy import proxy_completion
 from api.inference.schemas import DEFAULT_CHAT_MAX_TOKENS
 from api.inference.served_models import ServedModel, resolve_served_model
-from api.models.base_models import BaseModelRegistry
-from api.settings import Settings
-from api.webhooks.urls import TargetURLError, checked_target, pinned_request
+from control.errors import APIError
+from control.models.base_models import BaseModelRegistry
+from control.settings import Settings
+from control.webhooks.urls import TargetURLError, checked_target, pinned_request
 from inference.client import GenerationRequest
 from inference.protocol import Sampling
 from trainers.common.graders import ChatCompletionError, ChatReply, ChatRequest

@@ -25,11 +25,11 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
 from api.graders.model_chat import ModelChat, resolve_grader_models
 from api.inference.completions import TenantSlots
-from api.models.base_models import BaseModelRegistry
-from api.settings import Settings
+from control.errors import APIError
+from control.models.base_models import BaseModelRegistry
+from control.settings import Settings
 from trainers.common.graders import (
     GraderInvalid,
     GradingContext,

@@ -1,5 +1,5 @@
 """``/healthz`` (the process answers) and ``/readyz`` (database and broker reachable, and a
-worker consuming: its heartbeat is fresh, see ``api.health.worker_heartbeat``)."""
+worker consuming: its heartbeat is fresh, see ``control.worker_heartbeat``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from sqlalchemy import Engine, text
 
 from api.deps import EngineDep, SettingsDep
 from api.health.schemas import HealthPublic, ReadinessPublic
-from api.health.worker_heartbeat import check_worker
-from api.settings import Settings
+from control.settings import Settings
+from control.worker_heartbeat import check_worker
 
 router = APIRouter(tags=["health"])
 

@@ -44,10 +44,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Histogram
 from starlette.types import Receive, Scope, Send
 
-from api.errors import APIError
-from api.ids import new_id
 from api.inference.served_models import ServedModel
-from api.settings import Settings
+from control.errors import APIError
+from control.ids import new_id
+from control.settings import Settings
 from inference.client import (
     GenerationRequest,
     InferenceClient,

@@ -26,9 +26,9 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from api.errors import APIError
 from api.inference.completions import REQUESTS, TOKENS, SlotStreamingResponse, admit, token_budget
 from api.inference.served_models import ServedModel
+from control.errors import APIError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from api.deps import BaseModelsDep, CurrentTenant, SessionDep, SettingsDep
-from api.errors import APIError, error_responses
+from api.errors import error_responses
 from api.inference.completions import local_routing, serve_completion
 from api.inference.proxy import proxy_completion
 from api.inference.schemas import (
@@ -29,7 +29,8 @@ from api.inference.schemas import (
     CompletionCreate,
 )
 from api.inference.served_models import ServedModel, resolve_served_model
-from api.settings import Settings
+from control.errors import APIError
+from control.settings import Settings
 from inference.client import GenerationRequest
 from inference.protocol import Sampling
 

@@ -25,13 +25,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.checkpoint_permissions.queries import sharing_owner
-from api.db.models import Artifact, Checkpoint, Job
-from api.errors import APIError
-from api.jobs.schemas import fine_tuned_model_id
-from api.models.base_models import BaseModelEntry
 from api.models.fine_tuned import tenant_adapters
-from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
-from api.settings import Settings
+from control.db.models import Artifact, Checkpoint, Job
+from control.errors import APIError
+from control.jobs.naming import fine_tuned_model_id
+from control.models.base_models import BaseModelEntry
+from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
+from control.settings import Settings
 
 ADAPTER_DIR = "adapter"
 _CHECKPOINT = re.compile(r"^(?P<model>ft:.+):ckpt-step-(?P<step>\d{1,12})$")

@@ -2,9 +2,9 @@
 in ``api.jobs.queries``.
 
 Creation checks the model, files and extensions, resolves ``"auto"`` hyperparameters
-(see ``api.jobs.hyperparameters``) once the training file's example count is known, and moves
+(see ``control.jobs.hyperparameters``) once the training file's example count is known, and moves
 the job to ``queued`` through the lifecycle; a job whose files are still being validated
-waits in ``validating_files`` and is advanced by ``advance_after_validation``.
+waits in ``validating_files`` and is advanced by ``control.jobs.queueing``.
 
 A file's validated format must suit the job's method: a DPO job trains on preference
 files only and a supervised job on any other format (400 ``file_method_mismatch`` when
@@ -28,22 +28,21 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
-from api.errors import APIError, not_found
 from api.files.queries import get_file
-from api.ids import hash_secret, new_id, new_job_token
-from api.jobs.hyperparameters import resolve_hyperparameters
-from api.jobs.lifecycle import add_event, lock_job, transition
-from api.jobs.queries import latest_checkpoint, opens
+from api.jobs.queries import opens
 from api.jobs.schemas import JobCreate
-from api.models.base_models import BaseModelEntry
-from api.models.hub import parse_hub_id
-from api.queue import SCHEDULE, TaskQueue
+from control.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
+from control.errors import APIError, not_found
+from control.ids import hash_secret, new_id, new_job_token
 from control.job_settings import JobSettings
-from scheduling.estimator import missing_model_files
+from control.jobs.checkpoints import latest_checkpoint
+from control.jobs.lifecycle import add_event, lock_job, transition
+from control.jobs.queueing import file_error, method_mismatch, queue_if_files_ready
+from control.models.base_models import BaseModelEntry
+from control.models.hub import parse_hub_id
+from control.queue import SCHEDULE, TaskQueue
+from scheduling.model_files import missing_model_files
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
-
-MAX_FIRST_ERRORS = 5
 
 log = logging.getLogger(__name__)
 
@@ -53,39 +52,6 @@ def request_hash(body: dict[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
-
-def _file_error(file: File, param: str) -> APIError:
-    report = file.validation or {}
-    errors = list(report.get("errors") or [])[:MAX_FIRST_ERRORS]
-    where = "; ".join(
-        f"line {e.get('line')}: {e.get('code')}: {e.get('message')}" if e.get("line") is not None
-        else f"{e.get('code')}: {e.get('message')}"
-        for e in errors
-    )
-    return APIError(
-        400, "invalid_file",
-        f"File '{file.id}' failed validation ({report.get('n_errors', len(errors))} problems)"
-        + (f": {where}" if where else "."),
-        param=param, details={"errors": errors, "n_errors": report.get("n_errors", len(errors))},
-    )
-
-
-def _method_mismatch(file: File, method: str, param: str) -> APIError | None:
-    """The error when validated ``file`` cannot train with ``method``; None when it can
-    (or is not validated yet)."""
-    found = (file.validation or {}).get("format")
-    if file.status != "processed" or found is None or (found == "preference") == (method == "dpo"):
-        return None
-    if method == "dpo":
-        message = (f"File '{file.id}' is in '{found}' format, but a DPO job (method.type 'dpo') "
-                   "trains on preference data: lines with 'input', 'preferred_output' and "
-                   "'non_preferred_output'.")
-    else:
-        message = (f"File '{file.id}' holds preference data ('input', 'preferred_output', "
-                   "'non_preferred_output'), which trains only with method "
-                   "{\"type\": \"dpo\"}; a supervised job needs chat, prompt/completion, "
-                   "alpaca or ShareGPT lines.")
-    return APIError(400, "file_method_mismatch", message, param=param)
 
 
 def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> File:
@@ -97,7 +63,7 @@ def _usable_file(session: Session, tenant: Tenant, file_id: str, param: str) -> 
         raise APIError(400, "invalid_file", f"File '{file_id}' has purpose '{file.purpose}', "
                        "not 'fine-tune'.", param=param)
     if file.status == "error":
-        raise _file_error(file, param)
+        raise file_error(file, param)
     return file
 
 
@@ -188,7 +154,7 @@ def create_job(
         if body.validation_file else None
     )
     for file, param in ((training, "training_file"), (validation, "validation_file")):
-        mismatch = _method_mismatch(file, settings.method.type, param) if file is not None else None
+        mismatch = method_mismatch(file, settings.method.type, param) if file is not None else None
         if mismatch is not None:
             raise mismatch
     job = Job(
@@ -206,7 +172,7 @@ def create_job(
                                        request_hash=digest, job_id=job.id))
             session.flush()
         add_event(session, job, f"Created fine-tuning job: {job.id}", type="message")
-        queued = _queue_if_files_ready(session, job)
+        queued = queue_if_files_ready(session, job)
         if estimate is not None:
             job.estimate = _estimate_or_error(estimate, job)
             refusal = no_pool_fits_error(job.estimate, queue_anyway=body.placement.queue_if_unfit)
@@ -252,48 +218,6 @@ def no_pool_fits_error(estimate: dict[str, Any], *, queue_anyway: bool) -> APIEr
         param="placement", details={"pools": unfit},
     )
 
-
-def _queue_if_files_ready(session: Session, job: Job) -> bool:
-    """validating_files -> queued (resolving "auto") or -> failed; True when queued."""
-    files = [session.get_one(File, job.training_file)]
-    if job.validation_file:
-        files.append(session.get_one(File, job.validation_file))
-    settings = JobSettings.from_row(job)
-    method = settings.method.type
-    for file, param in zip(files, ("training_file", "validation_file"), strict=False):
-        error = _file_error(file, param) if file.status == "error" else _method_mismatch(file, method, param)
-        if error is not None:
-            transition(session, job, "failed", actor="system", message=error.message,
-                       error={"code": error.code, "message": error.message, "param": param})
-            return False
-    if any(f.status != "processed" for f in files):
-        return False
-    n_examples = int((files[0].validation or {}).get("n_examples") or 0)
-    resolved = resolve_hyperparameters(settings.stored_hyperparameters(), n_examples, method=method)
-    transition(
-        session, job, "queued", actor="system",
-        message=f"Files validated ({n_examples} training examples); job queued.",
-        hyperparameters=resolved, total_steps=resolved["total_steps"],
-    )
-    return True
-
-
-def advance_after_validation(session: Session, file: File) -> list[str]:
-    """Advance the jobs waiting on ``file``; returns the ids of jobs now queued."""
-    waiting = session.scalars(
-        select(Job.id).where(
-            Job.status == "validating_files",
-            (Job.training_file == file.id) | (Job.validation_file == file.id),
-        )
-    ).all()
-    queued: list[str] = []
-    for job_id in waiting:
-        job = lock_job(session, job_id)
-        if job is not None and job.status == "validating_files" and _queue_if_files_ready(
-            session, job
-        ):
-            queued.append(job.id)
-    return queued
 
 
 def cancel_job(session: Session, key: ApiKey, job_id: str, *, queue: TaskQueue) -> Job:

@@ -4,7 +4,7 @@ Clients poll the job list; rebuilding a page (query, ORM rows, JSON) costs sever
 more than the rest of the request. Each API process keeps the bytes of the pages it
 served, keyed by everything that selects the page (tenant, ``after``, ``limit``,
 ``status``, the ``metadata[...]`` filter), together with the tenant's job-change counter
-(``api.db.job_versions``) read just before the page was built. A request reads the
+(``control.db.job_versions``) read just before the page was built. A request reads the
 counter again (one primary-key lookup) and reuses the bytes only if it is unchanged.
 
 Why that is safe across processes: every transaction that writes a tenant's jobs bumps
@@ -17,7 +17,7 @@ under its own tenant id.
 ``CachedJobListMiddleware`` answers a repeated list request from this cache before FastAPI
 does any work (routing, dependency solving, query parsing cost ~10x a bare endpoint): the
 page is keyed by the raw query string, so it needs no parsing, and the tenant comes from
-the API-key cache (``api.auth.cached_tenant_id``, the same cache and TTL the route's
+the API-key cache (``control.auth.cached_tenant_id``, the same cache and TTL the route's
 authentication uses). Anything it cannot answer, or doubts, goes to the route unchanged.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.auth import cached_tenant_id
-from api.db.job_versions import read_job_list_version
+from control.auth import cached_tenant_id
+from control.db.job_versions import read_job_list_version
 
 MAX_CACHE_BYTES = 32 * 1024 * 1024  # ~1,000 pages of 20 jobs
 

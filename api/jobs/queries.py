@@ -9,12 +9,12 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.db.job_versions import job_list_version
-from api.db.models import ApiKey, Checkpoint, Job, JobEvent, Tenant
-from api.errors import APIError, not_found
 from api.jobs.pages import JobPageCache, PageKey
 from api.jobs.schemas import jobs_page_json
 from api.pagination import check_limit, page_newest_first
+from control.db.job_versions import job_list_version
+from control.db.models import ApiKey, Checkpoint, Job, JobEvent, Tenant
+from control.errors import APIError, not_found
 
 
 def tenant_jobs(tenant: Tenant):
@@ -76,11 +76,6 @@ def list_jobs_json(
         pages.put(key, version, body)
     return body
 
-
-def latest_checkpoint(session: Session, job: Job) -> Checkpoint | None:
-    return session.scalar(
-        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc())
-    )
 
 
 def list_events(

@@ -18,7 +18,7 @@ from api.deps import (
     SessionDep,
     SettingsDep,
 )
-from api.errors import APIError, error_responses
+from api.errors import error_responses
 from api.fleet.estimate import estimate_job
 from api.jobs import commands, queries
 from api.jobs.schemas import (
@@ -32,6 +32,7 @@ from api.jobs.schemas import (
 )
 from api.jobs.trackers import check_tracking_uris
 from api.schemas.common import PageAfter, PageLimit
+from control.errors import APIError
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 

@@ -9,7 +9,7 @@ Unknown fields are refused with their path in ``param``.
 ``method`` is OpenAI's: ``{"type": "supervised", "supervised": {"hyperparameters": ...}}``
 or ``{"type": "dpo", "dpo": {"hyperparameters": {"beta", "batch_size",
 "learning_rate_multiplier", "n_epochs"}}}`` (each a value or "auto"; resolved as
-``api.jobs.hyperparameters`` says). A DPO job trains on a file in OpenAI's preference format,
+``control.jobs.hyperparameters`` says). A DPO job trains on a file in OpenAI's preference format,
 a supervised job on any other format.
 
 ``suffix`` follows OpenAI's rule: 1 to 64 characters. It is shown as given in
@@ -23,7 +23,6 @@ higher runs first.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -39,10 +38,11 @@ from pydantic import (
 )
 from pydantic_core import to_json
 
-from api.db.base import to_unix
-from api.db.models import Checkpoint, Job, JobEvent
 from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
+from control.db.base import to_unix
+from control.db.models import Checkpoint, Job, JobEvent
 from control.job_settings import JobSettings, method_type_of, quantization_for
+from control.jobs.naming import checkpoint_model_id
 from scheduling.priorities import priority_value
 from trainers.spec import DEFAULT_TARGET_MODULES, MethodType
 
@@ -455,19 +455,4 @@ class CheckpointPublic(BaseModel):
 CheckpointsPublic = ListPublic[CheckpointPublic]
 
 
-_NOT_IN_MODEL_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
-
-def model_name_suffix(suffix: str) -> str:
-    """The part of a fine-tuned model's name a user's ``suffix`` becomes (module docstring)."""
-    return _NOT_IN_MODEL_NAME.sub("-", suffix)
-
-
-def fine_tuned_model_id(job: Job) -> str:
-    """``ft:<base>:<org>[:<suffix>]:<job id>`` (OpenAI's pattern, ids instead of names)."""
-    suffix = f":{model_name_suffix(job.suffix)}" if job.suffix else ""
-    return f"ft:{job.model}:{job.tenant_id}{suffix}:{job.id}"
-
-
-def checkpoint_model_id(job: Job, step: int) -> str:
-    return f"{fine_tuned_model_id(job)}:ckpt-step-{step}"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from api.errors import APIError
-from api.settings import Settings
+from control.errors import APIError
+from control.settings import Settings
 from trainers.common.target_urls import TargetURLError, check_target, split_hosts
 
 CODES = {

@@ -12,11 +12,11 @@ import logging
 from sqlalchemy import delete, exists, select
 from sqlalchemy.orm import Session
 
-from api.artifacts import store_for
-from api.db.models import TERMINAL_STATUSES, Artifact, Job, Tenant
-from api.errors import APIError, not_found
-from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
-from api.settings import Settings
+from control.artifacts import store_for
+from control.db.models import TERMINAL_STATUSES, Artifact, Job, Tenant
+from control.errors import APIError, not_found
+from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
+from control.settings import Settings
 
 log = logging.getLogger(__name__)
 

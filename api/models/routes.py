@@ -10,8 +10,6 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from api.checkpoint_permissions.queries import shared_with
-from api.db.base import to_unix
-from api.db.models import CheckpointPermission, Job, RegisteredModel
 from api.deps import (
     AdminDep,
     BaseModelsDep,
@@ -21,11 +19,14 @@ from api.deps import (
     SettingsDep,
     StartedAtDep,
 )
-from api.errors import APIError, error_responses, not_found
-from api.models.base_models import BaseModelEntry
+from api.errors import error_responses
 from api.models.fine_tuned import delete_fine_tuned_model, tenant_adapters
-from api.models.registry import delete_registered_model, register_model
 from api.models.schemas import ModelCreate, ModelDeleted, ModelPublic, ModelsPublic
+from control.db.base import to_unix
+from control.db.models import CheckpointPermission, Job, RegisteredModel
+from control.errors import APIError, not_found
+from control.models.base_models import BaseModelEntry
+from control.models.registry import delete_registered_model, register_model
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -75,8 +76,8 @@ def create_model(body: ModelCreate, session: SessionDep, key: AdminDep, settings
                  queue: QueueDep, registry: BaseModelsDep) -> dict[str, Any]:
     """Register a base model (admins). A directory or s3:// checkpoint is checked now and
     answered ``ready``; a Hub id is answered ``fetching`` until the worker has it."""
-    row = register_model(session, settings, registry, body, admin_tenant_id=key.tenant_id,
-                         queue=queue)
+    row = register_model(session, settings, registry, source=body.source, model_id=body.id, hf_id=body.hf_id,
+                         admin_tenant_id=key.tenant_id, queue=queue)
     return _registered(row, admin=True)
 
 

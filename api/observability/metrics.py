@@ -1,10 +1,7 @@
-"""Process metrics (request latency, webhook failures) and the ``/metrics`` route.
+"""The API's request latency and the ``/metrics`` route.
 
-Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (several uvicorn/Celery worker
-processes), counters and histograms are written to that directory by every process and
-``/metrics`` aggregates them with ``MultiProcessCollector``; the directory must be
-emptied at deployment start (prometheus-client's rule). Without it, the in-process
-default registry is served. The database gauges (``collectors.py``) are added when
+``/metrics`` serves ``control.observability.registry.process_registry`` (every process's
+counters in multiprocess mode). The database gauges (``control.observability.collectors``) are added when
 ``TUNEFLEET_METRICS_DATABASE_GAUGES`` is ``api`` (one API replica); with ``scheduler`` the
 scheduler process exports them instead, once for the whole deployment, so summing over
 every scraped replica counts each job once.
@@ -23,9 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
     CollectorRegistry,
-    Counter,
     Histogram,
     generate_latest,
 )
@@ -34,19 +29,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import SessionFactoryDep, SettingsDep
-from api.errors import APIError
-from api.observability.collectors import DatabaseCollector
-from api.settings import Settings
+from control.errors import APIError
+from control.observability.collectors import DatabaseCollector
+from control.observability.registry import process_registry
+from control.settings import Settings
 
 REQUEST_LATENCY = Histogram(
     "tunefleet_http_request_duration_seconds",
     "API request latency by method, route template and status code",
     ["method", "route", "status"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-)
-WEBHOOK_FAILURES = Counter(
-    "tunefleet_webhook_delivery_failures",
-    "Failed webhook delivery attempts (non-2xx, timeout, refused target)",
 )
 
 
@@ -98,18 +90,6 @@ class RequestLatencyMiddleware:
 router = APIRouter(include_in_schema=False)
 
 
-def process_registry() -> CollectorRegistry:
-    """This process's counters and histograms: every process's in multiprocess mode."""
-    registry = CollectorRegistry()
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(registry)
-    else:
-        # The in-process metrics of the default registry, without re-registering them.
-        registry.register(_DefaultRegistryCollector())
-    return registry
-
 
 def _registry(settings: Settings, factory: sessionmaker[Session], *, job_series: bool) -> CollectorRegistry:
     registry = process_registry()
@@ -117,10 +97,6 @@ def _registry(settings: Settings, factory: sessionmaker[Session], *, job_series:
         registry.register(DatabaseCollector(lambda: factory, job_series=job_series))
     return registry
 
-
-class _DefaultRegistryCollector:
-    def collect(self):
-        return REGISTRY.collect()
 
 
 @router.get("/metrics", response_model=None)

@@ -24,9 +24,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from api.db.models import Job
-from api.errors import APIError
-from api.settings import Settings
+from control.db.models import Job
+from control.errors import APIError
+from control.settings import Settings
 
 log = logging.getLogger(__name__)
 

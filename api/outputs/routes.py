@@ -21,8 +21,6 @@ from fastapi.responses import PlainTextResponse, RedirectResponse, Response, Str
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import ArtifactStore, open_or_404, safe_key, sha256_stored, store_for
-from api.db.models import ApiKey, Artifact, Checkpoint, Job, JobMetric
 from api.deps import (
     CurrentKey,
     QueueDep,
@@ -31,17 +29,20 @@ from api.deps import (
     SettingsDep,
     StreamSlotsDep,
 )
-from api.errors import APIError, error_responses
-from api.jobs.lifecycle import add_event
+from api.errors import error_responses
 from api.jobs.queries import get_job
 from api.outputs import stream
-from api.outputs.exports import request_export
 from api.outputs.logs import read_job_log
 from api.outputs.schemas import ArtifactsPublic, ExportCreate, ExportPublic, MetricsPublic
-from api.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
-from api.reports.schemas import PREFERENCE_METRICS
 from api.responses import EventStreamResponse, OctetStreamResponse, attachment
-from api.settings import Settings
+from control.artifacts import ArtifactStore, open_or_404, safe_key, sha256_stored, store_for
+from control.db.models import ApiKey, Artifact, Checkpoint, Job, JobMetric
+from control.errors import APIError
+from control.exports import request_export
+from control.jobs.lifecycle import add_event
+from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
+from control.reports.schemas import PREFERENCE_METRICS
+from control.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def create_export(job_id: str, body: ExportCreate, session: SessionDep, key: Cur
 
     Progress and the result are job events; the files appear among the job's artifacts
     under ``artifacts_prefix``. Asking again for an export that is queued, running or
-    finished answers that export (``api.outputs.exports``).
+    finished answers that export (``control.exports``).
     """
     job = get_job(session, key, job_id)
     output = session.scalar(select(Artifact.location).where(Artifact.job_id == job.id,

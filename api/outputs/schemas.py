@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.db.models import Export
-from api.outputs.exports import artifacts_prefix
-from api.reports.schemas import PreferenceMetrics
+from control.db.models import Export
+from control.exports import artifacts_prefix
+from control.reports.schemas import PreferenceMetrics
 
 
 class MetricPublic(PreferenceMetrics):

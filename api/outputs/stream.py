@@ -27,10 +27,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
-from api.db.models import Job, JobEvent, JobMetric
-from api.errors import APIError
 from api.jobs.schemas import JobEventPublic
 from api.responses import EventStreamResponse
+from control.db.models import Job, JobEvent, JobMetric
+from control.errors import APIError
 
 POLL_S = 0.5
 IDLE_POLL_S = 3.0

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends, Header, Request
 
 from api.deps import SessionDep, SettingsDep
 from api.errors import error_responses
-from api.reports.ingest import apply_report, authenticate_job, check_report_size
-from api.reports.schemas import ReportAck, ReportBatchIn
 from api.route_auth import job_token
+from control.reports.ingest import apply_report, authenticate_job, check_report_size
+from control.reports.schemas import ReportAck, ReportBatchIn
 
 router = APIRouter(prefix="/internal/v1/jobs", tags=["internal"])
 

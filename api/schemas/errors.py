@@ -1,6 +1,6 @@
 """The error envelope every failed request answers with (OpenAI's shape).
 
-``api.errors.APIError.body()`` writes it; this model documents it in ``/openapi.json``.
+``control.errors.APIError.body()`` writes it; this model documents it in ``/openapi.json``.
 """
 
 from __future__ import annotations

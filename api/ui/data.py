@@ -21,14 +21,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import func, or_, select
 
-from api.db.models import JOB_STATUSES, ApiKey, Job, JobMetric, Tenant
 from api.deps import SessionDep
-from api.errors import APIError
 from api.files.queries import get_file
-from api.jobs.hyperparameters import resolve_hyperparameters
 from api.jobs.schemas import JobPublic
 from api.pagination import page_newest_first
 from api.ui import session as ui_session
+from control.db.models import JOB_STATUSES, ApiKey, Job, JobMetric, Tenant
+from control.errors import APIError
+from control.jobs.hyperparameters import resolve_hyperparameters
 
 router = APIRouter(prefix="/ui/api", include_in_schema=False)
 

@@ -13,7 +13,7 @@ import datetime as dt
 from sqlalchemy import String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from api.db.base import Base
+from control.db.base import Base
 
 
 class RevokedUiSession(Base):

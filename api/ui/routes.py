@@ -21,14 +21,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from api.auth import authenticate
-from api.db.models import ApiKey, Job, Tenant
 from api.deps import SessionDep
-from api.errors import APIError
 from api.jobs.queries import may_open
 from api.ui import session as ui_session
 from api.ui.data import router as data_router
 from api.ui.headers import DashboardHeadersMiddleware
+from control.auth import authenticate
+from control.db.models import ApiKey, Job, Tenant
+from control.errors import APIError
 
 UI_DIR = Path(__file__).parent
 STATIC_DIR = UI_DIR / "static"

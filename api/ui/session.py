@@ -37,11 +37,11 @@ from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from api.db.base import utcnow
-from api.db.models import ApiKey
-from api.errors import APIError
-from api.settings import Settings, get_settings
 from api.ui.models import RevokedUiSession
+from control.db.base import utcnow
+from control.db.models import ApiKey
+from control.errors import APIError
+from control.settings import Settings, get_settings
 
 SESSION_COOKIE = "tf_session"
 LOGIN_CSRF_COOKIE = "tf_login_csrf"

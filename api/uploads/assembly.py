@@ -14,8 +14,8 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from api.artifacts import ArtifactStore
 from api.files.uploads import Utf8Check
+from control.artifacts import ArtifactStore
 
 
 @dataclass

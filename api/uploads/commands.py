@@ -14,20 +14,21 @@ import datetime as dt
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from api.artifacts import ArtifactStore
-from api.db.base import utcnow
-from api.db.models import File, Tenant, Upload, UploadPart
-from api.errors import APIError
 from api.files import uploads as multipart
 from api.files.commands import add_file, file_key
-from api.ids import new_id
-from api.queue import VALIDATE_FILE, TaskQueue
 from api.uploads.assembly import Assembled, assemble
 from api.uploads.queries import get_upload, parts_in_order, received, require_pending
 from api.uploads.schemas import MAX_PARTS, UploadComplete, UploadCreate
+from control.artifacts import ArtifactStore
+from control.db.base import utcnow
+from control.db.models import File, Tenant, Upload, UploadPart
+from control.errors import APIError
+from control.ids import new_id
+from control.queue import VALIDATE_FILE, TaskQueue
+from control.uploads import upload_folder
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ log = logging.getLogger(__name__)
 UPLOAD_TTL = dt.timedelta(hours=1)
 MAX_PART_BYTES = 64 * 1024 * 1024
 
-
-def upload_folder(upload_id: str) -> str:
-    """The file-store folder of an upload's parts."""
-    return f"uploads/{upload_id}"
 
 
 def size_mismatch(upload: Upload, message: str, *, param: str) -> APIError:
@@ -212,20 +209,3 @@ def cancel_upload(session: Session, tenant: Tenant, upload_id: str, *, store: Ar
     return upload
 
 
-def expire_uploads(session: Session, *, store: ArtifactStore, now: dt.datetime | None = None,
-                   limit: int = 500) -> list[str]:
-    """Mark up to ``limit`` pending uploads past ``expires_at`` expired and delete their
-    parts; returns their ids, oldest expiry first."""
-    expired = session.scalars(
-        select(Upload).where(Upload.status == "pending", Upload.expires_at <= (now or utcnow()))
-        .order_by(Upload.expires_at).limit(limit).with_for_update(skip_locked=True)
-    ).all()
-    ids = [row.id for row in expired]
-    for row in expired:
-        row.status = "expired"
-    if ids:
-        session.execute(delete(UploadPart).where(UploadPart.upload_id.in_(ids)))
-    session.commit()
-    for upload_id in ids:
-        store.delete_prefix(upload_folder(upload_id))
-    return ids

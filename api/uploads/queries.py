@@ -7,9 +7,9 @@ import datetime as dt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.db.base import utcnow
-from api.db.models import Tenant, Upload, UploadPart
-from api.errors import APIError, not_found
+from control.db.base import utcnow
+from control.db.models import Tenant, Upload, UploadPart
+from control.errors import APIError, not_found
 
 
 def get_upload(session: Session, tenant: Tenant, upload_id: str, *, lock: bool = False) -> Upload:

@@ -6,12 +6,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from api.db.base import to_unix
-from api.db.models import Upload, UploadPart
 from api.files.commands import MAX_EXPIRY_S, MIN_EXPIRY_S
 from api.files.schemas import FilePublic
 from api.schemas.common import AcceptWholeFloats, PublicObject, Strict
 from api.uploads.queries import status_now
+from control.db.base import to_unix
+from control.db.models import Upload, UploadPart
 
 # S3 puts at most 10,000 parts in one object, and so does an upload here.
 MAX_PARTS = 10_000

@@ -2,6 +2,8 @@
 
 How it fits:
 - ``routes.py``: CRUD under ``/v1/webhooks``, secret rotation, the delivery log.
+The rules shared with the worker live in ``control.webhooks``:
+
 - ``events.py``: a lifecycle transition hook (and a checkpoint insert listener) writes
   one outbox row per subscribed endpoint IN the transition's transaction; after the
   commit, each row is sent to Celery as ``tunefleet.deliver_webhook``.
@@ -11,9 +13,9 @@ How it fits:
 - ``urls.py``: target URL checks (no loopback/private/link-local addresses by default).
 - ``models.py``: the ``webhook_endpoints`` and ``webhook_deliveries`` tables.
 
-``install_hooks()`` must run in every process that changes job status (API, worker,
-scheduler); it is idempotent. ``install(app)`` does that for the API and also adds the
-routes and sends deliveries through the app's task queue.
+``control.webhooks.install_hooks()`` must run in every process that changes job status
+(API, worker, scheduler); it is idempotent. ``install(app)`` does that for the API and
+also adds the routes and sends deliveries through the app's task queue.
 """
 
 from __future__ import annotations
@@ -21,17 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def install_hooks() -> None:
-    """Register the transition hook and the checkpoint listener (idempotent)."""
-    from api.webhooks import events
-
-    events.install()
-
-
 def install(app: Any) -> None:
     """Wire webhooks into the FastAPI ``app``: hooks, routes, and the app's task queue."""
-    from api.webhooks import events
     from api.webhooks.routes import router
+    from control.webhooks import events, install_hooks
 
     install_hooks()
     queue = app.state.queue

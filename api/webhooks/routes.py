@@ -13,14 +13,10 @@ import datetime as dt
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from api.db.base import utcnow
 from api.deps import CurrentTenant, SessionDep, SettingsDep
-from api.errors import APIError, error_responses, not_found
-from api.ids import new_id
+from api.errors import error_responses
 from api.pagination import page_newest_first
 from api.schemas.common import PageAfter, PageLimit
-from api.settings import get_settings
-from api.webhooks.models import WebhookDelivery, WebhookEndpoint
 from api.webhooks.schemas import (
     DeliveriesPublic,
     DeliveryPublic,
@@ -31,9 +27,14 @@ from api.webhooks.schemas import (
     WebhooksPublic,
     WebhookUpdate,
 )
-from api.webhooks.sealing import seal
-from api.webhooks.signing import generate_secret
-from api.webhooks.urls import TargetURLError, check_target_url
+from control.db.base import utcnow
+from control.errors import APIError, not_found
+from control.ids import new_id
+from control.settings import get_settings
+from control.webhooks.models import WebhookDelivery, WebhookEndpoint
+from control.webhooks.sealing import seal
+from control.webhooks.signing import generate_secret
+from control.webhooks.urls import TargetURLError, check_target_url
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 

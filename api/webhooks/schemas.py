@@ -6,10 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StringConstraints
 
-from api.db.base import to_unix
 from api.schemas.common import AcceptWholeFloats, ListPublic, Strict
-from api.webhooks.events import EVENT_TYPES
-from api.webhooks.models import WebhookDelivery, WebhookEndpoint
+from control.db.base import to_unix
+from control.webhooks.events import EVENT_TYPES
+from control.webhooks.models import WebhookDelivery, WebhookEndpoint
 
 EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]
 Url = Annotated[str, StringConstraints(min_length=8, max_length=2048)]

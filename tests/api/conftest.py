@@ -105,9 +105,9 @@ def sdk(client, tenant_key):
 def start_running(db_session, job_id: str) -> tuple[Any, str]:
     """Admit a created job as the scheduler would (-> ``running``) and issue its trainer's
     report token; returns (job row, token)."""
-    from api.db.models import Job
     from api.jobs.commands import issue_job_token
-    from api.jobs.lifecycle import transition
+    from control.db.models import Job
+    from control.jobs.lifecycle import transition
 
     row = db_session.get_one(Job, job_id)
     token = issue_job_token(db_session, row)

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.artifacts import LocalArtifactStore, S3ArtifactStore, safe_key, store_for
-from api.errors import APIError
+from control.artifacts import LocalArtifactStore, S3ArtifactStore, safe_key, store_for
+from control.errors import APIError
 from tests.conftest import free_port
 
 

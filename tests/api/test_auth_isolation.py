@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from api.db.models import Job
 from api.jobs.commands import issue_job_token
-from api.jobs.lifecycle import transition
+from control.db.models import Job
+from control.jobs.lifecycle import transition
 from tests.api.conftest import chat_lines, start_running
 
 PUBLIC = {("GET", "/healthz"), ("GET", "/readyz")}

@@ -23,8 +23,8 @@ import pytest
 from openai import OpenAI
 from pydantic import SecretStr
 
-from api.db.models import Job
-from api.jobs.lifecycle import transition
+from control.db.models import Job
+from control.jobs.lifecycle import transition
 from inference.engine import InferenceError, ModelLoading
 from inference.protocol import ModelRef, StreamEvent
 from inference.server import create_app as worker_app

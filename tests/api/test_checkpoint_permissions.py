@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from api.jobs.lifecycle import transition
+from control.jobs.lifecycle import transition
 from tests.api.test_chat_completions import (  # noqa: F401 (engine, serving: fixtures)
     MESSAGES,
     _sdk,

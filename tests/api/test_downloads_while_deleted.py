@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.artifacts import S3ArtifactStore, store_for
+from control.artifacts import S3ArtifactStore, store_for
 from tests.api.conftest import start_running
 from tests.api.test_artifact_store import s3_endpoint  # noqa: F401 (the moto_server fixture)
 
@@ -48,8 +48,8 @@ def racing_client(app: Any, path: str, delete: Callable[[], None]) -> Iterator[T
 def _uploaded(client: TestClient, upload: Any, headers: dict[str, str]) -> tuple[str, str]:
     created = upload(headers, DATA)
     assert created.status_code == 200, created.text
-    from api.db.models import File
-    from api.db.session import session_scope
+    from control.db.models import File
+    from control.db.session import session_scope
 
     with session_scope(client.app.state.settings.resolved_database_url) as session:
         return created.json()["id"], session.get(File, created.json()["id"]).location

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from api.db.models import Job
-from api.jobs.lifecycle import transition
+from control.db.models import Job
+from control.jobs.lifecycle import transition
 from scheduling.estimator import KNOWN_MODELS, ModelShape, TrainingShape, estimate_on_pool
 from scheduling.pools import parse_pools
 from tests.conftest import make_settings

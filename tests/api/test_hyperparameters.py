@@ -1,10 +1,10 @@
-"""The documented "auto" rule (api/jobs/hyperparameters.py), value by value."""
+"""The documented "auto" rule (control/jobs/hyperparameters.py), value by value."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.jobs.hyperparameters import resolve_hyperparameters
+from control.jobs.hyperparameters import resolve_hyperparameters
 
 
 @pytest.mark.parametrize(

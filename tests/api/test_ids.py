@@ -6,7 +6,7 @@ import re
 import string
 from collections import Counter
 
-from api.ids import _random, key_prefix, new_api_key, new_id
+from control.ids import _random, key_prefix, new_api_key, new_id
 
 ALPHABET = string.ascii_letters + string.digits
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from api.jobs.lifecycle import transition
+from control.jobs.lifecycle import transition
 from tests.api.test_chat_completions import MESSAGES, job_with_adapters
 from tests.fake_vllm import FakeVLLM
 

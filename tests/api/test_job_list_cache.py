@@ -1,10 +1,10 @@
-"""The cached job list (``api.jobs.pages``) and its change counter (``api.db.job_versions``).
+"""The cached job list (``api.jobs.pages``) and its change counter (``control.db.job_versions``).
 
 A cached page may only be served while the tenant's jobs are unchanged. Each writer of
 jobs is exercised here the way it runs in production (the API route, the lifecycle, the
 report endpoint, the worker's plain ORM writes), each from its own engine and session
 where another process would write, and the next list must show the write. Checked
-against the code with each safeguard removed: with ``api.db.job_versions.bump`` a no-op,
+against the code with each safeguard removed: with ``control.db.job_versions.bump`` a no-op,
 every test that writes fails (7 tests x 2 databases); without the bulk-statement listener,
 the bulk-update test fails; with the counter read after the rows instead of before, the
 "lands while a page is built" test fails; with the tenant taken from the attribute history
@@ -20,14 +20,14 @@ import pytest
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.db.job_versions import job_list_version, read_job_list_version
-from api.db.models import Job
-from api.db.session import get_engine, session_scope
 from api.jobs import pages as job_pages
 from api.jobs.commands import issue_job_token
-from api.jobs.lifecycle import transition
 from api.jobs.pages import JobPageCache, PageKey
 from api.jobs.schemas import JobPublic, JobsPublic
+from control.db.job_versions import job_list_version, read_job_list_version
+from control.db.models import Job
+from control.db.session import get_engine, session_scope
+from control.jobs.lifecycle import transition
 
 LIST = "/v1/fine_tuning/jobs"
 
@@ -266,8 +266,8 @@ def test_unauthenticated_and_revoked_keys_are_never_served_from_the_cache(
     for headers in ({}, {"Authorization": "Bearer tf_abcdefgh_" + "x" * 32}):
         assert client.get(LIST, headers=headers).status_code == 401
     with session_scope(settings.resolved_database_url) as session:
-        from api.db.models import ApiKey
-        from api.ids import hash_secret
+        from control.db.models import ApiKey
+        from control.ids import hash_secret
 
         key_id = session.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_secret(user.key)))
     assert client.delete(f"/v1/admin/api_keys/{key_id}",

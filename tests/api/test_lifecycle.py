@@ -8,15 +8,15 @@ import time
 import pytest
 from sqlalchemy import select
 
-from api.db.models import JOB_STATUSES, Job, JobEvent
-from api.errors import APIError
-from api.jobs import lifecycle
+from control.db.models import JOB_STATUSES, Job, JobEvent
+from control.errors import APIError
+from control.jobs import lifecycle
 
 ACTORS = ("user", "admin", "scheduler", "executor", "trainer", "system")
 PEOPLE = {"user", "admin"}
 
 # Who may move a job from which status to which, written out by hand independently of
-# api.jobs.lifecycle.RULES: a change to the rules has to be made in both places.
+# control.jobs.lifecycle.RULES: a change to the rules has to be made in both places.
 ALLOWED: dict[tuple[str, str], set[str]] = {
     ("validating_files", "queued"): {"system"},
     ("validating_files", "failed"): {"system"},
@@ -133,7 +133,7 @@ def test_lock_job_makes_read_then_write_atomic(settings, tenant_key, make_job) -
     """
     import threading
 
-    from api.db.session import session_scope
+    from control.db.session import session_scope
 
     job_id = make_job(tenant_key().headers)["id"]
     url = settings.resolved_database_url

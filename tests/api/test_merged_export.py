@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from api.jobs.lifecycle import transition
+from control.jobs.lifecycle import transition
 from tests.api.conftest import start_running
 from worker.tasks import exports
 

@@ -13,10 +13,10 @@ from alembic.migration import MigrationContext
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_migrated_schema_equals_the_models(backend: str, request: pytest.FixtureRequest) -> None:
-    from api.db.base import Base
-    from api.db.session import get_engine
     from api.ui import models as ui_models  # noqa: F401 (registers the dashboard's table)
-    from api.webhooks import models  # noqa: F401 (registers the webhook tables)
+    from control.db.base import Base
+    from control.db.session import get_engine
+    from control.webhooks import models  # noqa: F401 (registers the webhook tables)
 
     if backend == "sqlite":
         url = f"sqlite:///{request.getfixturevalue('sqlite_template')}"

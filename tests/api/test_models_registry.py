@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api.ids import new_id
+from control.ids import new_id
 from tests.api.test_artifact_store import s3_endpoint  # noqa: F401 (the moto_server fixture)
 from tests.hub.fake_hub import FakeHub
 
@@ -189,8 +189,8 @@ def fake_hub(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch):
 
 def _fetch(settings, model_id: str) -> str:
     """The worker's task body (tunefleet.fetch_hub_model)."""
-    from api.db.session import session_scope
-    from api.models.registry import fetch_registered_model
+    from control.db.session import session_scope
+    from control.models.registry import fetch_registered_model
 
     with session_scope(settings.resolved_database_url) as session:
         return fetch_registered_model(session, settings, model_id)
@@ -244,8 +244,8 @@ def test_a_hub_model_is_fetched_once_checked_and_trained_on(
 
 def _spec(settings, job_id: str):
     """The trainer spec the scheduler would build for the job (one CPU process)."""
-    from api.db.models import Job
-    from api.db.session import session_scope
+    from control.db.models import Job
+    from control.db.session import session_scope
     from worker.spec_builder import build_spec
 
     with session_scope(settings.resolved_database_url) as session:
@@ -270,8 +270,8 @@ def test_hub_off_by_default(backend, tmp_path: Path, sqlite_template: Path, tena
     data.mkdir()
     shutil.copyfile(sqlite_template, data / "tunefleet.db")
     off = make_settings(data)
-    from api.auth import create_api_key, create_tenant
-    from api.db.session import session_scope
+    from control.auth import create_api_key, create_tenant
+    from control.db.session import session_scope
 
     with session_scope(off.resolved_database_url) as session:
         _, key = create_api_key(session, create_tenant(session, "root", is_admin=True), is_admin=True)
@@ -316,10 +316,10 @@ def test_gated_missing_and_unreachable_hub_models_fail_with_their_codes(
 def test_checkpoints_and_hub_models_in_a_bucket(backend, settings, fake_hub: FakeHub, tiny_qwen3: Path,
                                                 request: pytest.FixtureRequest) -> None:
     """Kubernetes mode: an s3:// source is checked through S3, a Hub model lands in the bucket."""
-    from api.artifacts import artifact_store, store_for
-    from api.errors import APIError
-    from api.models.checkpoint_checks import check_checkpoint
-    from api.models.hub import HubRef, fetch_snapshot
+    from control.artifacts import artifact_store, store_for
+    from control.errors import APIError
+    from control.models.checkpoint_checks import check_checkpoint
+    from control.models.hub import HubRef, fetch_snapshot
 
     endpoint = request.getfixturevalue("s3_endpoint")
     in_s3 = settings.model_copy(update={"artifact_url": f"s3://tf-artifacts/{new_id('reg')}",

@@ -41,8 +41,8 @@ def test_list_files_order_limit_purpose_and_cursor(sdk, client) -> None:
 
 
 def test_list_files_returns_more_than_a_hundred_in_one_page(sdk, client, settings, db_session) -> None:
-    from api.db.models import File
-    from api.ids import new_id
+    from control.db.models import File
+    from control.ids import new_id
 
     oai, tenant = sdk
     created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -110,7 +110,7 @@ def expiry_task(settings, monkeypatch):
 
 def _expire(db_session, file_id: str) -> str:
     """Move the file's expiry into the past; returns its storage key."""
-    from api.db.models import File
+    from control.db.models import File
 
     row = db_session.get_one(File, file_id)
     row.expires_at = row.created_at - dt.timedelta(seconds=1)
@@ -156,7 +156,7 @@ def test_expired_files_are_deleted_once_no_unfinished_job_uses_them(
 def adapter_job(client, make_job, settings, db_session):
     """A job of ``key`` that ran and exported an adapter, ``succeeded`` unless told to stay
     running; returns (job id, fine-tuned model id, output dir)."""
-    from api.jobs.lifecycle import transition
+    from control.jobs.lifecycle import transition
     from tests.api.conftest import start_running
 
     def make(key, *, finish: bool = True):
@@ -230,7 +230,7 @@ def test_delete_model_refusals(sdk, client, tenant_key, adapter_job) -> None:
 def test_migration_gives_old_events_openai_levels_and_types(tmp_path) -> None:
     import sqlite3
 
-    from api.db.migrate import upgrade
+    from control.db.migrate import upgrade
 
     path = tmp_path / "old.db"
     upgrade(f"sqlite:///{path}", "0207_file_expiry")

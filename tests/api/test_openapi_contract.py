@@ -67,7 +67,7 @@ def run_schemathesis(app: Any, *, headers: dict[str, str], phases: dict[str, Any
 def worker_beating(settings: Any) -> Iterator[None]:
     """Beat like a live worker, so ``/readyz`` is ready (its 503 is tested with the health
     checks): a 5xx anywhere else fails the contract."""
-    from api.health.worker_heartbeat import beat
+    from control.worker_heartbeat import beat
 
     stop = threading.Event()
 

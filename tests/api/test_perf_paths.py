@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select, update
 
-from api import auth
-from api.auth import KeyCache
-from api.db.models import ApiKey, Job
-from api.db.session import get_engine, session_scope
-from api.ids import hash_secret
 from api.jobs.pages import JobPageCache
 from api.jobs.schemas import JobPublic, JobsPublic
+from control import auth
+from control.auth import KeyCache
+from control.db.models import ApiKey, Job
+from control.db.session import get_engine, session_scope
+from control.ids import hash_secret
 
 LIST = "/v1/fine_tuning/jobs"
 
@@ -153,7 +153,7 @@ def test_cache_is_per_database():
     cache = KeyCache(ttl_s=5.0, clock=FakeClock())
     from sqlalchemy import make_url
 
-    from api.db.models import Tenant
+    from control.db.models import Tenant
 
     tenant = Tenant(id="org-a", name="a", is_admin=False)
     key = ApiKey(id="key-a", tenant_id="org-a", prefix="abcdefgh", key_hash="h" * 64,
@@ -181,12 +181,12 @@ def test_list_body_matches_the_documented_model(client, settings, tenant_key, ma
 
 
 def test_json_column_parser_matches_the_standard_library():
-    """JSON columns are parsed by pydantic-core (``api.db.session._json_loads``); the
+    """JSON columns are parsed by pydantic-core (``control.db.session._json_loads``); the
     stdlib ``json`` module is the reference, including what pydantic-core refuses."""
     import json
     import random
 
-    from api.db.session import _json_loads
+    from control.db.session import _json_loads
 
     rng = random.Random(7)
     docs = [

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api.db.models import Artifact, Job, JobEvent, JobMetric
-from api.jobs.lifecycle import transition
+from control.db.models import Artifact, Job, JobEvent, JobMetric
+from control.jobs.lifecycle import transition
 from tests.api.conftest import chat_lines, start_running
 from tests.conftest import make_settings
 
@@ -111,7 +111,7 @@ def test_past_the_jobs_quota_metrics_and_events_are_dropped_and_the_outcome_stil
 
 def test_another_tenants_write_is_not_held_up_by_a_big_report(
         tuned_app, running, live_server, tenant_key, monkeypatch) -> None:
-    from api.reports import ingest
+    from control.reports import ingest
 
     items = 2000
     app = tuned_app(report_max_items=items, report_max_bytes=8 * 1024 * 1024)
@@ -180,7 +180,7 @@ def test_an_error_after_success_changes_nothing_of_the_outcome(client, running, 
 
 def test_a_batch_cut_off_between_two_transactions_is_completed_by_its_retry(
         client, running, db_session, monkeypatch) -> None:
-    from api.reports import ingest
+    from control.reports import ingest
 
     monkeypatch.setattr(ingest, "REPORT_CHUNK_ITEMS", 3)
     real_apply_items = ingest._apply_items

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from api.db.models import Job
 from api.jobs.commands import issue_job_token
-from api.jobs.lifecycle import transition
+from control.db.models import Job
+from control.jobs.lifecycle import transition
 from tests.api.conftest import start_running
 
 JOBS = "/v1/fine_tuning/jobs"

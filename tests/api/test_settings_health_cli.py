@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from api.settings import Settings
+from control.settings import Settings
 
 SAFE = {
     "env": "production",
@@ -61,7 +61,7 @@ def test_development_defaults_and_env(tmp_path, monkeypatch) -> None:
 
 
 def test_health(client, settings) -> None:
-    from api.health.worker_heartbeat import beat
+    from control.worker_heartbeat import beat
 
     assert client.get("/healthz").json() == {"status": "ok"}
     beat(settings)  # what a running worker's consumer does every 10 s
@@ -74,7 +74,7 @@ def test_health(client, settings) -> None:
 def test_readyz_503_without_a_live_worker(client, settings) -> None:
     import time
 
-    from api.health.worker_heartbeat import STALE_AFTER_S, beat
+    from control.worker_heartbeat import STALE_AFTER_S, beat
 
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["checks"]["worker"].startswith("no worker")
@@ -103,9 +103,9 @@ def test_readyz_503_when_broker_or_database_down(settings, tmp_path) -> None:
 
 
 def test_operator_cli(tmp_path, monkeypatch) -> None:
-    from api.settings import get_settings
+    from control.bootstrap import ensure_admin_key
+    from control.settings import get_settings
     from tunefleet.cli import app
-    from tunefleet.cli.operator import ensure_admin_key
 
     monkeypatch.setenv("TUNEFLEET_DATA_DIR", str(tmp_path / "data"))
     for name in [k for k in os.environ if k.startswith("TUNEFLEET_") and k != "TUNEFLEET_DATA_DIR"]:
@@ -116,7 +116,7 @@ def test_operator_cli(tmp_path, monkeypatch) -> None:
         result = runner.invoke(app, ["db", "upgrade"])
         from alembic.script import ScriptDirectory
 
-        from api.db.migrate import MIGRATIONS_DIR
+        from control.db.migrate import MIGRATIONS_DIR
 
         head = ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
         assert result.exit_code == 0 and f"revision {head}" in result.output, result.output
@@ -170,14 +170,14 @@ def test_api_replicas_starting_together_both_start_with_one_admin_key(settings, 
     its write) must start anyway, not exit on the unique-name check."""
     from pydantic import SecretStr
 
-    import api.auth
-    from api.db.models import ApiKey, Tenant
-    from api.db.session import session_scope
+    import control.bootstrap
     from api.main import _ensure_admin_key
-    from tunefleet.cli.operator import ADMIN_TENANT, ensure_admin_key
+    from control.bootstrap import ADMIN_TENANT, ensure_admin_key
+    from control.db.models import ApiKey, Tenant
+    from control.db.session import session_scope
 
     own = settings.model_copy(update={"admin_api_key": SecretStr(f"tf_{'a' * 8}_{'b' * 32}")})
-    real_create_tenant = api.auth.create_tenant
+    real_create_tenant = control.bootstrap.create_tenant
     raced: list[bool] = []
 
     def create_tenant_after_the_other_replica(session, name, **kwargs):
@@ -186,7 +186,7 @@ def test_api_replicas_starting_together_both_start_with_one_admin_key(settings, 
             ensure_admin_key(own)  # the other replica, in its own transaction, commits first
         return real_create_tenant(session, name, **kwargs)
 
-    monkeypatch.setattr(api.auth, "create_tenant", create_tenant_after_the_other_replica)
+    monkeypatch.setattr(control.bootstrap, "create_tenant", create_tenant_after_the_other_replica)
     _ensure_admin_key(own)  # must not raise
 
     assert raced == [True]

@@ -4,7 +4,7 @@ The probe: sixteen ``GET .../stream`` connections on a paused job held one poole
 connection each for as long as they stayed open ("QueuePool limit of size 5 overflow 10
 reached"), and another tenant's ``GET /v1/files`` then waited 27 s for a connection.
 Each test runs through uvicorn on SQLite and on PostgreSQL with the pool the service
-builds for it (``api.db.session.get_engine``): more streams than that pool has
+builds for it (``control.db.session.get_engine``): more streams than that pool has
 connections, and another tenant's request must still be answered at once.
 """
 

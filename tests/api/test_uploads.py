@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.db.models import Upload, UploadPart
+from control.db.models import Upload, UploadPart
 from tests.api.conftest import chat_lines
 from tests.api.test_artifact_store import s3_endpoint  # noqa: F401 (the moto_server fixture)
 from tests.conftest import InlineQueue
@@ -176,9 +176,9 @@ def test_in_s3_the_parts_become_one_object_through_a_multipart_upload(settings, 
     from fastapi.testclient import TestClient
     from openai import OpenAI
 
-    from api.artifacts import file_store
-    from api.ids import new_id
     from api.main import create_app
+    from control.artifacts import file_store
+    from control.ids import new_id
 
     endpoint = request.getfixturevalue("s3_endpoint")
     in_s3 = settings.model_copy(update={"artifact_url": f"s3://tf-artifacts/{new_id('up')}",

@@ -48,7 +48,7 @@ def _answers(client, key, file_id: str, job_id: str) -> tuple[dict, dict]:
 def test_a_crashed_validation_fails_the_file_and_its_job(
     client, unvalidated, task_settings, settings, db_session
 ) -> None:
-    from api.db.models import File
+    from control.db.models import File
 
     key, file_id, job_id = unvalidated()
     stored = db_session.get_one(File, file_id).location
@@ -68,7 +68,7 @@ def test_a_crashed_validation_fails_the_file_and_its_job(
 def test_the_sweep_fails_uploads_past_the_deadline_only(
     client, unvalidated, task_settings, settings, db_session
 ) -> None:
-    from api.db.models import File
+    from control.db.models import File
 
     old_key, old_file, old_job = unvalidated()
     new_key, new_file, new_job = unvalidated()
@@ -87,7 +87,7 @@ def test_the_sweep_fails_uploads_past_the_deadline_only(
 
 
 def test_the_scheduler_loop_sends_the_sweep(settings, monkeypatch) -> None:
-    import api.queue
+    import control.queue
     from worker.scheduler.loop import run_forever
 
     sent: list[str] = []
@@ -100,7 +100,7 @@ def test_the_scheduler_loop_sends_the_sweep(settings, monkeypatch) -> None:
             sent.append(name)
             return True
 
-    monkeypatch.setattr(api.queue, "CeleryQueue", Recording)
+    monkeypatch.setattr(control.queue, "CeleryQueue", Recording)
     run_forever(settings.model_copy(update={"schedule_interval_s": 0.01}),
                 stop=threading.Event(), max_cycles=1)
     # The validation-deadline sweep, the one that deletes files past their expires_after, and

@@ -177,7 +177,7 @@ def test_submit_watch_training_and_download_adapter(
     assert "48 examples" in ok.inner_text()
     page.select_option("#model-select", "tunefleet-tiny-llama")
     page.fill("input[name=max_steps]", str(TRAIN_STEPS))
-    # 48 examples: "auto" is 3 epochs of batch 1 (api/jobs/hyperparameters.py); max_steps caps it.
+    # 48 examples: "auto" is 3 epochs of batch 1 (control/jobs/hyperparameters.py); max_steps caps it.
     page.wait_for_function(
         f"document.querySelector('[data-resolved=total_steps]').textContent"
         f".startsWith('{TRAIN_STEPS:,} optimizer steps')"

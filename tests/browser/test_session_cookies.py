@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from itsdangerous import URLSafeTimedSerializer
 
 from api.errors import install_error_handlers
-from api.settings import get_settings
 from api.ui import session as ui_session
+from control.settings import get_settings
 
 SECRET = "s" * 48
 

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from api.db.models import ApiKey
+from control.db.models import ApiKey
 from tests.api.conftest import start_running
 
 WORDS = ["able", "acid", "aged", "area", "army", "baby"]
@@ -90,7 +90,7 @@ def test_cookie_authenticates_the_json_api_with_csrf_for_unsafe_calls(client, te
     assert client.post("/v1/files", headers={"X-CSRF-Token": token}, **upload).status_code == 200
     # Revoking the key ends its dashboard sessions at once.
     key = db_session.query(ApiKey).filter(ApiKey.tenant_id == org.tenant_id).one()
-    from api.auth import revoke_api_key
+    from control.auth import revoke_api_key
 
     revoke_api_key(db_session, key)
     db_session.commit()
@@ -157,7 +157,7 @@ def test_jobs_table_carries_the_latest_metric(client, tenant_key, db_session) ->
 @pytest.mark.parametrize(
     ("params", "expected"),
     [
-        # 48 examples (api/jobs/hyperparameters.py): 3 epochs; batch = 2**round(log2(0.096)) -> 1;
+        # 48 examples (control/jobs/hyperparameters.py): 3 epochs; batch = 2**round(log2(0.096)) -> 1;
         # 48 steps per epoch; learning rate 2e-4 x multiplier.
         ({}, {"n_epochs": 3, "batch_size": 1, "total_steps": 144, "learning_rate": 2e-4}),
         ({"n_epochs": "2", "batch_size": "4"}, {"n_epochs": 2, "batch_size": 4, "total_steps": 24}),

@@ -34,7 +34,7 @@ from trainers.spec import (
     TrainerSpec,
 )
 
-# A supervised job's hyperparameters as resolution stores them (api.jobs.hyperparameters).
+# A supervised job's hyperparameters as resolution stores them (control.jobs.hyperparameters).
 RESOLVED = {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 1.0, "learning_rate": 2e-4,
             "micro_batch_size": 4, "lr_scheduler": "cosine", "warmup_steps": 1, "weight_decay": 0.0,
             "max_grad_norm": 1.0, "max_steps": None, "total_steps": 6}
@@ -244,7 +244,7 @@ def test_a_new_row_parses_back_to_the_settings_it_was_written_from(fields) -> No
 
 
 def test_resolving_the_hyperparameters_moves_the_dpo_beta_into_the_method() -> None:
-    from api.jobs.hyperparameters import resolve_settings
+    from control.jobs.hyperparameters import resolve_settings
 
     settings = _body(method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}}).job_settings(
         max_seq_len=128)
@@ -260,7 +260,7 @@ def test_resolving_the_hyperparameters_moves_the_dpo_beta_into_the_method() -> N
 
 
 def test_a_job_whose_hyperparameters_are_not_resolved_gets_no_spec(client, tenant_key, db_session, settings) -> None:
-    from api.db.models import Job
+    from control.db.models import Job
     from worker.spec_builder import SpecError, build_spec
 
     headers = tenant_key().headers

@@ -96,8 +96,8 @@ def resolved_env(docs: tuple[dict[str, Any], ...], container: dict[str, Any]) ->
 
 
 def settings_from(env: dict[str, str], monkeypatch: Any) -> Any:
-    """``api.settings.Settings`` read from exactly ``env`` (no other TUNEFLEET_* variable)."""
-    from api.settings import Settings
+    """``control.settings.Settings`` read from exactly ``env`` (no other TUNEFLEET_* variable)."""
+    from control.settings import Settings
 
     for name in list(os.environ):
         if name.startswith("TUNEFLEET_"):

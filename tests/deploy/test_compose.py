@@ -120,7 +120,7 @@ def test_every_variable_the_file_uses_is_in_env_example():
 
 
 def test_env_names_are_service_settings(compose):
-    from api.settings import Settings
+    from control.settings import Settings
 
     fields = {f"TUNEFLEET_{f.upper()}" for f in Settings.model_fields}
     env = compose["x-tunefleet-env"]
@@ -180,7 +180,7 @@ def _operator_env(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("service", ["api", "worker", "scheduler", "migrate"])
 def test_the_service_accepts_the_compose_settings(service, monkeypatch, tmp_path):
-    from api.settings import Settings
+    from control.settings import Settings
 
     result = _compose_config(COMPOSE_FILE, env_file=_operator_env(tmp_path))
     env = json.loads(result.stdout)["services"][service]["environment"]

@@ -178,7 +178,7 @@ def sent_to_builder(path: str) -> bool:
 
 
 def test_dockerignore_matcher_agrees_with_docker_semantics():
-    assert sent_to_builder("api/settings.py")
+    assert sent_to_builder("control/settings.py")
     assert sent_to_builder("deploy/docker/constraints/server.txt")
     assert not sent_to_builder(".venv/bin/python")
     assert not sent_to_builder("tests/deploy/test_dockerfiles.py")

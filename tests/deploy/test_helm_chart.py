@@ -171,7 +171,7 @@ def test_two_pool_values_keep_taints_and_selectors():
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_control_plane_env_names_are_settings(name):
-    from api.settings import Settings
+    from control.settings import Settings
 
     fields = {f"TUNEFLEET_{f.upper()}" for f in Settings.model_fields}
     for obj_name, spec in pod_specs(rendered_docs(name)):
@@ -418,7 +418,7 @@ def test_every_container_command_exists(name):
 
 
 def test_base_models_configmap_is_accepted_by_the_service_parser():
-    from api.models.base_models import BaseModelsFile
+    from control.models.base_models import BaseModelsFile
 
     docs = rendered_docs("two-pools-taints")
     config = one(docs, "ConfigMap", f"{FULL}-config")

@@ -56,4 +56,4 @@ def test_the_wheel_built_from_the_docker_context_holds_every_runtime_file(tmp_pa
     # The image's entry points: the console script and the migrations it runs.
     entry_points = next(n for n in in_wheel if n.endswith(".dist-info/entry_points.txt"))
     assert "tunefleet = tunefleet.cli.main:app" in zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert any(n.startswith("api/db/migrations/versions/") for n in in_wheel)
+    assert any(n.startswith("control/db/migrations/versions/") for n in in_wheel)

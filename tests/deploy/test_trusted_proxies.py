@@ -58,7 +58,7 @@ def test_by_default_no_client_can_pick_its_own_address() -> None:
 
 
 def test_the_configured_proxies_name_the_client_and_no_one_else_does(monkeypatch) -> None:
-    from api.settings import Settings
+    from control.settings import Settings
 
     container = api_container({"api": {"trustedProxies": ["10.0.0.0/8", "fd00::1"]}})
     # The ingress controller in 10.0.0.0/8 names the client; anyone else is the client.

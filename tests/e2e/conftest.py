@@ -27,8 +27,8 @@ import pytest
 from tests.conftest import REPO, flush_redis_db, free_port, own_pg_database, stop_process_group
 
 CLI = [sys.executable, "-c", "from tunefleet.cli import app; app()"]
-ENSURE_ADMIN = [sys.executable, "-c", ("from api.settings import get_settings; "
-                "from tunefleet.cli.operator import ensure_admin_key; ensure_admin_key(get_settings())")]
+ENSURE_ADMIN = [sys.executable, "-c", ("from control.settings import get_settings; "
+                "from control.bootstrap import ensure_admin_key; ensure_admin_key(get_settings())")]
 
 
 @pytest.fixture(scope="session")

@@ -35,10 +35,10 @@ def _terminate_connections(database: str) -> int:
 def test_the_first_request_after_a_database_restart_succeeds(pg_url: str, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from api.auth import create_api_key, create_tenant
-    from api.db.session import session_scope
     from api.main import create_app
-    from api.queue import RecordingQueue
+    from control.auth import create_api_key, create_tenant
+    from control.db.session import session_scope
+    from control.queue import RecordingQueue
 
     settings = make_settings(tmp_path, database_url=pg_url)
     with session_scope(pg_url) as session:
@@ -59,7 +59,7 @@ def test_requests_while_the_database_is_down_answer_503_with_retry_after(tmp_pat
     from fastapi.testclient import TestClient
 
     from api.main import create_app
-    from api.queue import RecordingQueue
+    from control.queue import RecordingQueue
 
     down = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/tunefleet"  # nothing listens there
     app = create_app(make_settings(tmp_path, database_url=down), queue=RecordingQueue())

@@ -77,7 +77,7 @@ def redis_server(tmp_path: Path) -> Iterator[ThrowawayRedis]:
 def test_the_worker_survives_a_redis_restart_with_a_task_in_flight(
     redis_server: ThrowawayRedis, tmp_path: Path, sqlite_template: Path
 ) -> None:
-    from api.health.worker_heartbeat import last_beat
+    from control.worker_heartbeat import last_beat
     from worker.celery_app import make_celery
 
     data = tmp_path / "data"

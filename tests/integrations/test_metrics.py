@@ -50,7 +50,7 @@ def settings(settings: Any) -> Any:
 
 @pytest.fixture
 def capacity() -> Iterator[None]:
-    from api.observability.collectors import set_pool_capacity_provider
+    from control.observability.collectors import set_pool_capacity_provider
 
     set_pool_capacity_provider(lambda: {"local": 4, "mi300x": 8})
     yield
@@ -138,7 +138,8 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path) -> None:
     """Two writer processes and one scraper share PROMETHEUS_MULTIPROC_DIR."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     writer = textwrap.dedent("""
-        from api.observability.metrics import REQUEST_LATENCY, WEBHOOK_FAILURES
+        from api.observability.metrics import REQUEST_LATENCY
+        from control.observability.registry import WEBHOOK_FAILURES
         REQUEST_LATENCY.labels("GET", "/v1/files", "200").observe(0.02)
         WEBHOOK_FAILURES.inc()
     """)
@@ -253,8 +254,8 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
     targets equals the database's counts."""
     from sqlalchemy import func, select
 
-    from api.db.models import Job
-    from api.db.session import session_scope
+    from control.db.models import Job
+    from control.db.session import session_scope
     from tests.conftest import free_port, settings_env
 
     env = {**settings_env(service.settings), "TUNEFLEET_METRICS_DATABASE_GAUGES": "scheduler",
@@ -304,9 +305,9 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
 def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(
         service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tunefleet worker`` serves /metrics: the failed delivery it attempted is counted there."""
-    from api.queue import DELIVER_WEBHOOK, CeleryQueue
-    from api.settings import get_settings
-    from api.webhooks import events
+    from control.queue import DELIVER_WEBHOOK, CeleryQueue
+    from control.settings import get_settings
+    from control.webhooks import events
     from tests.conftest import free_port, settings_env
     from tests.integrations.webhook_receiver import Receiver
 

@@ -35,8 +35,8 @@ from tunefleet import BadRequestError, NotFoundError, Tunefleet
 @pytest.fixture
 def webhook_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Set ``TUNEFLEET_WEBHOOK_*`` for this process (the settings are cached: reset them)."""
-    from api.settings import get_settings
-    from api.webhooks import events
+    from control.settings import get_settings
+    from control.webhooks import events
 
     with cached_settings_env(monkeypatch, "TUNEFLEET_WEBHOOK_", get_settings) as set_env:
         yield set_env
@@ -47,7 +47,7 @@ def webhook_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def dispatched(webhook_env: Any) -> list[str]:
     """Receivers on this machine allowed, and the delivery ids the service hands to its
     queue after each commit, recorded instead of sent: the test runs each attempt itself."""
-    from api.webhooks import events
+    from control.webhooks import events
 
     webhook_env(allow_private="true")
     ids: list[str] = []
@@ -122,8 +122,8 @@ def start_celery_worker(settings: Any, log: Path, extra_env: dict[str, str]) -> 
 def test_job_events_are_signed_delivered_and_retried_by_celery(
     sdk: Tunefleet, service: Service, webhook_env: Any, receiver: Receiver, tmp_path: Path
 ) -> None:
-    from api.queue import DELIVER_WEBHOOK, CeleryQueue
-    from api.webhooks import events
+    from control.queue import DELIVER_WEBHOOK, CeleryQueue
+    from control.webhooks import events
 
     webhook_env(allow_private="true")
     # Fail the first two attempts of the `succeeded` event: the worker must retry it.
@@ -188,8 +188,8 @@ def test_job_events_are_signed_delivered_and_retried_by_celery(
 
 
 def _deliveries(service: Service, endpoint_id: str) -> list[Any]:
-    from api.db.session import session_scope
-    from api.webhooks.models import WebhookDelivery
+    from control.db.session import session_scope
+    from control.webhooks.models import WebhookDelivery
 
     with session_scope(service.settings.resolved_database_url) as session:
         rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)
@@ -199,8 +199,8 @@ def _deliveries(service: Service, endpoint_id: str) -> list[Any]:
 
 
 def _attempt(service: Service, delivery_id: str, **overrides: Any) -> Any:
-    from api.db.session import session_scope
-    from api.webhooks.delivery import attempt_delivery
+    from control.db.session import session_scope
+    from control.webhooks.delivery import attempt_delivery
 
     updates = {"allow_private": True, "retry_base_s": 0.01, **overrides}
     settings = service.settings.model_copy(update={f"webhook_{k}": v for k, v in updates.items()})
@@ -237,7 +237,7 @@ def test_rotation_signs_with_both_secrets_during_the_grace_window(
 
 @pytest.mark.usefixtures("dispatched")
 def test_failures_back_off_then_give_up_and_filters_apply(sdk: Tunefleet, service: Service, receiver: Receiver) -> None:
-    from api.observability.metrics import WEBHOOK_FAILURES
+    from control.observability.registry import WEBHOOK_FAILURES
 
     receiver.answer = lambda received: 503
     ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.succeeded"])
@@ -251,8 +251,8 @@ def test_failures_back_off_then_give_up_and_filters_apply(sdk: Tunefleet, servic
     assert (first.status, first.retry_in_s) == ("pending", 10)
     assert _attempt(service, delivery.id, max_attempts=3).attempted is False  # not due yet: a duplicate task
     # Due again later: attempts 2 and 3, then it gives up.
-    from api.db.session import session_scope
-    from api.webhooks.models import WebhookDelivery
+    from control.db.session import session_scope
+    from control.webhooks.models import WebhookDelivery
 
     for expected_delay, status in ((20, "pending"), (None, "failed")):
         with session_scope(service.settings.resolved_database_url) as session:
@@ -268,8 +268,8 @@ def test_failures_back_off_then_give_up_and_filters_apply(sdk: Tunefleet, servic
 def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
     sdk: Tunefleet, service: Service, dispatched: list[str], receiver: Receiver
 ) -> None:
-    from api.db.session import session_factory
-    from api.jobs.lifecycle import lock_job, transition
+    from control.db.session import session_factory
+    from control.jobs.lifecycle import lock_job, transition
 
     ep = sdk.webhooks.create(url=receiver.url)
     driver = JobDriver(service, queued_job(service))
@@ -291,8 +291,8 @@ def test_target_rechecked_at_delivery_and_rollback_sends_nothing(
 
 @pytest.mark.usefixtures("dispatched")
 def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: Receiver) -> None:
-    from api.db.session import session_scope
-    from api.webhooks.models import WebhookEndpoint
+    from control.db.session import session_scope
+    from control.webhooks.models import WebhookEndpoint
 
     ep = sdk.webhooks.create(url=receiver.url, events=["fine_tuning.job.running"])
     with session_scope(service.settings.resolved_database_url) as session:
@@ -302,7 +302,7 @@ def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: 
     driver = JobDriver(service, queued_job(service))
     driver.start()
     (delivery,) = _deliveries(service, ep.id)
-    from api.webhooks.delivery import attempt_delivery
+    from control.webhooks.delivery import attempt_delivery
 
     with session_scope(service.settings.resolved_database_url) as session:  # the service key changed
         outcome = attempt_delivery(session, delivery.id, service.settings.model_copy(update={"webhook_allow_private": True}),
@@ -318,7 +318,7 @@ def test_an_allowed_private_host_receives_webhooks_and_no_other_does(
     """``TUNEFLEET_WEBHOOK_ALLOWED_HOSTS`` (an operator's in-cluster receiver) lets that
     private ``host:port`` be a target -- at creation and again at delivery -- while every
     other private target, the same host on another port included, stays refused."""
-    from api.webhooks import events
+    from control.webhooks import events
 
     host_port = receiver.url.split("/")[2]
     webhook_env(allowed_hosts=host_port)

@@ -26,7 +26,7 @@ from tests.model_files import install_demo_model
 
 @pytest.fixture
 def settings(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Any]:
-    from api.db.migrate import upgrade
+    from control.db.migrate import upgrade
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()

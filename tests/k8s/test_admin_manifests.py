@@ -39,7 +39,7 @@ def cli_env(settings, tmp_path, monkeypatch):
     """The CLI's settings: the test database and data dir, the pools above, trainer options,
     and the files of the demo model the registry lists (a job on a model without them is
     refused)."""
-    from api.settings import get_settings
+    from control.settings import get_settings
     from tests.model_files import install_demo_model
 
     install_demo_model(settings.models_dir)
@@ -127,8 +127,8 @@ def test_prints_every_object_of_a_multi_node_job_as_the_executor_renders_it(
 def test_creates_nothing(client, tenant_key, cli_env, tmp_path, settings):
     from sqlalchemy import func, select
 
-    from api.db.models import Job
-    from api.db.session import session_scope
+    from control.db.models import Job
+    from control.db.session import session_scope
 
     body = tmp_path / "job.json"
     body.write_text(json.dumps({"model": "tunefleet-tiny-llama",

@@ -36,7 +36,7 @@ def test_bad_mappings_say_which_entry_and_why(text, mentions):
 
 
 def test_the_settings_refuse_a_bad_mapping_at_start():
-    from api.settings import Settings
+    from control.settings import Settings
 
     with pytest.raises(ValueError, match="TUNEFLEET_KUEUE_PRIORITY_CLASSES: 'urgent=batch'"):
         Settings(_env_file=None, kueue_priority_classes="urgent=batch")

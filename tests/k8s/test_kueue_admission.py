@@ -16,8 +16,8 @@ import pytest
 from kubernetes import client
 from sqlalchemy import select
 
-from api.db.models import Job, JobEvent
-from api.db.session import session_scope
+from control.db.models import Job, JobEvent
+from control.db.session import session_scope
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.k8s.conftest import NAMESPACE
 from tests.k8s.test_reconcile_restart import FAKE_TRAINER, JOBS, _cycle_until, _open

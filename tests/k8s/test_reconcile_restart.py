@@ -16,8 +16,8 @@ import pytest
 from kubernetes import client
 from sqlalchemy import select
 
-from api.db.models import Job, JobEvent
-from api.db.session import session_scope
+from control.db.models import Job, JobEvent
+from control.db.session import session_scope
 from kube.labels import ANNOTATION_STOP_REASON
 from scheduling.placement import Placement
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)

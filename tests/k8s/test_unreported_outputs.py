@@ -23,9 +23,9 @@ import json
 import pytest
 from sqlalchemy import select
 
-from api.artifacts import artifact_store
-from api.db.models import Checkpoint, Job, JobMetric
-from api.db.session import session_scope
+from control.artifacts import artifact_store
+from control.db.models import Checkpoint, Job, JobMetric
+from control.db.session import session_scope
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.conftest import free_port
 from tests.k8s.test_reconcile_restart import _cycle_until, _job, _pod_of, db_job, scheduler_process  # noqa: F401

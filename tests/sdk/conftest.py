@@ -10,7 +10,7 @@ scheduler must see that test's jobs only). PostgreSQL or Redis missing: skipped 
 a failure under ``CI=true`` (tests/conftest.py).
 
 Jobs are moved the way the real system moves them: ``JobDriver`` plays the scheduler
-(``api.jobs.lifecycle.transition`` to ``running`` with a job token) and the trainer (report
+(``control.jobs.lifecycle.transition`` to ``running`` with a job token) and the trainer (report
 batches POSTed to the internal report endpoint with that token), then the executor
 (``succeeded``).
 """
@@ -80,9 +80,9 @@ class JobDriver:
     seq: int = 0
 
     def start(self, pool: str = "local", gpus: int = 1) -> None:
-        from api.db.session import session_scope
-        from api.ids import hash_secret
-        from api.jobs.lifecycle import lock_job, transition
+        from control.db.session import session_scope
+        from control.ids import hash_secret
+        from control.jobs.lifecycle import lock_job, transition
 
         with session_scope(self.service.settings.resolved_database_url) as session:
             job = lock_job(session, self.job_id)
@@ -127,8 +127,8 @@ class JobDriver:
         path.write_text(text)
 
     def finish(self, status: str = "succeeded") -> None:
-        from api.db.session import session_scope
-        from api.jobs.lifecycle import lock_job, transition
+        from control.db.session import session_scope
+        from control.jobs.lifecycle import lock_job, transition
 
         with session_scope(self.service.settings.resolved_database_url) as session:
             job = lock_job(session, self.job_id)

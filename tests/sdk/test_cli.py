@@ -160,7 +160,7 @@ def test_pools_and_estimate(app: Any, request: pytest.FixtureRequest, tmp_path: 
 
 
 def test_webhooks_commands(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from api.settings import get_settings
+    from control.settings import get_settings
 
     monkeypatch.setenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", "true")
     get_settings.cache_clear()

@@ -33,7 +33,7 @@ def test_cli_flow_with_redis_broker_and_celery_worker(
     isolated_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from api.main import create_app
-    from api.settings import get_settings
+    from control.settings import get_settings
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()

@@ -24,7 +24,7 @@ from tunefleet.cli import app
 @pytest.fixture
 def operator_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
     """Only the given ``TUNEFLEET_*`` variables (plus a fresh data dir) reach the commands."""
-    from api.settings import get_settings
+    from control.settings import get_settings
 
     for name in [k for k in os.environ if k.startswith("TUNEFLEET_")]:
         monkeypatch.delenv(name)
@@ -48,9 +48,9 @@ def test_db_and_admin_commands_print_json(backend: str, operator_env: Callable[.
     from alembic.script import ScriptDirectory
     from fastapi.testclient import TestClient
 
-    from api.db.migrate import MIGRATIONS_DIR
     from api.main import create_app
-    from api.settings import get_settings
+    from control.db.migrate import MIGRATIONS_DIR
+    from control.settings import get_settings
 
     if backend == "postgres":
         operator_env(database_url=request.getfixturevalue("empty_pg_url"))

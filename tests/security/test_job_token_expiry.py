@@ -9,8 +9,8 @@ import datetime as dt
 
 from sqlalchemy import select, update
 
-from api.db.models import Job, JobEvent
-from api.jobs.lifecycle import transition
+from control.db.models import Job, JobEvent
+from control.jobs.lifecycle import transition
 from tests.api.conftest import start_running
 
 JOBS = "/v1/fine_tuning/jobs"

@@ -11,8 +11,8 @@ import hashlib
 
 import pytest
 
-from api.db.models import Artifact
-from api.errors import APIError
+from control.db.models import Artifact
+from control.errors import APIError
 from tests.api.conftest import start_running
 from tests.conftest import make_settings
 
@@ -115,7 +115,11 @@ def test_a_stored_location_outside_the_output_is_not_served(client, two_jobs, se
 
 
 def test_s3_locations_are_confined_to_the_jobs_prefix(tmp_path) -> None:
-    from api.reports.ingest import check_artifact_location, check_checkpoint_location, job_storage
+    from control.reports.ingest import (
+        check_artifact_location,
+        check_checkpoint_location,
+        job_storage,
+    )
 
     settings = make_settings(tmp_path, artifact_url="s3://tf-artifacts/prefix")
     mine, other = "ftjob-mine", "ftjob-other"
@@ -140,8 +144,8 @@ def test_s3_locations_are_confined_to_the_jobs_prefix(tmp_path) -> None:
 def test_the_spec_builders_locations_are_accepted(client, tenant_key, make_job, db_session,
                                                    settings, artifact_url, in_cluster) -> None:
     """What the spec builder hands a trainer (both executors, local dir and S3) passes."""
-    from api.db.models import Job
-    from api.reports.ingest import check_artifact_location, check_checkpoint_location
+    from control.db.models import Job
+    from control.reports.ingest import check_artifact_location, check_checkpoint_location
     from worker.spec_builder import build_spec
 
     job = db_session.get_one(Job, make_job(tenant_key().headers)["id"])

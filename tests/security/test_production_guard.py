@@ -16,7 +16,7 @@ import secrets
 import pytest
 from pydantic import ValidationError
 
-from api.settings import Settings
+from control.settings import Settings
 
 SAFE = {
     "env": "production",

@@ -45,8 +45,8 @@ def _mode(path: Path) -> int:
 
 
 def test_a_real_job_keeps_tenant_trackers_secrets_and_files_confined(service) -> None:
-    from api.db.models import Job
-    from api.db.session import session_scope
+    from control.db.models import Job
+    from control.db.session import session_scope
     from tests.e2e.test_local_training import TERMINAL, upload, wait_status
     from tunefleet.demo import demo_examples
 

@@ -23,8 +23,8 @@ PUBLIC = "93.184.215.14"  # a global unicast address; nothing answers there from
 @pytest.fixture
 def webhooks_private_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Production target rules in this process; deliveries are recorded, not queued."""
-    from api.settings import get_settings
-    from api.webhooks import events
+    from control.settings import get_settings
+    from control.webhooks import events
 
     monkeypatch.delenv("TUNEFLEET_WEBHOOK_ALLOW_PRIVATE", raising=False)
     get_settings.cache_clear()
@@ -47,8 +47,8 @@ def test_non_global_targets_are_refused(client, tenant_key, webhooks_private_off
 
 def test_a_rebound_name_never_reaches_the_loopback(client, tenant_key, make_job, db_session, settings,
                                                    webhooks_private_off, monkeypatch) -> None:
-    from api.webhooks.delivery import attempt_delivery
-    from api.webhooks.models import WebhookDelivery
+    from control.webhooks.delivery import attempt_delivery
+    from control.webhooks.models import WebhookDelivery
 
     real_getaddrinfo = socket.getaddrinfo
     answers: list[str] = []
@@ -84,7 +84,7 @@ def test_a_rebound_name_never_reaches_the_loopback(client, tenant_key, make_job,
 def test_pinned_requests_keep_the_host_name_for_host_header_and_tls() -> None:
     import ipaddress
 
-    from api.webhooks.urls import pinned_request
+    from control.webhooks.urls import pinned_request
     from trainers.common.target_urls import Target
 
     target = Target(url="https://hooks.example.com:8443/in?x=1", scheme="https", host="hooks.example.com",

@@ -19,7 +19,7 @@ from scheduling.request import JobRequest
 from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.scheduler.cycle import Admission, Admitted, Unfit, Waiting
 
-# The moves the cycle makes, as ``api.jobs.lifecycle`` allows them: admission, a failed
+# The moves the cycle makes, as ``control.jobs.lifecycle`` allows them: admission, a failed
 # launch or a preemption back to the queue, and a run's end.
 TRANSITIONS = {
     "queued": {"running", "failed"},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from api.settings import Settings
+from control.settings import Settings
 from scheduling.placement import PreemptionPolicy
 from tests.worker.builders import cluster, make_job, rtx4090, running
 from worker.scheduler.cycle import CycleConfig, plan_cycle

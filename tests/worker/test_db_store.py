@@ -1,6 +1,6 @@
 """The cycle on the real database: jobs created through the API, placed by DbStore.
 
-Admission goes through ``api.jobs.lifecycle.transition`` (queued -> running, an event, pool,
+Admission goes through ``control.jobs.lifecycle.transition`` (queued -> running, an event, pool,
 gpus, usage); waiting jobs show ``queue_reason`` on ``GET /v1/fine_tuning/jobs/{id}``
 with one event per change; executor observations requeue (preemption, lost runs) or end
 jobs; usage accounting sums GPU-seconds per tenant and pool.
@@ -10,9 +10,9 @@ import json
 
 from sqlalchemy import func, select
 
-from api.db.models import Job, JobEvent
-from api.db.session import session_scope
 from api.fleet.usage import tenant_usage
+from control.db.models import Job, JobEvent
+from control.db.session import session_scope
 from scheduling.capacity import CapacitySnapshot, RunningJob
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
@@ -139,7 +139,7 @@ def test_node_pools_show_what_the_scheduler_observed_in_the_cluster(settings, cl
     Nodes (names, allocatable, free), and the pools file's view once it is stale."""
     import datetime as dt
 
-    from api.db.models import PoolCapacity
+    from control.db.models import PoolCapacity
 
     a = tenant_key()
     pools = [local_pool(slots=2)]
@@ -198,7 +198,7 @@ def test_admissions_are_batched_and_one_bad_job_keeps_no_one_out(settings, clien
     since the plan is skipped and a job whose spec fails is failed, the rest admitted; a
     chunk that fails as a whole (an unexpected error) is retried one job at a time."""
     import worker.scheduler.store as store_module
-    from api.db.models import File
+    from control.db.models import File
     from worker import spec_builder
 
     _tiny_config(settings)

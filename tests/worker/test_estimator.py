@@ -22,7 +22,6 @@ from scheduling.estimator import (
     ModelShape,
     TrainingShape,
     activation_bytes_per_layer,
-    base_model_shape,
     candidate_gpu_counts,
     estimate_on_pool,
     lora_params,
@@ -30,6 +29,7 @@ from scheduling.estimator import (
     quantized_bytes_per_param,
     recomputed_fraction,
 )
+from scheduling.model_files import base_model_shape
 from tests.worker.builders import mi300x, rtx4090
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from api.db.models import Job
-from api.jobs.lifecycle import transition
+from control.db.models import Job
+from control.jobs.lifecycle import transition
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from trainers.exit_codes import ExitCode
 from worker.executors.local_process import supervise_trainer

@@ -52,7 +52,7 @@ def test_redis_lease(redis_url):
 
 @pytest.mark.postgres
 def test_postgres_advisory_lock(pg_url):
-    from api.db.session import get_engine
+    from control.db.session import get_engine
 
     engine = get_engine(pg_url)
     a, b = PostgresAdvisoryLock(engine, key=4242), PostgresAdvisoryLock(engine, key=4242)
@@ -73,7 +73,7 @@ def test_the_gauge_exporter_lease_is_apart_from_the_schedulers(backend, tmp_path
     if backend == "redis":
         overrides["broker_url"] = request.getfixturevalue("redis_url")
     elif backend == "postgres":
-        from api.db.session import get_engine
+        from control.db.session import get_engine
 
         overrides["database_url"] = request.getfixturevalue("pg_url")
         engine = get_engine(overrides["database_url"])

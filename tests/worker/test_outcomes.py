@@ -11,9 +11,9 @@ path both executors share.
 import json
 from pathlib import Path
 
-from api.db.models import Checkpoint, Job, JobMetric
-from api.db.session import session_scope
-from api.ids import new_id
+from control.db.models import Checkpoint, Job, JobMetric
+from control.db.session import session_scope
+from control.ids import new_id
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.worker.test_db_store import Clock, RecordingExecutor, _tiny_config

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from api.db.models import Job
+from control.db.models import Job
 from worker.spec_builder import build_spec, cpu_host_devices, local_trainer_cores
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -95,7 +95,7 @@ def test_other_pools_and_trainers_get_no_host_devices(client, tenant_key, db_ses
 
 @pytest.mark.parametrize("in_cluster", [False, True])
 def test_a_new_run_reports_past_the_seqs_the_api_applied(client, tenant_key, db_session, settings, in_cluster):
-    from api.db.models import ReportBatch
+    from control.db.models import ReportBatch
 
     job = _job_row(client, tenant_key, db_session, trainer="fsdp_qlora", batch_size=8)
     first = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from api.db.models import Job
+from control.db.models import Job
 from tests.integrations.test_trackers import wandb_records
 from trainers.common.integrations import mirror_from_spec
 from trainers.spec import IntegrationSpec, TrainerSpec

@@ -8,8 +8,8 @@ writer (or an older version) might have left them.
 
 from __future__ import annotations
 
-from api.db.models import Job
-from api.db.session import session_scope
+from control.db.models import Job
+from control.db.session import session_scope
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from tests.worker.test_db_store import _tiny_config

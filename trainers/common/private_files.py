@@ -45,8 +45,15 @@ def open_private_log(path: Path) -> BinaryIO:
 
 
 def write_private_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, created owner-only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    """Replace ``path`` with ``text``, owner-only from its first byte.
+
+    The text goes to a temporary file beside ``path`` and is renamed over it, so a reader
+    (or a restart after a kill) sees the old content or the new, never half of it.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    # O_CREAT's mode applies only to a new file: a leftover temporary keeps its own.
     os.fchmod(fd, PRIVATE_FILE_MODE)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
+    os.replace(tmp, path)

@@ -29,7 +29,7 @@ def db_upgrade(
     json_out: JsonOpt = False,
 ) -> None:
     """Apply the database migrations (creates the schema on an empty database)."""
-    from api.db.migrate import current_revision, upgrade
+    from control.db.migrate import current_revision, upgrade
 
     url = _database_url(json_out)
     upgrade(url, revision)
@@ -47,7 +47,7 @@ def _database_url(json_out: bool) -> str:
     broker, metrics token) are not theirs, and the Helm chart's migration hook runs before
     the release's Secrets exist, with the database URL alone.
     """
-    from api.settings import Settings
+    from control.settings import Settings
 
     try:
         return Settings(env="development").resolved_database_url
@@ -63,10 +63,10 @@ def create_tenant(
     json_out: JsonOpt = False,
 ) -> None:
     """Create a tenant (organization) and print its id."""
-    from api.auth import create_tenant as create
-    from api.auth import tenant_object
-    from api.db.session import session_scope
-    from api.errors import APIError
+    from control.auth import create_tenant as create
+    from control.auth import tenant_object
+    from control.db.session import session_scope
+    from control.errors import APIError
 
     settings = load_settings(json_out)
     try:
@@ -88,9 +88,9 @@ def create_key(
     """Create an API key for a tenant and print it (it is shown only this once)."""
     from sqlalchemy import or_, select
 
-    from api.auth import create_api_key, key_object
-    from api.db.models import Tenant
-    from api.db.session import session_scope
+    from control.auth import create_api_key, key_object
+    from control.db.models import Tenant
+    from control.db.session import session_scope
 
     settings = load_settings(json_out)
     with session_scope(settings.resolved_database_url) as session:
@@ -108,9 +108,9 @@ def list_tenants(json_out: JsonOpt = False) -> None:
     """List tenants (id, name, admin)."""
     from sqlalchemy import select
 
-    from api.auth import tenant_object
-    from api.db.models import Tenant
-    from api.db.session import session_scope
+    from control.auth import tenant_object
+    from control.db.models import Tenant
+    from control.db.session import session_scope
 
     with session_scope(load_settings(json_out).resolved_database_url) as session:
         tenants = [tenant_object(t) for t in session.scalars(select(Tenant).order_by(Tenant.created_at))]

@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from api.settings import Settings
+    from control.settings import Settings
     from worker.executors.manifests import JobManifests
 
 PREVIEW_JOB_ID = "ftjob-preview"
@@ -42,14 +42,15 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
 
-    from api.db.models import File, Job
-    from api.db.session import session_scope
-    from api.errors import APIError, validation_error
+    from api.errors import validation_error
     from api.fleet.estimate import job_request
     from api.jobs.commands import base_model_and_settings
-    from api.jobs.hyperparameters import resolve_settings
     from api.jobs.schemas import JobCreate
-    from api.models.base_models import load_base_models
+    from control.db.models import File, Job
+    from control.db.session import session_scope
+    from control.errors import APIError
+    from control.jobs.hyperparameters import resolve_settings
+    from control.models.base_models import load_base_models
     from scheduling.capacity import CapacitySnapshot
     from scheduling.model_shapes import EstimateError
     from scheduling.placement import place_job

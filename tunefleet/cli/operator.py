@@ -26,44 +26,6 @@ from typing import Annotated
 import typer
 
 from tunefleet.cli.options import load_settings
-from tunefleet.sdk.config import write_private_file
-
-ADMIN_TENANT = "admin"
-
-
-def ensure_admin_key(settings) -> str | None:
-    """Make sure an admin tenant and key exist; return a new raw key, or None if one existed.
-
-    With ``TUNEFLEET_ADMIN_API_KEY`` set, that key is installed (once). Otherwise a key is
-    generated on first start; only its hash is stored in the database, and the raw key is
-    written to ``<data>/admin_key`` (0600) so the operator can read it again.
-    """
-    from sqlalchemy import select
-
-    from api.auth import create_api_key, create_tenant
-    from api.db.models import ApiKey, Tenant
-    from api.db.session import session_scope
-    from api.ids import hash_secret
-
-    wanted = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
-    with session_scope(settings.resolved_database_url) as session:
-        tenant = session.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT))
-        if tenant is None:
-            tenant = create_tenant(session, ADMIN_TENANT, is_admin=True)
-        if wanted is not None:
-            if session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_secret(wanted))):
-                return None
-            create_api_key(session, tenant, is_admin=True, name="TUNEFLEET_ADMIN_API_KEY",
-                           raw_key=wanted)
-            return wanted
-        live = session.scalar(
-            select(ApiKey).where(ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None))
-        )
-        if live is not None:
-            return None
-        _, raw = create_api_key(session, tenant, is_admin=True, name="first start")
-    write_private_file(settings.data_path / "admin_key", raw + "\n")
-    return raw
 
 
 def _cli_command(*args: str) -> list[str]:
@@ -242,13 +204,14 @@ def serve(
             inference_listener = _listen_on_loopback(port + 1)
             inference_port = inference_listener.getsockname()[1]
         os.environ["TUNEFLEET_INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
-    from api.settings import get_settings
+    from control.settings import get_settings
 
     get_settings.cache_clear()
     settings = load_settings()
     settings.ensure_dirs()
     settings.secret_key_value()  # generated once into <data>/secret_key before children start
-    from api.db.migrate import upgrade
+    from control.bootstrap import ensure_admin_key
+    from control.db.migrate import upgrade
 
     upgrade(settings.resolved_database_url)
     new_key = ensure_admin_key(settings)

@@ -27,7 +27,7 @@ from tunefleet.sdk.client import Tunefleet
 from tunefleet.sdk.errors import APIStatusError, TunefleetError, WaitTimeoutError
 
 if TYPE_CHECKING:
-    from api.settings import Settings
+    from control.settings import Settings
 
 EXIT_API_ERROR = 1
 EXIT_INVALID_CONFIGURATION = 2
@@ -109,7 +109,7 @@ def page_items(page: Any, fetch_all: bool) -> tuple[list[Any], bool]:
 
 def load_settings(json_out: bool = False) -> Settings:
     """The service's settings from the environment; invalid ones end the command with exit 2."""
-    from api.settings import get_settings
+    from control.settings import get_settings
 
     try:
         return get_settings()

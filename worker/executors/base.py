@@ -14,7 +14,7 @@ Semantics every executor keeps:
 - ``snapshot`` returns the capacity the scheduler may place on.
 - ``reconcile`` returns what changed since the last call (a trainer exited, a pod could
   not be scheduled, an image could not be pulled ...), as plain values; the caller turns
-  them into job transitions through ``api.jobs.lifecycle.transition``.
+  them into job transitions through ``control.jobs.lifecycle.transition``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def restart_delay_s(restart: int, *, base_s: float, max_s: float) -> float:
 
 @runtime_checkable
 class JobRef(Protocol):
-    """The least an executor needs to know about a job row (``api.db.models`` job)."""
+    """The least an executor needs to know about a job row (``control.db.models`` job)."""
 
     id: str
 

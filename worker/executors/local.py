@@ -23,10 +23,10 @@ from pathlib import Path
 
 from sqlalchemy import or_, select
 
-from api.db.models import Job
-from api.db.session import session_scope
-from api.queue import RUN_LOCAL_JOB, TaskQueue
-from api.settings import Settings
+from control.db.models import Job
+from control.db.session import session_scope
+from control.queue import RUN_LOCAL_JOB, TaskQueue
+from control.settings import Settings
 from scheduling.capacity import CapacitySnapshot, HeldGpus
 from scheduling.pools import NodePool
 from trainers.common.private_files import private_dir, write_private_text

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.settings import Settings
+from control.settings import Settings
 from kube.kueue import parse_priority_classes
 from scheduling.placement import PreemptionPolicy
 from scheduling.pools import load_pools
@@ -71,7 +71,7 @@ def make_executor(settings: Settings, pools: list[Any], *,
                                 running_jobs=running_jobs, job_statuses=job_statuses)
         ex.start()
         return ex
-    from api.queue import CeleryQueue
+    from control.queue import CeleryQueue
     from worker.executors.local import LocalExecutor
 
     return LocalExecutor(settings, pools, CeleryQueue(settings))
@@ -120,7 +120,7 @@ def cycle_config(settings: Settings) -> CycleConfig:
 
 
 def build_components(settings: Settings) -> Components:
-    from api.db.session import get_engine
+    from control.db.session import get_engine
 
     pools = load_pools(settings.node_pools_file)
     store = DbStore(settings, pools, in_cluster=settings.executor == "kubernetes")
@@ -152,20 +152,20 @@ def run_forever(settings: Settings, *, stop: threading.Event | None = None, max_
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    from api.inference.preload import install as install_preload
-    from api.webhooks import install_hooks
+    from control.inference_preload import install as install_preload
+    from control.webhooks import install_hooks
 
     install_hooks()  # status changes made in this process notify webhooks too
     install_preload(settings)  # and a job that succeeds hints the inference worker to load its base
     components = build_components(settings)
     log.info("scheduler started (executor %s, every %.1f s)", settings.executor, settings.schedule_interval_s)
     cycles = 0
-    from api.queue import CeleryQueue
+    from control.queue import CeleryQueue
 
     queue = CeleryQueue(settings)
     exporter = None
     if settings.metrics_database_gauges == "scheduler" and settings.metrics_port:
-        from api.db.session import get_engine
+        from control.db.session import get_engine
 
         exporter = make_lock(settings, get_engine(settings.resolved_database_url), exporter=True)
     last_sweep = 0.0

@@ -1,7 +1,7 @@
 """The scheduler's view of the database: queued jobs in, admissions and reasons out.
 
 ``DbStore`` implements the cycle's ``SchedulerStore`` on the service's DB. Every status
-change goes through ``api.jobs.lifecycle.transition`` (actor ``scheduler`` or ``executor``)
+change goes through ``control.jobs.lifecycle.transition`` (actor ``scheduler`` or ``executor``)
 with the row locked (``lock_job``; admissions lock their chunk of rows in one
 ``SELECT … FOR UPDATE``), so the scheduler, the API and trainer reports never overwrite
 each other. Besides statuses it writes ``queue_reason`` (shown on
@@ -17,7 +17,6 @@ in one executemany ``UPDATE`` per ``WAITING_CHUNK`` (bench/scheduler_cycle_db.py
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -28,18 +27,19 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import bindparam, insert, or_, select, update
 
-from api.artifacts import file_store
-from api.db.base import utcnow
-from api.db.models import File, Job, JobEvent, PoolCapacity
-from api.db.session import begin_write, session_scope
-from api.errors import APIError
-from api.ids import hash_secret, new_job_token
-from api.jobs.lifecycle import add_event, event_values, lock_job, transition
-from api.models.base_models import load_base_models
-from api.settings import Settings
+from control.artifacts import file_store
+from control.db.base import utcnow
+from control.db.models import File, Job, JobEvent, PoolCapacity
+from control.db.session import begin_write, session_scope
+from control.errors import APIError
+from control.ids import hash_secret, new_job_token
 from control.job_settings import SETTINGS_COLUMNS, JobSettings, PlacementSettings
+from control.jobs.lifecycle import add_event, event_values, lock_job, transition
+from control.models.base_models import load_base_models
+from control.settings import Settings
 from scheduling.capacity import CapacitySnapshot
-from scheduling.estimator import EstimateError, ModelShape, base_model_shape
+from scheduling.estimator import EstimateError, ModelShape
+from scheduling.model_files import base_model_shape
 from scheduling.pools import NodePool
 from scheduling.request import JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment, pending_segment
@@ -396,7 +396,3 @@ def _timestamp(value: dt.datetime | None) -> float | None:
     if value is None:
         return None
     return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()  # SQLite drops the zone
-
-
-def describe(req: JobRequest) -> str:  # for logs
-    return json.dumps({"id": req.job_id, "tenant": req.tenant, "priority": req.priority})

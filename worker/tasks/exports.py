@@ -15,16 +15,16 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from api.artifacts import sha256_file
-from api.db.models import Artifact, Checkpoint, Job
-from api.db.session import session_scope
-from api.jobs.lifecycle import add_event
-from api.models.base_models import load_base_models
-from api.outputs.exports import EXPORTS_DIR, set_export_status
-from api.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
-from api.reports.schemas import ArtifactsItem
-from api.settings import Settings, get_settings
+from control.artifacts import sha256_file
+from control.db.models import Artifact, Checkpoint, Job
+from control.db.session import session_scope
+from control.exports import EXPORTS_DIR, set_export_status
 from control.job_settings import JobSettings
+from control.jobs.lifecycle import add_event
+from control.models.base_models import load_base_models
+from control.reports.ingest import ADAPTER_WEIGHTS, apply_artifacts, job_storage
+from control.reports.schemas import ArtifactsItem
+from control.settings import Settings, get_settings
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)

@@ -29,16 +29,16 @@ from celery.signals import worker_ready
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.artifacts import file_store
-from api.db.base import utcnow
-from api.db.models import File, Job
-from api.db.session import session_scope
-from api.files.commands import delete_expired_files
-from api.files.validation import validate_file
-from api.jobs.lifecycle import lock_job, transition
-from api.queue import SCHEDULE, CeleryQueue
-from api.settings import get_settings
-from api.uploads.commands import expire_uploads
+from control.artifacts import file_store
+from control.db.base import utcnow
+from control.db.models import File, Job
+from control.db.session import session_scope
+from control.files.retention import delete_expired_files
+from control.files.validation import validate_file
+from control.jobs.lifecycle import lock_job, transition
+from control.queue import SCHEDULE, CeleryQueue
+from control.settings import get_settings
+from control.uploads import expire_uploads
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)

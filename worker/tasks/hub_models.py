@@ -1,15 +1,15 @@
 """Celery task ``tunefleet.fetch_hub_model``: download a registered Hub model and check it.
 
 ``POST /v1/models`` with a Hub source stores the registration as ``fetching`` and sends
-this task; api/models/registry.py does the work (download once per commit, the checkpoint
+this task; control/models/registry.py does the work (download once per commit, the checkpoint
 checks) and marks the registration ready or failed with the error's code.
 """
 
 from __future__ import annotations
 
-from api.db.session import session_scope
-from api.models.registry import fetch_registered_model
-from api.settings import get_settings
+from control.db.session import session_scope
+from control.models.registry import fetch_registered_model
+from control.settings import get_settings
 from worker.celery_app import app
 
 

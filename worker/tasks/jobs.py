@@ -28,16 +28,16 @@ from typing import TypeVar
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from api.artifacts import file_store
-from api.db.models import Job
-from api.db.session import session_scope
-from api.errors import APIError
-from api.inference.preload import install as install_preload
-from api.jobs.lifecycle import add_event, lock_job
-from api.queue import SCHEDULE, CeleryQueue
-from api.reports.ingest import apply_artifacts, apply_report
-from api.reports.schemas import ArtifactsItem, ReportBatchIn
-from api.settings import Settings, get_settings
+from control.artifacts import file_store
+from control.db.models import Job
+from control.db.session import session_scope
+from control.errors import APIError
+from control.inference_preload import install as install_preload
+from control.jobs.lifecycle import add_event, lock_job
+from control.queue import SCHEDULE, CeleryQueue
+from control.reports.ingest import apply_artifacts, apply_report
+from control.reports.schemas import ArtifactsItem, ReportBatchIn
+from control.settings import Settings, get_settings
 from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from api.settings import get_settings
+from control.settings import get_settings
 from worker.celery_app import app
 from worker.scheduler.loop import Components, build_components, run_once
 

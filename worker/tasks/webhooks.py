@@ -1,6 +1,6 @@
 """Celery tasks of the webhooks feature.
 
-``tunefleet.deliver_webhook(delivery_id)``: one signed attempt (``api.webhooks.delivery``);
+``tunefleet.deliver_webhook(delivery_id)``: one signed attempt (``control.webhooks.delivery``);
 on failure the next attempt is a new task message with a countdown (exponential
 backoff), so a worker restart loses nothing: the row stays ``pending`` with its
 ``next_attempt_at`` and ``tunefleet.sweep_webhooks`` re-sends overdue rows -- within
@@ -21,11 +21,11 @@ from typing import Any
 
 from celery.signals import worker_ready
 
-from api.db.session import session_scope
-from api.settings import get_settings
-from api.webhooks import install_hooks
-from api.webhooks.delivery import attempt_delivery
-from api.webhooks.events import sweep_due_deliveries
+from control.db.session import session_scope
+from control.settings import get_settings
+from control.webhooks import install_hooks
+from control.webhooks.delivery import attempt_delivery
+from control.webhooks.events import sweep_due_deliveries
 from worker.celery_app import app
 
 log = logging.getLogger(__name__)
