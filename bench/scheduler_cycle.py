@@ -16,7 +16,8 @@ import statistics
 import time
 
 from scheduling.capacity import CapacitySnapshot
-from scheduling.estimator import KNOWN_MODELS, TrainingShape
+from scheduling.estimator import TrainingShape
+from scheduling.model_shapes import KNOWN_MODELS
 from scheduling.pools import GIB, NodePool
 from scheduling.request import JobRequest
 from worker.scheduler.cycle import plan_cycle

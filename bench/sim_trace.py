@@ -53,12 +53,12 @@ from scheduler_cycle import pools
 
 from scheduling.capacity import CapacitySnapshot, RunningJob
 from scheduling.estimator import (
-    KNOWN_MODELS,
     TrainingShape,
     candidate_gpu_counts,
     estimate_on_pool,
     memory_per_gpu,
 )
+from scheduling.model_shapes import KNOWN_MODELS
 from scheduling.placement import estimate_for, trainer_for
 from scheduling.pools import GIB, NodePool
 from scheduling.request import JobRequest

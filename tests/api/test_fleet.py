@@ -21,7 +21,8 @@ from sqlalchemy import update
 
 from control.db.models import Job
 from control.jobs.lifecycle import transition
-from scheduling.estimator import KNOWN_MODELS, ModelShape, TrainingShape, estimate_on_pool
+from scheduling.estimator import ModelShape, TrainingShape, estimate_on_pool
+from scheduling.model_shapes import KNOWN_MODELS
 from scheduling.pools import parse_pools
 from tests.conftest import make_settings
 

@@ -6,7 +6,8 @@ import itertools
 from dataclasses import replace
 
 from scheduling.capacity import CapacitySnapshot, RunningJob
-from scheduling.estimator import KNOWN_MODELS, TrainingShape
+from scheduling.estimator import TrainingShape
+from scheduling.model_shapes import KNOWN_MODELS
 from scheduling.pools import GIB, NodePool
 from scheduling.priorities import priority_value
 from scheduling.request import JobRequest

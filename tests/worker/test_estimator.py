@@ -17,7 +17,6 @@ from scheduling.estimator import (
     HEADROOM,
     JAX_ALLOCATOR_SLACK,
     JAX_CPU_RUNTIME_EXTRA,
-    KNOWN_MODELS,
     EstimateError,
     ModelShape,
     TrainingShape,
@@ -30,6 +29,7 @@ from scheduling.estimator import (
     recomputed_fraction,
 )
 from scheduling.model_files import base_model_shape
+from scheduling.model_shapes import KNOWN_MODELS
 from tests.worker.builders import mi300x, rtx4090
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -15,13 +15,8 @@ every row must be within 20 % (the printed table is the calibration record).
 
 import pytest
 
-from scheduling.estimator import (
-    KNOWN_MODELS,
-    TrainingShape,
-    estimate_on_pool,
-    memory_per_gpu,
-    tokens_per_second,
-)
+from scheduling.estimator import TrainingShape, estimate_on_pool, memory_per_gpu, tokens_per_second
+from scheduling.model_shapes import KNOWN_MODELS
 from tests.worker.builders import mi300x, rtx4090
 
 GIB = 2**30

@@ -14,7 +14,6 @@ import pytest
 
 from scheduling.estimator import (
     ATTENTION_SCORE_BYTES,
-    KNOWN_MODELS,
     TrainingShape,
     estimate_on_pool,
     flops_per_token,
@@ -22,6 +21,7 @@ from scheduling.estimator import (
     quantized_bytes_per_param,
     recomputed_fraction,
 )
+from scheduling.model_shapes import KNOWN_MODELS
 from tests.worker.builders import mi300x, rtx4090
 
 GIB = 2**30

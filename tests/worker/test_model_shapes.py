@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling.estimator import KNOWN_MODELS, ModelShape, memory_per_gpu
+from scheduling.estimator import ModelShape, memory_per_gpu
+from scheduling.model_shapes import KNOWN_MODELS
 from scheduling.model_shapes import ModelShape as ModelShapeHome
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
