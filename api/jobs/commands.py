@@ -12,7 +12,8 @@ the file is already validated, else the job fails with that code once it is).
 
 A reinforcement job (``method.type`` "reinforcement") is checked in full (its grader as
 ``POST /v1/fine_tuning/alpha/graders/validate`` checks it, by :func:`check_reinforcement`;
-its files and their format) and then refused with 400 ``method_not_available``: the
+its files and their format; each ``{{item.<key>}}`` its grader reads must be a key every
+line of a validated file has, else 400 ``grader_item_missing``) and then refused with 400 ``method_not_available``: the
 trainers do not run reinforcement fine-tuning yet, and a job they could only fail (or,
 worse, train as supervised) is not created. The trainers refuse a reinforcement spec too
 (``method_unsupported``), should one reach them.
@@ -52,6 +53,7 @@ from control.queue import SCHEDULE, TaskQueue
 from control.settings import Settings
 from scheduling.model_files import missing_model_files
 from trainers.common.graders import GraderInvalid, parse_grader
+from trainers.common.graders.models import item_references
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,24 @@ def check_reinforcement(session: Session, tenant_id: str, settings: Settings, ba
     resolve_grader_models(session, tenant_id, settings, base_models, grader, GRADER_PARAM)
 
 
+def grader_item_mismatch(body: JobCreate, file: File, param: str) -> APIError | None:
+    """400 ``grader_item_missing`` when a reinforcement job's grader reads ``{{item.<key>}}``
+    that some line of validated ``file`` lacks (the validation report's ``item_keys``: the
+    keys every line has); None when each key is there, or the file is not validated yet."""
+    method = body.method.reinforcement if body.method is not None else None
+    keys = (file.validation or {}).get("item_keys")
+    if method is None or file.status != "processed" or keys is None:
+        return None
+    for key, where in item_references(parse_grader(method.grader, param=GRADER_PARAM), GRADER_PARAM):
+        if key not in keys:
+            return APIError(
+                400, "grader_item_missing",
+                f"The grader reads {{{{item.{key}}}}} ({where}), but not every line of file '{file.id}' "
+                f"({param}) has a '{key}' key; the keys every line has: {', '.join(keys)}.",
+                param=where)
+    return None
+
+
 def method_not_available(method: str) -> APIError | None:
     """400 ``method_not_available`` for a method the trainers cannot run yet; None otherwise."""
     if method != "reinforcement":
@@ -195,6 +215,8 @@ def create_job(
     )
     for file, param in ((training, "training_file"), (validation, "validation_file")):
         mismatch = method_mismatch(file, settings.method.type, param) if file is not None else None
+        if mismatch is None and file is not None:
+            mismatch = grader_item_mismatch(body, file, param)
         if mismatch is not None:
             raise mismatch
     unavailable = method_not_available(settings.method.type)

@@ -179,3 +179,26 @@ def test_auto_values_resolve_into_the_job_object_and_the_trainer_spec() -> None:
     assert spec.type == "reinforcement" and spec.reinforcement == ReinforcementSpec(
         grader=GRADER, samples_per_prompt=10, max_completion_tokens=1024, eval_interval=3, eval_samples=1,
         kl_coef=0.04, clip_epsilon=0.2, response_format=row["method"]["response_format"])
+
+
+@pytest.mark.parametrize(
+    ("grader", "param"),
+    [
+        ({**GRADER, "reference": "{{item.answer}}"}, "method.reinforcement.grader.reference"),
+        ({"type": "multi", "name": "m", "calculate_output": "a",
+          "graders": {"a": {**GRADER, "input": "{{item.hint}} {{sample.output_text}}"}}},
+         "method.reinforcement.grader.graders.a.input"),
+        ({"type": "score_model", "name": "s", "model": "tunefleet-tiny-llama", "input": [
+            {"role": "user", "content": "Reference: {{item.reference_answer}}. Graded: {{item.solution[0]}}"}]},
+         "method.reinforcement.grader.input[0].content"),
+    ],
+)
+def test_a_grader_reading_a_key_the_lines_lack_is_refused(client, tenant_key, processed_file, grader, param) -> None:
+    headers = tenant_key().headers
+    body = {"model": "tunefleet-tiny-llama", "training_file": processed_file(headers, prompt_lines(4)),
+            "method": rft(grader)}
+    response = client.post(JOBS, headers=headers, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("grader_item_missing", param), error
+    assert "messages, reference_answer" in error["message"]
