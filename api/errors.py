@@ -128,6 +128,12 @@ invalid_python_grader          400   graders: a python grader whose source does 
 unsupported_evaluation_metric  400   graders: ``cosine`` (evals only), or ``meteor`` without its WordNet data
 invalid_grader_model           400   graders: a score_model grader's ``model`` that this service does not
                                      serve to the caller (nor allows at its external grader endpoint)
+grader_item_missing            400   job creation: a reinforcement grader reads ``{{item.<key>}}`` that
+                                     not every line of its training/validation file has (``param`` = the
+                                     grader's field); the grader codes above apply under
+                                     ``method.reinforcement.grader`` too
+method_not_available           400   job creation: ``method.type`` ``reinforcement``, checked in full but
+                                     not run by any trainer yet (no job is created)
 graders_busy                   429   graders: python graders of the organization (or of the whole
                                      service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details

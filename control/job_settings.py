@@ -10,8 +10,10 @@ spelling), and resolves what the stored shapes leave implicit:
   unless another is named, none for LoRA);
 - the trainer: ``auto``, ``jax_lora`` or ``fsdp_qlora`` (the API's ``jax`` is ``jax_lora``);
 - the method: one variant per ``method.type`` (``MethodSettings``), each with its own
-  settings (DPO's ``beta`` and ``sft_weight``, which the row keeps among the job's
-  hyperparameters, where OpenAI shows them);
+  settings (DPO's ``beta`` and ``sft_weight``; reinforcement's ``compute_multiplier``,
+  ``eval_interval``, ``eval_samples``, ``reasoning_effort`` and our extensions, which the
+  row keeps among the job's hyperparameters, where OpenAI shows them; reinforcement's
+  ``grader`` and ``response_format``, which the row keeps in its ``method`` column);
 - every default, taken from the trainer contract (``trainers.spec``): a setting the row
   does not hold is the value a trainer uses for it. A null in a row means "not given".
 
@@ -53,6 +55,7 @@ from trainers.spec import (
     MethodSpec,
     MethodType,
     Quantization,
+    ReinforcementSpec,
     TargetModule,
     TrainerSpec,
 )
@@ -65,6 +68,18 @@ TRAINER_ALIASES = {"jax": "jax_lora"}
 
 _ADAPTER = AdapterSpec()
 _METHOD = MethodSpec()
+_REINFORCEMENT = ReinforcementSpec(grader={})
+# OpenAI's ``compute_multiplier`` scales how much a reinforcement job explores: here, the
+# completions sampled per prompt (the group GRPO normalizes rewards over), 4 at 1.0.
+SAMPLES_PER_UNIT_COMPUTE = _REINFORCEMENT.samples_per_prompt
+_SAMPLES_RANGE = (2, 64)  # ``ReinforcementSpec.samples_per_prompt``'s bounds
+
+
+def samples_per_prompt(compute_multiplier: float) -> int:
+    """Completions sampled per prompt for OpenAI's ``compute_multiplier``:
+    ``round(4 x multiplier)``, at least 2 (a group of one has no baseline) and at most 64."""
+    low, high = _SAMPLES_RANGE
+    return int(min(high, max(low, round(SAMPLES_PER_UNIT_COMPUTE * compute_multiplier))))
 
 
 def _spec_default(model: type[BaseModel], field: str) -> Any:
@@ -189,8 +204,44 @@ class DpoMethod(_Method):
         return MethodSpec(type="dpo", beta=self.beta, sft_weight=self.sft_weight)
 
 
+class ReinforcementMethod(_Method):
+    """Reinforcement fine-tuning (``trainers.spec.ReinforcementSpec``): the grader (and the
+    response format) as given, OpenAI's hyperparameters "auto" until resolved
+    (``control.jobs.hyperparameters``), and our extensions (``kl_coef``, ``clip_epsilon``,
+    ``max_completion_tokens``)."""
+
+    HYPERPARAMETERS = ("compute_multiplier", "eval_interval", "eval_samples", "reasoning_effort",
+                       "kl_coef", "clip_epsilon", "max_completion_tokens")
+    type: Literal["reinforcement"] = "reinforcement"
+    grader: dict[str, Any] = Field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
+    compute_multiplier: float | Auto = AUTO
+    eval_interval: int | Auto = AUTO
+    eval_samples: int | Auto = AUTO
+    reasoning_effort: Literal["default", "low", "medium", "high"] = _REINFORCEMENT.reasoning_effort
+    kl_coef: float = _REINFORCEMENT.kl_coef
+    clip_epsilon: float = _REINFORCEMENT.clip_epsilon
+    max_completion_tokens: int = _REINFORCEMENT.max_completion_tokens
+
+    @property
+    def resolved(self) -> bool:
+        return AUTO not in (self.compute_multiplier, self.eval_interval, self.eval_samples)
+
+    def spec(self) -> MethodSpec:
+        if not self.resolved:
+            raise ValueError("a reinforcement method's 'auto' hyperparameters must be resolved first")
+        assert not isinstance(self.compute_multiplier, str)
+        return MethodSpec(type="reinforcement", reinforcement=ReinforcementSpec(
+            grader=self.grader, response_format=self.response_format,
+            samples_per_prompt=samples_per_prompt(self.compute_multiplier),
+            max_completion_tokens=self.max_completion_tokens, eval_interval=self.eval_interval,
+            eval_samples=self.eval_samples, kl_coef=self.kl_coef, clip_epsilon=self.clip_epsilon,
+            reasoning_effort=self.reasoning_effort,
+        ))
+
+
 # What a job trains for. A new method is one more variant: its class, added to this union.
-MethodSettings = Annotated[SupervisedMethod | DpoMethod, Field(discriminator="type")]
+MethodSettings = Annotated[SupervisedMethod | DpoMethod | ReinforcementMethod, Field(discriminator="type")]
 _METHODS: dict[str, type[_Method]] = {
     variant.model_fields["type"].default: variant for variant in get_args(get_args(MethodSettings)[0])
 }
@@ -337,7 +388,8 @@ class JobSettings(_Settings):
 
     def stored_hyperparameters(self) -> dict[str, Any]:
         """The row's ``hyperparameters`` column: the training hyperparameters and the
-        method's own (DPO's ``beta`` and ``sft_weight``), as OpenAI shows them together."""
+        method's own (DPO's ``beta`` and ``sft_weight``, reinforcement's ``compute_multiplier``
+        and the rest of ``ReinforcementMethod.HYPERPARAMETERS``), as OpenAI shows them together."""
         own = self.method.stored()
         return {**self.hyperparameters.stored(),
                 **{k: v for k, v in own.items() if k in self.method.HYPERPARAMETERS}}

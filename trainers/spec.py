@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,13 +33,27 @@ TargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 DEFAULT_TARGET_MODULES: tuple[TargetModule, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DEFAULT_MAX_SEQ_LEN = 2048
 # ``sharegpt`` is converted to chat messages on read; ``preference`` (OpenAI's DPO file
-# format: input / preferred_output / non_preferred_output) is the only format a DPO job reads.
-DataFormat = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference"]
+# format: input / preferred_output / non_preferred_output) is the only format a DPO job reads;
+# ``reinforcement`` (prompts ending in a user turn, plus the keys a grader reads) the only
+# format a reinforcement job reads.
+DataFormat = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference", "reinforcement"]
 AdapterMethod = Literal["lora", "qlora"]
 # How the frozen base is stored: as is, bitsandbytes NF4, or HQQ 4-bit.
 Quantization = Literal["none", "nf4", "hqq4"]
 LrScheduler = Literal["cosine", "linear", "constant"]
-MethodType = Literal["supervised", "dpo"]
+MethodType = Literal["supervised", "dpo", "reinforcement"]
+# The one data format a method other than supervised trains (supervised trains the others).
+METHOD_FORMATS: dict[str, str] = {"dpo": "preference", "reinforcement": "reinforcement"}
+
+
+def format_trains_method(data_format: str, method: str) -> bool:
+    """Whether a file in ``data_format`` trains with ``method``: DPO and reinforcement each
+    train their own format only, supervised every other one. The API, the worker and the
+    trainer spec all ask this."""
+    own = METHOD_FORMATS.get(method)
+    if own is not None:
+        return data_format == own
+    return data_format not in METHOD_FORMATS.values()
 
 
 def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> bool:
@@ -202,8 +216,41 @@ class ReportSpec(_Strict):
         "applied for the job, so a run whose spool starts empty (a new pod) never reuses a number.")
 
 
+GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+class ReinforcementSpec(_Strict):
+    """Reinforcement fine-tuning (GRPO, Shao et al. 2024): per prompt, sample
+    ``samples_per_prompt`` completions, score each with ``grader``, and push the policy
+    toward the completions that score above their group's mean
+    (``trainers.common.grpo``).
+
+    ``grader`` is OpenAI's grader object, checked by ``trainers.common.graders.parse_grader``;
+    the reference policy of the KL term is the same base with the adapter disabled.
+    """
+
+    grader: dict[str, Any] = Field(description="OpenAI's grader object (string_check, text_similarity, "
+                                               "python, score_model or multi).")
+    samples_per_prompt: Annotated[int, Field(ge=2, le=64)] = Field(
+        default=4, description="Completions sampled per prompt: the group whose rewards are normalized.")
+    max_completion_tokens: Annotated[int, Field(ge=1)] = 1024
+    temperature: Annotated[float, Field(gt=0, le=2)] = 1.0
+    eval_interval: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Optimizer steps between evaluations on the validation prompts.")
+    eval_samples: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="Completions sampled per validation prompt at each evaluation.")
+    kl_coef: Annotated[float, Field(ge=0)] = Field(
+        default=0.0, description="Weight of the per-token KL estimate to the reference (TRL's beta); 0 = none.")
+    clip_epsilon: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    loss_type: GrpoLossType = "grpo"
+    response_format: dict[str, Any] | None = Field(
+        default=None, description="OpenAI's response_format the sampled completions must follow.")
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
 class MethodSpec(_Strict):
-    """What the loss optimizes: supervised next-token loss on assistant tokens, or DPO.
+    """What the loss optimizes: supervised next-token loss on assistant tokens, DPO, or
+    reinforcement fine-tuning (``reinforcement``, set exactly for that type).
 
     DPO (sigmoid loss, Rafailov et al. 2023) compares the policy's completion log-probs on
     a preferred and a rejected answer with those of a reference policy. With LoRA the
@@ -215,6 +262,13 @@ class MethodSpec(_Strict):
     type: MethodType = "supervised"
     beta: Annotated[float, Field(gt=0, le=100)] = 0.1
     sft_weight: Annotated[float, Field(ge=0)] = 0.0
+    reinforcement: ReinforcementSpec | None = None
+
+    @model_validator(mode="after")
+    def _reinforcement_for_its_type(self) -> MethodSpec:
+        if (self.type == "reinforcement") != (self.reinforcement is not None):
+            raise ValueError("method.reinforcement is set exactly when method.type is 'reinforcement'")
+        return self
 
 
 class IntegrationSpec(_Strict):
@@ -256,10 +310,11 @@ class TrainerSpec(_Strict):
                 f"hyperparameters.batch_size ({hp.batch_size}) must be a multiple of "
                 f"micro_batch_size ({hp.micro_batch_size})"
             )
-        if (self.method.type == "dpo") != (self.data.format == "preference"):
+        if not format_trains_method(self.data.format, self.method.type):
             raise ValueError(
                 f"method.type {self.method.type!r} cannot train data.format {self.data.format!r}: "
-                "a DPO job trains preference data, and preference data trains only with DPO"
+                "a DPO job trains preference data and a reinforcement job reinforcement prompts, "
+                "and each of those formats trains only with its method"
             )
         return self
 

@@ -40,6 +40,7 @@ from trainers.spec import (
     PrecisionSpec,
     ReportSpec,
     TrainerSpec,
+    format_trains_method,
 )
 
 
@@ -224,7 +225,7 @@ def _data_spec(session: Session, job: Job, job_settings: JobSettings, method: Me
     fmt = (train.validation or {}).get("format")
     if fmt not in get_args(DataFormat):
         raise SpecError("invalid_file", f"training file {train.id} has no validated format")
-    if (method.type == "dpo") != (fmt == "preference"):
+    if not format_trains_method(fmt, method.type):
         raise SpecError("file_method_mismatch",
                         f"training file {train.id} ({fmt}) cannot train with method '{method.type}'")
     valid_location = None

@@ -56,12 +56,12 @@ def external_models(settings: Settings) -> set[str]:
 
 
 def resolve_grader_models(session: Session, tenant_id: str, settings: Settings, base_models: BaseModelRegistry,
-                          grader: Any) -> dict[str, ServedModel]:
+                          grader: Any, param: str = "grader") -> dict[str, ServedModel]:
     """The served model of each ``score_model`` grader (external ones are not looked up), or
-    400 ``invalid_grader_model`` naming the field."""
+    400 ``invalid_grader_model`` naming the field (under ``param``, where the grader is)."""
     served: dict[str, ServedModel] = {}
     external = external_models(settings)
-    for model, param in score_models(grader):
+    for model, where in score_models(grader, param):
         if model in external or model in served:
             continue
         try:
@@ -70,7 +70,7 @@ def resolve_grader_models(session: Session, tenant_id: str, settings: Settings, 
             if exc.code != "model_not_found":
                 raise
             raise APIError(400, INVALID_GRADER_MODEL, f"The grader's model '{model}' is not a model this service "
-                           "serves to you.", param=param) from exc
+                           "serves to you.", param=where) from exc
     return served
 
 

@@ -10,6 +10,14 @@ A file's validated format must suit the job's method: a DPO job trains on prefer
 files only and a supervised job on any other format (400 ``file_method_mismatch`` when
 the file is already validated, else the job fails with that code once it is).
 
+A reinforcement job (``method.type`` "reinforcement") is checked in full (its grader as
+``POST /v1/fine_tuning/alpha/graders/validate`` checks it, by :func:`check_reinforcement`;
+its files and their format; each ``{{item.<key>}}`` its grader reads must be a key every
+line of a validated file has, else 400 ``grader_item_missing``) and then refused with 400 ``method_not_available``: the
+trainers do not run reinforcement fine-tuning yet, and a job they could only fail (or,
+worse, train as supervised) is not created. The trainers refuse a reinforcement spec too
+(``method_unsupported``), should one reach them.
+
 A job that no node pool can hold even with every GPU free (the estimate's ``unfit``
 reasons) is refused with 400 ``no_pool_fits`` instead of being queued to wait forever,
 unless the body asks to queue it anyway (``placement.queue_if_unfit``).
@@ -29,6 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.files.queries import get_file
+from api.graders.model_chat import resolve_grader_models
 from api.jobs.queries import opens
 from api.jobs.schemas import JobCreate
 from control.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
@@ -38,10 +47,13 @@ from control.job_settings import JobSettings
 from control.jobs.checkpoints import latest_checkpoint
 from control.jobs.lifecycle import add_event, lock_job, transition
 from control.jobs.queueing import file_error, method_mismatch, queue_if_files_ready
-from control.models.base_models import BaseModelEntry
+from control.models.base_models import BaseModelEntry, BaseModelRegistry
 from control.models.hub import parse_hub_id
 from control.queue import SCHEDULE, TaskQueue
+from control.settings import Settings
 from scheduling.model_files import missing_model_files
+from trainers.common.graders import GraderInvalid, parse_grader
+from trainers.common.graders.models import item_references
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
 log = logging.getLogger(__name__)
@@ -100,6 +112,54 @@ def base_model_and_settings(
     return model, settings
 
 
+GRADER_PARAM = "method.reinforcement.grader"
+
+
+def check_reinforcement(session: Session, tenant_id: str, settings: Settings, base_models: BaseModelRegistry,
+                        body: JobCreate) -> None:
+    """A reinforcement job's grader, checked as the grader endpoints check it: 400 with the
+    grader's stable code (``invalid_grader``, ``invalid_template``, ...) and its field under
+    ``method.reinforcement.grader``; a ``score_model`` grader's model must be one the
+    tenant may use. Nothing for other methods."""
+    method = body.method.reinforcement if body.method is not None else None
+    if method is None:
+        return
+    try:
+        grader = parse_grader(method.grader, param=GRADER_PARAM)
+    except GraderInvalid as exc:
+        raise APIError(400, exc.code, exc.message, param=exc.param) from exc
+    resolve_grader_models(session, tenant_id, settings, base_models, grader, GRADER_PARAM)
+
+
+def grader_item_mismatch(body: JobCreate, file: File, param: str) -> APIError | None:
+    """400 ``grader_item_missing`` when a reinforcement job's grader reads ``{{item.<key>}}``
+    that some line of validated ``file`` lacks (the validation report's ``item_keys``: the
+    keys every line has); None when each key is there, or the file is not validated yet."""
+    method = body.method.reinforcement if body.method is not None else None
+    keys = (file.validation or {}).get("item_keys")
+    if method is None or file.status != "processed" or keys is None:
+        return None
+    for key, where in item_references(parse_grader(method.grader, param=GRADER_PARAM), GRADER_PARAM):
+        if key not in keys:
+            return APIError(
+                400, "grader_item_missing",
+                f"The grader reads {{{{item.{key}}}}} ({where}), but not every line of file '{file.id}' "
+                f"({param}) has a '{key}' key; the keys every line has: {', '.join(keys)}.",
+                param=where)
+    return None
+
+
+def method_not_available(method: str) -> APIError | None:
+    """400 ``method_not_available`` for a method the trainers cannot run yet; None otherwise."""
+    if method != "reinforcement":
+        return None
+    return APIError(
+        400, "method_not_available",
+        "Reinforcement fine-tuning (method.type 'reinforcement') is not enabled on this service yet: "
+        "the request, its grader and its files are valid, but no trainer runs the method, so no job "
+        "was created. Use method 'supervised' or 'dpo'.", param="method.type")
+
+
 def require_model_files(model: BaseModelEntry) -> None:
     """400 ``model_unavailable`` for a local base model whose files are not there (its
     directory or ``config.json``): the job could never load it, and its estimate would be
@@ -155,8 +215,13 @@ def create_job(
     )
     for file, param in ((training, "training_file"), (validation, "validation_file")):
         mismatch = method_mismatch(file, settings.method.type, param) if file is not None else None
+        if mismatch is None and file is not None:
+            mismatch = grader_item_mismatch(body, file, param)
         if mismatch is not None:
             raise mismatch
+    unavailable = method_not_available(settings.method.type)
+    if unavailable is not None:
+        raise unavailable
     job = Job(
         id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
         validation_file=validation.id if validation else None, status="validating_files",

@@ -47,6 +47,7 @@ def create_job(
 ) -> JobPublic:
     """Create a fine-tuning job (OpenAI body + tunefleet extensions)."""
     check_tracking_uris(body.integrations, settings)
+    commands.check_reinforcement(session, tenant.id, settings, base_models, body)
     job = commands.create_job(
         session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
         base_models=base_models, queue=queue, idempotency_key=idempotency_key,

@@ -9,8 +9,18 @@ Unknown fields are refused with their path in ``param``.
 ``method`` is OpenAI's: ``{"type": "supervised", "supervised": {"hyperparameters": ...}}``
 or ``{"type": "dpo", "dpo": {"hyperparameters": {"beta", "batch_size",
 "learning_rate_multiplier", "n_epochs"}}}`` (each a value or "auto"; resolved as
-``control.jobs.hyperparameters`` says). A DPO job trains on a file in OpenAI's preference format,
-a supervised job on any other format.
+``control.jobs.hyperparameters`` says), or ``{"type": "reinforcement", "reinforcement":
+{"grader": {...}, "hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier",
+"eval_interval", "eval_samples", "compute_multiplier", "reasoning_effort"}, "response_format":
+{...}}}``. A DPO job trains on a file in OpenAI's preference format, a reinforcement job on
+reinforcement prompts, a supervised job on any other format.
+
+Reinforcement: the grader is checked as ``POST /v1/fine_tuning/alpha/graders/validate``
+checks it (400 with the grader's code and field, e.g. ``method.reinforcement.grader.operation``);
+``compute_multiplier`` is the number of completions sampled per prompt, 4 x the multiplier
+(``control.job_settings.samples_per_prompt``). Creation then answers 400
+``method_not_available`` (``api.jobs.commands``): the trainers do not run reinforcement
+fine-tuning yet, and a job that could only fail is not created.
 
 ``suffix`` follows OpenAI's rule: 1 to 64 characters. It is shown as given in
 ``user_provided_suffix`` and names the model ``ft:<base>:<org>:<suffix>:<job id>``; in that
@@ -89,6 +99,47 @@ class DpoHyperparameters(Hyperparameters):
     sft_weight: Annotated[float, Field(ge=0, le=100)] | None = None
 
 
+class ReinforcementHyperparameters(Hyperparameters):
+    """OpenAI's reinforcement hyperparameters (each a value or "auto"), plus our expert settings.
+
+    ``compute_multiplier`` scales the completions sampled per prompt (4 x the multiplier,
+    between 2 and 64); ``eval_interval`` is the optimizer steps between evaluations and
+    ``eval_samples`` the completions sampled per validation prompt at each;
+    ``reasoning_effort`` is recorded and passed to the trainer. Extensions: ``kl_coef``
+    weighs a KL penalty to the base model (0 = none, the default), ``clip_epsilon`` bounds
+    the policy ratio (0.2), ``max_completion_tokens`` caps each sampled completion (1024).
+    """
+
+    compute_multiplier: Auto | Annotated[float, Field(gt=0, le=16)] = "auto"
+    eval_interval: Auto | PositiveInt = "auto"
+    eval_samples: Auto | Annotated[int, Field(strict=True, ge=1, le=64), AcceptWholeFloats] = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] | None = None
+    kl_coef: Annotated[float, Field(ge=0, le=10)] | None = None
+    clip_epsilon: Annotated[float, Field(gt=0, lt=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1, le=131_072), AcceptWholeFloats] | None = None
+
+
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Strict):
+    """The form of the sampled completions: text, or JSON following ``json_schema``."""
+
+    type: Literal["text", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object, "
+                             "and only that type takes one")
+        return self
+
+
 class SupervisedMethod(Strict):
     hyperparameters: Hyperparameters = Hyperparameters()
 
@@ -97,23 +148,49 @@ class DpoMethod(Strict):
     hyperparameters: DpoHyperparameters = DpoHyperparameters()
 
 
+class ReinforcementMethod(Strict):
+    """OpenAI's ``method.reinforcement``: the grader stays a JSON object here and is checked
+    by ``trainers.common.graders.parse_grader`` (``api.jobs.routes``), so its errors name the
+    grader's own fields."""
+
+    grader: dict[str, Any]
+    hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
+    response_format: ResponseFormat | None = None
+
+
+METHOD_TYPES: tuple[MethodType, ...] = ("supervised", "dpo", "reinforcement")
+
+
 class Method(Strict):
     type: MethodType
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
+    reinforcement: ReinforcementMethod | None = None
 
     @model_validator(mode="after")
     def _settings_for_type(self) -> Method:
-        other = "dpo" if self.type == "supervised" else "supervised"
-        if getattr(self, other) is not None:
-            raise ValueError(f"method of type '{self.type}' takes its settings in "
-                             f"method.{self.type}, not method.{other}")
+        for other in METHOD_TYPES:
+            if other != self.type and getattr(self, other) is not None:
+                raise ValueError(f"method of type '{self.type}' takes its settings in "
+                                 f"method.{self.type}, not method.{other}")
+        if self.type == "reinforcement" and self.reinforcement is None:
+            raise ValueError("method of type 'reinforcement' needs method.reinforcement with its grader")
         return self
 
     def hyperparameters(self) -> Hyperparameters | None:
         """The hyperparameters given inside the method, if any."""
-        settings = self.supervised if self.type == "supervised" else self.dpo
+        settings = getattr(self, self.type)
         return settings.hyperparameters if settings is not None else None
+
+    def stored(self) -> dict[str, Any]:
+        """The job row's ``method`` column: the type, and reinforcement's grader and
+        response format (its hyperparameters live in the ``hyperparameters`` column)."""
+        if self.reinforcement is None:
+            return {"type": self.type}
+        given = self.reinforcement
+        return {"type": self.type, "grader": given.grader,
+                **({"response_format": given.response_format.model_dump(by_alias=True, exclude_none=True)}
+                   if given.response_format is not None else {})}
 
 
 class Adapter(Strict):
@@ -220,8 +297,9 @@ class JobCreate(Strict):
         top = info.data.get("hyperparameters")
         if method is None or top in (None, Hyperparameters()):
             return method
-        if method.type == "dpo":
-            raise ValueError("a DPO job takes its hyperparameters in method.dpo.hyperparameters; "
+        if method.type != "supervised":
+            name = "DPO" if method.type == "dpo" else "reinforcement"
+            raise ValueError(f"a {name} job takes its hyperparameters in method.{method.type}.hyperparameters; "
                              "the top-level hyperparameters are for supervised jobs")
         given = method.hyperparameters()
         if given is not None and given != Hyperparameters():
@@ -238,6 +316,9 @@ class JobCreate(Strict):
         method = info.data.get("method")
         if packing and method is not None and method.type == "dpo":
             raise ValueError("packing does not apply to a DPO job (each preference pair is two rows)")
+        # A reinforcement step scores whole sampled completions, one sequence a row.
+        if packing and method is not None and method.type == "reinforcement":
+            raise ValueError("packing does not apply to a reinforcement job (each sampled completion is a row)")
         return packing
 
     @property
@@ -249,6 +330,8 @@ class JobCreate(Strict):
         given = self.method.hyperparameters() if self.method is not None else None
         if self.method_type == "dpo":
             return given or DpoHyperparameters()
+        if self.method_type == "reinforcement":
+            return given or ReinforcementHyperparameters()
         if given is not None and given != Hyperparameters():
             return given
         return self.hyperparameters or Hyperparameters()
@@ -272,7 +355,8 @@ class JobCreate(Strict):
             hyperparameters = self.requested_hyperparameters().model_dump(exclude_none=True)
         return JobSettings.from_columns(
             trainer=self.trainer, adapter=self.adapter.model_dump(exclude_none=True),
-            method={"type": self.method_type}, hyperparameters=hyperparameters,
+            method=self.method.stored() if self.method is not None else {"type": self.method_type},
+            hyperparameters=hyperparameters,
             max_seq_len=max_seq_len, packing=self.packing, eval=self.eval.model_dump(exclude_none=True),
             seed=seed if seed is not None else self.seed,
             placement=self.placement.model_dump(exclude_defaults=True),
@@ -295,9 +379,16 @@ def _public_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
 
 
 def public_method(method: dict[str, Any] | None, hp: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``method`` object: the type the job trains with and its hyperparameters."""
+    """OpenAI's ``method`` object: the type the job trains with and its hyperparameters (a
+    reinforcement job's grader and response format too, as given)."""
     kind = method_type_of(method)
-    return {"type": kind, kind: {"hyperparameters": hp}}
+    if kind != "reinforcement":
+        return {"type": kind, kind: {"hyperparameters": hp}}
+    stored = method or {}
+    settings: dict[str, Any] = {"grader": stored.get("grader") or {}, "hyperparameters": hp}
+    if stored.get("response_format") is not None:
+        settings["response_format"] = stored["response_format"]
+    return {"type": kind, kind: settings}
 
 
 class JobPublic(BaseModel):

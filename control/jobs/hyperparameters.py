@@ -23,6 +23,17 @@ pair (its preferred and its rejected answer are trained in the same micro batch)
 - ``beta`` = 0.1 (OpenAI's and TRL's default); ``sft_weight`` = 0.0 (no supervised term):
   the trainer contract's ``MethodSpec`` defaults.
 
+A reinforcement job (``method.type`` "reinforcement") resolves the same way, an example
+being one prompt (its sampled completions are trained in the same step), plus:
+
+- ``compute_multiplier`` = 1.0, i.e. 4 completions sampled per prompt
+  (``control.job_settings.samples_per_prompt``);
+- ``eval_interval`` = a tenth of ``total_steps`` (at least 1): about ten evaluations a run;
+- ``eval_samples`` = 1 completion per validation prompt at each evaluation;
+- ``reasoning_effort`` = "default"; ``kl_coef``, ``clip_epsilon`` and
+  ``max_completion_tokens``: the trainer contract's ``ReinforcementSpec`` defaults (0.0,
+  0.2, 1024).
+
 A value the user gave is kept as given. The resolved values are stored on the job and
 shown in ``hyperparameters``; the trainer spec is built from them (no "auto" reaches a
 trainer).
@@ -33,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from control.job_settings import DpoMethod, HyperparameterSettings, JobSettings
+from control.job_settings import DpoMethod, HyperparameterSettings, JobSettings, ReinforcementMethod
 from trainers.spec import MethodSpec
 
 BASE_LEARNING_RATE = 2e-4
@@ -41,6 +52,10 @@ MIN_EXAMPLES_SEEN = 100
 MAX_EXAMPLES_SEEN = 25_000
 DEFAULT_EPOCHS = 3
 DEFAULT_DPO_BETA = MethodSpec().beta
+DEFAULT_COMPUTE_MULTIPLIER = 1.0
+DEFAULT_EVAL_SAMPLES = 1
+EVALS_PER_RUN = 10
+_REINFORCEMENT = ReinforcementMethod()
 # What a hyperparameter that the auto rule leaves alone is when not given.
 _NOT_GIVEN = HyperparameterSettings()
 
@@ -70,13 +85,15 @@ def resolve_hyperparameters(requested: dict[str, Any], n_examples: int, *,
 
     Args:
         requested: the job's hyperparameters as validated by the API schema.
-        n_examples: examples in the training file (preference pairs for DPO).
-        method: the job's ``method.type``, ``supervised`` or ``dpo``.
+        n_examples: examples in the training file (preference pairs for DPO, prompts for
+            reinforcement).
+        method: the job's ``method.type``: ``supervised``, ``dpo`` or ``reinforcement``.
 
     Returns:
         A dict with n_epochs, batch_size, learning_rate_multiplier, learning_rate,
         micro_batch_size, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
-        max_steps and total_steps, all concrete; for DPO also beta and sft_weight.
+        max_steps and total_steps, all concrete; for DPO also beta and sft_weight; for
+        reinforcement also the names of ``ReinforcementMethod.HYPERPARAMETERS``.
     """
     def given(name: str) -> Any:
         value = requested.get(name)
@@ -95,8 +112,20 @@ def resolve_hyperparameters(requested: dict[str, Any], n_examples: int, *,
          "sft_weight": float(requested.get("sft_weight") or DpoMethod().sft_weight)}
         if method == "dpo" else {}
     )
+    reinforcement = (
+        {"compute_multiplier": float(given("compute_multiplier") or DEFAULT_COMPUTE_MULTIPLIER),
+         "eval_interval": int(given("eval_interval") or max(1, total_steps // EVALS_PER_RUN)),
+         "eval_samples": int(given("eval_samples") or DEFAULT_EVAL_SAMPLES),
+         "reasoning_effort": requested.get("reasoning_effort") or _REINFORCEMENT.reasoning_effort,
+         "kl_coef": float(_REINFORCEMENT.kl_coef if requested.get("kl_coef") is None else requested["kl_coef"]),
+         "clip_epsilon": float(requested.get("clip_epsilon") or _REINFORCEMENT.clip_epsilon),
+         "max_completion_tokens": int(requested.get("max_completion_tokens")
+                                      or _REINFORCEMENT.max_completion_tokens)}
+        if method == "reinforcement" else {}
+    )
     return {
         **preference,
+        **reinforcement,
         "n_epochs": int(n_epochs),
         "batch_size": int(batch_size),
         "learning_rate_multiplier": float(multiplier),

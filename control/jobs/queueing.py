@@ -17,6 +17,7 @@ from control.errors import APIError
 from control.job_settings import JobSettings
 from control.jobs.hyperparameters import resolve_hyperparameters
 from control.jobs.lifecycle import lock_job, transition
+from trainers.spec import format_trains_method
 
 # How many of a refused file's problems the job's error quotes.
 MAX_FIRST_ERRORS = 5
@@ -42,9 +43,19 @@ def method_mismatch(file: File, method: str, param: str) -> APIError | None:
     """The error when validated ``file`` cannot train with ``method``; None when it can
     (or is not validated yet)."""
     found = (file.validation or {}).get("format")
-    if file.status != "processed" or found is None or (found == "preference") == (method == "dpo"):
+    if file.status != "processed" or found is None or format_trains_method(found, method):
         return None
-    if method == "dpo":
+    if method == "reinforcement":
+        message = (f"File '{file.id}' is in '{found}' format, but a reinforcement job (method.type "
+                   "'reinforcement') trains on reinforcement prompts: lines whose 'messages' end in a "
+                   "user turn, with the fields the grader reads as {{item.<field>}}.")
+    elif found == "reinforcement":
+        message = (f"File '{file.id}' holds reinforcement prompts ('messages' ending in a user turn, "
+                   "with no assistant answer), which train only with method {\"type\": "
+                   f"\"reinforcement\"}}; a{' DPO' if method == 'dpo' else ' supervised'} job needs "
+                   + ("preference lines." if method == "dpo" else
+                      "chat, prompt/completion, alpaca or ShareGPT lines with assistant answers."))
+    elif method == "dpo":
         message = (f"File '{file.id}' is in '{found}' format, but a DPO job (method.type 'dpo') "
                    "trains on preference data: lines with 'input', 'preferred_output' and "
                    "'non_preferred_output'.")

@@ -119,7 +119,8 @@ def test_a_mismatch_found_after_validation_fails_the_job(client, tenant_key, upl
         ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.5}}}},
          "method.supervised.hyperparameters.beta"),
         ({"method": {"type": "dpo", "supervised": {}}}, "method"),
-        ({"method": {"type": "reinforcement"}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method"),  # no method.reinforcement (grader)
+        ({"method": {"type": "distillation"}}, "method.type"),
         ({"method": {"type": "dpo"}, "hyperparameters": {"n_epochs": 2}}, "method"),
         ({"hyperparameters": {"n_epochs": 2},
           "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 3}}}}, "method"),

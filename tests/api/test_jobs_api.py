@@ -110,7 +110,8 @@ def test_bad_files(client, tenant_key, upload, processed_file) -> None:
         ({"hyperparameters": {"batch_size": True}}, "hyperparameters.batch_size", "invalid_request"),
         ({"hyperparameters": {"epochs": 3}}, "hyperparameters.epochs", "invalid_request"),
         ({"method": {"type": "dpo"}}, "training_file", "file_method_mismatch"),  # a chat file
-        ({"method": {"type": "reinforcement"}}, "method.type", "invalid_request"),
+        ({"method": {"type": "reinforcement"}}, "method", "invalid_request"),  # no grader
+        ({"method": {"type": "distillation"}}, "method.type", "invalid_request"),
         ({"adapter": {"method": "lora", "quantization": "nf4"}}, "adapter", "invalid_request"),
         ({"adapter": {"r": -1}}, "adapter.r", "invalid_request"),
         ({"adapter": {"target_modules": ["lm_head"]}}, "adapter.target_modules[0]",

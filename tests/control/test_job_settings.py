@@ -276,3 +276,46 @@ def test_a_job_whose_hyperparameters_are_not_resolved_gets_no_spec(client, tenan
         build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",), gpus=1,
                    token="t")
     assert raised.value.code == "hyperparameters_not_resolved"
+
+
+GRADER = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+          "reference": "{{item.answer}}", "operation": "eq"}
+
+
+def test_a_reinforcement_row_keeps_its_grader_in_the_method_and_its_settings_among_the_hyperparameters() -> None:
+    from control.job_settings import ReinforcementMethod, samples_per_prompt
+    from trainers.spec import ReinforcementSpec
+
+    stored = {"type": "reinforcement", "grader": GRADER}
+    hyperparameters = {**RESOLVED, "compute_multiplier": 1.5, "eval_interval": 5, "eval_samples": 2,
+                       "reasoning_effort": "high", "kl_coef": 0.04}
+    settings = JobSettings.from_row(row(method=stored, hyperparameters=hyperparameters))
+    assert settings.method == ReinforcementMethod(grader=GRADER, compute_multiplier=1.5, eval_interval=5,
+                                                  eval_samples=2, reasoning_effort="high", kl_coef=0.04)
+    assert settings.resolved
+    assert settings.row_columns()["method"] == stored
+    assert settings.stored_hyperparameters() == {k: v for k, v in hyperparameters.items() if v is not None}
+    assert settings.method.spec() == MethodSpec(type="reinforcement", reinforcement=ReinforcementSpec(
+        grader=GRADER, samples_per_prompt=6, eval_interval=5, eval_samples=2, kl_coef=0.04,
+        reasoning_effort="high"))
+    assert [samples_per_prompt(m) for m in (0.01, 0.5, 1.0, 2.0, 16.0, 100.0)] == [2, 2, 4, 8, 64, 64]
+
+    unresolved = JobSettings.from_row(row(method=stored, hyperparameters={**RESOLVED, "eval_interval": "auto"}))
+    assert not unresolved.resolved
+    with pytest.raises(ValueError, match="resolved"):
+        unresolved.method.spec()
+
+
+def test_the_reinforcement_spec_is_set_exactly_for_its_type() -> None:
+    from trainers.spec import ReinforcementSpec, format_trains_method
+
+    with pytest.raises(ValidationError, match="exactly when"):
+        MethodSpec(type="reinforcement")
+    with pytest.raises(ValidationError, match="exactly when"):
+        MethodSpec(type="supervised", reinforcement=ReinforcementSpec(grader=GRADER))
+    assert [format_trains_method(f, "reinforcement") for f in ("reinforcement", "chat", "preference")] == [
+        True, False, False]
+    assert [format_trains_method(f, "supervised") for f in ("reinforcement", "chat", "preference")] == [
+        False, True, False]
+    assert [format_trains_method(f, "dpo") for f in ("reinforcement", "chat", "preference")] == [
+        False, False, True]

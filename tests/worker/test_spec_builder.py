@@ -133,3 +133,42 @@ def test_a_supervised_job_maps_to_the_supervised_method(client, tenant_key, db_s
     spec = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
                       gpus=1, token="t")
     assert spec.method.type == "supervised" and spec.data.format == "chat"
+
+
+def test_a_reinforcement_row_maps_to_the_reinforcement_method_and_the_trainer_refuses_it(
+        client, tenant_key, db_session, settings):
+    # The API refuses to create reinforcement jobs until a trainer runs them; a row written as
+    # it will write them (its settings' columns, resolved) still builds its spec, which a
+    # trainer refuses with a clear code instead of training it as supervised.
+    from api.jobs.schemas import JobCreate
+    from control.jobs.hyperparameters import resolve_settings
+    from trainers.common.preference import load_training_data
+    from trainers.errors import UserError
+
+    headers = tenant_key().headers
+    prompts = "".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + {i}?"}], "answer": str(2 * i)})
+                      + "\n" for i in range(8)).encode()
+    upload = client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"},
+                         files={"file": ("prompts.jsonl", prompts, "application/jsonl")})
+    assert upload.status_code == 200, upload.text
+    job = _job_row(client, tenant_key, db_session, trainer="fsdp_qlora", batch_size=4)
+    grader = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}", "operation": "eq"}
+    body = JobCreate.model_validate({"model": job.model, "training_file": upload.json()["id"], "method": {
+        "type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": {
+            "batch_size": 4, "compute_multiplier": 0.5, "kl_coef": 0.04}}}})
+    columns = resolve_settings(body.job_settings(max_seq_len=job.max_seq_len, seed=job.seed), 8).row_columns()
+    for name, value in columns.items():
+        setattr(job, name, value)
+    job.training_file = upload.json()["id"]
+    db_session.commit()
+    assert client.get(f"/v1/files/{job.training_file}", headers=headers).json()["status"] == "processed"
+
+    spec = build_spec(db_session, job, settings, pool_accelerator="cpu", pool_families=("fsdp_qlora",),
+                      gpus=1, token="t")
+    assert spec.method.type == "reinforcement" and spec.data.format == "reinforcement"
+    rl = spec.method.reinforcement
+    assert (rl.grader, rl.samples_per_prompt, rl.kl_coef, rl.clip_epsilon) == (grader, 2, 0.04, 0.2)
+    with pytest.raises(UserError) as refused:
+        load_training_data(spec, tokenizer=None)
+    assert refused.value.code == "method_unsupported" and "reinforcement" in refused.value.message

@@ -2,10 +2,10 @@
 
 Pure Python (stdlib only) so that the service (``api``) validates uploads with exactly
 the code the trainers use to read them: a file that passes :func:`validate_jsonl` is a
-file :func:`read_examples` (or, for preference data, :func:`read_preference_examples`)
-reads without error.
+file :func:`read_examples` (or, for preference data, :func:`read_preference_examples`;
+for reinforcement prompts, :func:`read_reinforcement_examples`) reads without error.
 
-Five formats are accepted, one per file (the first valid line decides):
+Six formats are accepted, one per file (the first valid line decides):
 
 ``chat`` (OpenAI's chat fine-tuning format)
     ``{"messages": [...], "tools": [...], "parallel_tool_calls": true}``; ``tools`` and
@@ -42,6 +42,17 @@ Five formats are accepted, one per file (the first valid line decides):
     "preferred_output": [<assistant message>], "non_preferred_output": [<assistant
     message>]}``: the prompt's messages follow the chat rules above; each output is a
     list of exactly one assistant message (content and/or tool calls, no ``weight``).
+``reinforcement`` (OpenAI's reinforcement fine-tuning format, read as :class:`ReinforcementExample`)
+    ``{"messages": [...], "tools": [...], "<key>": ...}``: the prompt the model answers,
+    its messages following the chat rules above and ending in a ``user`` turn (the model
+    samples the assistant's answer), plus any other keys, which a grader reads as
+    ``{{item.<key>}}`` (the whole line is the grader's ``item``). A ``messages`` line is
+    read as reinforcement when it ends in a user turn and has no assistant turn to train on
+    (none, or only ``weight`` 0 ones): a line a chat file could not hold. Once a file is
+    reinforcement, every line must end in a user turn, earlier assistant turns (few-shot
+    context) allowed; a multi-turn prompt on the file's first line marks its assistant
+    turns ``weight: 0`` so that the line is not read as chat. ``item_keys`` in the
+    validation report lists the keys every valid line has.
 
 Unknown top-level keys are ignored (exports often carry ids or metadata). Blank lines
 are ignored; line numbers are 1-based; a UTF-8 BOM at the start is allowed; ``\\r\\n``
@@ -58,7 +69,7 @@ invalid_json              the line is not valid JSON
 not_an_object             the line is JSON but not an object (``{...}``)
 unknown_format            the first object matches none of the formats
 mixed_formats             the object is of another format than the file's first example
-missing_messages          a chat (or preference ``input``) line has no ``messages`` key
+missing_messages          a chat or reinforcement (or preference ``input``) line has no ``messages`` key
 invalid_messages          ``messages``/``conversations`` is not a non-empty list of
                           objects with a string role (``from``)
 unrecognized_role         a role other than system/user/assistant/tool (ShareGPT: other
@@ -80,6 +91,8 @@ invalid_tools             ``tools``/``functions`` is not a list of function defi
                           with names (or both are given)
 invalid_preference_output ``preferred_output``/``non_preferred_output`` is not a list of
                           exactly one assistant message
+prompt_not_user_last      a reinforcement line's ``messages`` do not end in a user turn
+                          (the model samples the answer; the line must not hold one)
 missing_field             a required field is missing (prompt/completion, alpaca, ``input``)
 invalid_type              a field has the wrong JSON type (e.g. a number where text is needed)
 too_few_examples          fewer valid examples than required (``min_examples``)
@@ -89,7 +102,7 @@ line_too_long             the line is longer than ``MAX_LINE_BYTES``
 ``n_tokens_estimate`` uses the chars/4 rule (about four characters per token for English
 text with BPE tokenizers): ``ceil(characters / 4)``, counting message contents, tool-call
 names and arguments and, once per example, the tool definitions as JSON (for preference
-lines: the prompt and both answers). It is an estimate for quotas and ETAs only;
+lines: the prompt and both answers; for reinforcement lines: the prompt). It is an estimate for quotas and ETAs only;
 trainers count real tokens.
 """
 
@@ -102,12 +115,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Format = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference"]
+Format = Literal["chat", "prompt_completion", "alpaca", "sharegpt", "preference", "reinforcement"]
 Role = Literal["system", "user", "assistant", "tool"]
 
-FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca", "sharegpt", "preference")
+FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca", "sharegpt", "preference", "reinforcement")
 SUPERVISED_FORMATS: tuple[str, ...] = ("chat", "prompt_completion", "alpaca", "sharegpt")
-"""The formats read as :class:`Example` (the rest, ``preference``, as :class:`PreferenceExample`)."""
+"""The formats read as :class:`Example` (``preference`` is read as :class:`PreferenceExample`,
+``reinforcement`` as :class:`ReinforcementExample`)."""
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS: tuple[str, ...] = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "weight")
 SHAREGPT_ROLES: dict[str, Role] = {
@@ -138,6 +152,7 @@ PROBLEM_CODES: tuple[str, ...] = (
     "unknown_tool_call_id",
     "invalid_tools",
     "invalid_preference_output",
+    "prompt_not_user_last",
     "missing_field",
     "invalid_type",
     "too_few_examples",
@@ -194,6 +209,17 @@ class PreferenceExample:
 
 
 @dataclass(frozen=True)
+class ReinforcementExample:
+    """One reinforcement fine-tuning prompt: the conversation the model answers (ending in a
+    user turn) and the line as given, the grader's ``item`` namespace."""
+
+    prompt: tuple[Message, ...]
+    item: dict[str, Any]
+    tools: tuple[dict[str, Any], ...] = ()
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass(frozen=True)
 class FileProblem:
     """One problem in a file: where (1-based line, None = whole file), a stable code, a message."""
 
@@ -215,6 +241,9 @@ class ValidationReport:
     n_tokens_estimate: int = 0
     errors: list[FileProblem] = field(default_factory=list)
     n_errors: int = 0
+    item_keys: tuple[str, ...] | None = None
+    """Reinforcement files only: the top-level keys every valid line has (what a grader's
+    ``{{item.<key>}}`` may read on any line), sorted."""
 
     @property
     def ok(self) -> bool:
@@ -228,6 +257,7 @@ class ValidationReport:
             "n_tokens_estimate": self.n_tokens_estimate,
             "n_errors": self.n_errors,
             "errors": [e.to_dict() for e in self.errors],
+            **({"item_keys": list(self.item_keys)} if self.item_keys is not None else {}),
         }
 
 
@@ -242,7 +272,20 @@ class FormatError(ValueError):
         self.line = line
 
 
-AnyExample = Example | PreferenceExample
+AnyExample = Example | PreferenceExample | ReinforcementExample
+# The formats whose lines hold a ``messages`` list: a line's own shape says which it is.
+_MESSAGE_FORMATS = ("chat", "reinforcement")
+
+
+def _is_prompt(messages: Any) -> bool:
+    """Whether a ``messages`` value reads as a reinforcement prompt: ending in a user turn,
+    with no assistant turn a chat example would train on (malformed lists read as chat,
+    whose parser names their problem)."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return False
+    if messages[-1].get("role") != "user":
+        return False
+    return not any(m.get("role") == "assistant" and m.get("weight", 1) != 0 for m in messages)
 
 
 def detect_format(obj: Any) -> Format | None:
@@ -250,7 +293,7 @@ def detect_format(obj: Any) -> Format | None:
     if not isinstance(obj, dict):
         return None
     if "messages" in obj:
-        return "chat"
+        return "reinforcement" if _is_prompt(obj["messages"]) else "chat"
     if "conversations" in obj:
         return "sharegpt"
     if "preferred_output" in obj or "non_preferred_output" in obj:
@@ -266,7 +309,8 @@ def parse_example(obj: Any, fmt: Format) -> AnyExample:
     """Convert one parsed JSON line of format ``fmt`` to its canonical example.
 
     Returns:
-        A :class:`PreferenceExample` for ``preference``, else an :class:`Example`.
+        A :class:`PreferenceExample` for ``preference``, a :class:`ReinforcementExample` for
+        ``reinforcement``, else an :class:`Example`.
 
     Raises:
         FormatError: with a stable code if the object is not a valid example of ``fmt``.
@@ -275,9 +319,14 @@ def parse_example(obj: Any, fmt: Format) -> AnyExample:
         raise FormatError("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
     found = detect_format(obj)
     if found is None:
-        if fmt == "chat":
+        if fmt in _MESSAGE_FORMATS:
             raise FormatError("missing_messages", "missing the 'messages' list")
         raise FormatError("missing_field", f"none of the {_FIELDS[fmt]} fields is present")
+    if found != fmt and found in _MESSAGE_FORMATS and fmt in _MESSAGE_FORMATS:
+        # A chat file keeps reading every messages line as chat (a prompt-only line is a
+        # chat line with nothing to train on); a reinforcement file reads every messages line
+        # as a prompt, earlier assistant turns included, and refuses one that ends in an answer.
+        return _PARSERS[fmt](obj)
     if found != fmt:
         raise FormatError(
             "mixed_formats", f"this line is {found} but the file is {fmt}; use one format per file"
@@ -291,6 +340,7 @@ _FIELDS: dict[str, str] = {
     "prompt_completion": "'prompt'/'completion'",
     "alpaca": "'instruction'/'input'/'output'",
     "preference": "'input'/'preferred_output'/'non_preferred_output'",
+    "reinforcement": "'messages'",
 }
 
 
@@ -636,12 +686,24 @@ def _preference_output(obj: dict[str, Any], key: str, line: _LineMessages) -> Me
     return message
 
 
+def _parse_reinforcement(obj: dict[str, Any]) -> ReinforcementExample:
+    messages = _LineMessages().parse_list(obj["messages"], "messages")
+    if messages[-1].role != "user":
+        raise FormatError(
+            "prompt_not_user_last",
+            f"messages must end in a user turn (the model samples the answer), not a {messages[-1].role} turn",
+        )
+    tools, parallel = _tools(obj)
+    return ReinforcementExample(prompt=messages, item=obj, tools=tools, parallel_tool_calls=parallel)
+
+
 _PARSERS: dict[str, Any] = {
     "chat": _parse_chat,
     "sharegpt": _parse_sharegpt,
     "prompt_completion": _parse_prompt_completion,
     "alpaca": _parse_alpaca,
     "preference": _parse_preference,
+    "reinforcement": _parse_reinforcement,
 }
 
 
@@ -717,6 +779,8 @@ def _content_chars(example: AnyExample) -> int:
     tools = len(json.dumps(list(example.tools), ensure_ascii=False)) if example.tools else 0
     if isinstance(example, PreferenceExample):
         turns = (*example.prompt, example.chosen, example.rejected)
+    elif isinstance(example, ReinforcementExample):
+        turns = example.prompt
     else:
         turns = example.messages
     return tools + sum(_message_chars(m) for m in turns)
@@ -738,6 +802,7 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
     report = ValidationReport()
     chars = 0
     saw_line = False
+    item_keys: set[str] | None = None
 
     def problem(line: int | None, code: str, message: str) -> None:
         report.n_errors += 1
@@ -757,9 +822,9 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
                 if found is None:
                     raise FormatError(
                         "unknown_format",
-                        "not a chat ('messages'), ShareGPT ('conversations'), preference "
-                        "('input'/'preferred_output'/'non_preferred_output'), prompt/completion "
-                        "or alpaca ('instruction'/'output') example",
+                        "not a chat or reinforcement ('messages'), ShareGPT ('conversations'), "
+                        "preference ('input'/'preferred_output'/'non_preferred_output'), "
+                        "prompt/completion or alpaca ('instruction'/'output') example",
                     )
                 example = parse_example(obj, found)
                 report.format = found  # only a valid line fixes the file's format
@@ -770,6 +835,9 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
             continue
         report.n_examples += 1
         chars += _content_chars(example)
+        if isinstance(example, ReinforcementExample):
+            keys = set(example.item)
+            item_keys = keys if item_keys is None else item_keys & keys
 
     if not saw_line:
         problem(None, "empty_file", "the file has no examples")
@@ -780,6 +848,8 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
             f"{report.n_examples} valid example(s); at least {min_examples} required",
         )
     report.n_tokens_estimate = math.ceil(chars / 4)
+    if item_keys is not None:
+        report.item_keys = tuple(sorted(item_keys))
     return report
 
 
@@ -796,13 +866,16 @@ def read_examples(
     Raises:
         FormatError: on the first invalid line (validate files first; the service does).
         ValueError: ``fmt`` is not a supervised format, or the file is preference data
-            (read it with :func:`read_preference_examples`).
+            (read it with :func:`read_preference_examples`) or reinforcement prompts
+            (:func:`read_reinforcement_examples`).
     """
     if fmt is not None and fmt not in SUPERVISED_FORMATS:
         raise ValueError(f"read_examples reads one of {SUPERVISED_FORMATS}, not {fmt!r}")
     for found, example in _read(path_or_lines, fmt):
         if found == "preference":
             raise ValueError("this is a preference file; read it with read_preference_examples")
+        if found == "reinforcement":
+            raise ValueError("this is a reinforcement file; read it with read_reinforcement_examples")
         yield example  # type: ignore[misc]
 
 
@@ -813,6 +886,18 @@ def read_preference_examples(path_or_lines: str | Path | Iterable[str | bytes]) 
         FormatError: on the first invalid line, including a line of another format.
     """
     for _, example in _read(path_or_lines, "preference"):
+        yield example  # type: ignore[misc]
+
+
+def read_reinforcement_examples(
+    path_or_lines: str | Path | Iterable[str | bytes],
+) -> Iterator[ReinforcementExample]:
+    """Yield the :class:`ReinforcementExample` lines of a reinforcement fine-tuning JSONL file.
+
+    Raises:
+        FormatError: on the first invalid line, including a line of another format.
+    """
+    for _, example in _read(path_or_lines, "reinforcement"):
         yield example  # type: ignore[misc]
 
 

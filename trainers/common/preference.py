@@ -223,6 +223,19 @@ def load_preference_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None
 
 def load_training_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None) -> JobData | PreferenceJobData:
     """What the spec's method trains on: preference pairs for DPO
-    (:func:`load_preference_data`), examples otherwise (``job_data.load_job_data``)."""
+    (:func:`load_preference_data`), examples otherwise (``job_data.load_job_data``).
+
+    Raises:
+        UserError: ``method_unsupported`` for a reinforcement spec: its prompts need the
+            sampling loop of reinforcement fine-tuning, which the trainers do not run yet, and
+            reading them as supervised examples would train something else than was asked.
+    """
+    if spec.method.type == "reinforcement":
+        raise UserError(
+            "method.type 'reinforcement' is not supported by this trainer yet: reinforcement "
+            "fine-tuning needs completions sampled and graded during training, which no trainer "
+            "runs; the job did not train",
+            code="method_unsupported",
+        )
     load = load_preference_data if spec.method.type == "dpo" else load_job_data
     return load(spec, tokenizer, pad_to=pad_to)

@@ -81,7 +81,8 @@ def test_weights_and_system_turns_are_kept():
         ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 2}]}], "invalid_weight", 1),
         ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": True}]}], "invalid_weight", 1),
         ([{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "x"}]}], "invalid_weight", 1),
-        ([{"messages": [{"role": "user", "content": "a"}]}], "no_assistant_message", 1),
+        # A prompt alone is a reinforcement file's line; in a chat file it has nothing to train on.
+        ([CHAT, {"messages": [{"role": "user", "content": "a"}]}], "no_assistant_message", 2),
         ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 0}]}], "no_assistant_message", 1),
         ([PC, {"prompt": "only"}], "missing_field", 2),
         ([ALPACA, {"instruction": "only"}], "missing_field", 2),

@@ -11,6 +11,7 @@ formula (``formula``), a python grader's source (it must parse and define
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -213,6 +214,28 @@ def check_grader(grader: Any, param: str = "grader") -> None:
             if reason is not None:
                 raise GraderInvalid(UNSUPPORTED_METRIC, reason, f"{param}.evaluation_metric")
             assert grader.evaluation_metric in METRICS
+
+
+def item_references(grader: Any, param: str = "grader") -> Iterator[tuple[str, str]]:
+    """``(key, param)`` for each ``{{item.<key>}}`` in a checked grader's templates: the
+    top-level data-row keys it reads, and the field that reads each. A ``python`` grader's
+    reads are its code's, unknown here."""
+    if isinstance(grader, MultiGrader):
+        for key, sub in grader.graders.items():
+            yield from item_references(sub, f"{param}.graders.{key}")
+        return
+    if isinstance(grader, ScoreModelGrader):
+        texts = [(text, f"{param}.input[{index}].content")
+                 for index, message in enumerate(grader.input) for text in message.texts()]
+    elif isinstance(grader, (StringCheckGrader, TextSimilarityGrader)):
+        texts = [(grader.input, f"{param}.input"), (grader.reference, f"{param}.reference")]
+    else:
+        return
+    for text, where in texts:
+        for expression in templates.expressions(text):
+            namespace, steps = templates.parse_path(expression)
+            if namespace == "item" and isinstance(steps[0], str):
+                yield steps[0], where
 
 
 def check_python_source(source: str, param: str) -> None:

@@ -72,6 +72,11 @@ def check(text: str) -> None:
         parse_path(match.group(1))
 
 
+def expressions(text: str) -> list[str]:
+    """The expressions inside ``text``'s templates (``"item.a"`` for ``{{ item.a }}``), in order."""
+    return [match.group(1) for match in _TEMPLATE.finditer(text)]
+
+
 def lookup(expression: str, item: Any, sample: dict[str, Any]) -> Any:
     """The value a template names (see the module doc for the errors)."""
     namespace, steps = parse_path(expression)
