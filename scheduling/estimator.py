@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from scheduling.model_shapes import EstimateError, ModelShape
+from scheduling.model_shapes import KNOWN_MODELS, EstimateError, ModelShape  # noqa: F401 (re-exported)
 from scheduling.pools import GIB, NodePool
 from trainers.spec import DEFAULT_TARGET_MODULES
 

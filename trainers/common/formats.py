@@ -91,6 +91,23 @@ text with BPE tokenizers): ``ceil(characters / 4)``, counting message contents, 
 names and arguments and, once per example, the tool definitions as JSON (for preference
 lines: the prompt and both answers). It is an estimate for quotas and ETAs only;
 trainers count real tokens.
+
+``token_stats`` (:class:`TokenStats`) is what the scheduler plans a job's memory and time
+from: the rows, the longest row (and its line) and the total, in tokens after the chat
+template. The validator knows no tokenizer, so it records an upper bound
+(``method="bytes"``): a row's UTF-8 bytes (contents, tool-call names and arguments, the
+tool definitions as JSON) plus the chat template's own tokens, bounded by
+``TEMPLATE_ROW_TOKENS`` per row, ``TEMPLATE_TOOLS_TOKENS`` when the row defines tools and
+``TEMPLATE_MESSAGE_TOKENS`` per message. It is an upper bound because byte-level BPE
+tokenizers (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece with byte fallback (Llama 2,
+Mistral) never emit more than one token per byte of text; the template allowances cover
+the role headers, special tokens and default system prompts of the templates the
+trainers render (``trainers.common.data``). A preference row is its prompt with the
+longer of its two answers (both are padded to one length in a micro batch); its total
+counts that length once, as the estimator's FLOPs count a pair. ``total_tokens_estimate``
+is the chars/4 rule plus the same allowances: a central estimate for ETAs, where the
+bound is for memory. Stats computed with the base model's tokenizer
+(``tokenized_stats``) carry ``method="tokenizer"`` and exact numbers.
 """
 
 from __future__ import annotations
@@ -205,6 +222,71 @@ class FileProblem:
         return {"line": self.line, "code": self.code, "message": self.message}
 
 
+# Chat-template tokens the byte bound allows per row, per row with tool definitions, and
+# per message (see the module docstring): role headers and end-of-turn tokens are a few
+# tokens per message in the ChatML, Llama 3 and Mistral templates; a default system
+# prompt (Llama 3.1's dates) stays under 64; a tool preamble under 256.
+TEMPLATE_ROW_TOKENS = 64
+TEMPLATE_TOOLS_TOKENS = 256
+TEMPLATE_MESSAGE_TOKENS = 16
+
+
+@dataclass
+class TokenStats:
+    """A file's rows in tokens after the chat template (module docstring: ``token_stats``).
+
+    ``method`` is ``bytes`` (an upper bound from the UTF-8 bytes) or ``tokenizer`` (counted
+    with the base model's tokenizer, ``tokenizer`` naming it). Truncation to a job's
+    ``max_seq_len`` is applied by whoever plans the job (the stats are per file).
+    """
+
+    method: Literal["bytes", "tokenizer"] = "bytes"
+    rows: int = 0
+    longest_row: int = 0
+    longest_row_line: int | None = None
+    total_tokens: int = 0
+    total_tokens_estimate: int = 0
+    tokenizer: str | None = None
+
+    def add(self, line: int, tokens: int, estimate: int | None = None) -> None:
+        self.rows += 1
+        self.total_tokens += tokens
+        self.total_tokens_estimate += tokens if estimate is None else estimate
+        if tokens > self.longest_row:
+            self.longest_row, self.longest_row_line = tokens, line
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method, "rows": self.rows, "longest_row": self.longest_row,
+            "longest_row_line": self.longest_row_line, "total_tokens": self.total_tokens,
+            "total_tokens_estimate": self.total_tokens_estimate,
+        }
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
+
+
+def _message_bytes(m: Message) -> int:
+    return len(m.content.encode("utf-8")) + sum(
+        len(c.name.encode("utf-8")) + len(c.arguments.encode("utf-8")) for c in m.tool_calls)
+
+
+def row_token_bound(example: AnyExample) -> tuple[int, int]:
+    """(upper bound, chars/4 estimate) of one example's tokens after the chat template: a
+    supervised row, or a preference pair's prompt with its longer answer."""
+    tools = json.dumps(list(example.tools), ensure_ascii=False) if example.tools else ""
+    if isinstance(example, PreferenceExample):
+        turns = example.prompt
+        answer = max(example.chosen, example.rejected, key=_message_bytes)
+        turns = (*turns, answer)
+    else:
+        turns = example.messages
+    template = TEMPLATE_ROW_TOKENS + TEMPLATE_MESSAGE_TOKENS * len(turns) + (TEMPLATE_TOOLS_TOKENS if tools else 0)
+    bound = len(tools.encode("utf-8")) + sum(_message_bytes(m) for m in turns) + template
+    chars = len(tools) + sum(_message_chars(m) for m in turns)
+    return bound, math.ceil(chars / 4) + template
+
+
 @dataclass
 class ValidationReport:
     """Result of :func:`validate_jsonl`. ``errors`` holds at most ``max_errors`` problems;
@@ -215,6 +297,7 @@ class ValidationReport:
     n_tokens_estimate: int = 0
     errors: list[FileProblem] = field(default_factory=list)
     n_errors: int = 0
+    token_stats: TokenStats = field(default_factory=TokenStats)
 
     @property
     def ok(self) -> bool:
@@ -228,6 +311,7 @@ class ValidationReport:
             "n_tokens_estimate": self.n_tokens_estimate,
             "n_errors": self.n_errors,
             "errors": [e.to_dict() for e in self.errors],
+            "token_stats": self.token_stats.to_dict(),
         }
 
 
@@ -770,6 +854,7 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
             continue
         report.n_examples += 1
         chars += _content_chars(example)
+        report.token_stats.add(number, *row_token_bound(example))
 
     if not saw_line:
         problem(None, "empty_file", "the file has no examples")
