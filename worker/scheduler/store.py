@@ -255,7 +255,7 @@ class DbStore:
             yield from done
 
     def _admit_chunk(self, chunk: Sequence[Admission]) -> list[Admitted]:
-        from worker.spec_builder import SpecError, build_spec
+        from worker.spec_builder import SpecError, build_spec, job_step
 
         out: list[Admitted] = []
         with session_scope(self.url) as session:
@@ -277,11 +277,17 @@ class DbStore:
                     continue
                 pool = self.pools[placement.pool or ""]
                 token = new_job_token()
+                trainer = placement.trainer or pool.preferred_trainer()
                 try:
+                    # The micro batch and rematerialization the placed gang runs fastest with.
+                    step = job_step(job, model=adm.job.model, training=adm.job.training,
+                                    pool_accelerator=pool.accelerator, device_bytes=pool.gpu_memory_bytes,
+                                    trainer=trainer, gpus=placement.gpus, in_cluster=self.in_cluster,
+                                    offload_allowed=placement.offload)
                     spec = build_spec(session, job, self.settings, pool_accelerator=pool.accelerator,
-                                      pool_families=(placement.trainer or pool.preferred_trainer(),),
+                                      pool_families=(trainer,),
                                       gpus=placement.gpus, token=token, in_cluster=self.in_cluster,
-                                      cpu_offload=placement.offload)
+                                      cpu_offload=placement.offload, step=step)
                 except SpecError as exc:
                     log.warning("%s not admitted: %s", job.id, exc)
                     transition(session, job, "failed", actor="scheduler", message=str(exc), flush=False,
@@ -293,8 +299,10 @@ class DbStore:
                     "data": {"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
                     "pool": pool.name, "gpus": placement.gpus, "job_token_hash": hash_secret(token),
                     "attempt": (job.attempt or 0) + 1,
-                    # Keep the estimate shown at creation; add the one this admission used.
-                    "estimate": {**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate}
+                    # Keep the estimate shown at creation; add the one this admission used,
+                    # and the step chosen for it (a resumed run keeps it: ``job_step``).
+                    "estimate": {**(job.estimate or {}), **({"admitted": est.to_dict()} if est else {}),
+                                 **({"step": step.to_dict()} if step else {})} or job.estimate}
                 if self.kueue_queue:
                     # Kueue starts the Job (created suspended) when its own quota allows:
                     # until then the job stays queued, holds no GPUs and is billed nothing.
@@ -312,6 +320,9 @@ class DbStore:
                                usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
                                                   price_per_gpu_hour=pool.price_per_gpu_hour,
                                                   trainer=placement.trainer))
+                if step is not None:
+                    add_event(session, job, f"Step: {step.describe()}.", data={"step": step.to_dict()},
+                              level="info" if step.fits else "warn")
                 out.append(Admitted(adm, JobHandle(job.id, job.tenant_id, int(job.priority or 0), job.attempt), spec))
         return out
 
