@@ -264,13 +264,15 @@ def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
 def dots_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
     """What one decoder layer keeps for backward under ``dots_saveable``: its input, every
     linear module's output, each LoRA module's rank-r and output products (an adapted
-    module's output is two matmuls' sum) and the attention scores (``q @ k^T`` is a matmul
-    too: heads x seq per token), in the compute dtype."""
+    module's output is two matmuls' sum), and the attention's own residuals (its output
+    and a logsumexp per head: jax_lora's blockwise attention defines its backward itself
+    and keeps no score matrix, ``trainers/jax_lora/model.py`` ``attention``), in the
+    compute dtype."""
     shapes = m.module_shapes()
     targets = set(t.target_modules)
     per_token = m.hidden + sum(out for _, out in shapes.values())
     per_token += sum(t.r + shapes[name][1] for name in targets if name in shapes)
-    per_token += m.heads * t.seq_len
+    per_token += m.heads * m.hd + m.heads
     return per_token * t.compute_bytes * t.tokens_per_micro_batch
 
 

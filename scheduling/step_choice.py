@@ -17,13 +17,18 @@ The options:
 - CPU offload of the sharded weights: fsdp_qlora on an accelerator, only where the
   placement allowed it (it sized the host for it).
 
-Speed order, a heuristic (no step is timed here): the relative time per token of a
-choice is its training FLOPs per token (``flops_per_token``: rematerialization adds the
-recomputed forward) divided by the offload factor (``OFFLOAD_SLOWDOWN``), times
-``1 + MICRO_STEP_OVERHEAD / micro_batch`` (each forward/backward pays a fixed cost:
-kernel launches, FSDP's per-step all-gathers, a small matmul's lower utilisation). So
-less recomputation is faster, a larger micro batch is faster, offload is slower, and on
-ties the choice with less recomputation, no offload and the larger micro batch wins.
+Speed order, a heuristic (no step is timed here), lexicographic:
+
+1. less recomputation: ``none``, then ``dots_saveable`` (no matmul recomputed, only the
+   elementwise work), then ``per_layer`` (the layer's forward again: about a third more
+   FLOPs, ``flops_per_token``);
+2. no offload before offload (``OFFLOAD_SLOWDOWN``: slower, and only a placement that
+   sized the host for it allows it);
+3. the larger micro batch (fewer, larger matmuls per step; fewer of FSDP's per-step
+   all-gathers and of the kernel launches each forward/backward pays).
+
+So a job that fits without recomputation runs without it at the largest micro batch
+that fits; one that does not gets the least recomputation that fits.
 """
 
 from __future__ import annotations
@@ -33,11 +38,9 @@ from typing import Any, Literal
 
 from scheduling.estimator import (
     HEADROOM,
-    OFFLOAD_SLOWDOWN,
     MemoryBreakdown,
     ModelShape,
     TrainingShape,
-    flops_per_token,
     memory_per_gpu,
 )
 from scheduling.pools import GIB
@@ -48,8 +51,6 @@ REMAT_ORDER: tuple[Remat, ...] = ("none", "dots_saveable", "per_layer")
 # The largest micro batch tried: beyond it a step's matmuls are already large, and a
 # longer compile (jax_lora) or a larger allocator peak buys nothing.
 MAX_MICRO_BATCH = 64
-# A forward/backward's fixed cost, as a fraction of a micro batch of one row's compute.
-MICRO_STEP_OVERHEAD = 0.25
 _FP32 = 4
 
 
@@ -114,12 +115,6 @@ def shape_for(t: TrainingShape, *, micro_batch: int, remat: Remat, accelerator: 
     return replace(t, micro_batch=micro_batch, checkpointing=remat != "none", saves_dots=remat == "dots_saveable")
 
 
-def relative_step_time(m: ModelShape, t: TrainingShape, *, trainer: str, offload: bool) -> float:
-    """The speed order's key (module docstring): relative time per token, lower is faster."""
-    slowdown = OFFLOAD_SLOWDOWN if offload else 1.0
-    return flops_per_token(m, t, trainer) / slowdown * (1 + MICRO_STEP_OVERHEAD / t.micro_batch)
-
-
 def planned_memory(m: ModelShape, t: TrainingShape, *, gpus: int, accelerator: str, trainer: str,
                    micro_batch: int, remat: Remat, offload: bool) -> MemoryBreakdown:
     """The estimator's bytes per device for one choice."""
@@ -149,7 +144,7 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
     """
     budget = int(device_bytes * HEADROOM)
     offloads = [False, True] if offload_allowed and trainer == "fsdp_qlora" and accelerator != "cpu" else [False]
-    best: tuple[tuple[float, int, int, int], StepChoice] | None = None
+    best: tuple[tuple[int, int, int], StepChoice] | None = None
     smallest: StepChoice | None = None
     for micro in micro_batch_options(batch_size, data_parallel, max_micro_batch):
         for level, remat in enumerate(remat_options(trainer, accelerator)):
@@ -162,7 +157,7 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
                     smallest = choice
                 if not choice.fits:
                     continue
-                key = (relative_step_time(m, shape, trainer=trainer, offload=offload), level, int(offload), -micro)
+                key = (level, int(offload), -micro)  # the speed order (module docstring)
                 if best is None or key < best[0]:
                     best = (key, choice)
     if best is not None:

@@ -105,8 +105,8 @@ the role headers, special tokens and default system prompts of the templates the
 trainers render (``trainers.common.data``). A preference row is its prompt with the
 longer of its two answers (both are padded to one length in a micro batch); its total
 counts that length once, as the estimator's FLOPs count a pair. ``total_tokens_estimate``
-is the chars/4 rule plus the same allowances: a central estimate for ETAs, where the
-bound is for memory. Stats computed with the base model's tokenizer
+is the chars/4 rule plus the template's typical tokens: a central estimate for ETAs,
+where the bound is for memory. Stats computed with the base model's tokenizer
 (``tokenized_stats``) carry ``method="tokenizer"`` and exact numbers.
 """
 
@@ -229,6 +229,11 @@ class FileProblem:
 TEMPLATE_ROW_TOKENS = 64
 TEMPLATE_TOOLS_TOKENS = 256
 TEMPLATE_MESSAGE_TOKENS = 16
+# The template's tokens as ``total_tokens_estimate`` counts them (typical, not bounds):
+# ChatML's "<|im_start|>role\n ... <|im_end|>\n" is 5 tokens a message, Llama 3's
+# header and end-of-turn 5; a short default system prompt about 16.
+TEMPLATE_ROW_TOKENS_TYPICAL = 16
+TEMPLATE_MESSAGE_TOKENS_TYPICAL = 5
 
 
 @dataclass
@@ -284,7 +289,8 @@ def row_token_bound(example: AnyExample) -> tuple[int, int]:
     template = TEMPLATE_ROW_TOKENS + TEMPLATE_MESSAGE_TOKENS * len(turns) + (TEMPLATE_TOOLS_TOKENS if tools else 0)
     bound = len(tools.encode("utf-8")) + sum(_message_bytes(m) for m in turns) + template
     chars = len(tools) + sum(_message_chars(m) for m in turns)
-    return bound, math.ceil(chars / 4) + template
+    typical = TEMPLATE_ROW_TOKENS_TYPICAL + TEMPLATE_MESSAGE_TOKENS_TYPICAL * len(turns)
+    return bound, math.ceil(chars / 4) + typical
 
 
 @dataclass
