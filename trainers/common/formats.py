@@ -101,13 +101,15 @@ tool definitions as JSON) plus the chat template's own tokens, bounded by
 ``TEMPLATE_MESSAGE_TOKENS`` per message. It is an upper bound because byte-level BPE
 tokenizers (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece with byte fallback (Llama 2,
 Mistral) never emit more than one token per byte of text; the template allowances cover
-the role headers, special tokens and default system prompts of the templates the
-trainers render (``trainers.common.data``). A preference row is its prompt with the
+the role headers, special tokens and default system prompts of the common templates
+(ChatML, Llama 2 and 3, Mistral) that the trainers render (``trainers.common.data``); a
+base model whose template injects a longer text per row is under-counted by it. A preference row is its prompt with the
 longer of its two answers (both are padded to one length in a micro batch); its total
 counts that length once, as the estimator's FLOPs count a pair. ``total_tokens_estimate``
 is the chars/4 rule plus the template's typical tokens: a central estimate for ETAs,
-where the bound is for memory. Stats computed with the base model's tokenizer
-(``tokenized_stats``) carry ``method="tokenizer"`` and exact numbers.
+where the bound is for memory. ``method="tokenizer"`` (and ``tokenizer``, naming it) is
+reserved for exact counts made with a job's base model's tokenizer; readers of the stats
+(``scheduling.request.DataStats``) treat both alike.
 """
 
 from __future__ import annotations
