@@ -124,7 +124,7 @@ def planned_memory(m: ModelShape, t: TrainingShape, *, gpus: int, accelerator: s
 
 def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_bytes: int, gpus: int,
                 trainer: str, batch_size: int, data_parallel: int = 1, offload_allowed: bool = False,
-                max_micro_batch: int = MAX_MICRO_BATCH) -> StepChoice:
+                max_micro_batch: int = MAX_MICRO_BATCH, devices_per_process: int = 1) -> StepChoice:
     """The fastest step whose planned memory fits ``device_bytes`` under ``HEADROOM``.
 
     Args:
@@ -138,6 +138,9 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
         data_parallel: ranks that each take whole rows of a batch.
         offload_allowed: the placement sized the host for fsdp_qlora's CPU offload.
         max_micro_batch: the largest micro batch tried.
+        devices_per_process: data-parallel devices one process holds (a jax_lora CPU host
+            mesh: each XLA host device takes ``micro`` rows, all in the one process's
+            memory, so the plan counts ``micro x devices_per_process`` rows).
 
     Returns:
         The fastest fitting choice; when none fits, the smallest one with ``fits=False``.
@@ -149,7 +152,7 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
     for micro in micro_batch_options(batch_size, data_parallel, max_micro_batch):
         for level, remat in enumerate(remat_options(trainer, accelerator)):
             for offload in offloads:
-                shape = shape_for(t, micro_batch=micro, remat=remat, accelerator=accelerator)
+                shape = shape_for(t, micro_batch=micro * devices_per_process, remat=remat, accelerator=accelerator)
                 planned = memory_per_gpu(m, shape, gpus, accelerator=accelerator, offload=offload,
                                          trainer=trainer).total
                 choice = StepChoice(micro, remat, offload, planned, device_bytes, fits=planned <= budget)
@@ -167,7 +170,7 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
 
 
 def kept_step(stored: dict[str, Any] | None, m: ModelShape, t: TrainingShape, *, accelerator: str,
-              device_bytes: int, gpus: int, trainer: str) -> StepChoice | None:
+              device_bytes: int, gpus: int, trainer: str, devices_per_process: int = 1) -> StepChoice | None:
     """A resumed job's earlier choice, re-planned on its new gang (None: none stored, or
     one the new device cannot run: another accelerator kind's remat, or offload where
     the trainer has none)."""
@@ -181,6 +184,7 @@ def kept_step(stored: dict[str, Any] | None, m: ModelShape, t: TrainingShape, *,
         return None
     offload = kept.cpu_offload and trainer == "fsdp_qlora" and accelerator != "cpu"
     planned = planned_memory(m, t, gpus=gpus, accelerator=accelerator, trainer=trainer,
-                             micro_batch=kept.micro_batch, remat=kept.remat, offload=offload).total
+                             micro_batch=kept.micro_batch * devices_per_process, remat=kept.remat,
+                             offload=offload).total
     return StepChoice(kept.micro_batch, kept.remat, offload, planned, device_bytes,
                       fits=planned <= int(device_bytes * HEADROOM))

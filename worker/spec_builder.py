@@ -165,16 +165,18 @@ def job_step(job: Job, *, model: ModelShape, training: TrainingShape, pool_accel
     settings = JobSettings.from_row(job)
     if not settings.resolved:
         return None
+    batch = settings.hyperparameters.batch_size
+    data_parallel, host_devices = data_parallel_for(trainer, pool_accelerator, gpus, batch, in_cluster=in_cluster)
+    # A CPU host mesh runs all its devices' rows in one process.
+    per_process = host_devices or 1
     if job.resume_from:
         kept = kept_step((job.estimate or {}).get("step"), model, training, accelerator=pool_accelerator,
-                         device_bytes=device_bytes, gpus=gpus, trainer=trainer)
+                         device_bytes=device_bytes, gpus=gpus, trainer=trainer, devices_per_process=per_process)
         if kept is not None:
             return kept
-    batch = settings.hyperparameters.batch_size
-    data_parallel, _ = data_parallel_for(trainer, pool_accelerator, gpus, batch, in_cluster=in_cluster)
     return choose_step(model, training, accelerator=pool_accelerator, device_bytes=device_bytes, gpus=gpus,
                        trainer=trainer, batch_size=batch, data_parallel=data_parallel,
-                       offload_allowed=offload_allowed)
+                       offload_allowed=offload_allowed, devices_per_process=per_process)
 
 
 def build_spec(

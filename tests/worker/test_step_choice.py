@@ -174,3 +174,13 @@ def test_the_event_words():
     choice = StepChoice(8, "none", False, int(61 * GIB), 80 * GIB)
     assert choice.describe() == "micro-batch 8, no remat: 61.0 GiB of 80 planned (84% usable)"
     assert StepChoice.from_dict(choice.to_dict()) == choice
+
+
+def test_a_cpu_host_mesh_plans_every_devices_rows_in_one_process():
+    m, t = KNOWN_MODELS["llama-2-7b"], TrainingShape(seq_len=256)
+    one = _choose(m, t, gib=64, accel="cpu", trainer="jax_lora", batch=16)
+    four = choose_step(m, t, accelerator="cpu", device_bytes=64 * GIB, gpus=1, trainer="jax_lora", batch_size=16,
+                       data_parallel=4, devices_per_process=4)
+    # 64 GiB holds 8 rows: one device takes all 8, four devices 2 each
+    assert (one.micro_batch, four.micro_batch) == (8, 2)
+    assert four.planned_bytes == one.planned_bytes
