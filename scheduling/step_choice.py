@@ -22,7 +22,7 @@ Speed order, a heuristic (no step is timed here), lexicographic:
 1. less recomputation: ``none``, then ``dots_saveable`` (no matmul recomputed, only the
    elementwise work), then ``per_layer`` (the layer's forward again: about a third more
    FLOPs, ``flops_per_token``);
-2. no offload before offload (``OFFLOAD_SLOWDOWN``: slower, and only a placement that
+2. no offload before offload (``scheduling.estimator.OFFLOAD_SLOWDOWN``: slower, and only a placement that
    sized the host for it allows it);
 3. the larger micro batch (fewer, larger matmuls per step; fewer of FSDP's per-step
    all-gathers and of the kernel launches each forward/backward pays).
