@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from scheduling.model_shapes import EstimateError, ModelShape
+from scheduling.model_shapes import KNOWN_MODELS, EstimateError, ModelShape  # noqa: F401 (re-exported)
 from scheduling.pools import GIB, NodePool
 from trainers.spec import DEFAULT_TARGET_MODULES
 
@@ -155,6 +155,10 @@ class TrainingShape:
     seq_len: int = 2048
     micro_batch: int = 1
     checkpointing: bool = True
+    saves_dots: bool = False
+    """With ``checkpointing``: jax_lora's ``dots_saveable`` rematerialization, which keeps
+    every matmul's output (``dots_bytes_per_layer``) and recomputes only the elementwise
+    work; without it, each layer's input alone is kept and the whole layer recomputed."""
     cpu_offload: Literal["never", "auto", "always"] = "auto"
     adapter_bytes: int = _FP32
     compute_bytes: int = _BF16
@@ -257,6 +261,21 @@ def activation_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
     return per_token * t.tokens_per_micro_batch
 
 
+def dots_bytes_per_layer(m: ModelShape, t: TrainingShape) -> int:
+    """What one decoder layer keeps for backward under ``dots_saveable``: its input, every
+    linear module's output, each LoRA module's rank-r and output products (an adapted
+    module's output is two matmuls' sum), and the attention's own residuals (its output
+    and a logsumexp per head: jax_lora's blockwise attention defines its backward itself
+    and keeps no score matrix, ``trainers/jax_lora/model.py`` ``attention``), in the
+    compute dtype."""
+    shapes = m.module_shapes()
+    targets = set(t.target_modules)
+    per_token = m.hidden + sum(out for _, out in shapes.values())
+    per_token += sum(t.r + shapes[name][1] for name in targets if name in shapes)
+    per_token += m.heads * m.hd + m.heads
+    return per_token * t.compute_bytes * t.tokens_per_micro_batch
+
+
 def _fp32_activation_bytes_per_token(m: ModelShape, t: TrainingShape) -> int:
     """Bytes per token one decoder layer saves for backward in fp32 compute.
 
@@ -337,7 +356,10 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     # The layer being recomputed: its full set of saved tensors plus its gradient buffers;
     # in jax_lora's compiled step on an accelerator, what XLA's plan holds of them.
     recomputed = int((JAX_RECOMPUTED_LAYER if jax_step and kind == "gpu" else 2) * per_layer)
-    if t.checkpointing:
+    if t.checkpointing and t.saves_dots:
+        # each layer's matmul outputs are saved; one layer's elementwise work is recomputed.
+        acts = m.layers * dots_bytes_per_layer(m, t) + recomputed
+    elif t.checkpointing:
         # each layer's input is saved; one layer at a time is recomputed.
         acts = m.layers * tokens * m.hidden * t.compute_bytes + recomputed
     else:
@@ -409,11 +431,12 @@ def flops_per_token(m: ModelShape, t: TrainingShape, trainer: str | None = None)
     ``recomputed_fraction`` of their 2P; the LM head is not checkpointed); plus attention
     scores (recomputed whole: the backward needs them)."""
     head = m.vocab * m.hidden
-    recompute = recomputed_fraction(m, trainer) if t.checkpointing else 0.0
+    # dots_saveable keeps every matmul's output: no linear FLOPs are recomputed.
+    recompute = recomputed_fraction(m, trainer) if t.checkpointing and not t.saves_dots else 0.0
     attention = 2 * 2 * m.layers * t.seq_len * m.heads * m.hd  # QK^T and AV per token
     lora = 6 * lora_params(m, t)
     per_token = (2 + recompute) * 2 * m.linear_params + 2 * 2 * head
-    per_token += (3 + (1 if t.checkpointing else 0)) * attention + lora
+    per_token += (3 + (1 if t.checkpointing and not t.saves_dots else 0)) * attention + lora
     if t.objective == "dpo":
         # per planned token: two sequences, each also run once more through the reference
         # (a forward of the base: 2P, its attention, and the LoRA-free path).

@@ -195,7 +195,9 @@ def _pool_candidates(job: JobRequest, pools: Mapping[str, NodePool]) -> tuple[li
             continue
         est = estimate_for(job, pool, trainer)
         if not est.fits:
-            reasons.append(Reason(ReasonCode.MEMORY_DOES_NOT_FIT, f"{pool.name}: {est.reasons[0]}", pool.name))
+            # Name the row the plan was sized by: the user can shorten it or set max_seq_len.
+            row = f"its longest row ({job.longest_row}) " if job.longest_row else ""
+            reasons.append(Reason(ReasonCode.MEMORY_DOES_NOT_FIT, f"{pool.name}: {row}{est.reasons[0]}", pool.name))
             continue
         quota = pool.quota_for(job.tenant)
         if quota is not None and not pool.quota_borrowing and est.gpus > quota:

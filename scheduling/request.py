@@ -11,11 +11,41 @@ pure and lets the benchmarks build 10,000 of them without a database.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from control.job_settings import JobSettings, PlacementSettings, TrainerChoice
 from scheduling.estimator import ModelShape, TrainingShape
 from scheduling.priorities import DEFAULT_PRIORITY
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """A training file's rows in tokens after the chat template, as its validation report
+    records them (``token_stats`` of ``trainers.common.formats``): an upper bound from the
+    bytes (``method="bytes"``) or the base model's tokenizer's count (``"tokenizer"``)."""
+
+    rows: int
+    longest_row: int
+    longest_row_line: int | None
+    total_tokens: int
+    total_tokens_estimate: int
+    method: str = "bytes"
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any] | None) -> DataStats | None:
+        """The stats of a validation report; None for a report without them (a file
+        validated before they were recorded, or not validated yet)."""
+        stats = (report or {}).get("token_stats")
+        if not isinstance(stats, Mapping) or not stats.get("rows") or not stats.get("longest_row"):
+            return None
+        total = int(stats.get("total_tokens") or 0)
+        return cls(rows=int(stats["rows"]), longest_row=int(stats["longest_row"]),
+                   longest_row_line=stats.get("longest_row_line"), total_tokens=total,
+                   total_tokens_estimate=int(stats.get("total_tokens_estimate") or total),
+                   method=str(stats.get("method") or "bytes"))
 
 
 @dataclass(frozen=True)
@@ -39,11 +69,36 @@ class JobRequest:
     queue_if_unfit: bool = False
     """The user asked to queue the job although no pool can hold it (``placement.queue_if_unfit``:
     a pool is being grown); otherwise such a job fails (``scheduling.placement.no_pool_fits``)."""
+    longest_row: str | None = None
+    """The row the memory plan is sized by, in words ("line 17, 3,120 tokens"), for the
+    reason a job that does not fit is given; None when planned at ``max_seq_len``."""
 
 
-def training_shape(settings: JobSettings) -> TrainingShape:
-    """The job settings that decide memory: adapter, sequence length, micro batch and
-    objective (a DPO job holds two sequences per example).
+def planned_seq_len(settings: JobSettings, data: DataStats | None = None) -> int:
+    """The sequence length memory is planned for: the training file's longest row
+    (truncated to ``max_seq_len``, as the trainers truncate), or ``max_seq_len`` when the
+    rows are not known yet or the job packs rows (a packed sequence fills ``max_seq_len``)."""
+    if data is None or settings.packing:
+        return settings.max_seq_len
+    return max(1, min(data.longest_row, settings.max_seq_len))
+
+
+def longest_row_words(settings: JobSettings, data: DataStats | None) -> str | None:
+    """The row the plan is sized by, in words (None when planned at ``max_seq_len``)."""
+    if data is None or settings.packing:
+        return None
+    bound = "at most " if data.method == "bytes" else ""
+    where = f"line {data.longest_row_line}, " if data.longest_row_line is not None else ""
+    words = f"{where}{bound}{data.longest_row:,} tokens"
+    if data.longest_row > settings.max_seq_len:
+        words += f", truncated to max_seq_len {settings.max_seq_len:,}"
+    return words
+
+
+def training_shape(settings: JobSettings, data: DataStats | None = None) -> TrainingShape:
+    """The job settings that decide memory: adapter, sequence length (the longest row of
+    the training file when known, ``planned_seq_len``), micro batch and objective (a DPO
+    job holds two sequences per example).
 
     A job whose "auto" hyperparameters are not resolved yet, and that names no micro
     batch, is estimated at micro batch 1.
@@ -56,18 +111,26 @@ def training_shape(settings: JobSettings) -> TrainingShape:
         hqq_group_size=adapter.hqq_group_size,
         r=adapter.r,
         target_modules=adapter.target_modules,
-        seq_len=settings.max_seq_len,
+        seq_len=planned_seq_len(settings, data),
         micro_batch=settings.hyperparameters.micro_batch_size or 1,
         objective="dpo" if settings.method.type == "dpo" else "supervised",
     )
 
 
-def planned_tokens(settings: JobSettings) -> int | None:
-    """Tokens the job will process: steps x batch x sequence length (None: not known yet)."""
+def planned_tokens(settings: JobSettings, data: DataStats | None = None) -> int | None:
+    """Tokens the job will process: steps x batch x tokens per example (None: not known yet).
+
+    Tokens per example are the training file's mean row (its ``total_tokens_estimate``,
+    each row counted at most ``max_seq_len``) when the rows are known, else
+    ``max_seq_len``: a job of short rows is not timed as if each filled the context.
+    """
     steps, batch = settings.hyperparameters.total_steps, settings.hyperparameters.batch_size
-    if isinstance(steps, int) and isinstance(batch, int):
+    if not (isinstance(steps, int) and isinstance(batch, int)):
+        return None
+    if data is None:
         return steps * batch * settings.max_seq_len or None
-    return None
+    per_row = min(data.total_tokens_estimate, data.rows * settings.max_seq_len) / data.rows
+    return math.ceil(steps * batch * per_row) or None
 
 
 def request_from_job(
@@ -81,6 +144,7 @@ def request_from_job(
     total_tokens: int | None = None,
     checkpoint_trainer: str | None = None,
     placement: PlacementSettings | None = None,
+    data: DataStats | None = None,
 ) -> JobRequest:
     """The ``JobRequest`` of a job (or of a would-be job, for an estimate).
 
@@ -98,18 +162,22 @@ def request_from_job(
         placement: the pins to place by, when not the settings' own: the store adds an
             out-of-memory retry's larger gang under the user's pins, a manifest preview
             pins its pool.
+        data: the training file's token stats (its validation report's): memory is
+            planned for its longest row and time for its tokens; None plans
+            ``max_seq_len`` per row.
     """
     pins = placement if placement is not None else settings.placement
     return JobRequest(
         job_id=job_id,
         tenant=tenant,
         model=model,
-        training=training_shape(settings),
+        training=training_shape(settings, data),
         priority=priority,
         created_at=created_at,
-        total_tokens=total_tokens if total_tokens is not None else planned_tokens(settings),
+        total_tokens=total_tokens if total_tokens is not None else planned_tokens(settings, data),
         trainer=checkpoint_trainer or settings.trainer,
         pool=pins.pool,
         gpus=pins.gpus,
         queue_if_unfit=pins.queue_if_unfit,
+        longest_row=longest_row_words(settings, data),
     )

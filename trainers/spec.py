@@ -167,6 +167,12 @@ class ParallelismSpec(_Strict):
     activation_checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
     remat: Literal["none", "per_layer", "dots_saveable"] = "none"
     cpu_offload: bool = False
+    planned_memory_bytes: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="Bytes per device the scheduler planned for this micro batch, remat/activation "
+        "checkpointing and offload (its memory estimate); None = not planned. Informational: a "
+        "trainer may log it beside its measured peak.",
+    )
     host_devices: Annotated[int, Field(ge=1)] | None = Field(
         default=None,
         description="jax_lora on a CPU-only host: run on the CPU platform split into this many "

@@ -28,6 +28,8 @@ from control.db.models import File, Job, ReportBatch
 from control.job_settings import HyperparameterSettings, JobSettings, TrainerChoice
 from control.models.base_models import load_base_models
 from control.settings import Settings
+from scheduling.estimator import ModelShape, TrainingShape
+from scheduling.step_choice import StepChoice, choose_step, kept_step
 from trainers.spec import (
     CheckpointSpec,
     DataFormat,
@@ -112,11 +114,23 @@ def cpu_host_mesh(host_devices: int) -> MeshSpec:
     return MeshSpec(data=host_devices, fsdp=1, tensor=1)
 
 
-def hyperparameters_spec(hp: HyperparameterSettings, data_parallel: int) -> HyperparametersSpec:
-    """The resolved hyperparameters, with the micro batch lowered until the global batch
-    splits evenly over the data-parallel ranks and their micro-batches (each rank takes
-    ``micro`` examples per forward)."""
-    micro = hp.micro_batch_size
+def data_parallel_for(trainer: str, accelerator: str, gpus: int, batch_size: int, *, in_cluster: bool) -> tuple[
+        int, int | None]:
+    """(data-parallel ranks, XLA host devices) of a job: fsdp_qlora one rank per GPU;
+    jax_lora on a local CPU pool one rank per host device; otherwise one (the mesh shards
+    the rows of a micro batch, not the batch)."""
+    host_devices = None
+    if trainer == "jax_lora" and accelerator == "cpu" and not in_cluster:
+        host_devices = cpu_host_devices(local_trainer_cores(gpus), batch_size)
+    return (gpus if trainer == "fsdp_qlora" else host_devices or 1), host_devices
+
+
+def hyperparameters_spec(hp: HyperparameterSettings, data_parallel: int,
+                         micro_batch: int | None = None) -> HyperparametersSpec:
+    """The resolved hyperparameters, with the micro batch (the step choice's, else the
+    job's) lowered until the global batch splits evenly over the data-parallel ranks and
+    their micro-batches (each rank takes ``micro`` examples per forward)."""
+    micro = micro_batch or hp.micro_batch_size
     while micro > 1 and hp.batch_size % (micro * data_parallel):
         micro -= 1
     return HyperparametersSpec(
@@ -142,6 +156,30 @@ def job_output_key(job_id: str) -> str:
     return f"{job_id}/output"
 
 
+def job_step(job: Job, *, model: ModelShape, training: TrainingShape, pool_accelerator: str,
+             device_bytes: int, trainer: str, gpus: int, in_cluster: bool = False,
+             offload_allowed: bool = False) -> StepChoice | None:
+    """The step a placed job runs (``scheduling.step_choice``): a resumed job keeps the
+    choice its first run stored (``job.estimate["step"]``), re-planned on its new gang,
+    as long as the new device can run it; otherwise the fastest that fits. None for a
+    job whose hyperparameters are not resolved (``build_spec`` refuses it)."""
+    settings = JobSettings.from_row(job)
+    if not settings.resolved:
+        return None
+    batch = settings.hyperparameters.batch_size
+    data_parallel, host_devices = data_parallel_for(trainer, pool_accelerator, gpus, batch, in_cluster=in_cluster)
+    # A CPU host mesh runs all its devices' rows in one process.
+    per_process = host_devices or 1
+    if job.resume_from:
+        kept = kept_step((job.estimate or {}).get("step"), model, training, accelerator=pool_accelerator,
+                         device_bytes=device_bytes, gpus=gpus, trainer=trainer, devices_per_process=per_process)
+        if kept is not None:
+            return kept
+    return choose_step(model, training, accelerator=pool_accelerator, device_bytes=device_bytes, gpus=gpus,
+                       trainer=trainer, batch_size=batch, data_parallel=data_parallel,
+                       offload_allowed=offload_allowed, devices_per_process=per_process)
+
+
 def build_spec(
     session: Session,
     job: Job,
@@ -153,6 +191,7 @@ def build_spec(
     token: str,
     in_cluster: bool = False,
     cpu_offload: bool = False,
+    step: StepChoice | None = None,
 ) -> TrainerSpec:
     """The trainer spec for ``job`` placed on ``gpus`` GPUs of a pool.
 
@@ -166,6 +205,9 @@ def build_spec(
         token: the job's fresh report token.
         in_cluster: the trainer runs in a Kubernetes pod (paths inside the pod).
         cpu_offload: the placement counted on offloading parameters to host memory.
+        step: the micro batch, rematerialization and offload chosen for the placement
+            (``job_step``) and its planned memory; None: the job's micro batch, and
+            per-layer rematerialization on accelerators.
 
     Raises:
         SpecError: the model or a file no longer exists, or the job's hyperparameters are
@@ -184,10 +226,8 @@ def build_spec(
     store = artifact_store(settings)
     checkpoint_dir, spool_dir, termination = _run_locations(settings, store, job.id, in_cluster=in_cluster)
     hp = job_settings.hyperparameters
-    host_devices = None
-    if trainer == "jax_lora" and pool_accelerator == "cpu" and not in_cluster:
-        host_devices = cpu_host_devices(local_trainer_cores(gpus), hp.batch_size)
-    data_parallel = gpus if trainer == "fsdp_qlora" else host_devices or 1
+    data_parallel, host_devices = data_parallel_for(trainer, pool_accelerator, gpus, hp.batch_size,
+                                                    in_cluster=in_cluster)
     model = models[job.model]
     return TrainerSpec(
         job_id=job.id,
@@ -195,10 +235,11 @@ def build_spec(
         model=ModelSpec(path=model.path, architecture=model.architecture, name=model.public_id,
                         revision=model.revision),
         data=data,
-        hyperparameters=hyperparameters_spec(hp, data_parallel),
+        hyperparameters=hyperparameters_spec(hp, data_parallel, step.micro_batch if step else None),
         adapter=job_settings.adapter.spec(),
         method=method,
-        parallelism=_parallelism(trainer, pool_accelerator, gpus, host_devices, cpu_offload=cpu_offload),
+        parallelism=_parallelism(trainer, pool_accelerator, gpus, host_devices, cpu_offload=cpu_offload,
+                                 step=step),
         precision=precision_for(pool_accelerator),
         eval=job_settings.eval.spec(),
         output_dir=store.location(job_output_key(job.id)),
@@ -252,22 +293,31 @@ def _run_locations(settings: Settings, store: ArtifactStore, job_id: str, *,
 
 
 def _parallelism(trainer: str, accelerator: str, gpus: int, host_devices: int | None, *,
-                 cpu_offload: bool) -> ParallelismSpec:
+                 cpu_offload: bool, step: StepChoice | None = None) -> ParallelismSpec:
     """The parallel layout: fsdp_qlora one process per GPU; jax_lora a mesh over the GPUs,
-    or over a CPU host's XLA devices. CPU pools skip activation checkpointing."""
+    or over a CPU host's XLA devices. Rematerialization and offload are the step choice's;
+    without one, CPU pools skip activation checkpointing and accelerators checkpoint
+    every layer."""
     if trainer != "jax_lora":
         mesh = MeshSpec()
     elif host_devices is not None:
         mesh = cpu_host_mesh(host_devices)
     else:
         mesh = MeshSpec(data=1, fsdp=gpus, tensor=1)
+    offload_ok = trainer == "fsdp_qlora" and accelerator != "cpu"
+    if step is not None:
+        return ParallelismSpec(
+            world_size=gpus if trainer == "fsdp_qlora" else 1, mesh=mesh, host_devices=host_devices,
+            activation_checkpointing=step.activation_checkpointing, remat=step.remat,
+            cpu_offload=step.cpu_offload and offload_ok, planned_memory_bytes=step.planned_bytes,
+        )
     return ParallelismSpec(
         world_size=gpus if trainer == "fsdp_qlora" else 1,
         mesh=mesh,
         host_devices=host_devices,
         activation_checkpointing="none" if accelerator == "cpu" else "non_reentrant",
         remat="none" if accelerator == "cpu" else "per_layer",
-        cpu_offload=cpu_offload and trainer == "fsdp_qlora" and accelerator != "cpu",
+        cpu_offload=cpu_offload and offload_ok,
     )
 
 

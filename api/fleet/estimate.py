@@ -39,7 +39,7 @@ from scheduling.placement import (
     trainer_refusal,
 )
 from scheduling.pools import NodePool
-from scheduling.request import JobRequest, request_from_job
+from scheduling.request import DataStats, JobRequest, request_from_job
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +256,14 @@ def estimate_request(
             param="placement.pool",
         )
     n_examples = body.n_examples
+    data = None
     if body.training_file is not None:
-        n_examples = _file_examples(session, tenant, body.training_file, given=n_examples)
+        n_examples, data = _file_examples(session, tenant, body.training_file, given=n_examples)
     if n_examples:
         settings = resolve_settings(settings, n_examples)
     try:
         inp = job_request(entry, settings, job_id="estimate", tenant=tenant.id,
-                          priority=body.priority_value, total_tokens=body.total_tokens)
+                          priority=body.priority_value, total_tokens=body.total_tokens, data=data)
         return estimate(pools, capacity_snapshot(session, pools), inp)
     except EstimateError as exc:
         raise _estimate_error(exc) from exc
@@ -270,7 +271,9 @@ def estimate_request(
 
 def _file_examples(
     session: Session, tenant: Tenant, file_id: str, *, given: int | None
-) -> int | None:
+) -> tuple[int | None, DataStats | None]:
+    """The training file's example count (``given`` wins) and token stats (None while
+    it is being validated)."""
     try:
         file: File = get_file(session, tenant, file_id, param="training_file")
     except APIError:
@@ -291,10 +294,11 @@ def _file_examples(
             f"File '{file_id}' failed validation; fix it before estimating.",
             param="training_file",
         )
+    data = DataStats.from_report(file.validation)
     if given is not None:
-        return given
+        return given, data
     n = int((file.validation or {}).get("n_examples") or 0)
-    return n or None  # still being validated: no count yet
+    return n or None, data  # still being validated: no count yet
 
 
 def estimate_job(
@@ -304,6 +308,8 @@ def estimate_job(
     entry = base_models.get(job.model)
     if entry is None:
         raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
+    train = session.get(File, job.training_file) if job.training_file else None
     inp = job_request(entry, JobSettings.from_row(job), job_id=job.id, tenant=job.tenant_id,
-                      priority=int(job.priority or 0))
+                      priority=int(job.priority or 0),
+                      data=DataStats.from_report(train.validation) if train is not None else None)
     return estimate(pools, capacity_snapshot(session, pools), inp)

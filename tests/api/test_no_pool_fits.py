@@ -54,7 +54,9 @@ def test_a_job_no_pool_can_hold_is_refused_with_each_pools_reason(
     pools = error["details"]["pools"]
     assert [(p["pool"], p["code"]) for p in pools] == [
         ("tiny", "memory_does_not_fit"), ("jaxonly", "trainer_cannot_train")]
-    assert pools[0]["message"].startswith("tiny: needs ")
+    # the plan was sized by the file's longest row, which the reason names
+    assert pools[0]["message"].startswith("tiny: its longest row (line ")
+    assert " tokens) needs " in pools[0]["message"]
     assert pools[1]["message"] == "jaxonly: runs jax_lora, job needs fsdp_qlora (hqq4 base)"
     for p in pools:
         assert p["message"] in error["message"]

@@ -303,3 +303,43 @@ def test_a_queued_dpo_job_is_placed_with_its_dpo_shape_and_spec(settings, client
     run_cycle(store, ex)
     spec = dict(ex.launches)[dpo]
     assert (spec["method"]["type"], spec["method"]["beta"], spec["data"]["format"]) == ("dpo", 0.1, "preference")
+
+
+def test_an_admitted_job_runs_the_chosen_step_and_a_resumed_run_keeps_it(settings, client, tenant_key,
+                                                                         make_job):  # noqa: F811
+    """Admission writes the step choice into the spec (micro batch, remat and activation
+    checkpointing, planned bytes), an event in words, and the job; a resumed run keeps it."""
+    from scheduling.step_choice import StepChoice
+
+    _tiny_config(settings)
+    a = tenant_key()
+    jid = make_job(a.headers, hyperparameters={"batch_size": 4, "n_epochs": 1})["id"]
+    pool = local_pool(slots=1)
+    store, ex = DbStore(settings, [pool]), RecordingExecutor([pool])
+    run_cycle(store, ex)
+    spec = dict(ex.launches)[jid]
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, jid)
+        stored = StepChoice.from_dict(job.estimate["step"])
+        events = s.scalars(select(JobEvent.message).where(JobEvent.job_id == jid,
+                                                          JobEvent.message.like("Step:%"))).all()
+    # a tiny model on a 16 GiB CPU slot: the whole batch in one micro batch, no recomputation
+    assert (stored.micro_batch, stored.remat, stored.fits) == (4, "none", True)
+    assert spec["hyperparameters"]["micro_batch_size"] == 4 and spec["hyperparameters"]["batch_size"] == 4
+    assert (spec["parallelism"]["remat"], spec["parallelism"]["activation_checkpointing"]) == ("none", "none")
+    assert spec["parallelism"]["planned_memory_bytes"] == stored.planned_bytes > 0
+    assert events == [f"Step: {stored.describe()}."]
+    assert events[0].startswith("Step: micro-batch 4, no remat: ")
+
+    # The run is lost and requeued to resume: its earlier choice (made smaller here, as if a
+    # smaller device had chosen it) is kept, not chosen again.
+    kept = StepChoice(2, "none", False, stored.planned_bytes, stored.device_bytes)
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, jid)
+        job.status, job.resume_from = "queued", "latest"
+        job.estimate = {**job.estimate, "step": kept.to_dict()}
+    ex.running.clear()
+    ex.launches.clear()
+    run_cycle(store, ex)
+    spec = dict(ex.launches)[jid]
+    assert spec["hyperparameters"]["micro_batch_size"] == 2 and spec["hyperparameters"]["batch_size"] == 4

@@ -104,6 +104,25 @@ text with BPE tokenizers): ``ceil(characters / 4)``, counting message contents, 
 names and arguments and, once per example, the tool definitions as JSON (for preference
 lines: the prompt and both answers; for reinforcement lines: the prompt). It is an estimate for quotas and ETAs only;
 trainers count real tokens.
+
+``token_stats`` (:class:`TokenStats`) is what the scheduler plans a job's memory and time
+from: the rows, the longest row (and its line) and the total, in tokens after the chat
+template. The validator knows no tokenizer, so it records an upper bound
+(``method="bytes"``): a row's UTF-8 bytes (contents, tool-call names and arguments, the
+tool definitions as JSON) plus the chat template's own tokens, bounded by
+``TEMPLATE_ROW_TOKENS`` per row, ``TEMPLATE_TOOLS_TOKENS`` when the row defines tools and
+``TEMPLATE_MESSAGE_TOKENS`` per message. It is an upper bound because byte-level BPE
+tokenizers (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece with byte fallback (Llama 2,
+Mistral) never emit more than one token per byte of text; the template allowances cover
+the role headers, special tokens and default system prompts of the common templates
+(ChatML, Llama 2 and 3, Mistral) that the trainers render (``trainers.common.data``); a
+base model whose template injects a longer text per row is under-counted by it. A preference row is its prompt with the
+longer of its two answers (both are padded to one length in a micro batch); its total
+counts that length once, as the estimator's FLOPs count a pair. ``total_tokens_estimate``
+is the chars/4 rule plus the template's typical tokens: a central estimate for ETAs,
+where the bound is for memory. ``method="tokenizer"`` (and ``tokenizer``, naming it) is
+reserved for exact counts made with a job's base model's tokenizer; readers of the stats
+(``scheduling.request.DataStats``) treat both alike.
 """
 
 from __future__ import annotations
@@ -231,6 +250,80 @@ class FileProblem:
         return {"line": self.line, "code": self.code, "message": self.message}
 
 
+# Chat-template tokens the byte bound allows per row, per row with tool definitions, and
+# per message (see the module docstring): role headers and end-of-turn tokens are a few
+# tokens per message in the ChatML, Llama 3 and Mistral templates; a default system
+# prompt (Llama 3.1's dates) stays under 64; a tool preamble under 256.
+TEMPLATE_ROW_TOKENS = 64
+TEMPLATE_TOOLS_TOKENS = 256
+TEMPLATE_MESSAGE_TOKENS = 16
+# The template's tokens as ``total_tokens_estimate`` counts them (typical, not bounds):
+# ChatML's "<|im_start|>role\n ... <|im_end|>\n" is 5 tokens a message, Llama 3's
+# header and end-of-turn 5; a short default system prompt about 16.
+TEMPLATE_ROW_TOKENS_TYPICAL = 16
+TEMPLATE_MESSAGE_TOKENS_TYPICAL = 5
+
+
+@dataclass
+class TokenStats:
+    """A file's rows in tokens after the chat template (module docstring: ``token_stats``).
+
+    ``method`` is ``bytes`` (an upper bound from the UTF-8 bytes) or ``tokenizer`` (counted
+    with the base model's tokenizer, ``tokenizer`` naming it). Truncation to a job's
+    ``max_seq_len`` is applied by whoever plans the job (the stats are per file).
+    """
+
+    method: Literal["bytes", "tokenizer"] = "bytes"
+    rows: int = 0
+    longest_row: int = 0
+    longest_row_line: int | None = None
+    total_tokens: int = 0
+    total_tokens_estimate: int = 0
+    tokenizer: str | None = None
+
+    def add(self, line: int, tokens: int, estimate: int | None = None) -> None:
+        self.rows += 1
+        self.total_tokens += tokens
+        self.total_tokens_estimate += tokens if estimate is None else estimate
+        if tokens > self.longest_row:
+            self.longest_row, self.longest_row_line = tokens, line
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method, "rows": self.rows, "longest_row": self.longest_row,
+            "longest_row_line": self.longest_row_line, "total_tokens": self.total_tokens,
+            "total_tokens_estimate": self.total_tokens_estimate,
+        }
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
+
+
+def _message_bytes(m: Message) -> int:
+    return len(m.content.encode("utf-8")) + sum(
+        len(c.name.encode("utf-8")) + len(c.arguments.encode("utf-8")) for c in m.tool_calls)
+
+
+def row_token_bound(example: AnyExample) -> tuple[int, int]:
+    """(upper bound, chars/4 estimate) of one example's tokens after the chat template: a
+    supervised row, a preference pair's prompt with its longer answer, or a reinforcement
+    prompt (its completions are sampled: their length is the job's, not the file's)."""
+    tools = json.dumps(list(example.tools), ensure_ascii=False) if example.tools else ""
+    if isinstance(example, PreferenceExample):
+        turns = example.prompt
+        answer = max(example.chosen, example.rejected, key=_message_bytes)
+        turns = (*turns, answer)
+    elif isinstance(example, ReinforcementExample):
+        turns = example.prompt
+    else:
+        turns = example.messages
+    template = TEMPLATE_ROW_TOKENS + TEMPLATE_MESSAGE_TOKENS * len(turns) + (TEMPLATE_TOOLS_TOKENS if tools else 0)
+    bound = len(tools.encode("utf-8")) + sum(_message_bytes(m) for m in turns) + template
+    chars = len(tools) + sum(_message_chars(m) for m in turns)
+    typical = TEMPLATE_ROW_TOKENS_TYPICAL + TEMPLATE_MESSAGE_TOKENS_TYPICAL * len(turns)
+    return bound, math.ceil(chars / 4) + typical
+
+
 @dataclass
 class ValidationReport:
     """Result of :func:`validate_jsonl`. ``errors`` holds at most ``max_errors`` problems;
@@ -244,6 +337,7 @@ class ValidationReport:
     item_keys: tuple[str, ...] | None = None
     """Reinforcement files only: the top-level keys every valid line has (what a grader's
     ``{{item.<key>}}`` may read on any line), sorted."""
+    token_stats: TokenStats = field(default_factory=TokenStats)
 
     @property
     def ok(self) -> bool:
@@ -258,6 +352,7 @@ class ValidationReport:
             "n_errors": self.n_errors,
             "errors": [e.to_dict() for e in self.errors],
             **({"item_keys": list(self.item_keys)} if self.item_keys is not None else {}),
+            "token_stats": self.token_stats.to_dict(),
         }
 
 
@@ -838,6 +933,7 @@ def validate_jsonl(data: bytes | Iterable[bytes], *, max_errors: int = 50,
         if isinstance(example, ReinforcementExample):
             keys = set(example.item)
             item_keys = keys if item_keys is None else item_keys & keys
+        report.token_stats.add(number, *row_token_bound(example))
 
     if not saw_line:
         problem(None, "empty_file", "the file has no examples")

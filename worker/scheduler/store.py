@@ -41,7 +41,7 @@ from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import EstimateError, ModelShape
 from scheduling.model_files import base_model_shape
 from scheduling.pools import NodePool
-from scheduling.request import JobRequest, request_from_job
+from scheduling.request import DataStats, JobRequest, request_from_job
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment, pending_segment
 from worker.executors.base import ObservedChange, RunningRow
 from worker.outcomes import apply_outcome
@@ -58,7 +58,7 @@ ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a sec
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
 # What a queued job's placement needs (its settings, the JobRequest), and its current reason/position.
-_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, *(getattr(Job, name) for name in SETTINGS_COLUMNS),
+_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.training_file, *(getattr(Job, name) for name in SETTINGS_COLUMNS),
                   Job.resume_from, Job.usage, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
                   Job.exited_attempt, Job.restart_not_before, Job.restarts)
@@ -112,6 +112,8 @@ class DbStore:
         self._positions: dict[str, int | None] = {}
         # Each queued job's settings columns as last read, and the settings parsed from them.
         self._settings: dict[str, tuple[tuple[Any, ...], JobSettings]] = {}
+        # Each training file's token stats (its validation report's, fixed once validated).
+        self._file_stats: dict[str, DataStats | None] = {}
 
     # --- reading -----------------------------------------------------------------------
     def queued(self) -> list[JobRequest]:
@@ -123,6 +125,7 @@ class DbStore:
             # (a job admitted while Kueue holds its launch is queued but placed already)
             rows = session.execute(select(*_QUEUE_COLUMNS).where(
                 Job.status == "queued", Job.awaiting_start_since.is_(None))).all()
+            self._read_file_stats(session, {j.training_file for j in rows if j.training_file})
         self._reasons = {j.id: j.queue_reason for j in rows}
         self._positions = {j.id: j.queue_position for j in rows}
         shapes: dict[str, ModelShape | EstimateError] = {}  # per base model, read once per cycle
@@ -151,6 +154,17 @@ class DbStore:
                 unplaceable.append((job.id, f"waiting: {exc}", None))
         self._write_waiting(unplaceable)
         return out
+
+    def _read_file_stats(self, session: Any, file_ids: set[str]) -> None:
+        """Read the token stats of the training files not read yet (a queued job's file
+        is validated: its report no longer changes)."""
+        if len(self._file_stats) > 100_000:  # files of jobs long gone: start over
+            self._file_stats = {}
+        missing = [f for f in file_ids if f not in self._file_stats]
+        for start in range(0, len(missing), WAITING_CHUNK):
+            chunk = missing[start:start + WAITING_CHUNK]
+            for file_id, report in session.execute(select(File.id, File.validation).where(File.id.in_(chunk))):
+                self._file_stats[file_id] = DataStats.from_report(report)
 
     def _previous_run_may_live(self, job: Any, now: float) -> bool:
         """True while the trainer of the job's last attempt may still run: no outcome of it
@@ -192,6 +206,7 @@ class DbStore:
             priority=int(job.priority or 0),
             created_at=job.created_at.timestamp() if job.created_at else 0.0,
             checkpoint_trainer=(job.usage or {}).get("trainer") if job.resume_from else None,
+            data=self._file_stats.get(job.training_file) if job.training_file else None,
         )
 
     def running_jobs(self) -> list[RunningRow]:
@@ -240,7 +255,7 @@ class DbStore:
             yield from done
 
     def _admit_chunk(self, chunk: Sequence[Admission]) -> list[Admitted]:
-        from worker.spec_builder import SpecError, build_spec
+        from worker.spec_builder import SpecError, build_spec, job_step
 
         out: list[Admitted] = []
         with session_scope(self.url) as session:
@@ -262,11 +277,17 @@ class DbStore:
                     continue
                 pool = self.pools[placement.pool or ""]
                 token = new_job_token()
+                trainer = placement.trainer or pool.preferred_trainer()
                 try:
+                    # The micro batch and rematerialization the placed gang runs fastest with.
+                    step = job_step(job, model=adm.job.model, training=adm.job.training,
+                                    pool_accelerator=pool.accelerator, device_bytes=pool.gpu_memory_bytes,
+                                    trainer=trainer, gpus=placement.gpus, in_cluster=self.in_cluster,
+                                    offload_allowed=placement.offload)
                     spec = build_spec(session, job, self.settings, pool_accelerator=pool.accelerator,
-                                      pool_families=(placement.trainer or pool.preferred_trainer(),),
+                                      pool_families=(trainer,),
                                       gpus=placement.gpus, token=token, in_cluster=self.in_cluster,
-                                      cpu_offload=placement.offload)
+                                      cpu_offload=placement.offload, step=step)
                 except SpecError as exc:
                     log.warning("%s not admitted: %s", job.id, exc)
                     transition(session, job, "failed", actor="scheduler", message=str(exc), flush=False,
@@ -278,8 +299,10 @@ class DbStore:
                     "data": {"pool": pool.name, "gpus": placement.gpus, "nodes": [list(n) for n in placement.nodes]},
                     "pool": pool.name, "gpus": placement.gpus, "job_token_hash": hash_secret(token),
                     "attempt": (job.attempt or 0) + 1,
-                    # Keep the estimate shown at creation; add the one this admission used.
-                    "estimate": {**(job.estimate or {}), "admitted": est.to_dict()} if est else job.estimate}
+                    # Keep the estimate shown at creation; add the one this admission used,
+                    # and the step chosen for it (a resumed run keeps it: ``job_step``).
+                    "estimate": {**(job.estimate or {}), **({"admitted": est.to_dict()} if est else {}),
+                                 **({"step": step.to_dict()} if step else {})} or job.estimate}
                 if self.kueue_queue:
                     # Kueue starts the Job (created suspended) when its own quota allows:
                     # until then the job stays queued, holds no GPUs and is billed nothing.
@@ -297,6 +320,9 @@ class DbStore:
                                usage=open_segment(job.usage, pool=pool.name, gpus=placement.gpus, now=now,
                                                   price_per_gpu_hour=pool.price_per_gpu_hour,
                                                   trainer=placement.trainer))
+                if step is not None:
+                    add_event(session, job, f"Step: {step.describe()}.", data={"step": step.to_dict()},
+                              level="info" if step.fits else "warn")
                 out.append(Admitted(adm, JobHandle(job.id, job.tenant_id, int(job.priority or 0), job.attempt), spec))
         return out
 

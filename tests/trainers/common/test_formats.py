@@ -452,3 +452,36 @@ def test_a_line_over_the_limit_is_refused_without_being_held_whole(monkeypatch) 
     report = formats.validate_jsonl([b"y" * 10] * 10 + [b"\n{}"])
     assert report.errors[0].to_dict() == {"line": 1, "code": "line_too_long",
                                           "message": "line is 100 bytes, the limit is 16"}
+
+
+def test_token_stats_bound_the_tokens_a_byte_level_tokenizer_renders(tiny_tokenizer):
+    """The validator's byte bound is at least what the chat template and a byte-level
+    tokenizer make of each row (the tiny model's: one token per byte, the worst case)."""
+    from trainers.common.data import tokenize_example, tokenize_preference
+    from trainers.common.formats import read_examples, read_preference_examples, validate_jsonl
+
+    chat = [
+        {"messages": [{"role": "user", "content": "héllo wörld ✓ " * 20}, {"role": "assistant", "content": "ok"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+                      {"role": "assistant", "content": "6 " * 300}]},
+        {"messages": [{"role": "user", "content": "weather?"},
+                      {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                          "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                      {"role": "assistant", "content": "Sunny."}],
+         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
+    ]
+    data = "\n".join(json.dumps(r, ensure_ascii=False) for r in chat)
+    stats = validate_jsonl(data.encode()).token_stats
+    real = [len(tokenize_example(tiny_tokenizer, ex).input_ids) for ex in read_examples(data.splitlines())]
+    assert stats.rows == 3 and stats.longest_row >= max(real) and stats.total_tokens >= sum(real)
+    assert stats.longest_row_line == 2 and real.index(max(real)) == 1
+
+    pref = {"input": {"messages": [{"role": "user", "content": "pick ✓"}]},
+            "preferred_output": [{"role": "assistant", "content": "yes " * 50}],
+            "non_preferred_output": [{"role": "assistant", "content": "no"}]}
+    line = json.dumps(pref, ensure_ascii=False)
+    pstats = validate_jsonl(line.encode()).token_stats
+    chosen, rejected = tokenize_preference(tiny_tokenizer, next(read_preference_examples([line])), max_seq_len=10_000)
+    assert pstats.longest_row >= max(len(chosen.input_ids), len(rejected.input_ids))
