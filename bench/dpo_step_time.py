@@ -87,7 +87,7 @@ def jax_times(model_dir: Path, steps: int, rounds: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
-    from trainers.jax_lora.config import LlamaConfig
+    from trainers.jax_lora.config import DecoderConfig
     from trainers.jax_lora.loading import load_params
     from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import param_axes
@@ -101,7 +101,7 @@ def jax_times(model_dir: Path, steps: int, rounds: int) -> dict[str, float]:
         state_shardings,
     )
 
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params, _ = load_params(model_dir, cfg, mesh, jnp.float32)
     p_shard = tree_shardings(params, param_axes(cfg), mesh)

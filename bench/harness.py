@@ -63,7 +63,7 @@ def jax_lora_step(model_dir: Path, mesh: Any, quantization: str, *, targets: tup
     import jax
     import jax.numpy as jnp
 
-    from trainers.jax_lora.config import LlamaConfig
+    from trainers.jax_lora.config import DecoderConfig
     from trainers.jax_lora.loading import load_params
     from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import param_axes
@@ -76,7 +76,7 @@ def jax_lora_step(model_dir: Path, mesh: Any, quantization: str, *, targets: tup
         state_shardings,
     )
 
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     params, _ = load_params(model_dir, cfg, mesh, jnp.float32, quantization)
     l_abs = lora_shapes(cfg, targets, rank, jnp.float32)
     l_shard = tree_shardings(l_abs, lora_axes(targets), mesh)

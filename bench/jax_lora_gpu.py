@@ -61,7 +61,7 @@ def main() -> None:
     import numpy as np
 
     import trainers.jax_lora.model as model_module
-    from trainers.jax_lora.config import LlamaConfig
+    from trainers.jax_lora.config import DecoderConfig
     from trainers.jax_lora.lora import count_params, init_lora, lora_axes, lora_runtime, lora_shapes
     from trainers.jax_lora.model import PROJECTIONS, init_params, param_axes, param_shapes
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
@@ -78,7 +78,7 @@ def main() -> None:
     raw = dict(TINY if args.tiny else LLAMA_8B)
     if args.layers:
         raw["num_hidden_layers"] = args.layers
-    cfg = LlamaConfig.from_hf_dict(raw)
+    cfg = DecoderConfig.from_hf_dict(raw)
     targets = tuple(args.targets.split(","))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     p_abs = param_shapes(cfg, jnp.bfloat16, args.quantization)

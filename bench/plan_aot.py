@@ -96,7 +96,7 @@ from scheduling.estimator import HEADROOM, estimate_on_pool, flops_per_token
 from scheduling.model_files import base_model_shape
 from scheduling.pools import GIB, NodePool, load_pools
 from scheduling.request import training_shape
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.recipe import _check_spec, step_layout
 from trainers.jax_lora.step import (
     BATCH_KEYS,
@@ -204,7 +204,7 @@ def _with_sharding(shape: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
 
 
-def abstract_step_inputs(spec: TrainerSpec, cfg: LlamaConfig, devices: list[jax.Device] | None = None) -> StepInputs:
+def abstract_step_inputs(spec: TrainerSpec, cfg: DecoderConfig, devices: list[jax.Device] | None = None) -> StepInputs:
     """The train step's inputs for ``spec``, built by the recipe's own builders, in its order.
 
     Mirrors ``trainers.jax_lora.recipe.run`` up to the first ``train_step`` call, with
@@ -410,7 +410,7 @@ def estimator_memory(job: PlanJob, pool: NodePool):
 def plan_row(job: PlanJob, pools: dict[str, NodePool] | None = None) -> dict[str, Any]:
     pools = pools or pools_by_name()
     pool = pools[job.pool]
-    cfg = LlamaConfig.from_pretrained(job.model_dir)
+    cfg = DecoderConfig.from_pretrained(job.model_dir)
     spec = trainer_spec(job, pool.accelerator)
     if len(jax.devices()) < job.devices:
         raise SystemExit(f"{job.devices} devices asked, this process has {len(jax.devices())}")

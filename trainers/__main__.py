@@ -9,11 +9,13 @@
    checkpoint and the final output dir are uploaded before their report items go out
    with their s3:// locations.
 3. Dispatch to the recipe named by ``spec.trainer`` (imported lazily, so a torch image
-   without jax, or the reverse, still starts): ``trainers.fsdp_qlora.launch:run`` (which
-   starts the ranks, each running ``trainers.fsdp_qlora.recipe``) or
-   ``trainers.jax_lora.recipe:run``. A recipe is ``run(spec, *, reporter, stop)``; it
-   raises :class:`trainers.errors.TrainerError` subclasses for conditions the user can act
-   on, and :class:`~trainers.errors.Preempted` after checkpointing on SIGTERM.
+   without jax, or the reverse, still starts): ``trainers.fsdp_qlora.launch:FsdpQloraLauncher``
+   (which starts the ranks, each running ``trainers.fsdp_qlora.recipe.FsdpQloraRecipe``) or
+   ``trainers.jax_lora.recipe:JaxLoraRecipe``. A recipe is a
+   :class:`trainers.common.recipe.Recipe` (setup, train, save, cleanup; one stop contract
+   and one output contract for all), driven by ``run_recipe``; it raises
+   :class:`trainers.errors.TrainerError` subclasses for conditions the user can act on, and
+   :class:`~trainers.errors.Preempted` after checkpointing on SIGTERM.
 4. Map the outcome to the exit code (``trainers.exit_codes``), write ``{"code",
    "message"}`` to ``spec.termination_log`` and report an ``error`` item:
 
@@ -43,27 +45,30 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainers.errors import DiskFull, OutOfMemory, Preempted, TrainerError, UserError
 from trainers.exit_codes import ExitCode
 
+if TYPE_CHECKING:
+    from trainers.common.recipe import Recipe
+
 log = logging.getLogger("trainers")
 
 RECIPES: dict[str, str] = {
-    "fsdp_qlora": "trainers.fsdp_qlora.launch:run",
-    "jax_lora": "trainers.jax_lora.recipe:run",
+    "fsdp_qlora": "trainers.fsdp_qlora.launch:FsdpQloraLauncher",
+    "jax_lora": "trainers.jax_lora.recipe:JaxLoraRecipe",
 }
-REPORTS_FILE = "reports.jsonl"  # standalone mode; in checkpoint.dir, not in the manifest
-SPOOL_DIR = ".report-spool"
 CLOSE_TIMEOUT_S = 15.0
 
 
-def load_recipe(trainer: str) -> Callable[..., Any]:
-    """Import ``run`` of the named recipe; UserError ``trainer_unavailable`` if this image
-    lacks it (or its framework)."""
+def load_recipe(trainer: str) -> type[Recipe]:
+    """Import the recipe class of the named trainer; UserError ``trainer_unavailable`` if
+    this image lacks it (or its framework)."""
+    from trainers.common.recipe import Recipe
+
     target = RECIPES.get(trainer)
     if target is None:
         raise UserError(f"unknown trainer {trainer!r}", code="invalid_spec")
@@ -74,10 +79,10 @@ def load_recipe(trainer: str) -> Callable[..., Any]:
         raise UserError(
             f"trainer {trainer!r} is not available in this image ({exc})", code="trainer_unavailable"
         ) from exc
-    run = getattr(module, attr, None)
-    if run is None:
-        raise UserError(f"{module_name} has no {attr}()", code="trainer_unavailable")
-    return run
+    recipe = getattr(module, attr, None)
+    if not (isinstance(recipe, type) and issubclass(recipe, Recipe)):
+        raise UserError(f"{module_name} has no {attr} recipe", code="trainer_unavailable")
+    return recipe
 
 
 def classify(exc: BaseException) -> TrainerError:
@@ -189,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_termination_log(_termination_log_of(args.spec), error)
         return int(error.exit_code)
 
-    from trainers.common.reporter import reporter_from_spec
+    from trainers.common.recipe import run_recipe, standalone_reporter
     from trainers.common.signals import StopFlag
     from trainers.common.storage import S3Staging, uses_s3
 
@@ -209,11 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     # The spool lives next to the checkpoints: both survive a restart of the trainer, so
     # a restarted process re-sends what was not acknowledged and never reuses a seq.
-    reporter = reporter_from_spec(
-        spec.report,
-        default_spool_dir=Path(run_spec.checkpoint.dir) / SPOOL_DIR,
-        local_path=Path(run_spec.checkpoint.dir) / REPORTS_FILE,
-    )
+    reporter = standalone_reporter(run_spec)
     if spec.integrations:
         from trainers.common.integrations import mirror_from_spec
 
@@ -223,13 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         watch_parent(stop)
     error: TrainerError | None = None
     try:
-        run = load_recipe(spec.trainer)
+        recipe = load_recipe(spec.trainer)()
         recipe_reporter: Any = reporter
         if staging is not None:
             reporter.event("staging s3:// inputs", data={"cache_dir": str(staging.root)})
             reporter.event("s3:// inputs staged", data=staging.stage_inputs())
             recipe_reporter = staging.wrap_reporter(reporter)
-        run(run_spec, reporter=recipe_reporter, stop=stop)
+        run_recipe(recipe, run_spec, reporter=recipe_reporter, stop=stop)
         if getattr(recipe_reporter, "failure", None) is not None:
             raise recipe_reporter.failure  # an upload that failed outside the recipe's thread
     except BaseException as exc:  # every outcome must become an exit code  # noqa: BLE001

@@ -1,12 +1,14 @@
 """The train loop's framework-free decisions, made once for both trainers.
 
-Each recipe writes its loop out in its own framework (``trainers/jax_lora/recipe.py``,
-``trainers/fsdp_qlora/recipe.py``); what does not depend on the framework is decided
-here, so the same job reports the same rows on either trainer:
+Both recipes run the same loop (``trainers.common.recipe.SteppedRecipe.train``); each
+supplies its framework's step, evaluation and checkpoint. What does not depend on the
+framework is decided here, so the same job reports the same rows on either trainer:
 
 - :func:`should_evaluate`: the eval cadence (``eval.every_n_steps``, and always after
   the last step when there is a validation set, so every run that has one ends with a
   ``valid_loss``);
+- :func:`should_checkpoint`: the periodic checkpoint cadence (``checkpoint.every_n_steps``;
+  the run's last step is checkpointed once, by the end of training);
 - :func:`epoch_of_step`: which 0-based epoch an optimizer step belongs to;
 - :func:`check_finite`: a non-finite loss OR gradient norm stops the run with the user
   error ``nan_loss`` (the update is already poisoned; continuing would export NaNs);
@@ -45,6 +47,15 @@ def should_evaluate(step: int, *, total_steps: int, every_n_steps: int | None, h
     if step == total_steps:
         return True
     return every_n_steps is not None and step % every_n_steps == 0
+
+
+def should_checkpoint(step: int, *, total_steps: int, every_n_steps: int) -> bool:
+    """Whether to write a periodic checkpoint after optimizer step ``step`` (1-based).
+
+    Every ``every_n_steps`` steps, except the last step: the end of training always
+    checkpoints it (once, whatever the cadence), before the adapter is exported.
+    """
+    return step % every_n_steps == 0 and step < total_steps
 
 
 def epoch_of_step(cursor_after: DataCursor) -> int:

@@ -21,7 +21,6 @@ importing this module is cheap.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -216,10 +215,3 @@ def build_tiny_llama(
     model.save_pretrained(str(out), **kwargs)
     return out
 
-
-def tiny_model_summary(model_dir: str | Path) -> dict[str, Any]:
-    """The config values of a built tiny model (for logs and the service's model listing)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size", "max_position_embeddings", "dtype")
-    return {k: cfg.get(k) for k in keys}

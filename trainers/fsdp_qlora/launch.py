@@ -1,8 +1,9 @@
 """Starting the fsdp_qlora ranks: what ``python -m trainers`` runs for ``trainer: fsdp_qlora``.
 
-:func:`run` trains in this process when the job has one rank, or when this process
-already is a rank (``RANK`` set by torchrun or a Kubernetes pod's launcher). Otherwise
-it becomes the launcher of this node's ranks:
+:class:`FsdpQloraLauncher` is the recipe the entry point drives. It trains in this
+process (as :class:`~trainers.fsdp_qlora.recipe.FsdpQloraRecipe`) when the job has one
+rank, or when this process already is a rank (``RANK`` set by torchrun or a Kubernetes
+pod's launcher). Otherwise it becomes the launcher of this node's ranks:
 
 1. dump the spec into the work dir (``checkpoint.dir``) for the ranks to read;
 2. spawn ``python -m trainers.fsdp_qlora.launch --spec ... --work-dir ...`` once per
@@ -14,7 +15,8 @@ it becomes the launcher of this node's ranks:
    ``{code, message}`` to ``.rank<N>-termination.json`` (:func:`rank_main`) and
    :func:`rank_error` raises it again here with the same exit code and code.
 
-The training itself, identical on every rank, is ``recipe.run``.
+The training itself, identical on every rank, is :class:`~trainers.fsdp_qlora.recipe.FsdpQloraRecipe`,
+driven by ``trainers.common.recipe.run_recipe`` there as here.
 """
 
 from __future__ import annotations
@@ -26,30 +28,62 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trainers.common.recipe import Recipe, TrainResult, run_recipe
 from trainers.errors import OutOfMemory, Preempted, TrainerError, UserError
 from trainers.exit_codes import ExitCode
 
 # Imported here, not lazily: an image without torch (or peft, transformers) is then
 # refused by the entry point's import as ``trainer_unavailable``.
-from trainers.fsdp_qlora import recipe
+from trainers.fsdp_qlora.recipe import FsdpQloraRecipe
 
 RANK_REPORTS = ".rank0-reports.jsonl"
 RANK_SPEC = ".launch-spec.json"
 TERMINATION_FILE = ".rank{rank}-termination.json"
 
 
-def run(spec: Any, *, reporter: Any, stop: Any) -> Any:
-    """Entry used by ``trainers.__main__`` for ``trainer: fsdp_qlora``."""
-    if spec.parallelism.world_size > 1 and "RANK" not in os.environ:
-        return launch_ranks(spec, reporter=reporter, stop=stop)
-    return recipe.run(spec, reporter=reporter, stop=stop)
+class FsdpQloraLauncher(Recipe):
+    """The fsdp_qlora recipe of the entry point: this process's rank recipe when it trains
+    itself, else the launcher of this node's ranks (module docstring).
+
+    Launching, :meth:`train` spawns the ranks and waits for them; they write every output
+    (checkpoints, adapter, manifest), so :meth:`save` has nothing left to do.
+    """
+
+    def __init__(self) -> None:
+        self._rank: FsdpQloraRecipe | None = None
+        self._launch: tuple[Any, Any] | None = None  # (spec, reporter) when launching
+
+    def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
+        if spec.parallelism.world_size > 1 and "RANK" not in os.environ:
+            # ``stop`` is not polled here: SIGTERM reaches the ranks through
+            # ``launch_local``'s forwarding, and they checkpoint and exit PREEMPTED.
+            self._launch = (spec, reporter)
+            return
+        self._rank = FsdpQloraRecipe()
+        self._rank.setup(spec, reporter, stop)
+
+    def train(self) -> TrainResult:
+        if self._rank is not None:
+            return self._rank.train()
+        assert self._launch is not None, "setup() first"
+        spec, reporter = self._launch
+        launch_ranks(spec, reporter=reporter)
+        return TrainResult(final_step=None, output_dir=Path(spec.output_dir))
+
+    def save(self) -> None:
+        if self._rank is not None:
+            self._rank.save()
+
+    def cleanup(self) -> None:
+        if self._rank is not None:
+            self._rank.cleanup()
 
 
-def launch_ranks(spec: Any, *, reporter: Any, stop: Any) -> None:
+def launch_ranks(spec: Any, *, reporter: Any) -> None:
     """Spawn this node's ranks, relay rank 0's reports, and turn their exit into ours.
 
-    ``stop`` is not polled here: SIGTERM reaches the ranks through ``launch_local``'s
-    forwarding, and they checkpoint and exit PREEMPTED, which :func:`rank_error` maps.
+    SIGTERM reaches the ranks through ``launch_local``'s forwarding, and they checkpoint
+    and exit PREEMPTED, which :func:`rank_error` maps.
     """
     from trainers.fsdp_qlora.distributed import (
         accelerator_available,
@@ -162,7 +196,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     stop = StopFlag().install()
     code = 0
     try:
-        recipe.run(spec, reporter=reporter, stop=stop)
+        run_recipe(FsdpQloraRecipe(), spec, reporter=reporter, stop=stop)
     except BaseException as exc:  # every outcome becomes an exit code  # noqa: BLE001
         error = classify(Preempted("interrupted") if isinstance(exc, KeyboardInterrupt) else exc)
         if error.exit_code == ExitCode.INTERNAL_ERROR:

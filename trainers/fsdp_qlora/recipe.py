@@ -1,9 +1,10 @@
-"""The PyTorch (Q)LoRA recipe of ONE rank: ``run(spec)`` trains a LoRA adapter on a Llama.
+"""The PyTorch (Q)LoRA recipe of ONE rank: :class:`FsdpQloraRecipe` trains a LoRA adapter on a Llama.
 
 Read top to bottom: setup (layout checks, process group, seeds), data, model (meta
-skeleton, quantize, LoRA, shard, stream weights), optimizer, resume, the train loop
-(step, metrics, eval, checkpoint, preemption), save (final checkpoint and export),
-cleanup. QLoRA is this LoRA recipe with a quantized base; one process is this recipe
+skeleton, quantize, LoRA, shard, stream weights), optimizer, resume; then the hooks of
+the common loop (step, eval, checkpoint, adapter export, the stop agreed on by all
+ranks), cleanup. The loop itself (metrics, eval cadence, checkpoints, preemption,
+outputs) is ``trainers.common.recipe``'s. QLoRA is this LoRA recipe with a quantized base; one process is this recipe
 with a world of one (no process group, no FSDP wrapping). Starting N ranks, relaying
 rank 0's reports and turning a rank's failure into the job's error is the launcher's
 business (``launch.py``, which ``python -m trainers`` calls).
@@ -37,13 +38,11 @@ import json
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from trainers.common.checkpointing import (
     TrainerState,
@@ -53,31 +52,19 @@ from trainers.common.checkpointing import (
     resolve_resume,
     restore_host_rng,
 )
-from trainers.common.data import DataCursor
 from trainers.common.job_data import (
     check_inputs_exist,
     load_tokenizer,
     total_optimizer_steps,
 )
-from trainers.common.loop import (
-    check_finite,
-    checkpoint_metrics,
-    epoch_of_step,
-    metric_row,
-    should_evaluate,
-)
+from trainers.common.loop import epoch_of_step
 from trainers.common.memory import return_freed_tensors_to_the_os
-from trainers.common.outputs import (
-    ADAPTER_DIR,
-    MetricsLog,
-    finalize_outputs,
-    finish_adapter,
-    write_training_config,
-)
+from trainers.common.outputs import MetricsLog, finish_adapter
 from trainers.common.peft_export import write_peft_adapter
 from trainers.common.preference import load_training_data
+from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.schedules import learning_rate_at
-from trainers.errors import Preempted, UserError
+from trainers.errors import UserError
 from trainers.fsdp_qlora.checkpoint import (
     gather_adapter_state,
     load_sharded,
@@ -105,36 +92,26 @@ from trainers.fsdp_qlora.train_step import (
 )
 
 
-@dataclass
-class RunResult:
-    """What a finished run leaves in memory (used by tests; the entry point ignores it)."""
+class FsdpQloraRecipe(SteppedRecipe):
+    """The (Q)LoRA recipe of one rank (:class:`~trainers.common.recipe.Recipe`):
+    :meth:`setup` joins the process group and builds data, model and optimizer (and
+    resumes); the loop, the stop and output contracts are ``trainers.common.recipe``'s.
+    Every rank runs it; only rank 0 reports and writes files."""
 
-    model: nn.Module
-    final_step: int
-    losses: dict[int, float] = field(default_factory=dict)
-    output_dir: Path | None = None
+    ctx: DistContext | None = None
 
-
-def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
-    """Train and export the adapter described by ``spec``, as one rank of the job.
-
-    Args:
-        reporter: where reports go; only rank 0 uses it.
-        stop: the SIGTERM flag; polled (and agreed on by all ranks) between steps.
-
-    Raises:
-        UserError, Preempted, OutOfMemory: see ``trainers.errors``.
-    """
-    # -- setup: layout checks before anything heavy ---------------------------------------
-    hp, par, a = spec.hyperparameters, spec.parallelism, spec.adapter
-    # Before the load: the loader's and the steps' freed tensors then leave the process
-    # (trainers.common.memory explains the heap growth this prevents).
-    heap_bounded = return_freed_tensors_to_the_os()
-    check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
-                      cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
-    resume_path = resolve_resume(spec.checkpoint)  # a bad resume_from fails before any load
-    ctx = init_distributed()
-    try:
+    def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
+        # -- setup: layout checks before anything heavy -----------------------------------
+        hp, par, a = spec.hyperparameters, spec.parallelism, spec.adapter
+        self.spec, self.reporter, self.stop = spec, reporter, stop
+        # Before the load: the loader's and the steps' freed tensors then leave the process
+        # (trainers.common.memory explains the heap growth this prevents).
+        heap_bounded = return_freed_tensors_to_the_os()
+        check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
+                          cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
+        resume_path = resolve_resume(spec.checkpoint)  # a bad resume_from fails before any load
+        self.ctx = ctx = init_distributed()
+        self.primary = ctx.is_main
         if ctx.world_size != par.world_size:
             raise UserError(f"the spec asks for world_size {par.world_size} but the environment has "
                             f"{ctx.world_size} processes", code="invalid_parallelism")
@@ -142,7 +119,7 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
         random.seed(spec.seed)
         np.random.seed(spec.seed)
         torch.manual_seed(spec.seed)
-        output_dir = Path(spec.output_dir)
+        self.output_dir = output_dir = Path(spec.output_dir)
         if ctx.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
             reporter.event("trainer started", data={"trainer": "fsdp_qlora", "world_size": ctx.world_size,
@@ -153,13 +130,14 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
         tokenizer = load_tokenizer(spec.model.path)
         # DPO reads preference pairs: a micro-batch is micro_batch_size pairs, chosen then
         # rejected rows (trainers.common.preference); the rest of the loop is the same.
-        dpo = PreferenceObjective(spec.method.beta, spec.method.sft_weight) if spec.method.type == "dpo" else None
-        data = load_training_data(spec, tokenizer)
-        total_steps = total_optimizer_steps(spec, data.train)
-        micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
+        self.dpo = PreferenceObjective(spec.method.beta, spec.method.sft_weight) if spec.method.type == "dpo" else None
+        self.data = data = load_training_data(spec, tokenizer)
+        self.has_validation = data.validation is not None
+        self.total_steps = total_steps = total_optimizer_steps(spec, data.train)
+        self.micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
 
         # -- model: meta skeleton -> quantize -> LoRA -> shard -> stream weights ----------
-        model, load_report = build_model(options_from_spec(spec), ctx)
+        self.model, load_report = build_model(options_from_spec(spec), ctx)
         if ctx.is_main:
             reporter.event("model loaded", data={**load_report.as_event_data(), "total_steps": total_steps,
                                                  **data.stats()})
@@ -168,106 +146,114 @@ def run(spec: Any, *, reporter: Any, stop: Any) -> RunResult:
                                f"max_seq_len={spec.data.max_seq_len}", level="warning")
 
         # -- optimizer: AdamW over the LoRA parameters; lr set per step from the schedule --
-        optimizer = build_optimizer(model, learning_rate=hp.learning_rate, weight_decay=hp.weight_decay)
+        self.optimizer = build_optimizer(self.model, learning_rate=hp.learning_rate, weight_decay=hp.weight_decay)
 
         # -- resume -----------------------------------------------------------------------
-        step, cursor, tokens_seen = 0, DataCursor(), 0
-        last: dict[str, Any] = {}  # the metrics the next checkpoint records
+        self.progress = progress = Progress()
         if resume_path is not None:
-            load_sharded(resume_path, model, optimizer, ctx)
+            load_sharded(resume_path, self.model, self.optimizer, ctx)
             state = load_trainer_state(resume_path)
             restore_host_rng(state.rng)
-            step, cursor = state.step, state.cursor
-            tokens_seen = int(state.extra.get("tokens_seen", 0))
-            last = dict(state.metrics)
+            progress.step, progress.cursor = state.step, state.cursor
+            progress.tokens_seen = int(state.extra.get("tokens_seen", 0))
+            progress.metrics = dict(state.metrics)
             if ctx.is_main:
-                reporter.event(f"resumed from {resume_path.name}", data={"step": step, "cursor": cursor.to_dict()})
-        metrics_log = MetricsLog(output_dir, resume_step=step if resume_path is not None else None) if ctx.is_main else None
+                reporter.event(f"resumed from {resume_path.name}",
+                               data={"step": progress.step, "cursor": progress.cursor.to_dict()})
+        self.metrics_log = (MetricsLog(output_dir, resume_step=progress.step if resume_path is not None else None)
+                            if ctx.is_main else None)
         if resume_path is not None and ctx.is_main:
-            report_resumed(reporter, spec.checkpoint.dir, resume_path, state, metrics_log.rows(),
+            assert self.metrics_log is not None
+            report_resumed(reporter, spec.checkpoint.dir, resume_path, state, self.metrics_log.rows(),
                            every_n_steps=spec.checkpoint.every_n_steps)
-        batches = data.train.micro_batches(cursor)
+        self.batches = data.train.micro_batches(progress.cursor)
         # Without FSDP there is no mixed-precision policy: autocast does the casting.
-        autocast = (
+        self.autocast = (
             torch.autocast(ctx.device.type, dtype=getattr(torch, spec.precision.compute_dtype))
             if not ctx.distributed and spec.precision.compute_dtype != spec.precision.base_dtype
             else nullcontext()
         )
 
-        def write_adapter(d: Path, adapter: dict[str, torch.Tensor]) -> None:
-            """The gathered ``adapter`` as a finished PEFT adapter directory (rank 0 only)."""
-            write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
-                               target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
-            finish_adapter(d, spec)
+    # -- the hooks of the common loop ------------------------------------------------------
 
-        def checkpoint_now() -> Path:
-            adapter = gather_adapter_state(model)  # collective: every rank
-            state = TrainerState(step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
-                                 metrics=dict(last), extra={"tokens_seen": tokens_seen,
-                                                            "world_size": ctx.world_size})
-            # Rank 0 reports it: its metrics are spooled before the rename, its listing after.
-            return save_checkpoint_distributed(spec.checkpoint.dir, state, model, optimizer, ctx,
-                                               keep_last=spec.checkpoint.keep_last,
-                                               write_adapter=lambda d: write_adapter(d, adapter),
-                                               reporter=reporter if ctx.is_main else None)
+    def train_step(self, step: int) -> StepResult:
+        hp, ctx = self.spec.hyperparameters, self._ctx
+        started = time.perf_counter()
+        micro = [next(self.batches) for _ in range(self.micro_per_step)]
+        lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=self.total_steps,
+                              warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
+        with self.autocast:
+            if self.dpo:
+                stats = dpo_train_step(self.model, self.optimizer, rank_share(micro, ctx), ctx, self.dpo, step=step,
+                                       seed=self.spec.seed, learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+            else:
+                stats = train_step(self.model, self.optimizer, rank_share(micro, ctx), ctx, step=step,
+                                   seed=self.spec.seed, learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+        return StepResult(loss=stats.loss, grad_norm=stats.grad_norm, learning_rate=lr, tokens=stats.tokens,
+                          elapsed_s=time.perf_counter() - started, cursor_after=micro[-1].cursor_after,
+                          rewards=stats.rewards)
 
-        # -- train loop ---------------------------------------------------------------------
-        losses: dict[int, float] = {}
-        while step < total_steps:
-            if _agree_to_stop(stop.requested, ctx):
-                if step == 0:
-                    raise Preempted("SIGTERM before the first step; nothing to checkpoint")
-                path = checkpoint_now()
-                raise Preempted(f"SIGTERM at step {step}; checkpoint {path}")
-            started = time.perf_counter()
-            micro = [next(batches) for _ in range(micro_per_step)]
-            lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=total_steps,
-                                  warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
-            with autocast:
-                if dpo:
-                    stats = dpo_train_step(model, optimizer, rank_share(micro, ctx), ctx, dpo, step=step,
-                                           seed=spec.seed, learning_rate=lr, max_grad_norm=hp.max_grad_norm)
-                else:
-                    stats = train_step(model, optimizer, rank_share(micro, ctx), ctx, step=step, seed=spec.seed,
-                                       learning_rate=lr, max_grad_norm=hp.max_grad_norm)
-            check_finite(step + 1, stats.loss, stats.grad_norm)
-            step += 1
-            cursor = micro[-1].cursor_after
-            tokens_seen += stats.tokens
-            elapsed = time.perf_counter() - started
-            losses[step] = stats.loss
-            evaluated = None
-            if should_evaluate(step, total_steps=total_steps, every_n_steps=spec.eval.every_n_steps,
-                               has_validation=data.validation is not None):
-                evaluated = (evaluate_preference(model, data.validation, ctx, spec.eval.max_batches, dpo) if dpo
-                             else evaluate(model, data.validation, ctx, spec.eval.max_batches))
-            row = metric_row(
-                step=step, total_steps=total_steps, cursor_after=cursor, train_loss=stats.loss, learning_rate=lr,
-                grad_norm=stats.grad_norm, step_tokens=stats.tokens, elapsed_s=elapsed, tokens_seen=tokens_seen,
-                memory_bytes=_memory_bytes(ctx), evaluation=evaluated, rewards=stats.rewards,
-            )
-            last = checkpoint_metrics(row, last)
-            if ctx.is_main:
-                metrics_log.append(row)
-                reporter.metric(**row)
-            if step % spec.checkpoint.every_n_steps == 0 and step < total_steps:
-                checkpoint_now()
+    def evaluate(self) -> dict[str, Any]:
+        max_batches = self.spec.eval.max_batches
+        if self.dpo:
+            return evaluate_preference(self.model, self.data.validation, self._ctx, max_batches, self.dpo)
+        return evaluate(self.model, self.data.validation, self._ctx, max_batches)
 
-        # -- save: the final checkpoint, then the adapter, config and manifest -----------
-        checkpoint_now()
-        adapter = gather_adapter_state(model)
-        if ctx.is_main:
-            write_adapter(output_dir / ADAPTER_DIR, adapter)
-            write_training_config(output_dir, spec)
-            (output_dir / "data_stats.json").write_text(json.dumps(data.stats(), indent=2), encoding="utf-8")
-            files = finalize_outputs(output_dir)
-            reporter.artifacts(str(output_dir), files)
-            reporter.event("training finished", data={"step": step, "train_loss": last.get("train_loss")})
-        barrier(ctx)
-        return RunResult(model=model, final_step=step, losses=losses, output_dir=output_dir)
-    finally:
-        # -- cleanup: leave the process group even on failure (ranks exit together) -----
+    def memory_bytes(self) -> int | None:
+        return _memory_bytes(self._ctx)
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        return _agree_to_stop(requested, self._ctx)
+
+    def _write_adapter(self, d: Path, adapter: dict[str, torch.Tensor]) -> None:
+        """The gathered ``adapter`` as a finished PEFT adapter directory (rank 0 only)."""
+        spec, a = self.spec, self.spec.adapter
+        write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
+                           target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
+        finish_adapter(d, spec)
+
+    def write_checkpoint(self, progress: Progress) -> Path:
+        ctx, spec = self._ctx, self.spec
+        adapter = gather_adapter_state(self.model)  # collective: every rank
+        state = TrainerState(step=progress.step, epoch=epoch_of_step(progress.cursor), cursor=progress.cursor,
+                             rng=capture_host_rng(), metrics=dict(progress.metrics),
+                             extra={"tokens_seen": progress.tokens_seen, "world_size": ctx.world_size})
+        # Rank 0 reports it: its metrics are spooled before the rename, its listing after.
+        return save_checkpoint_distributed(spec.checkpoint.dir, state, self.model, self.optimizer, ctx,
+                                           keep_last=spec.checkpoint.keep_last,
+                                           write_adapter=lambda d: self._write_adapter(d, adapter),
+                                           reporter=self.reporter if ctx.is_main else None)
+
+    def export_adapter(self, adapter_dir: Path) -> None:
+        adapter = gather_adapter_state(self.model)  # collective: every rank
+        if self._ctx.is_main:
+            self._write_adapter(adapter_dir, adapter)
+
+    def write_extra_outputs(self, output_dir: Path) -> None:
+        (output_dir / "data_stats.json").write_text(json.dumps(self.data.stats(), indent=2), encoding="utf-8")
+
+    def finish(self) -> None:
+        barrier(self._ctx)
+
+    def cleanup(self) -> None:
+        # Leave the process group even on failure (ranks exit together); a no-op when
+        # setup failed before joining one.
         destroy_distributed()
+
+    @property
+    def _ctx(self) -> DistContext:
+        assert self.ctx is not None, "setup() joins the process group first"
+        return self.ctx
+
+
+def run(spec: Any, *, reporter: Any = None, stop: Any = None) -> TrainResult:
+    """Train and export the adapter described by ``spec``, as one rank of the job, in this
+    process (tests; the entry point and ``launch.py`` drive :class:`FsdpQloraRecipe`).
+
+    Raises:
+        UserError, Preempted, OutOfMemory: see ``trainers.errors``.
+    """
+    return run_recipe(FsdpQloraRecipe(), spec, reporter=reporter, stop=stop)
 
 
 def _agree_to_stop(requested: bool, ctx: DistContext) -> bool:

@@ -2,6 +2,6 @@
 (data, fsdp, tensor) device mesh, tensor-by-tensor HF loading, LoRA with gradients for the
 adapter only, one jitted train step, resumable checkpoints and PEFT-format export.
 
-Entry point: ``trainers.jax_lora.recipe:run(spec)`` (called by ``python -m trainers``).
+Entry point: ``trainers.jax_lora.recipe:JaxLoraRecipe`` (driven by ``python -m trainers``).
 Importing this package does not import jax, so ``trainers`` stays importable without it.
 """

@@ -151,10 +151,6 @@ class DecoderConfig:
         return cls.from_hf_dict(read_config_json(model_dir))
 
 
-# The trainer's modules predate the other families and still use this name.
-LlamaConfig = DecoderConfig
-
-
 def _bias_projections(model_type: str, raw: dict[str, Any]) -> tuple[str, ...]:
     """Which projections have biases, as each family's transformers module builds them."""
     if model_type == "qwen2":  # hard-wired in Qwen2Attention, whatever the config says

@@ -50,9 +50,3 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     )
     return True
 
-
-def is_primary() -> bool:
-    """True on the process that reports, checkpoints and exports (process 0)."""
-    import jax
-
-    return jax.process_index() == 0

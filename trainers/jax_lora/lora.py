@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.errors import UserError
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.model import PROJECTIONS, LoraRuntime, Params, projection_shape
 
 
@@ -51,7 +51,7 @@ def lora_axes(target_modules: Sequence[str]) -> Params:
     }
 
 
-def lora_shapes(cfg: LlamaConfig, target_modules: Sequence[str], r: int, dtype: Any) -> Params:
+def lora_shapes(cfg: DecoderConfig, target_modules: Sequence[str], r: int, dtype: Any) -> Params:
     out: Params = {}
     for name in validate_targets(target_modules):
         in_dims, out_dims = projection_shape(cfg, name)
@@ -62,7 +62,7 @@ def lora_shapes(cfg: LlamaConfig, target_modules: Sequence[str], r: int, dtype: 
     return out
 
 
-def init_lora(cfg: LlamaConfig, target_modules: Sequence[str], r: int, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+def init_lora(cfg: DecoderConfig, target_modules: Sequence[str], r: int, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """PEFT-default init: A uniform in +-1/sqrt(in_features) per layer, B zeros.
 
     Pure function of its arguments; ``jax.jit`` it with ``out_shardings`` to create the

@@ -1,12 +1,12 @@
-"""The JAX LoRA recipe: ``run(spec)`` trains a LoRA adapter on a Llama checkpoint.
+"""The JAX LoRA recipe: :class:`JaxLoraRecipe` trains a LoRA adapter on a decoder checkpoint.
 
 Read top to bottom: setup (multi-host, config, mesh, checks that need no compile),
-data, model, adapter + optimizer (sharded), resume, the loop (step, metrics, eval,
-checkpoint, preemption), export. Reusable parts live in the sibling modules; data,
-reporting, checkpoint layout and resume rule, schedules, the loop's decisions (eval
-cadence, epoch numbering, NaN policy, metric row: ``trainers.common.loop``), the HF
-checkpoint index and PEFT export are shared with the torch trainer through
-``trainers.common``.
+data, model, adapter + optimizer (sharded), resume; then the hooks of the common loop
+(step, eval, checkpoint, adapter export). The loop itself (metrics, eval cadence,
+checkpoints, preemption, outputs) is ``trainers.common.recipe``'s, with the decisions of
+``trainers.common.loop``. Reusable parts live in the sibling modules; data, reporting,
+checkpoint layout and resume rule, schedules, the HF checkpoint index and PEFT export
+are shared with the torch trainer through ``trainers.common``.
 
 Batch layout. ``micro_batch_size`` is per data-parallel rank; the data-parallel size is
 ``mesh.data * mesh.fsdp``. One optimizer step consumes ``batch_size / micro_batch_size``
@@ -51,27 +51,14 @@ from trainers.common.job_data import (
     load_tokenizer,
     total_optimizer_steps,
 )
-from trainers.common.loop import (
-    check_finite,
-    checkpoint_metrics,
-    epoch_of_step,
-    metric_row,
-    should_evaluate,
-)
-from trainers.common.outputs import (
-    ADAPTER_DIR,
-    MetricsLog,
-    finalize_outputs,
-    finish_adapter,
-    write_training_config,
-)
+from trainers.common.loop import epoch_of_step
+from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finish_adapter
 from trainers.common.preference import PreferenceData, RewardSums, load_training_data, pad_pairs
-from trainers.common.reporter import Reporter, reporter_from_spec
+from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
+from trainers.common.reporter import Reporter
 from trainers.common.signals import StopFlag
-from trainers.errors import Preempted, UserError
+from trainers.errors import UserError
 from trainers.spec import TrainerSpec, trains_base
-
-LOCAL_REPORTS = "reports.jsonl"
 
 
 def _check_spec(spec: TrainerSpec) -> None:
@@ -219,117 +206,101 @@ def _padding_block(data: TrainingData, pad_id: int) -> dict[str, np.ndarray]:
     return _block(data, Batch(empty, empty, empty, empty, empty), pad_id)
 
 
-def run(
-    spec: TrainerSpec,
-    *,
-    reporter: Reporter | None = None,
-    stop: StopFlag | None = None,
-    on_step: Callable[[int], None] | None = None,
-) -> None:
-    """Train and export the adapter described by ``spec``.
+class JaxLoraRecipe(SteppedRecipe):
+    """The JAX LoRA recipe (:class:`~trainers.common.recipe.Recipe`): :meth:`setup` builds
+    the mesh, data, sharded model, adapter and optimizer (and resumes); the loop, the
+    stop and output contracts are ``trainers.common.recipe``'s. Only process 0 reports,
+    writes checkpoints and exports."""
 
-    Args:
-        reporter: where reports go (the entry point passes one); None = a standalone
-            reporter built from ``spec.report``, closed on return. Only process 0 uses it.
-        stop: the SIGTERM flag (the entry point installs one); checked between steps.
-        on_step: called with the step number after each optimizer step (tests use it to
-            request a stop at a precise step).
+    def setup(self, spec: TrainerSpec, reporter: Reporter, stop: StopFlag) -> None:
+        # -- setup: everything that can be refused without compiling anything -------------
+        _check_spec(spec)
+        from trainers.jax_lora.distributed import initialize_from_env
+        from trainers.jax_lora.host_devices import use_host_devices
 
-    Raises:
-        UserError, Preempted, OutOfMemory: see ``trainers.errors``.
-    """
-    # -- setup: everything that can be refused without compiling anything -------------
-    _check_spec(spec)
-    from trainers.jax_lora.distributed import initialize_from_env
-    from trainers.jax_lora.host_devices import use_host_devices
+        use_host_devices(spec.parallelism.host_devices)  # before anything touches a device
+        initialize_from_env()
 
-    use_host_devices(spec.parallelism.host_devices)  # before anything touches a device
-    initialize_from_env()
+        import jax
+        import jax.numpy as jnp
 
-    import jax
-    import jax.numpy as jnp
-
-    from trainers.common.memory import peak_rss_bytes
-    from trainers.jax_lora import checkpoint as ckpt
-    from trainers.jax_lora.config import LlamaConfig
-    from trainers.jax_lora.export import export_adapter
-    from trainers.jax_lora.loading import load_params
-    from trainers.jax_lora.lora import init_lora, lora_runtime
-    from trainers.jax_lora.sharding import check_replication, sharding_report
-    from trainers.jax_lora.step import (
-        PreferenceLoss,
-        StepConfig,
-        batch_sharding,
-        compile_steps,
-        init_state,
-        make_optimizer,
-        make_schedule,
-        state_shardings,
-    )
-
-    stop = stop or StopFlag()
-    primary = jax.process_index() == 0
-    check_inputs_exist(spec)
-    cfg = LlamaConfig.from_pretrained(spec.model.path)
-    m = spec.parallelism.mesh
-    layout = step_layout(spec, cfg)
-    mesh, dp, accum, targets, quantization = (layout.mesh, layout.data_parallel, layout.accumulation,
-                                               layout.targets, layout.quantization)
-    base_dtype = jnp.dtype(spec.precision.base_dtype)
-    adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
-    p_abstract, p_shard = layout.param_shapes, layout.param_shardings
-    p_report = sharding_report(p_abstract, p_shard, mesh)
-    check_replication(p_report, what="base parameters")
-    l_abstract, l_shard = layout.lora_shapes, layout.lora_shardings
-
-    ckpt_root = Path(spec.checkpoint.dir)
-    out_dir = Path(spec.output_dir)
-    resume_from = resolve_resume(spec.checkpoint)
-    resume_state = load_trainer_state(resume_from) if resume_from is not None else None
-    own_reporter = reporter is None and primary
-    if own_reporter:
-        reporter = reporter_from_spec(
-            spec.report, default_spool_dir=ckpt_root / ".report-spool", local_path=ckpt_root / LOCAL_REPORTS
+        from trainers.jax_lora import checkpoint as ckpt
+        from trainers.jax_lora.config import DecoderConfig
+        from trainers.jax_lora.loading import load_params
+        from trainers.jax_lora.lora import init_lora, lora_runtime
+        from trainers.jax_lora.sharding import check_replication, sharding_report
+        from trainers.jax_lora.step import (
+            PreferenceLoss,
+            StepConfig,
+            compile_steps,
+            init_state,
+            make_optimizer,
+            make_schedule,
+            state_shardings,
         )
-    try:
+
+        self.spec, self.reporter, self.stop = spec, reporter, stop
+        self.primary = primary = jax.process_index() == 0
+        check_inputs_exist(spec)
+        cfg = DecoderConfig.from_pretrained(spec.model.path)
+        m = spec.parallelism.mesh
+        layout = step_layout(spec, cfg)
+        self.mesh, self.dp, accum, self.targets = layout.mesh, layout.data_parallel, layout.accumulation, layout.targets
+        mesh, dp, targets, quantization = self.mesh, self.dp, self.targets, layout.quantization
+        base_dtype = jnp.dtype(spec.precision.base_dtype)
+        adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
+        p_abstract, p_shard = layout.param_shapes, layout.param_shardings
+        p_report = sharding_report(p_abstract, p_shard, mesh)
+        check_replication(p_report, what="base parameters")
+        l_abstract, l_shard = layout.lora_shapes, layout.lora_shardings
+
+        self.ckpt_root = ckpt_root = Path(spec.checkpoint.dir)
+        self.output_dir = Path(spec.output_dir)
+        resume_from = resolve_resume(spec.checkpoint)
+        resume_state = load_trainer_state(resume_from) if resume_from is not None else None
+
         # -- data ------------------------------------------------------------------------
         tokenizer = load_tokenizer(spec.model.path)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        dpo = spec.method.type == "dpo"
-        data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
-        total_steps = total_optimizer_steps(spec, data.train, dp)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.dpo = dpo = spec.method.type == "dpo"
+        self.data = data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+        self.has_validation = data.validation is not None
+        self.total_steps = total_steps = total_optimizer_steps(spec, data.train, dp)
 
         # -- model: tensor by tensor into sharded arrays ---------------------------------
         t0 = time.perf_counter()
-        params, load_stats = load_params(spec.model.path, cfg, mesh, base_dtype, quantization)
+        self.params, load_stats = load_params(spec.model.path, cfg, mesh, base_dtype, quantization)
         load_s = time.perf_counter() - t0
 
         # -- adapter + optimizer, created directly sharded ---------------------------------
         hp = spec.hyperparameters
-        schedule = make_schedule(
+        self.schedule = make_schedule(
             hp.lr_scheduler, base_lr=hp.learning_rate, total_steps=total_steps, warmup_steps=hp.warmup_steps
         )
-        optimizer = make_optimizer(schedule, weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm)
+        optimizer = make_optimizer(self.schedule, weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm)
         shardings = state_shardings(l_shard, optimizer, l_abstract, mesh)
         root_key = jax.random.key(spec.seed)
         lora = jax.jit(
             lambda k: init_lora(cfg, targets, spec.adapter.r, k, adapter_dtype), out_shardings=l_shard
         )(jax.random.fold_in(root_key, 0))
-        state = init_state(lora, optimizer, shardings, jax.random.fold_in(root_key, 1))
-        opt_report = sharding_report(state["opt_state"], shardings["opt_state"], mesh)
+        self.state = init_state(lora, optimizer, shardings, jax.random.fold_in(root_key, 1))
+        opt_report = sharding_report(self.state["opt_state"], shardings["opt_state"], mesh)
 
         # -- resume ----------------------------------------------------------------------
-        step, cursor, tokens_seen = 0, DataCursor(), 0
-        metrics_log = MetricsLog(out_dir, resume_step=resume_state.step if resume_state else None) if primary else None
+        self.progress = progress = Progress()
+        self.metrics_log = (MetricsLog(self.output_dir, resume_step=resume_state.step if resume_state else None)
+                            if primary else None)
         if resume_state is not None:
-            state = ckpt.restore_state(resume_from, state, shardings)
-            step, cursor = resume_state.step, resume_state.cursor
-            tokens_seen = int(resume_state.extra.get("tokens_seen", 0))
+            self.state = ckpt.restore_state(resume_from, self.state, shardings)
+            progress.step, progress.cursor = resume_state.step, resume_state.cursor
+            progress.tokens_seen = int(resume_state.extra.get("tokens_seen", 0))
+            progress.metrics = dict(resume_state.metrics)
             restore_host_rng(resume_state.rng)
-            if int(state["step"]) != step:
+            if int(self.state["step"]) != progress.step:
                 raise UserError(f"checkpoint {resume_from} is inconsistent (step mismatch)", code="incompatible_checkpoint")
             if primary:
-                report_resumed(reporter, ckpt_root, resume_from, resume_state, metrics_log.rows(),
+                assert self.metrics_log is not None
+                report_resumed(reporter, ckpt_root, resume_from, resume_state, self.metrics_log.rows(),
                                every_n_steps=spec.checkpoint.every_n_steps)
 
         sc = StepConfig(
@@ -341,62 +312,10 @@ def run(
             # DPO: dp blocks of chosen-then-rejected rows per micro-batch (_step_batches)
             preference=PreferenceLoss(spec.method.beta, spec.method.sft_weight, blocks=dp) if dpo else None,
         )
-        train_step, eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
-
-        def to_device(host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-            # Each process materializes only the slices its own devices hold.
-            return {
-                k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.shape), lambda idx, v=v: v[idx])
-                for k, v in host.items()
-            }
-
-        def evaluate_preference() -> dict[str, float]:
-            sums, chosen_nll, chosen_tokens = RewardSums(), 0.0, 0.0
-            for host in _eval_batches(data.validation, dp, pad_id, spec.eval.max_batches):
-                out = {k: float(v) for k, v in eval_step(state["lora"], params, to_device(host)).items()}
-                sums = sums + _reward_sums(out)
-                chosen_nll += out["chosen_nll"]
-                chosen_tokens += out["chosen_tokens"]
-            value = sums.loss / max(sums.pairs, 1.0) + spec.method.sft_weight * chosen_nll / max(chosen_tokens, 1.0)
-            return {"valid_loss": value, "token_accuracy": None, **sums.metrics("valid_")}
-
-        def evaluate() -> dict[str, float]:
-            if dpo:
-                return evaluate_preference()
-            nll = n_tok = n_ok = 0.0
-            for host in _eval_batches(data.validation, dp, pad_id, spec.eval.max_batches):
-                out = eval_step(state["lora"], params, to_device(host))
-                nll += float(out["nll_sum"])
-                n_tok += float(out["n_tokens"])
-                n_ok += float(out["n_correct"])
-            return {"valid_loss": nll / max(n_tok, 1.0), "token_accuracy": n_ok / max(n_tok, 1.0)}
-
-        def checkpoint(last_metrics: dict[str, Any]) -> Path | None:
-            host_state = ckpt.state_to_host(state)  # every process joins the gathers
-            if not primary:
-                return None
-
-            def write_tensors(d: Path) -> None:
-                from safetensors.numpy import save_file
-
-                save_file(host_state, str(d / ckpt.STATE_FILE))
-                export_adapter(
-                    d / ADAPTER_DIR, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
-                    dropout=spec.adapter.dropout, target_modules=targets, base_model_name_or_path=spec.model.path,
-                )
-                finish_adapter(d / ADAPTER_DIR, spec)
-
-            ts = TrainerState(
-                step=step, epoch=epoch_of_step(cursor), cursor=cursor, rng=capture_host_rng(),
-                metrics=last_metrics,
-                extra={"trainer": "jax_lora", "seed": spec.seed, "tokens_seen": tokens_seen},
-            )
-            # Its metrics are spooled before the rename, its listing right after it.
-            return save_checkpoint(ckpt_root, ts, write_tensors, keep_last=spec.checkpoint.keep_last,
-                                   reporter=reporter)
+        self.compiled_train_step, self.eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
 
         if primary:
-            write_training_config(out_dir, spec)
+            step = progress.step
             reporter.event(
                 "jax_lora: model loaded" + (f", resuming at step {step}" if step else ""),
                 data={
@@ -409,61 +328,125 @@ def run(
                     "grad_accumulation": accum, **data.stats(),
                 },
             )
+        self.batches = _step_batches(data.train, progress.cursor, dp, accum, self.pad_id)
 
-        # -- the loop --------------------------------------------------------------------
-        batches = _step_batches(data.train, cursor, dp, accum, pad_id)
-        last: dict[str, Any] = dict(resume_state.metrics) if resume_state is not None else {}
-        while step < total_steps:
-            host_batch, next_cursor = next(batches)
-            t_step = time.perf_counter()
-            state, out = train_step(state, params, to_device(host_batch))
-            loss = float(out["loss"])  # blocks: the step's time below is real
-            elapsed = time.perf_counter() - t_step
-            grad_norm = float(out["grad_norm"])
-            check_finite(step + 1, loss, grad_norm)
-            lr = float(schedule(step))
-            step, cursor = step + 1, next_cursor
-            n_tokens = int((host_batch["segment_ids"] > 0).sum())
-            tokens_seen += n_tokens
-            evaluated = None
-            if should_evaluate(step, total_steps=total_steps, every_n_steps=spec.eval.every_n_steps,
-                               has_validation=data.validation is not None):
-                evaluated = evaluate()
-            row = metric_row(
-                step=step, total_steps=total_steps, cursor_after=cursor, train_loss=loss, learning_rate=lr,
-                grad_norm=grad_norm, step_tokens=n_tokens, elapsed_s=elapsed, tokens_seen=tokens_seen,
-                memory_bytes=_device_memory_bytes(jax) or peak_rss_bytes(), evaluation=evaluated,
-                rewards=_reward_sums({k: float(v) for k, v in out.items()}).metrics() if dpo else None,
-            )
-            last = checkpoint_metrics(row, last)
-            if primary:
-                reporter.metric(**row)
-                metrics_log.append(row)
-            if on_step is not None:
-                on_step(step)
-            if stop.requested or step % spec.checkpoint.every_n_steps == 0:
-                checkpoint(last)
-            if stop.requested:
-                if primary:
-                    reporter.event(f"preempted ({stop.signal_name}) at step {step}; checkpoint written")
-                raise Preempted(f"stopped by {stop.signal_name} at step {step}; resume from the checkpoint")
+    # -- the hooks of the common loop ------------------------------------------------------
 
-        # -- export ----------------------------------------------------------------------
-        if step % spec.checkpoint.every_n_steps:
-            checkpoint(last)
-        host_state = ckpt.state_to_host(state)
-        if primary:
-            export_adapter(
-                out_dir / ADAPTER_DIR, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
-                dropout=spec.adapter.dropout, target_modules=targets, base_model_name_or_path=spec.model.path,
-            )
-            finish_adapter(out_dir / ADAPTER_DIR, spec)
-            files = finalize_outputs(out_dir)
-            reporter.artifacts(str(out_dir), files)
-            reporter.event(f"training finished after {step} steps; adapter exported")
-    finally:
-        if own_reporter:
-            reporter.close()
+    def _to_device(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
+        import jax
+
+        from trainers.jax_lora.step import batch_sharding
+
+        # Each process materializes only the slices its own devices hold.
+        return {
+            k: jax.make_array_from_callback(v.shape, batch_sharding(self.mesh, v.shape), lambda idx, v=v: v[idx])
+            for k, v in host.items()
+        }
+
+    def train_step(self, step: int) -> StepResult:
+        host_batch, next_cursor = next(self.batches)
+        t_step = time.perf_counter()
+        self.state, out = self.compiled_train_step(self.state, self.params, self._to_device(host_batch))
+        loss = float(out["loss"])  # blocks: the step's time below is real
+        elapsed = time.perf_counter() - t_step
+        return StepResult(
+            loss=loss, grad_norm=float(out["grad_norm"]), learning_rate=float(self.schedule(step)),
+            tokens=int((host_batch["segment_ids"] > 0).sum()), elapsed_s=elapsed, cursor_after=next_cursor,
+            rewards=_reward_sums({k: float(v) for k, v in out.items()}).metrics() if self.dpo else None,
+        )
+
+    def evaluate(self) -> dict[str, Any]:
+        spec = self.spec
+        batches = _eval_batches(self.data.validation, self.dp, self.pad_id, spec.eval.max_batches)
+        if self.dpo:
+            sums, chosen_nll, chosen_tokens = RewardSums(), 0.0, 0.0
+            for host in batches:
+                out = {k: float(v) for k, v in self.eval_step(self.state["lora"], self.params,
+                                                              self._to_device(host)).items()}
+                sums = sums + _reward_sums(out)
+                chosen_nll += out["chosen_nll"]
+                chosen_tokens += out["chosen_tokens"]
+            value = sums.loss / max(sums.pairs, 1.0) + spec.method.sft_weight * chosen_nll / max(chosen_tokens, 1.0)
+            return {"valid_loss": value, "token_accuracy": None, **sums.metrics("valid_")}
+        nll = n_tok = n_ok = 0.0
+        for host in batches:
+            out = self.eval_step(self.state["lora"], self.params, self._to_device(host))
+            nll += float(out["nll_sum"])
+            n_tok += float(out["n_tokens"])
+            n_ok += float(out["n_correct"])
+        return {"valid_loss": nll / max(n_tok, 1.0), "token_accuracy": n_ok / max(n_tok, 1.0)}
+
+    def memory_bytes(self) -> int | None:
+        import jax
+
+        from trainers.common.memory import peak_rss_bytes
+
+        return _device_memory_bytes(jax) or peak_rss_bytes()
+
+    def _write_adapter(self, adapter_dir: Path, host_state: dict[str, np.ndarray]) -> None:
+        from trainers.jax_lora.export import export_adapter
+
+        spec = self.spec
+        export_adapter(
+            adapter_dir, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
+            dropout=spec.adapter.dropout, target_modules=self.targets, base_model_name_or_path=spec.model.path,
+        )
+        finish_adapter(adapter_dir, spec)
+
+    def write_checkpoint(self, progress: Progress) -> Path | None:
+        from trainers.jax_lora import checkpoint as ckpt
+
+        host_state = ckpt.state_to_host(self.state)  # every process joins the gathers
+        if not self.primary:
+            return None
+        spec = self.spec
+
+        def write_tensors(d: Path) -> None:
+            from safetensors.numpy import save_file
+
+            save_file(host_state, str(d / ckpt.STATE_FILE))
+            self._write_adapter(d / ADAPTER_DIR, host_state)
+
+        ts = TrainerState(
+            step=progress.step, epoch=epoch_of_step(progress.cursor), cursor=progress.cursor,
+            rng=capture_host_rng(), metrics=progress.metrics,
+            extra={"trainer": "jax_lora", "seed": spec.seed, "tokens_seen": progress.tokens_seen},
+        )
+        # Its metrics are spooled before the rename, its listing right after it.
+        return save_checkpoint(self.ckpt_root, ts, write_tensors, keep_last=spec.checkpoint.keep_last,
+                               reporter=self.reporter)
+
+    def export_adapter(self, adapter_dir: Path) -> None:
+        from trainers.jax_lora import checkpoint as ckpt
+
+        host_state = ckpt.state_to_host(self.state)  # every process joins the gathers
+        if self.primary:
+            self._write_adapter(adapter_dir, host_state)
+
+    def cleanup(self) -> None:
+        """Nothing to release: the arrays go with the recipe."""
+
+
+def run(
+    spec: TrainerSpec,
+    *,
+    reporter: Reporter | None = None,
+    stop: StopFlag | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """Train and export the adapter described by ``spec`` in this process (tests, benchmarks).
+
+    Args:
+        reporter: where reports go; None = a standalone reporter (``spec.report``), closed
+            on return.
+        stop: the stop flag; checked between steps (``trainers.common.recipe``).
+        on_step: called with the step number after each optimizer step (tests use it to
+            request a stop at a precise step).
+
+    Raises:
+        UserError, Preempted, OutOfMemory: see ``trainers.errors``.
+    """
+    return run_recipe(JaxLoraRecipe(on_step=on_step), spec, reporter=reporter, stop=stop)
 
 
 def _reward_sums(out: dict[str, float]) -> RewardSums:

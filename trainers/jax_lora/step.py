@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.loss import IGNORE_INDEX, LOSS_CHUNK, TokenLosses, token_losses
 from trainers.jax_lora.model import LoraRuntime, Params, RematPolicy, hidden_states
 from trainers.jax_lora.sharding import ACTIVATION_RULES, logical_to_spec, make_activation_constraint
@@ -85,7 +85,7 @@ def make_optimizer(
 class StepConfig:
     """Static settings of the compiled step (hashable: part of the jit cache key)."""
 
-    cfg: LlamaConfig
+    cfg: DecoderConfig
     runtime: LoraRuntime
     remat: RematPolicy = "none"
     compute_dtype: str = "float32"

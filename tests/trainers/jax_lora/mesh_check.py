@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.trainers.jax_lora.batches import packed_batch, random_lora
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import lora_axes, lora_runtime, lora_shapes
 from trainers.jax_lora.model import param_axes
@@ -53,7 +53,7 @@ TRAIN_ON = {(1, 1, 1), (1, 4, 2)}
 def run_on_mesh(model_dir: str, shape: tuple[int, int, int]) -> dict:
     devices = jax.devices()[: int(np.prod(shape))]
     mesh = make_mesh(*shape, devices=devices)
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     params, _ = load_params(model_dir, cfg, mesh, jnp.float32)
     p_shard = tree_shardings(params, param_axes(cfg), mesh)
     l_abs = lora_shapes(cfg, TARGETS, 4, jnp.float32)

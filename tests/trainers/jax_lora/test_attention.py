@@ -66,11 +66,11 @@ def test_blockwise_attention_matches_jax_reference(packed, query_block):
 
 def _lora_grad_temp_bytes(layers: int, heads: int, seq: int) -> int:
     """XLA's temporaries for the LoRA gradients of a ``layers``-deep model on one packed row."""
-    from trainers.jax_lora.config import LlamaConfig
+    from trainers.jax_lora.config import DecoderConfig
     from trainers.jax_lora.lora import init_lora
     from trainers.jax_lora.model import hidden_states, init_params
 
-    cfg = LlamaConfig.from_hf_dict({
+    cfg = DecoderConfig.from_hf_dict({
         "model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 2,
         "max_position_embeddings": seq, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,

@@ -18,7 +18,7 @@ import torch
 from tests.trainers.dpo_pairs import pair_data
 from tests.trainers.jax_lora.batches import random_lora
 from trainers.common.preference import pad_pairs
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import to_peft_weights
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import lora_runtime, lora_shapes
@@ -43,7 +43,7 @@ def _jax_batch(batches, blocks: int = 1) -> dict[str, jnp.ndarray]:
 
 
 def _jax_objective(model_dir, quant, lora, batch, blocks=1, chunk=LOSS_CHUNK):
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     params, _ = load_params(model_dir, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32, quant)
     sc = StepConfig(cfg=cfg, runtime=lora_runtime(ALPHA, R, 0.0), packed=False, loss_chunk=chunk,
                     preference=PreferenceLoss(beta=BETA, sft_weight=SFT, blocks=blocks))
@@ -75,7 +75,7 @@ def _torch_objective(model_dir, quant, peft_lora, batch):
 # chunk 5: the answers' log-probs summed over LM-head chunks that do not divide the rows
 @pytest.mark.parametrize(("quant", "chunk"), [("none", LOSS_CHUNK), ("nf4", LOSS_CHUNK), ("none", 5)])
 def test_jax_dpo_loss_grads_and_rewards_equal_the_torch_trainer(tiny_untied, tiny_tokenizer, quant, chunk):
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     lora = random_lora(lora_shapes(cfg, TARGETS, R, jnp.float32), seed=5, scale=0.2)
     micro = next(pair_data(tiny_tokenizer, 3, micro_batch_size=3, pad_to=SEQ).micro_batches())
 
@@ -95,7 +95,7 @@ def test_jax_dpo_loss_grads_and_rewards_equal_the_torch_trainer(tiny_untied, tin
 
 
 def test_accumulation_blocks_and_padding_pairs_do_not_change_the_objective(tiny_untied, tiny_tokenizer):
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     lora = random_lora(lora_shapes(cfg, TARGETS, R, jnp.float32), seed=6, scale=0.2)
 
     def micro_batches(pairs_per_batch: int) -> list:

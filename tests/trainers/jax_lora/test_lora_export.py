@@ -15,7 +15,7 @@ from peft import PeftModel
 from tests.trainers.jax_lora.batches import packed_batch
 from tests.trainers.jax_lora.hf_tiny import load_hf
 from trainers.common.peft_export import read_peft_adapter
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import export_adapter
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
@@ -33,7 +33,7 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def test_init_is_peft_default(tiny_untied):
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     lora = jax.jit(lambda k: init_lora(cfg, ALL, 8, k))(jax.random.key(0))
     for name, pair in lora.items():
         a, b = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"])
@@ -57,7 +57,7 @@ def test_init_is_peft_default(tiny_untied):
 def test_trained_adapter_loads_in_peft_with_same_logits(tiny_untied, tmp_path):
     # All seven targets: every transpose/reshape case (split heads on input or output).
     targets = ALL
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params, _ = load_params(tiny_untied, cfg, mesh, jnp.float32)
     r, alpha = 4, 8.0
@@ -100,7 +100,7 @@ def test_bf16_base_with_fp32_adapter_tracks_fp32(tiny_untied):
     from tests.trainers.jax_lora.batches import random_lora
     from trainers.jax_lora.step import make_loss_and_grads
 
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     targets = ("q_proj", "v_proj", "down_proj")
     lora = jax.tree.map(jnp.asarray, random_lora(lora_shapes(cfg, targets, 4, jnp.float32), seed=9))
@@ -126,7 +126,7 @@ def test_remat_policies_give_the_same_loss_and_grads(tiny_untied, quantization):
     from tests.trainers.jax_lora.batches import random_lora
     from trainers.jax_lora.step import make_loss_and_grads
 
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params, _ = load_params(tiny_untied, cfg, mesh, jnp.float32, quantization)
     targets = ("q_proj", "o_proj", "up_proj")

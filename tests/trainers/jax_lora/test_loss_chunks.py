@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from tests.trainers.jax_lora.batches import IGNORE, random_lora
 from tests.trainers.jax_lora.hf_tiny import load_hf
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import export_adapter, to_peft_weights
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import lora_runtime, lora_shapes
@@ -61,7 +61,7 @@ def _peft_reference(model_dir, adapter_dir, tokens, labels):
 @pytest.mark.parametrize(("fixture", "chunk"), [("tiny_untied", 4), ("tiny_tied", 9)])
 def test_chunked_loss_grads_and_eval_match_peft(fixture, chunk, request, tmp_path):
     model_dir = request.getfixturevalue(fixture)
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     params, _ = load_params(model_dir, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32)
     lora = random_lora(lora_shapes(cfg, TARGETS, R, jnp.float32), seed=2, scale=0.2)
     adapter = export_adapter(tmp_path / "a", lora, r=R, alpha=ALPHA, dropout=0.0, target_modules=TARGETS)
@@ -89,7 +89,7 @@ def test_chunked_loss_grads_and_eval_match_peft(fixture, chunk, request, tmp_pat
 
 def _train_temps(chunk: int, vocab: int, rows: int, seq: int) -> int:
     """Temporary bytes XLA plans for the train step's loss and grads (abstract inputs, nothing runs)."""
-    cfg = LlamaConfig.from_hf_dict({
+    cfg = DecoderConfig.from_hf_dict({
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": vocab, "rms_norm_eps": 1e-5,
         "max_position_embeddings": seq, "rope_theta": 10000.0, "tie_word_embeddings": False,

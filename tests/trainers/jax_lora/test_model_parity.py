@@ -12,7 +12,7 @@ import torch
 
 from tests.trainers.jax_lora.hf_tiny import load_hf
 from trainers.errors import UserError
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.model import forward
 from trainers.jax_lora.sharding import check_divisible_heads, make_mesh
@@ -21,7 +21,7 @@ TOL = 1e-4
 
 
 def _load(model_dir):
-    cfg = LlamaConfig.from_pretrained(model_dir)
+    cfg = DecoderConfig.from_pretrained(model_dir)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params, _ = load_params(model_dir, cfg, mesh, jnp.float32)
     return cfg, params
@@ -77,7 +77,7 @@ def test_llama3_rope_scaling_is_applied(tiny_untied, tmp_path):
     raw = json.loads((tiny_untied / "config.json").read_text())
     assert raw["rope_parameters"]["rope_type"] == "llama3"
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_parameters"]["rope_theta"]}
-    plain_cfg = LlamaConfig.from_hf_dict(raw)
+    plain_cfg = DecoderConfig.from_hf_dict(raw)
     cfg, params = _load(tiny_untied)
     tokens = np.arange(48, dtype=np.int32)[None] % cfg.vocab_size
     scaled = np.asarray(forward(params, None, tokens, cfg=cfg))
@@ -94,7 +94,7 @@ def test_old_style_rope_scaling_config_is_read():
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }
-    cfg = LlamaConfig.from_hf_dict(raw)
+    cfg = DecoderConfig.from_hf_dict(raw)
     assert cfg.rope.rope_type == "llama3" and cfg.rope.theta == 500000.0 and cfg.rope.factor == 8.0
 
 
@@ -111,7 +111,7 @@ def test_unsupported_configs_are_user_errors(tiny_untied, change, code):
     raw = json.loads((tiny_untied / "config.json").read_text())
     raw.update(change)
     with pytest.raises(UserError) as err:
-        LlamaConfig.from_hf_dict(raw)
+        DecoderConfig.from_hf_dict(raw)
     assert err.value.code == code
     assert "yarn" in err.value.message if "rope_parameters" in change else True
 

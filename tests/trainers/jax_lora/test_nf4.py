@@ -18,7 +18,7 @@ import torch
 
 from tests.trainers.fsdp_qlora.reference import hf_model
 from tests.trainers.jax_lora.batches import random_lora
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import export_adapter, to_peft_weights
 from trainers.jax_lora.loading import load_params
 from trainers.jax_lora.lora import lora_runtime, lora_shapes
@@ -107,7 +107,7 @@ def test_loaded_kernels_are_what_transformers_stores(tiny_untied, mesh_shape):
     On (1, 4, 2) a shard of an embed-input kernel holds 8 packed rows (16 inputs): a
     quarter of a quantization block, so the block-aligned read is exercised.
     """
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     n = int(np.prod(mesh_shape))
     if jax.default_backend() != "cpu" and jax.device_count() < n:
         # On CPU the suite always has 8 (fake) devices; a one-GPU machine has one.
@@ -148,7 +148,7 @@ def _peft_nf4(model_dir, adapter_dir):
 
 def test_logits_and_lora_grads_match_peft_on_the_bnb_model(tiny_untied, tmp_path):
     targets = ("q_proj", "o_proj", "gate_proj", "down_proj")
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     params, _ = load_params(tiny_untied, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32, "nf4")
     r, alpha = 4, 8.0
     lora = random_lora(lora_shapes(cfg, targets, r, jnp.float32), seed=3)
@@ -197,8 +197,8 @@ def test_logits_and_lora_grads_match_peft_on_the_bnb_model(tiny_untied, tmp_path
 def test_a_model_whose_inputs_are_not_whole_blocks_is_a_user_error(tiny_untied):
     from trainers.errors import UserError
 
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
-    odd = LlamaConfig.from_hf_dict({**_hf_config(tiny_untied), "intermediate_size": 96})
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
+    odd = DecoderConfig.from_hf_dict({**_hf_config(tiny_untied), "intermediate_size": 96})
     assert param_shapes(cfg, jnp.float32, "nf4")  # 64 / 128 inputs: whole blocks
     with pytest.raises(UserError, match="down_proj has 96 inputs") as err:
         param_shapes(odd, jnp.float32, "nf4")

@@ -17,7 +17,7 @@ import pytest
 from bench import plan_aot
 from tests.trainers.jax_lora.specs import make_spec
 from trainers.jax_lora import step as step_module
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.recipe import run
 
 
@@ -57,7 +57,7 @@ def test_abstract_inputs_are_what_the_recipe_passes_its_step(recipe_model, tiny_
     monkeypatch.setattr(step_module, "compile_steps", recording_compile_steps)
     run(spec)
 
-    planned = plan_aot.abstract_step_inputs(spec, LlamaConfig.from_pretrained(recipe_model))
+    planned = plan_aot.abstract_step_inputs(spec, DecoderConfig.from_pretrained(recipe_model))
     assert planned.step_config == seen["step_config"]
     got = _describe((planned.state, planned.params, planned.batch))
     assert jax.tree.structure(got) == jax.tree.structure(seen["inputs"])
@@ -79,7 +79,7 @@ def test_xla_argument_bytes_are_the_per_device_shards(recipe_model):
     job = plan_aot.PlanJob(str(recipe_model), n, "qlora", seq=32, batch=1, tensor=2 if n == 4 else 1)
     row = plan_aot.plan_row(job)
     spec = plan_aot.trainer_spec(job, "amd-mi300x")
-    inputs = plan_aot.abstract_step_inputs(spec, LlamaConfig.from_pretrained(recipe_model), jax.devices()[:n])
+    inputs = plan_aot.abstract_step_inputs(spec, DecoderConfig.from_pretrained(recipe_model), jax.devices()[:n])
 
     def shard_bytes(leaf) -> int:
         return int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from trainers.errors import UserError
-from trainers.jax_lora.config import LlamaConfig
+from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.model import param_axes, param_shapes
 from trainers.jax_lora.sharding import (
     PARAM_RULES,
@@ -72,7 +72,7 @@ def test_replication_check_reports_bytes_per_device():
         "vocab_size": 1001, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 4,
     }
-    cfg = LlamaConfig.from_hf_dict(raw)  # vocab 1001 divides nothing: embeddings replicate
+    cfg = DecoderConfig.from_hf_dict(raw)  # vocab 1001 divides nothing: embeddings replicate
     mesh = make_mesh(1, 4, 2)
     shapes = param_shapes(cfg, jnp.bfloat16)
     report = sharding_report(shapes, tree_shardings(shapes, param_axes(cfg), mesh), mesh)
@@ -81,7 +81,7 @@ def test_replication_check_reports_bytes_per_device():
         check_replication(report)
     assert err.value.code == "invalid_parallelism"
     assert f"{report.bytes_per_device:,} bytes per device" in err.value.message
-    even = LlamaConfig.from_hf_dict({**raw, "vocab_size": 1024})
+    even = DecoderConfig.from_hf_dict({**raw, "vocab_size": 1024})
     shapes = param_shapes(even, jnp.bfloat16)
     ok = sharding_report(shapes, tree_shardings(shapes, param_axes(even), mesh), mesh)
     check_replication(ok)
@@ -105,7 +105,7 @@ def test_loaded_shards_hold_the_right_slices(tiny_untied):
         pytest.skip("needs the 8 fake CPU devices of conftest.py (jax was initialized earlier)")
     from trainers.jax_lora.loading import load_params
 
-    cfg = LlamaConfig.from_pretrained(tiny_untied)
+    cfg = DecoderConfig.from_pretrained(tiny_untied)
     full, _ = load_params(tiny_untied, cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), jnp.float32)
     sharded, stats = load_params(tiny_untied, cfg, make_mesh(1, 4, 2), jnp.float32)
     assert stats["host_peak_rss_bytes"] > 0
