@@ -107,11 +107,13 @@ def start_demo(settings, base_url: str, admin_key: str) -> None:
     submit(settings, base_url, admin_key)
 
 
-def ensure_listed_models(settings) -> None:
+def ensure_listed_models(settings, *, real_model: bool = False) -> None:
     """Build the demo model's files when the registry lists it (no
     ``TUNEFLEET_BASE_MODELS_FILE``): ``serve`` lists ``tunefleet-tiny-llama``, so its files
     are there for jobs to train and chats to load. A few MB, built once into the data dir
-    (``tunefleet.demo.ensure_demo_model``)."""
+    (``tunefleet.demo.ensure_demo_model``). With ``real_model`` (``serve --demo``) it also
+    prepares SmolLM2-135M-Instruct (``tunefleet.real_model``: a 93 MB download and a
+    conversion of about a minute, once), which the registry then lists too."""
     if settings.base_models_file is not None:
         return
     try:
@@ -123,6 +125,37 @@ def ensure_listed_models(settings) -> None:
                    "to train on this machine", err=True)
         return
     typer.echo(f"  base model tunefleet-tiny-llama: {path}")
+    if real_model:
+        prepare_real_model(settings)
+
+
+def prepare_real_model(settings) -> bool:
+    """Prepare ``smollm2-135m-instruct`` into the data dir; False (and why, on stderr) if not."""
+    from tunefleet.real_model import REAL_MODEL_ID, RealModelUnavailable, ensure_real_model
+
+    typer.echo(f"  base model {REAL_MODEL_ID}: preparing (once; a 93 MB download) ...")
+    try:
+        path = ensure_real_model(settings.models_dir)
+    except RealModelUnavailable as exc:
+        typer.echo(f"  base model {REAL_MODEL_ID} not prepared: {exc}", err=True)
+        return False
+    typer.echo(f"  base model {REAL_MODEL_ID}: {path}")
+    return True
+
+
+def prepare_model(
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory (TUNEFLEET_DATA_DIR).")] = None,
+) -> None:
+    """Prepare the real pretrained base model smollm2-135m-instruct into the data dir."""
+    if data_dir is not None:
+        os.environ["TUNEFLEET_DATA_DIR"] = str(data_dir)
+    from control.settings import get_settings
+
+    get_settings.cache_clear()
+    settings = load_settings()
+    settings.ensure_dirs()
+    if not prepare_real_model(settings):
+        raise typer.Exit(1)
 
 
 def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
@@ -217,7 +250,7 @@ def serve(
     new_key = ensure_admin_key(settings)
     url = settings.public_url
     typer.echo(f"tunefleet {url}  (data: {settings.data_path})")
-    ensure_listed_models(settings)
+    ensure_listed_models(settings, real_model=demo)
     typer.echo(f"  OpenAI-compatible API: {url}/v1   docs: {url}/docs")
     if new_key is not None:
         typer.echo(f"  admin API key (shown once; also in {settings.data_path / 'admin_key'}):")
