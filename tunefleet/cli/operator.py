@@ -25,7 +25,7 @@ from typing import Annotated
 
 import typer
 
-from tunefleet.cli.options import load_settings
+from tunefleet.cli.options import JsonOpt, load_settings
 
 
 def _cli_command(*args: str) -> list[str]:
@@ -145,8 +145,12 @@ def prepare_real_model(settings) -> bool:
 
 def prepare_model(
     data_dir: Annotated[Path | None, typer.Option(help="Data directory (TUNEFLEET_DATA_DIR).")] = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """Prepare the real pretrained base model smollm2-135m-instruct into the data dir."""
+    from tunefleet.cli.render import print_json, report_error
+    from tunefleet.real_model import REAL_MODEL_ID, RealModelUnavailable, ensure_real_model
+
     if data_dir is not None:
         os.environ["TUNEFLEET_DATA_DIR"] = str(data_dir)
     from control.settings import get_settings
@@ -154,8 +158,15 @@ def prepare_model(
     get_settings.cache_clear()
     settings = load_settings()
     settings.ensure_dirs()
-    if not prepare_real_model(settings):
-        raise typer.Exit(1)
+    try:
+        path = ensure_real_model(settings.models_dir)
+    except RealModelUnavailable as exc:
+        report_error({"message": str(exc), "code": "model_unavailable"}, json_out)
+        raise typer.Exit(1) from None
+    if json_out:
+        print_json({"object": "model", "id": REAL_MODEL_ID, "path": str(path)})
+    else:
+        typer.echo(f"base model {REAL_MODEL_ID}: {path}")
 
 
 def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
