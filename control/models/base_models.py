@@ -13,7 +13,7 @@
 
 Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
 ``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start) and,
-once it has been prepared (``tunefleet models prepare-real`` or ``serve --demo``:
+once it has been prepared (``tunefleet prepare-model`` or ``serve --demo``:
 tunefleet/real_model.py), the real pretrained ``smollm2-135m-instruct`` at
 ``<data>/models/smollm2-135m-instruct``.
 
@@ -166,7 +166,9 @@ def registered_entry(row: RegisteredModel) -> BaseModelEntry:
 
 def load_base_models(settings: Settings) -> BaseModelRegistry:
     """The registry; a broken YAML file is a start-up error."""
-    if settings.base_models_file is None:  # not cached: the real model joins once prepared
+    # The default registry is not cached: a process that loads it after the real model was
+    # prepared lists it (the API loads it at start: `serve --demo` prepares before that).
+    if settings.base_models_file is None:
         declared = {entry.id: entry for entry in default_models(settings.models_dir)}
     else:
         declared = dict(_load(settings.base_models_file, settings.models_dir))
