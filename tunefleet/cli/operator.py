@@ -131,9 +131,17 @@ def ensure_listed_models(settings, *, real_model: bool = False) -> None:
 
 def prepare_real_model(settings) -> bool:
     """Prepare ``smollm2-135m-instruct`` into the data dir; False (and why, on stderr) if not."""
-    from tunefleet.real_model import REAL_MODEL_ID, RealModelUnavailable, ensure_real_model
+    from tunefleet.real_model import (
+        REAL_MODEL_ID,
+        RealModelUnavailable,
+        ensure_real_model,
+        is_prepared,
+        real_model_dir,
+    )
 
-    typer.echo(f"  base model {REAL_MODEL_ID}: preparing (once; a 93 MB download) ...")
+    if not is_prepared(real_model_dir(settings.models_dir)):
+        typer.echo(f"  base model {REAL_MODEL_ID}: preparing (once: a 93 MB download, a minute "
+                   "or two of conversion) ...")
     try:
         path = ensure_real_model(settings.models_dir)
     except RealModelUnavailable as exc:
