@@ -1,19 +1,29 @@
-"""The demo that shows a newcomer real learning: a tiny Llama and a small generated task.
+"""The demo that shows a newcomer real learning, on a real pretrained model.
 
-`tunefleet serve --demo` builds a tiny random-init Llama (with `transformers`, cached in
-the data dir), writes a small chat dataset, uploads it and creates a fine-tuning job over
-the public HTTP API, exactly as a user would. The task — name a country's capital — is
-learnable by LoRA on a 2-layer random model on 2 CPU cores: the training loss falls
-from about ln(vocab) within a minute.
+`tunefleet serve --demo` prepares SmolLM2-135M-Instruct (tunefleet/real_model.py, once,
+into the data dir), writes a small generated task whose answers are checkable — write a
+date as YYYY-MM-DD — uploads it and creates a fine-tuning job over the public HTTP API,
+exactly as a user would. It measures held-out exact-match accuracy through
+``/v1/chat/completions`` on the base model before and on the fine-tuned model after: the
+instruct model answers in its own words (about 0 % exact), the fine-tuned one in the
+format asked for.
+
+Where the real model cannot be prepared (offline, no ``gguf``), the demo trains the tiny
+random-init Llama (cached in the data dir) on the capital-city task instead; the tests
+use that tiny model too, because it trains in seconds.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 DEMO_MODEL_ID = "tunefleet-tiny-llama"
+
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
+          "September", "October", "November", "December")
 
 # (country, capital): the model learns to answer with the capital. Most bytes of an answer
 # follow from its first ones, so a tiny model's loss falls fast once it attends to the country.
@@ -45,11 +55,57 @@ def demo_examples(n: int = 400, *, seed: int = 0) -> list[dict]:
 
 
 def write_demo_dataset(path: Path, n: int = 400, *, seed: int = 0) -> Path:
+    return write_examples(path, demo_examples(n, seed=seed))
+
+
+def write_examples(path: Path, examples: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for example in demo_examples(n, seed=seed):
+        for example in examples:
             f.write(json.dumps(example) + "\n")
     return path
+
+
+def date_examples(n: int, *, seed: int) -> list[dict]:
+    """Chat examples of the date-formatting task ("March 5, 2021" -> "2021-03-05").
+
+    Deterministic for a seed; different seeds give (almost always) different dates, so a
+    held-out set is another seed. SmolLM2-135M-Instruct answers these in its own words
+    ("YYYY-MM-DD: 2021-03", "March 5, 2021: ..."): exact-match is about zero before
+    fine-tuning, and the answer is a fixed ten characters after it.
+    """
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        year, month, day = rng.randint(1950, 2030), rng.randint(1, 12), rng.randint(1, 28)
+        examples.append(
+            {
+                "messages": [
+                    {"role": "user",
+                     "content": f"Write this date as YYYY-MM-DD: {MONTHS[month - 1]} {day}, {year}"},
+                    {"role": "assistant", "content": f"{year}-{month:02d}-{day:02d}"},
+                ]
+            }
+        )
+    return examples
+
+
+def exact_match(http, model: str, examples: list[dict], *, max_tokens: int = 16) -> float:
+    """The share of ``examples`` whose greedy answer from ``/v1/chat/completions`` (through
+    ``http``, an httpx client on ``<api>/v1``) equals the reference answer exactly (surrounding
+    whitespace ignored)."""
+    right = 0
+    for example in examples:
+        prompt, answer = example["messages"][:-1], example["messages"][-1]["content"]
+        for attempt in range(60):  # the inference worker may still be loading the model
+            resp = http.post("/chat/completions", timeout=300.0, json={
+                "model": model, "messages": prompt, "temperature": 0, "max_tokens": max_tokens})
+            if resp.status_code not in (429, 503):
+                break
+            time.sleep(min(2.0, float(resp.headers.get("retry-after", "1"))))
+        resp.raise_for_status()
+        right += resp.json()["choices"][0]["message"]["content"].strip() == answer
+    return right / len(examples)
 
 
 def ensure_demo_model(models_dir: Path) -> Path:
@@ -65,22 +121,83 @@ def ensure_demo_model(models_dir: Path) -> Path:
     )
 
 
-def start_demo(settings, base_url: str, admin_key: str) -> str:
-    """Build the demo model, upload the dataset and create the demo job over HTTP.
+# The real-model demo's job: sized to finish in a few minutes on 2 CPU cores (tests/e2e/
+# test_real_model.py trains the same task and measures the rise).
+DATES_TRAIN, DATES_HELD_OUT = 160, 40
+DATES_JOB = {
+    "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 10.0},
+    "adapter": {"method": "lora", "r": 8, "alpha": 16,
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                   "gate_proj", "up_proj", "down_proj"]},
+    "max_seq_len": 96,
+}
 
-    Returns the job id. Uses plain HTTP, exactly as a user would (README quickstart).
+
+def start_demo(settings, base_url: str, admin_key: str) -> str:
+    """Submit the demo job over HTTP: the real model's when it is prepared, else the tiny one's.
+
+    Returns the job id. Uses plain HTTP, exactly as a user would (README quickstart). With
+    the real model it then waits for the job and prints held-out exact-match accuracy
+    before and after fine-tuning.
     """
+    from control.models.base_models import REAL_MODEL_ID
+    from tunefleet.real_model import is_prepared, real_model_dir
+
+    if is_prepared(real_model_dir(settings.models_dir)):
+        return _real_model_demo(settings, base_url, admin_key, REAL_MODEL_ID)
+    return _tiny_model_demo(settings, base_url, admin_key)
+
+
+def _client(base_url: str, admin_key: str):
     import httpx
 
+    return httpx.Client(base_url=f"{base_url}/v1", headers={"Authorization": f"Bearer {admin_key}"},
+                        timeout=30.0)
+
+
+def _upload(http, path: Path) -> str:
+    with path.open("rb") as fh:
+        upload = http.post("/files", data={"purpose": "fine-tune"},
+                           files={"file": (path.name, fh, "application/jsonl")})
+    upload.raise_for_status()
+    return upload.json()["id"]
+
+
+def _real_model_demo(settings, base_url: str, admin_key: str, model: str) -> str:
+    dataset = write_examples(settings.data_path / "demo" / "dates.jsonl",
+                             date_examples(DATES_TRAIN, seed=0))
+    held_out = date_examples(DATES_HELD_OUT, seed=1)
+    with _client(base_url, admin_key) as http:
+        before = exact_match(http, model, held_out)
+        print(f"demo: {model} answers {before:.0%} of {len(held_out)} held-out dates exactly "
+              "(YYYY-MM-DD) before fine-tuning", flush=True)
+        file_id = _upload(http, dataset)
+        job = http.post(
+            "/fine_tuning/jobs",
+            headers={"Idempotency-Key": f"demo-{file_id}"},
+            json={"model": model, "training_file": file_id, "suffix": "demo", "seed": 0,
+                  "metadata": {"demo": "dates"}, **DATES_JOB},
+        )
+        job.raise_for_status()
+        job_id = job.json()["id"]
+        print(f"demo job {job_id} submitted: watch it at {base_url}/ui/jobs/{job_id}", flush=True)
+        while (state := http.get(f"/fine_tuning/jobs/{job_id}").json())["status"] not in (
+                "succeeded", "failed", "cancelled"):
+            time.sleep(2.0)
+        if state["status"] != "succeeded":
+            print(f"demo job {job_id} {state['status']}: {state.get('error')}", flush=True)
+            return job_id
+        after = exact_match(http, state["fine_tuned_model"], held_out)
+        print(f"demo: {state['fine_tuned_model']} answers {after:.0%} of {len(held_out)} held-out "
+              f"dates exactly after fine-tuning (before: {before:.0%})", flush=True)
+    return job_id
+
+
+def _tiny_model_demo(settings, base_url: str, admin_key: str) -> str:
     ensure_demo_model(settings.models_dir)
     dataset = write_demo_dataset(settings.data_path / "demo" / "capitals.jsonl")
-    headers = {"Authorization": f"Bearer {admin_key}"}
-    with httpx.Client(base_url=f"{base_url}/v1", headers=headers, timeout=30.0) as http:
-        with dataset.open("rb") as fh:
-            upload = http.post("/files", data={"purpose": "fine-tune"},
-                               files={"file": (dataset.name, fh, "application/jsonl")})
-        upload.raise_for_status()
-        file_id = upload.json()["id"]
+    with _client(base_url, admin_key) as http:
+        file_id = _upload(http, dataset)
         job = http.post(
             "/fine_tuning/jobs",
             headers={"Idempotency-Key": f"demo-{file_id}"},

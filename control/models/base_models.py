@@ -12,7 +12,10 @@
         inference_url: http://vllm-llama-8b:8000  # optional: completions proxied there (api/inference/proxy.py)
 
 Without it, the registry holds the demo model ``tunefleet-tiny-llama`` at
-``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start).
+``<data>/models/tiny-llama`` (a random tiny Llama the demo builds on first start) and,
+once it has been prepared (``tunefleet prepare-model`` or ``serve --demo``:
+tunefleet/real_model.py), the real pretrained ``smollm2-135m-instruct`` at
+``<data>/models/smollm2-135m-instruct``.
 
 Admins may also register models through ``POST /v1/models`` (control/models/registry.py):
 those rows of ``registered_models`` join the registry once ready. ``load_base_models``
@@ -38,6 +41,12 @@ from control.settings import Settings
 from trainers.spec import Architecture
 
 DEMO_MODEL_ID = "tunefleet-tiny-llama"
+# The real pretrained model of the default registry (tunefleet/real_model.py prepares it;
+# its id and directory are repeated here because control/ does not import tunefleet/).
+REAL_MODEL_ID = "smollm2-135m-instruct"
+REAL_MODEL_DIRNAME = "smollm2-135m-instruct"
+# Written last by the preparation: the directory is listed only once it is complete.
+REAL_MODEL_READY_MARKER = ".tunefleet-ready"
 
 
 class BaseModelEntry(BaseModel):
@@ -81,6 +90,23 @@ def demo_model(models_dir: Path) -> BaseModelEntry:
     return BaseModelEntry(
         id=DEMO_MODEL_ID, path=str(models_dir / "tiny-llama"), params_b=0.0001, max_seq_len=512
     )
+
+
+def real_model(models_dir: Path) -> BaseModelEntry:
+    """SmolLM2-135M-Instruct, dequantized from its 4-bit GGUF file. No ``hf_id``: the
+    weights are not the Hub's bf16 ones, so exported adapters do not cite that id."""
+    return BaseModelEntry(
+        id=REAL_MODEL_ID, path=str(models_dir / REAL_MODEL_DIRNAME), params_b=0.135,
+        max_seq_len=2048,
+    )
+
+
+def default_models(models_dir: Path) -> list[BaseModelEntry]:
+    """The registry without a YAML file: the demo model, and the real one once prepared."""
+    entries = [demo_model(models_dir)]
+    if (models_dir / REAL_MODEL_DIRNAME / REAL_MODEL_READY_MARKER).exists():
+        entries.append(real_model(models_dir))
+    return entries
 
 
 class BaseModelRegistry(Mapping[str, BaseModelEntry]):
@@ -140,18 +166,20 @@ def registered_entry(row: RegisteredModel) -> BaseModelEntry:
 
 def load_base_models(settings: Settings) -> BaseModelRegistry:
     """The registry; a broken YAML file is a start-up error."""
-    return BaseModelRegistry(dict(_load(settings.base_models_file, settings.models_dir)),
-                             session_factory(settings.resolved_database_url))
+    # The default registry is not cached: a process that loads it after the real model was
+    # prepared lists it (the API loads it at start: `serve --demo` prepares before that).
+    if settings.base_models_file is None:
+        declared = {entry.id: entry for entry in default_models(settings.models_dir)}
+    else:
+        declared = dict(_load(settings.base_models_file, settings.models_dir))
+    return BaseModelRegistry(declared, session_factory(settings.resolved_database_url))
 
 
 @lru_cache(maxsize=8)
-def _load(path: Path | None, models_dir: Path) -> tuple[tuple[str, BaseModelEntry], ...]:
-    if path is None:
-        entries = [demo_model(models_dir)]
-    else:
-        try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-            entries = BaseModelsFile.model_validate(raw).models
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
-            raise ValueError(f"TUNEFLEET_BASE_MODELS_FILE {path}: {exc}") from exc
+def _load(path: Path, models_dir: Path) -> tuple[tuple[str, BaseModelEntry], ...]:
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        entries = BaseModelsFile.model_validate(raw).models
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"TUNEFLEET_BASE_MODELS_FILE {path}: {exc}") from exc
     return tuple((entry.id, entry) for entry in entries)

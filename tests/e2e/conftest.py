@@ -126,11 +126,15 @@ def service(tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
     started: list[Service] = []
     databases = contextlib.ExitStack()
 
-    def start(backend: str = "embedded", **extra_env: Any) -> Service:
+    def start(backend: str = "embedded", models: dict[str, Path] | None = None,
+              **extra_env: Any) -> Service:
+        """``models``: more model directories to link into ``<data>/models`` (by name)."""
         data_dir = tmp_path / f"data-{len(started)}"
         (data_dir / "models").mkdir(parents=True)
         # The registry's demo model lives at <data>/models/tiny-llama: share the built one.
         os.symlink(tiny_model_dir, data_dir / "models" / "tiny-llama")
+        for name, path in (models or {}).items():
+            os.symlink(path, data_dir / "models" / name)
         port = free_port()
         admin_key = f"tf_{secrets.token_hex(4)}_{secrets.token_hex(16)}"
         env = {

@@ -29,6 +29,7 @@ app.command("worker")(operator.worker)
 app.command("scheduler")(operator.scheduler)
 app.command("inference")(operator.inference)
 app.command("serve")(operator.serve)
+app.command("prepare-model")(operator.prepare_model)
 
 app.add_typer(files.files_app, name="files")
 app.add_typer(jobs.jobs_app, name="jobs")

@@ -25,7 +25,7 @@ from typing import Annotated
 
 import typer
 
-from tunefleet.cli.options import load_settings
+from tunefleet.cli.options import JsonOpt, load_settings
 
 
 def _cli_command(*args: str) -> list[str]:
@@ -107,11 +107,13 @@ def start_demo(settings, base_url: str, admin_key: str) -> None:
     submit(settings, base_url, admin_key)
 
 
-def ensure_listed_models(settings) -> None:
+def ensure_listed_models(settings, *, real_model: bool = False) -> None:
     """Build the demo model's files when the registry lists it (no
     ``TUNEFLEET_BASE_MODELS_FILE``): ``serve`` lists ``tunefleet-tiny-llama``, so its files
     are there for jobs to train and chats to load. A few MB, built once into the data dir
-    (``tunefleet.demo.ensure_demo_model``)."""
+    (``tunefleet.demo.ensure_demo_model``). With ``real_model`` (``serve --demo``) it also
+    prepares SmolLM2-135M-Instruct (``tunefleet.real_model``: a 93 MB download and a
+    conversion of about a minute, once), which the registry then lists too."""
     if settings.base_models_file is not None:
         return
     try:
@@ -123,6 +125,56 @@ def ensure_listed_models(settings) -> None:
                    "to train on this machine", err=True)
         return
     typer.echo(f"  base model tunefleet-tiny-llama: {path}")
+    if real_model:
+        prepare_real_model(settings)
+
+
+def prepare_real_model(settings) -> bool:
+    """Prepare ``smollm2-135m-instruct`` into the data dir; False (and why, on stderr) if not."""
+    from tunefleet.real_model import (
+        REAL_MODEL_ID,
+        RealModelUnavailable,
+        ensure_real_model,
+        is_prepared,
+        real_model_dir,
+    )
+
+    if not is_prepared(real_model_dir(settings.models_dir)):
+        typer.echo(f"  base model {REAL_MODEL_ID}: preparing (once: a 93 MB download, a minute "
+                   "or two of conversion) ...")
+    try:
+        path = ensure_real_model(settings.models_dir)
+    except RealModelUnavailable as exc:
+        typer.echo(f"  base model {REAL_MODEL_ID} not prepared: {exc}", err=True)
+        return False
+    typer.echo(f"  base model {REAL_MODEL_ID}: {path}")
+    return True
+
+
+def prepare_model(
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory (TUNEFLEET_DATA_DIR).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prepare the real pretrained base model smollm2-135m-instruct into the data dir."""
+    from tunefleet.cli.render import print_json, report_error
+    from tunefleet.real_model import REAL_MODEL_ID, RealModelUnavailable, ensure_real_model
+
+    if data_dir is not None:
+        os.environ["TUNEFLEET_DATA_DIR"] = str(data_dir)
+    from control.settings import get_settings
+
+    get_settings.cache_clear()
+    settings = load_settings()
+    settings.ensure_dirs()
+    try:
+        path = ensure_real_model(settings.models_dir)
+    except RealModelUnavailable as exc:
+        report_error({"message": str(exc), "code": "model_unavailable"}, json_out)
+        raise typer.Exit(1) from None
+    if json_out:
+        print_json({"object": "model", "id": REAL_MODEL_ID, "path": str(path)})
+    else:
+        typer.echo(f"base model {REAL_MODEL_ID}: {path}")
 
 
 def _wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
@@ -217,7 +269,7 @@ def serve(
     new_key = ensure_admin_key(settings)
     url = settings.public_url
     typer.echo(f"tunefleet {url}  (data: {settings.data_path})")
-    ensure_listed_models(settings)
+    ensure_listed_models(settings, real_model=demo)
     typer.echo(f"  OpenAI-compatible API: {url}/v1   docs: {url}/docs")
     if new_key is not None:
         typer.echo(f"  admin API key (shown once; also in {settings.data_path / 'admin_key'}):")
