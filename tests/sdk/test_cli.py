@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.preference_data import sum_preference_lines
 from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job
 from tunefleet.cli import app
 
@@ -104,6 +105,32 @@ def test_jobs_commands(cli: Any, service: Service, tmp_path: Path) -> None:
     assert json.loads(conflict.stderr)["error"]["code"] == "invalid_state_transition"
     models = js(cli("models", "--json"))["data"]
     assert DEMO_MODEL in [m["id"] for m in models]
+
+
+def test_create_takes_the_method_and_its_hyperparameters(cli: Any, tmp_path: Path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(sum_preference_lines(8))
+    dpo = js(cli("jobs", "create", "-m", DEMO_MODEL, "-t", str(pairs), "--training-method", "dpo", "--beta", "0.2",
+                 "--learning-rate-multiplier", "2", "--n-epochs", "1", "--json"))
+    assert dpo["method"]["type"] == "dpo"
+    hp = dpo["method"]["dpo"]["hyperparameters"]
+    assert hp["beta"] == 0.2 and hp["learning_rate_multiplier"] == 2 and hp["n_epochs"] == 1
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_bytes(chat_jsonl(4))
+    sft = js(cli("jobs", "create", "-m", DEMO_MODEL, "-t", str(chat), "--learning-rate-multiplier", "0.5", "--json"))
+    assert sft["method"]["type"] == "supervised" and sft["hyperparameters"]["learning_rate_multiplier"] == 0.5
+
+    no_dpo = cli("jobs", "create", "-m", DEMO_MODEL, "-t", str(chat), "--beta", "0.1", code=2)
+    assert "--training-method dpo" in no_dpo.stderr
+
+
+def test_a_missing_key_points_at_login(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TUNEFLEET_API_KEY")
+    denied = cli("jobs", "list", "--json", code=1)
+    error = json.loads(denied.stderr)["error"]
+    assert error["code"] == "missing_api_key" and "tunefleet login" in error["message"]
+    assert "TUNEFLEET_API_KEY" in error["message"]
 
 
 def test_wait_exit_codes(cli: Any, service: Service) -> None:

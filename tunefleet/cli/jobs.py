@@ -58,7 +58,8 @@ def _parse_kv(values: list[str] | None, option: str) -> dict[str, str]:
 
 def _job_fields(
     *, body: Path | None, validation_file: str | None, suffix: str | None, seed: int | None,
-    n_epochs: str | None, batch_size: str | None, learning_rate: str | None, method: str | None, r: int | None,
+    n_epochs: str | None, batch_size: str | None, learning_rate: str | None,
+    learning_rate_multiplier: str | None, training_method: str | None, beta: str | None, method: str | None, r: int | None,
     alpha: float | None, quantization: str | None, target_modules: str | None, trainer: str | None,
     pool: str | None, gpus: int | None, priority: str | None, max_seq_len: int | None, packing: bool | None,
     metadata: list[str] | None, wandb_project: str | None, mlflow_uri: str | None,
@@ -81,11 +82,10 @@ def _job_fields(
         except ValueError:
             return float(value)
 
-    hp = {k: num(v) for k, v in {"n_epochs": n_epochs, "batch_size": batch_size,
-                                  "learning_rate": learning_rate}.items()
+    hp = {k: num(v) for k, v in {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate": learning_rate,
+                                  "learning_rate_multiplier": learning_rate_multiplier, "beta": beta}.items()
           if v is not None}
-    if hp:
-        fields["hyperparameters"] = {**fields.get("hyperparameters", {}), **hp}
+    _place_method(fields, training_method, hp)
     adapter = {k: v for k, v in {"method": method, "r": r, "alpha": alpha, "quantization": quantization}.items()
                if v is not None}
     if target_modules:
@@ -110,6 +110,40 @@ def _job_fields(
               "priority": int(priority) if priority and priority.lstrip("-").isdigit() else priority}
     fields.update({k: v for k, v in simple.items() if v is not None})
     return fields
+
+
+# The methods a flag can choose; a reinforcement job needs its grader object (--body).
+CLI_METHODS = ("supervised", "dpo")
+
+
+def _place_method(fields: dict[str, Any], training_method: str | None, hp: dict[str, Any]) -> None:
+    """Put the method and the hyperparameter options where the API takes them.
+
+    With a method (``--training-method`` or the ``--body``'s ``method.type``) they go into
+    ``method.<type>.hyperparameters``, as OpenAI's API takes them (a DPO job takes them only
+    there); without one, into the top-level ``hyperparameters`` of a supervised job.
+    """
+    if training_method not in (None, *CLI_METHODS):
+        raise typer.BadParameter(f"{training_method!r} is not one of {', '.join(CLI_METHODS)} (a reinforcement "
+                                 "job's grader goes in --body)", param_hint="--training-method")
+    given = fields.get("method")
+    kind = training_method or (given.get("type") if isinstance(given, dict) else None)
+    if training_method is not None and isinstance(given, dict) and given.get("type") not in (None, training_method):
+        raise typer.BadParameter(f"the body's method is {given.get('type')!r}", param_hint="--training-method")
+    if "beta" in hp and kind != "dpo":
+        raise typer.BadParameter("beta is a DPO hyperparameter: add --training-method dpo", param_hint="--beta")
+    if kind is None:
+        if hp:
+            fields["hyperparameters"] = {**fields.get("hyperparameters", {}), **hp}
+        return
+    method = dict(given) if isinstance(given, dict) else {}
+    settings = dict(method.get(kind) or {})
+    if hp:
+        settings["hyperparameters"] = {**settings.get("hyperparameters", {}), **hp}
+    method["type"] = kind
+    if settings or kind != "supervised":
+        method[kind] = settings
+    fields["method"] = method
 
 
 def _resolve_training_file(client: Tunefleet, value: str, json_out: bool) -> str:
@@ -162,6 +196,12 @@ def _make_job_command(estimate: bool) -> Any:
         n_epochs: Annotated[str | None, typer.Option(help="Epochs or 'auto'.")] = None,
         batch_size: Annotated[str | None, typer.Option(help="Batch size or 'auto'.")] = None,
         learning_rate: Annotated[str | None, typer.Option(help="Learning rate.")] = None,
+        learning_rate_multiplier: Annotated[str | None, typer.Option(
+            help="Learning-rate multiplier or 'auto' (OpenAI's; scales the base model's default).")] = None,
+        training_method: Annotated[str | None, typer.Option(
+            help="supervised (the default) or dpo, with a preference file. A reinforcement job needs "
+                 "its grader: give the method in --body.")] = None,
+        beta: Annotated[str | None, typer.Option(help="DPO's beta or 'auto' (with --training-method dpo).")] = None,
         method: Annotated[str | None, typer.Option(help="Adapter method: lora or qlora.")] = None,
         r: Annotated[int | None, typer.Option("--r", help="LoRA rank.")] = None,
         alpha: Annotated[float | None, typer.Option(help="LoRA alpha.")] = None,
@@ -186,7 +226,8 @@ def _make_job_command(estimate: bool) -> Any:
     ) -> None:
         fields = _job_fields(
             body=body, validation_file=validation_file, suffix=suffix, seed=seed, n_epochs=n_epochs,
-            batch_size=batch_size, learning_rate=learning_rate, method=method, r=r, alpha=alpha,
+            batch_size=batch_size, learning_rate=learning_rate, learning_rate_multiplier=learning_rate_multiplier,
+            training_method=training_method, beta=beta, method=method, r=r, alpha=alpha,
             quantization=quantization, target_modules=target_modules, trainer=trainer, pool=pool, gpus=gpus,
             priority=priority, max_seq_len=max_seq_len, packing=packing, metadata=metadata,
             wandb_project=wandb_project, mlflow_uri=mlflow_uri,

@@ -44,6 +44,11 @@ AfterOpt = Annotated[str | None, typer.Option("--after", help="Cursor: the last 
 AllOpt = Annotated[bool, typer.Option("--all", help="Follow the cursor through every page.")]
 
 
+# A 401 for a request sent without a key: point at how the CLI gets one.
+KEY_ERRORS = frozenset({"missing_api_key"})
+KEY_HINT = "Run `tunefleet login`, set TUNEFLEET_API_KEY, or pass --api-key."
+
+
 @contextlib.contextmanager
 def exit_on_error(json_out: bool) -> Iterator[None]:
     """Turn SDK errors into a message (or JSON on stderr) and a stable exit code."""
@@ -53,8 +58,12 @@ def exit_on_error(json_out: bool) -> Iterator[None]:
         report_error({"message": exc.message, "code": "wait_timeout"}, json_out)
         raise typer.Exit(EXIT_TIMEOUT) from None
     except APIStatusError as exc:
+        message = exc.message
+        if exc.code in KEY_ERRORS:
+            # The server's text speaks HTTP (a Bearer header); a CLI user needs the CLI's way in.
+            message = f"{message} {KEY_HINT}"
         report_error(
-            {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code, "status": exc.status},
+            {"message": message, "type": exc.type, "param": exc.param, "code": exc.code, "status": exc.status},
             json_out,
         )
         raise typer.Exit(EXIT_API_ERROR) from None
