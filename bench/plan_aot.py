@@ -309,7 +309,8 @@ def compile_plan(inputs: StepInputs) -> CompiledPlan:
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) \((?P<params>.*)\) -> .*\{$")
 _PARAM = re.compile(r"(?P<name>[\w.\-]+): (?P<type>\w+\[[\d,]*\])")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>\w+\[[\d,]*\]|\(.*?\)|\w+\[\])\S* (?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>\w+\[[\d,]*\]|\(.*?\)|\w+\[\])\S* "
+                    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 _DIMS = re.compile(r"\w+\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|branch_computations)=\{?(%?[\w.\-]+(?:, %?[\w.\-]+)*)\}?")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -460,7 +461,8 @@ def print_row(row: dict[str, Any], file=None) -> None:
     print(f"  estimator GiB {_gib(row['estimator_bytes'])} (without framework {_gib(row['estimator_model_bytes'])}) "
           f"ratio {row['ratio']:.3f} ({row['ratio_model_bytes']:.3f}); budget {_gib(row['budget_bytes'])} "
           f"-> fits {row['fits']}", file=out)
-    print(f"  matmul FLOPs/step {row['flops_per_step']:.4g} (estimator {row['estimator_flops_per_step']:.4g}; per device {row['flops_per_step_per_device']:.4g}; "
+    print(f"  matmul FLOPs/step {row['flops_per_step']:.4g} (estimator {row['estimator_flops_per_step']:.4g}; "
+          f"per device {row['flops_per_step_per_device']:.4g}; "
           f"XLA cost_analysis per device, loop bodies once: {row['xla_cost_analysis_flops_per_device']:.4g})",
           file=out, flush=True)
 

@@ -146,7 +146,8 @@ def try_fake_tensor_tracking(model: torch.nn.Module, vocab: int, seq: int) -> di
             with tracker:
                 model(input_ids=ids, labels=ids).loss.backward()
                 optimizer.step()
-            return {"ok": True, "peak_bytes": int(sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()))}
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            return {"ok": True, "peak_bytes": int(sum(peak.values()))}
     except Exception as exc:  # noqa: BLE001 - the point is to report how the trace fails
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)
@@ -166,7 +167,8 @@ def estimator_terms(model_dir: Path, ranks: int, seq: int, r: int) -> dict[str, 
               "slack", "framework")
     without = memory_per_gpu(shape, training, ranks, accelerator=pool.accelerator, offload=False, trainer="fsdp_qlora")
     return {
-        "pool": pool.name, "gpu_memory_bytes": pool.gpu_memory_bytes, "budget_bytes": int(pool.gpu_memory_bytes * HEADROOM),
+        "pool": pool.name, "gpu_memory_bytes": pool.gpu_memory_bytes,
+        "budget_bytes": int(pool.gpu_memory_bytes * HEADROOM),
         "no_offload": {**{k: getattr(without, k) for k in fields}, "total": without.total},
         "scheduler_choice": {"fits": chosen.fits, "cpu_offload": chosen.offload, "gpus": chosen.gpus,
                              "total": chosen.bytes_per_gpu},
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         tail = "" if predicted is None else f"   estimator {predicted / GIB:8.3f} GiB  ratio {predicted / got:.3f}"
         print(f"  {label:54s} {got / GIB:8.3f} GiB{tail}")
     choice = result["estimator"]["scheduler_choice"]
-    print(f"  estimator total without offload {est['total'] / GIB:.2f} GiB (activations {est['activations'] / GIB:.2f}, "
+    print(f"  estimator total without offload {est['total'] / GIB:.2f} GiB "
+          f"(activations {est['activations'] / GIB:.2f}, "
           f"logits {est['logits'] / GIB:.2f}, slack {est['slack'] / GIB:.2f}, framework {est['framework'] / GIB:.2f}); "
           f"budget {result['estimator']['budget_bytes'] / GIB:.2f} GiB; scheduler: fits {choice['fits']}, "
           f"cpu_offload {choice['cpu_offload']}, {(choice['total'] or 0) / GIB:.2f} GiB per GPU")

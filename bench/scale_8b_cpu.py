@@ -167,7 +167,8 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], shard_bytes: int 
         print(f"wrote {file} ({time.perf_counter() - started:.0f} s)", flush=True)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
-    (out / "complete.json").write_text(json.dumps({"layers": config["num_hidden_layers"], "bytes": total}), encoding="utf-8")
+    (out / "complete.json").write_text(json.dumps({"layers": config["num_hidden_layers"], "bytes": total}),
+                                       encoding="utf-8")
     return out
 
 

@@ -146,7 +146,8 @@ def main() -> None:
     runs = [("fsdp_qlora", q, c) for q in ("none", "nf4") for c in (False, True)] if "fsdp_qlora" in trainers else []
     if "jax_lora" in trainers:
         runs += [("jax_lora", q, c) for q in ("none", "nf4") for c in (False, True)]
-    print(f"{'trainer':11s} {'shape':32s} {'quant':5s} {'ckpt':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s} {'slack':>8s} {'error without slack':>20s}",
+    print(f"{'trainer':11s} {'shape':32s} {'quant':5s} {'ckpt':>5s} {'predicted':>10s} {'measured':>10s} "
+          f"{'error':>7s} {'slack':>8s} {'error without slack':>20s}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -154,7 +155,8 @@ def main() -> None:
                 peak = run_trainer(trainer, shape, quant, ckpt, Path(tmp), env)
                 pred, slack = predicted(trainer, shape, quant, ckpt)
                 print(f"{trainer:11s} {shape.label:32s} {quant:5s} {ckpt!s:>5s} {pred / MIB:>6.0f} MiB "
-                      f"{peak / MIB:>6.0f} MiB {pred / peak - 1:>+7.1%} {slack / MIB:>4.0f} MiB {(pred - slack) / peak - 1:>+20.1%}",
+                      f"{peak / MIB:>6.0f} MiB {pred / peak - 1:>+7.1%} {slack / MIB:>4.0f} MiB "
+                      f"{(pred - slack) / peak - 1:>+20.1%}",
                       flush=True)
 
 

@@ -68,7 +68,9 @@ def get_ok(url: str) -> bool:
 
 
 @contextmanager
-def embedded_service(extra_env: Mapping[str, str] | None = None, *, start_timeout: float = 120) -> Iterator[EmbeddedService]:
+def embedded_service(
+    extra_env: Mapping[str, str] | None = None, *, start_timeout: float = 120
+) -> Iterator[EmbeddedService]:
     """Start `tunefleet serve` in a fresh data dir; yield it once /healthz answers; stop it.
 
     Args:

@@ -153,7 +153,8 @@ def make_trace(n: int, seed: int, cluster: list[NodePool], load: float = 3.0,
         req = JobRequest(job_id=f"j{i:05d}", tenant=f"org-{rng.randrange(8)}", model=KNOWN_MODELS[model],
                          training=TrainingShape(method=method, quantization=quant, seq_len=seq),
                          priority=75 if rng.random() < 0.1 else 50, created_at=0.0)
-        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model, log_fit), math.exp(rng.gauss(0, 0.25))))
+        jobs.append(SimJob(req, 0.0, tokens, memory_error(mem_rng, memory_model, log_fit),
+                           math.exp(rng.gauss(0, 0.25))))
     # Offered load ~100 %: spread arrivals so total work / capacity ~= the arrival span.
     work = 0.0
     for j in jobs:
@@ -374,7 +375,8 @@ def main() -> None:
         results[policy] = (sim.run(), sim.timeline)
     ours, fifo = results["ours"][0], results["fifo"][0]
     share = sum(j.req.training.quantization != "none" for j in trace) / n  # as mix_weights counts 4-bit
-    print(f"trace: {n} jobs ({share:.0%} 4-bit), seed {seed}, memory error model {memory_model}, cluster 4x8 MI300X + 32x2 RTX 4090 "
+    print(f"trace: {n} jobs ({share:.0%} 4-bit), seed {seed}, memory error model {memory_model}, "
+          f"cluster 4x8 MI300X + 32x2 RTX 4090 "
           f"(simulated in {time.perf_counter() - t0:.0f} s)")
     print(f"{'metric':28s} {'ours':>10s} {'FIFO first-fit':>15s}")
     for key, label in [("mean_jct_h", "mean JCT (h)"), ("p95_jct_h", "p95 JCT (h)"), ("max_wait_h", "max wait (h)"),

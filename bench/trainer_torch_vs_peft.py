@@ -84,7 +84,8 @@ def main() -> None:
                                  intermediate_size=1024, vocab_size=1024)
     data = work / "train.jsonl"
     with open(data, "w") as f:  # every example is longer than SEQ: truncated to exactly SEQ tokens
-        f.writelines(json.dumps({"prompt": f"q{i} " + "x" * 60, "completion": ("abc " * 100)}) + "\n" for i in range(BATCH * (args.steps + 2)))
+        f.writelines(json.dumps({"prompt": f"q{i} " + "x" * 60, "completion": ("abc " * 100)}) + "\n"
+                     for i in range(BATCH * (args.steps + 2)))
     recipe, plain = [], []
     for k in range(args.rounds):
         recipe.append(recipe_tokens_per_s(model_dir, data, work / f"r{k}", args.steps))

@@ -50,8 +50,10 @@ def export_merged(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
         "",
         f"# {title}",
         "",
-        (f"`{base_model}` with a LoRA adapter (r={adapter_config.get('r')}, alpha={adapter_config.get('lora_alpha')}, "
-         f"modules {', '.join(adapter_config.get('target_modules') or [])}) merged into its weights, saved as {dtype}."),
+        (f"`{base_model}` with a LoRA adapter (r={adapter_config.get('r')}, "
+         f"alpha={adapter_config.get('lora_alpha')}, "
+         f"modules {', '.join(adapter_config.get('target_modules') or [])}) "
+         f"merged into its weights, saved as {dtype}."),
         *notes,
         "",
         "```python",

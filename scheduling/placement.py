@@ -313,10 +313,12 @@ def place_job(job: JobRequest, snapshot: CapacitySnapshot, *, policy: Preemption
                 "fit_after_preemption", pool=cand.pool.name, gpus=cand.estimate.gpus, nodes=nodes,
                 trainer=cand.trainer, victims=tuple(v.job_id for v in victims),
                 reasons=((Reason(ReasonCode.PREEMPTING,
-                                 f"preempting {len(victims)} lower-priority job(s) on {cand.pool.name}", cand.pool.name),)
+                                 f"preempting {len(victims)} lower-priority job(s) on {cand.pool.name}",
+                                 cand.pool.name),)
                          if victims else
                          (Reason(ReasonCode.WAITING_FOR_RELEASE,
-                                 f"waiting for stopping job(s) on {cand.pool.name} to release their GPUs", cand.pool.name),)),
+                                 f"waiting for stopping job(s) on {cand.pool.name} to release their GPUs",
+                                 cand.pool.name),)),
                 estimate=cand.estimate,
             )
     return Placement("no_fit", reasons=tuple(waiting + reasons))

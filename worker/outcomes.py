@@ -99,8 +99,9 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
         return job.status
     if stale:
         job.exited_attempt = max(job.exited_attempt or 0, outcome.attempt or 0)
-        add_event(session, job, f"The run of attempt {outcome.attempt} stopped ({outcome.message or outcome.kind.value});"
-                                f" the job is at attempt {attempt} now, so this changes nothing.")
+        add_event(session, job,
+                  f"The run of attempt {outcome.attempt} stopped ({outcome.message or outcome.kind.value});"
+                  f" the job is at attempt {attempt} now, so this changes nothing.")
         return job.status
     job.exited_attempt = max(job.exited_attempt or 0, attempt)
     if outputs is not None:

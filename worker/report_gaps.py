@@ -144,7 +144,8 @@ def fill_report_gaps(session: Any, job: Job, outputs: TrainerOutputs, *, succeed
         add_event(session, job, "No metrics were reported and the trainer's outputs have none either.",
                   level="warn", data=job.report_gaps)
     elif missing_steps or missing_checkpoints:
-        job.report_gaps = {"missing_metric_steps": step_ranges(missing_steps), "missing_checkpoints": missing_checkpoints}
+        job.report_gaps = {"missing_metric_steps": step_ranges(missing_steps),
+                           "missing_checkpoints": missing_checkpoints}
         add_event(session, job, "The job's records are incomplete, and the trainer's outputs cannot complete them: "
                                 f"{_missing_text(missing_steps, missing_checkpoints)}.", level="warn",
                   data=job.report_gaps)

@@ -300,7 +300,8 @@ def test_worker_refusals_and_failures_are_clear_errors(serving, engine, tenant_k
     assert loading.status_code == 503 and loading.headers["Retry-After"] == "2"
     assert loading.json()["error"]["code"] == "model_loading"
     engine.loading = False
-    for extra, code in (({"logprobs": True}, "unsupported_parameter"), ({"frequency_penalty": 0.5}, "unsupported_parameter"),
+    for extra, code in (({"logprobs": True}, "unsupported_parameter"),
+                        ({"frequency_penalty": 0.5}, "unsupported_parameter"),
                         ({"temperature": 3}, "invalid_request"), ({"stop": ["a"] * 5}, "invalid_request"),
                         ({"bogus": 1}, "invalid_request"), ({"messages": [{"content": "no role"}]}, "invalid_request"),
                         ({"n": 17}, "invalid_request")):

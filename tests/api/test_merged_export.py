@@ -99,7 +99,8 @@ def test_merged_export_loads_in_transformers_with_the_logits_of_base_plus_adapte
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
     assert (reference - base_logits).abs().max() > 1e-3  # the adapter is in there
     assert "base_model: \"tunefleet-tiny-llama\"" in (download / "README.md").read_text()
-    events = [e["message"] for e in client.get(f"{JOBS}/{job_id}/events?limit=100", headers=owner.headers).json()["data"]]
+    events = [e["message"]
+              for e in client.get(f"{JOBS}/{job_id}/events?limit=100", headers=owner.headers).json()["data"]]
     assert any(m.startswith(f"Merged export {export['id']} ready") for m in events), events
     assert any(m == f"Merged export {export['id']} started (float32)" for m in events)
     # The same export asked for again is the finished one: no second copy of the model.

@@ -70,7 +70,8 @@ def test_expires_after_sets_expires_at(sdk, client) -> None:
     # A client following the OpenAPI document sends the object as one JSON part.
     response = client.post("/v1/files", headers=tenant.headers,
                            files={"file": ("t.jsonl", chat_lines(2))},
-                           data={"purpose": "fine-tune", "expires_after": '{"anchor": "created_at", "seconds": 2592000}'})
+                           data={"purpose": "fine-tune",
+                                 "expires_after": '{"anchor": "created_at", "seconds": 2592000}'})
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["expires_at"] == body["created_at"] + 2592000

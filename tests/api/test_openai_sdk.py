@@ -40,7 +40,8 @@ def test_openai_sdk_end_to_end(sdk, client, db_session, settings) -> None:
     _row, token = start_running(db_session, job.id)
     client.post(f"/internal/v1/jobs/{job.id}/reports",
                 headers={"Authorization": f"Bearer {token}"},
-                json={"seq": 0, "items": [{"type": "checkpoint", "step": 5, "location": str(settings.job_dir(job.id) / "checkpoints" / "step-5"),
+                json={"seq": 0, "items": [{"type": "checkpoint", "step": 5,
+                                            "location": str(settings.job_dir(job.id) / "checkpoints" / "step-5"),
                                             "metrics": {"train_loss": 0.5, "valid_loss": 0.6}}]})
     checkpoints = oai.fine_tuning.jobs.checkpoints.list(job.id)
     assert len(checkpoints.data) == 1

@@ -56,7 +56,8 @@ def test_the_openai_sdk_uploads_a_file_in_parts_that_trains_like_an_upload(sdk, 
     assert (done.object, done.status, done.bytes, done.filename) == ("upload", "completed", len(data), "train.jsonl")
     assert done.expires_at == done.created_at + 3600 and done.file is not None
     made = oai.files.retrieve(done.file.id)
-    assert (made.status, made.bytes, made.filename, made.purpose) == ("processed", len(data), "train.jsonl", "fine-tune")
+    assert (made.status, made.bytes, made.filename, made.purpose) == (
+        "processed", len(data), "train.jsonl", "fine-tune")
     assert made.sha256 == hashlib.sha256(data).hexdigest()  # type: ignore[attr-defined]
     assert oai.files.content(made.id).content == data
     assert app.state.file_store.list(f"uploads/{done.id}") == []  # the parts are gone
@@ -68,7 +69,8 @@ def test_completion_checks_the_parts_named_their_order_and_their_size(client, te
     headers = tenant_key().headers
     data = chat_lines(6)
     upload = _create(client, headers, len(data))
-    first, second = _part_id(client, headers, upload["id"], data[:100]), _part_id(client, headers, upload["id"], data[100:])
+    first = _part_id(client, headers, upload["id"], data[:100])
+    second = _part_id(client, headers, upload["id"], data[100:])
     elsewhere = _create(client, headers, 10)
     foreign = _part_id(client, headers, elsewhere["id"], b"x" * 5)
     md5 = hashlib.md5(data).hexdigest()
@@ -95,7 +97,8 @@ def test_completion_checks_the_parts_named_their_order_and_their_size(client, te
     assert _error(listed) == (400, "invalid_part_ids", "part_ids")
 
     too_big = client.post("/v1/uploads", headers=headers, json={
-        "bytes": settings.max_upload_bytes + 1, "filename": "t.jsonl", "mime_type": "text/jsonl", "purpose": "fine-tune"})
+        "bytes": settings.max_upload_bytes + 1, "filename": "t.jsonl", "mime_type": "text/jsonl",
+        "purpose": "fine-tune"})
     assert _error(too_big) == (413, "file_too_large", "bytes")
     other_purpose = client.post("/v1/uploads", headers=headers, json={
         "bytes": 5, "filename": "t.pdf", "mime_type": "application/pdf", "purpose": "assistants"})

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.browser
 TRAIN_STEPS = 1500
 
 
-WORDS = ["able", "acid", "aged", "area", "army", "baby", "back", "ball", "band", "bank", "base", "bath", "bear", "beat", "bell", "belt"]
+WORDS = ["able", "acid", "aged", "area", "army", "baby", "back", "ball",
+         "band", "bank", "base", "bath", "bear", "beat", "bell", "belt"]
 
 
 def demo_examples(n: int, seed: int = 0) -> list[dict]:
@@ -401,7 +402,8 @@ def test_a_dpo_job_charts_its_reward_metrics(service, page_for, screenshots: Pat
 
     with service.api() as api:
         files = []
-        for name, data in (("prefs.jsonl", sum_preference_lines(16)), ("held.jsonl", sum_preference_lines(8, start=16))):
+        for name, data in (("prefs.jsonl", sum_preference_lines(16)),
+                           ("held.jsonl", sum_preference_lines(8, start=16))):
             file = api.post("/v1/files", data={"purpose": "fine-tune"},
                             files={"file": (name, data, "application/jsonl")}).json()
             files.append(file["id"])

@@ -91,7 +91,8 @@ def _send_and_wait(page, service, errors: list[str]) -> None:
     except PlaywrightTimeout:
         columns = {name: _column(page, name) for name in ("tuned", "base")}
         raise AssertionError(f"the playground did not finish: {columns}; form: "
-                             f"{page.inner_text('#pg-form-error')!r}; script errors: {errors}; service log:\n{service.log_tail(60)}") from None
+                             f"{page.inner_text('#pg-form-error')!r}; script errors: {errors}; "
+                             f"service log:\n{service.log_tail(60)}") from None
 
 
 def _column(page, name: str) -> dict:

@@ -109,7 +109,8 @@ def test_jobs_table_is_tenant_scoped_and_admins_see_every_tenant(client, tenant_
     assert [j["id"] for j in mine["data"]] == [acme_job]
     assert mine["data"][0]["tenant_name"] == "acme"
     # A tenant's "tenant" filter cannot widen its view.
-    assert [j["id"] for j in client.get("/ui/api/jobs", params={"tenant": other.tenant_id}).json()["data"]] == [acme_job]
+    listed = client.get("/ui/api/jobs", params={"tenant": other.tenant_id}).json()["data"]
+    assert [j["id"] for j in listed] == [acme_job]
     assert client.get(f"/ui/jobs/{other_job}").status_code == 404
     assert client.get(f"/ui/jobs/{acme_job}").status_code == 200
 

@@ -92,7 +92,8 @@ def test_dpo_job_raises_held_out_preference_accuracy(service, tiny_model_dir: Pa
     margins = [r["rewards/margin"] for r in rows]
     print(f"{trainer}: held-out preference accuracy {before:.3f} -> {after:.3f}, reward accuracy "
           f"{reward_accuracy:.3f} (trainer's valid_rewards/accuracy {valid[0]:.3f} -> {valid[-1]:.3f}), "
-          f"train margin {margins[0]:.3f} -> {margins[-1]:.3f}, held-out margin {(rewards[:, 0] - rewards[:, 1]).mean():.3f}")
+          f"train margin {margins[0]:.3f} -> {margins[-1]:.3f}, "
+          f"held-out margin {(rewards[:, 0] - rewards[:, 1]).mean():.3f}")
     assert before <= 0.6, f"the base model already prefers the sums: {before}"
     assert after >= 0.75 and after >= before + 0.4, (before, after)
     assert reward_accuracy >= 0.75

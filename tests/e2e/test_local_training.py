@@ -183,7 +183,8 @@ def test_submit_train_and_download_a_peft_adapter(service, tiny_model_dir: Path,
         assert all(c["object"] == "fine_tuning.job.checkpoint" for c in ckpts)
         assert all("train_loss" in c["metrics"] for c in ckpts)
 
-        events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
+        events = [e["message"] for e in
+                  http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
         assert any("succeeded" in m.lower() for m in events)
         # The executor registers the outputs' manifest again; that adds no second upload event.
         assert sum(m.startswith("Uploaded ") for m in events) == 1, events
@@ -249,7 +250,8 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_continues_the_same_curv
         done = wait_status(http, job["id"], TERMINAL)
         assert done["status"] == "succeeded", svc.dump_logs()
         assert done["restarts"] == 1
-        events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
+        events = [e["message"] for e in
+                  http.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]]
         assert any("restarting from the latest checkpoint" in m for m in events), events
 
         ref_losses = train_losses(all_metrics(http, ref["id"]))

@@ -190,7 +190,8 @@ def test_a_job_on_an_s3_model_trains_on_the_control_plane_the_chart_deploys(
         for pool, size in ((SMALL_POOL, {}), (RTX_POOL, RTX_NODE)):
             c.add_node(f"{pool['name']}-0", labels=pool["node_selector"], gpus=pool["gpus_per_node"],
                        resource_name=pool["resource_name"],
-                       taints=[{"key": t["key"], "effect": t["effect"], **({"value": t["value"]} if "value" in t else {})}
+                       taints=[{"key": t["key"], "effect": t["effect"],
+                                **({"value": t["value"]} if "value" in t else {})}
                                for t in pool["tolerations"]], **size)
         # the trainer image's HOME and HF_HOME, and its read-only root filesystem
         c.images[TRAINER_IMAGE] = trainer_image_env()

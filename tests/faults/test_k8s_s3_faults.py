@@ -249,7 +249,8 @@ def _stop_past_a_checkpoint(http, proxy: FlakyS3, job: dict, trainer) -> None:
         trainer.send_signal(signal.SIGSTOP)
         assert trainer.poll() is None, "the trainer ended before it was stopped past a checkpoint"
         step = trained()
-        assert step < job["total_steps"], f"the trainer reached its last step ({step}) before the API listed a checkpoint"
+        assert step < job["total_steps"], (
+            f"the trainer reached its last step ({step}) before the API listed a checkpoint")
         if step >= 3 and any(n + 2 <= step for n in whole_in_bucket()):
             for _ in range(10):  # a second stopped for the API; its report not sent yet: one more burst
                 if listed_by_api(step):

@@ -299,7 +299,8 @@ def test_database_gauges_are_exported_once_across_api_replicas(service: Service,
     # The API replicas still export their own request latency; the scheduler its last cycle.
     assert all("tunefleet_http_request_duration_seconds" in t for t in targets[:2])
     assert value(targets[2], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
-    assert "tunefleet_jobs" not in targets[3] and value(targets[3], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
+    assert "tunefleet_jobs" not in targets[3]
+    assert value(targets[3], "tunefleet_scheduler_last_cycle_timestamp_seconds") > 0
 
 
 def test_a_webhook_failure_in_the_worker_shows_in_the_workers_metrics(
@@ -376,7 +377,8 @@ def test_two_uvicorn_workers_report_one_histogram(service: Service, tmp_path: Pa
                 if s.name.endswith("_count") and s.labels["route"] == "/healthz"}
     assert expected["/healthz"] >= 202  # 200 + the warm-up + the readiness polls
     for families in scrapes:
-        assert value(families, "tunefleet_http_request_duration_seconds_count", route="/healthz") == expected["/healthz"]
+        count = value(families, "tunefleet_http_request_duration_seconds_count", route="/healthz")
+        assert count == expected["/healthz"]
     # Both processes served requests (each writes its own file), yet every scrape agrees.
     writers = {p.name for p in multiproc.glob("histogram_*.db")}
     assert len(writers) == 2, writers

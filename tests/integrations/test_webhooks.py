@@ -305,7 +305,8 @@ def test_secrets_are_sealed_at_rest(sdk: Tunefleet, service: Service, receiver: 
     from control.webhooks.delivery import attempt_delivery
 
     with session_scope(service.settings.resolved_database_url) as session:  # the service key changed
-        outcome = attempt_delivery(session, delivery.id, service.settings.model_copy(update={"webhook_allow_private": True}),
+        outcome = attempt_delivery(session, delivery.id,
+                                   service.settings.model_copy(update={"webhook_allow_private": True}),
                                    service_key="another-service-secret-key-0123456789")
     assert outcome.status == "pending" and receiver.received == []
     (row,) = _deliveries(service, ep.id)

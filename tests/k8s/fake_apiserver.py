@@ -301,7 +301,8 @@ class FakeCluster:
             if resource == "jobs":
                 policy = propagation or "Background"
                 pods = [o for (r, n, _), o in self.objects.items() if r == "pods" and n == ns
-                        and any(ref.get("uid") == obj["metadata"]["uid"] for ref in o["metadata"].get("ownerReferences") or [])]
+                        and any(ref.get("uid") == obj["metadata"]["uid"]
+                                for ref in o["metadata"].get("ownerReferences") or [])]
                 if policy == "Orphan":
                     for p in pods:
                         p["metadata"]["ownerReferences"] = []
@@ -631,7 +632,8 @@ class FakeCluster:
             if ref and ("secrets", ns, ref["name"]) not in self.objects:
                 return False
         for source in pod["spec"]["containers"][0].get("envFrom") or []:
-            ref, resource = (source["secretRef"], "secrets") if "secretRef" in source else (source["configMapRef"], "configmaps")
+            ref, resource = ((source["secretRef"], "secrets") if "secretRef" in source
+                             else (source["configMapRef"], "configmaps"))
             if not ref.get("optional") and (resource, ns, ref["name"]) not in self.objects:
                 return False
         return True
@@ -670,7 +672,8 @@ class FakeCluster:
                 sec = self.objects.get(("secrets", ns, vol["secret"]["secretName"]))
                 for key, value in ((sec or {}).get("data") or {}).items():
                     (Path(mapping[m["mountPath"]]) / key).write_bytes(base64.b64decode(value))
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")}
+        env = {k: v for k, v in os.environ.items()
+               if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")}
         env.update({k: rewrite(v) for k, v in self.images.get(container["image"], {}).items()})
         env["OMP_NUM_THREADS"] = "1"
         env["HOSTNAME"] = spec.get("hostname") or pod["metadata"]["name"]
@@ -1063,5 +1066,6 @@ def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> tuple
         for want in rule.get("onPodConditions") or []:
             if any(c["type"] == want["type"] and c.get("status") == want.get("status", "True")
                    for c in pod["status"].get("conditions") or []):
-                return rule["action"], f"Pod {ns}/{name} has condition {want['type']} matching {rule['action']} rule at index {i}"
+                return rule["action"], (f"Pod {ns}/{name} has condition {want['type']} "
+                                        f"matching {rule['action']} rule at index {i}")
     return "Count", None

@@ -200,13 +200,15 @@ def test_preemption_checkpoints_requeues_and_resumes_on_the_fake_cluster(service
         try:
             with svc.http() as http:
                 file_id = upload(http, demo_examples()[:32])
-                low = http.post("/fine_tuning/jobs", json={**body, "training_file": file_id, "priority": "low",
-                                                            "hyperparameters": {"n_epochs": 40, "batch_size": 4}}).json()
+                low = http.post("/fine_tuning/jobs", json={
+                    **body, "training_file": file_id, "priority": "low",
+                    "hyperparameters": {"n_epochs": 40, "batch_size": 4}}).json()
                 get = lambda jid: http.get(f"/fine_tuning/jobs/{jid}").json()
                 wait_for(lambda: (get(low["id"]).get("current_step") or 0) >= 5, 180, "the low job to train")
                 reference = _start_uninterrupted_run(c, low["id"], tmp_path / "reference")
-                high = http.post("/fine_tuning/jobs", json={**body, "training_file": file_id, "priority": "high",
-                                                             "hyperparameters": {"n_epochs": 1, "batch_size": 8}}).json()
+                high = http.post("/fine_tuning/jobs", json={
+                    **body, "training_file": file_id, "priority": "high",
+                    "hyperparameters": {"n_epochs": 1, "batch_size": 8}}).json()
                 try:
                     wait_for(lambda: get(high["id"])["status"] == "succeeded", 240, "the high job")
                     done = wait_for(lambda: (j := get(low["id"]))["status"] in ("succeeded", "failed") and j, 400,

@@ -43,8 +43,8 @@ def test_create_get_list_conflict_not_found(fake_api):
 
 def test_secret_string_data_is_encoded(fake_api):
     core = _core(fake_api)
-    core.create_namespaced_secret(NS, client.V1Secret(metadata=client.V1ObjectMeta(name="s"), string_data={"token": "abc"}),
-                                _headers=JSON)
+    core.create_namespaced_secret(
+        NS, client.V1Secret(metadata=client.V1ObjectMeta(name="s"), string_data={"token": "abc"}), _headers=JSON)
     assert core.read_namespaced_secret("s", NS).data == {"token": "YWJj"}
 
 
@@ -147,8 +147,8 @@ def test_patch_merges_metadata_and_is_watched(fake_api):
     assert patched.metadata.annotations == {"keep": "1", "new": "3"}
     assert int(patched.metadata.resource_version) > int(created.metadata.resource_version)
     assert batch.read_namespaced_job("j", NS).metadata.annotations == {"keep": "1", "new": "3"}
-    events = list(watch.Watch().stream(batch.list_namespaced_job, NS, resource_version=created.metadata.resource_version,
-                                       timeout_seconds=1))
+    events = list(watch.Watch().stream(batch.list_namespaced_job, NS,
+                                       resource_version=created.metadata.resource_version, timeout_seconds=1))
     assert any(e["type"] == "MODIFIED" and e["object"].metadata.annotations.get("new") == "3" for e in events)
     with pytest.raises(ApiException) as e:  # a list body is a JSON patch: not implemented by the fake
         batch.patch_namespaced_job("j", NS, [{"op": "add", "path": "/metadata/labels/x", "value": "y"}])
@@ -182,7 +182,8 @@ def test_pod_failure_policy_fail_job_count_ignore_and_deadline(fake_api):
     batch.create_namespaced_job(NS, _policy_job("usererr", [sys.executable, "-c", "raise SystemExit(10)"],
                                                 podFailurePolicy=policy), _headers=JSON)
     cond = _failed(fake_api, "usererr")
-    assert cond.reason == "PodFailurePolicy" and "failed with exit code 10 matching FailJob rule at index 1" in cond.message
+    assert cond.reason == "PodFailurePolicy"
+    assert "failed with exit code 10 matching FailJob rule at index 1" in cond.message
     # exit 12 (checkpointed on SIGTERM) is counted: the Job fails at backoffLimit 0 and no
     # replacement pod of the old run starts (the executor runs the next attempt)
     batch.create_namespaced_job(NS, _policy_job("preempted", [sys.executable, "-c", "raise SystemExit(12)"],

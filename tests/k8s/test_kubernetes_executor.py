@@ -47,7 +47,8 @@ def _close_executors():
 
 def executor(api, mode="succeed", start=True, **kw):
     ex = KubernetesExecutor(
-        api.api_client(), [mi300x(2), rtx4090(2)], options=ManifestOptions(namespace=NAMESPACE, termination_grace_period_s=5),
+        api.api_client(), [mi300x(2), rtx4090(2)],
+        options=ManifestOptions(namespace=NAMESPACE, termination_grace_period_s=5),
         command=[sys.executable, FAKE_TRAINER, "--spec", SPEC_FILE], extra_env={"FAKE_TRAINER_MODE": mode},
         watch_timeout_s=1, **kw)
     if start:  # background informers, as in the service

@@ -47,7 +47,8 @@ def test_every_manifest_validates(version, name, pool, trainer, nodes, gpn, opts
 
 
 def _env(job):
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
 def test_multi_node_jax_is_indexed_with_service_and_env():
@@ -55,7 +56,8 @@ def test_multi_node_jax_is_indexed_with_service_and_env():
     job, svc = m.job, m.service
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
-    assert svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
     env = _env(job)
     assert env["JAX_COORDINATOR_ADDRESS"] == f"{m.name}-0.{m.name}.tunefleet-training.svc:8476"
     assert env["JAX_NUM_PROCESSES"] == "2"

@@ -84,7 +84,8 @@ def test_jobs_commands(cli: Any, service: Service, tmp_path: Path) -> None:
     driver.start()
     driver.write_log("line a\nline b\n")
     driver.report(driver.metric(1, 2, 3.0), driver.metric(2, 2, 2.5),
-                  {"type": "checkpoint", "step": 2, "location": driver.checkpoint_location(2), "metrics": {"train_loss": 2.5}},
+                  {"type": "checkpoint", "step": 2, "location": driver.checkpoint_location(2),
+                   "metrics": {"train_loss": 2.5}},
                   driver.write_outputs({"adapter/adapter_model.safetensors": b"weights" * 10,
                                         "metrics.jsonl": b"{}\n"}))
     driver.finish("succeeded")

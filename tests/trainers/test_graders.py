@@ -180,8 +180,9 @@ class Chat:
 SCORE_MODEL = {"type": "score_model", "name": "judge", "model": "judge", "range": [0, 5],
                "sampling_params": {"temperature": 0, "seed": 3, "max_completions_tokens": 50},
                "input": [{"role": "system", "content": "Grade 0-5."},
-                         {"role": "user", "content": [{"type": "input_text", "text": "Ref: {{item.ref}} "},
-                                                      {"type": "input_text", "text": "Answer: {{sample.output_text}}"}]}]}
+                         {"role": "user", "content": [
+                             {"type": "input_text", "text": "Ref: {{item.ref}} "},
+                             {"type": "input_text", "text": "Answer: {{sample.output_text}}"}]}]}
 
 
 @pytest.mark.parametrize(("chat", "reward", "flag"), [

@@ -147,7 +147,8 @@ def test_dpo_saves_two_sequences_per_example():
     pairs = torch.cat([chosen, rejected])
     dpo = TrainingShape(r=4, target_modules=ALL, seq_len=seq, micro_batch=batch, compute_bytes=4, objective="dpo")
     assert activation_bytes_per_layer(shape, dpo) == _bytes_layer_1_saves(model, pairs)
-    assert activation_bytes_per_layer(shape, dpo) == 2 * activation_bytes_per_layer(shape, replace(dpo, objective="supervised"))
+    assert activation_bytes_per_layer(shape, dpo) == 2 * activation_bytes_per_layer(
+        shape, replace(dpo, objective="supervised"))
 
 
 def test_bad_inputs_have_codes():
@@ -167,20 +168,30 @@ def test_more_gpus_means_less_memory_each_and_checkpointing_saves_activations():
     per = [memory_per_gpu(m, t, n, accelerator="gpu").total for n in (2, 4, 8)]
     assert per[0] > per[1] > per[2]
     no_ckpt = TrainingShape(method="qlora", quantization="nf4", seq_len=4096, checkpointing=False)
-    assert memory_per_gpu(m, no_ckpt, 8, accelerator="gpu").activations > 5 * memory_per_gpu(m, t, 8, accelerator="gpu").activations
+    assert (memory_per_gpu(m, no_ckpt, 8, accelerator="gpu").activations
+            > 5 * memory_per_gpu(m, t, 8, accelerator="gpu").activations)
 
 
 # (job, pool, expected GPUs, expected offload) -- the smallest count that fits in HEADROOM.
 TABLE = [
-    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, False),
-    ("8b lora on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024), rtx4090(), 1, False),
-    ("8b lora 4k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=4096), rtx4090(), 1, True),
-    ("8b lora 4k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=4096, cpu_offload="never"), rtx4090(), 2, False),
-    ("70b qlora on 4090 (no offload; Answer.AI: 4x A5000 24GB)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512, cpu_offload="never"), rtx4090(), 4, False),
-    ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
-    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, False),
-    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, False),
-    ("70b nf4 qlora on mi300x (jax_lora)", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4"), mi300x(), 1, False),
+    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"],
+     TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, False),
+    ("8b lora on 4090", KNOWN_MODELS["llama-3.1-8b"],
+     TrainingShape(method="lora", seq_len=1024), rtx4090(), 1, False),
+    ("8b lora 4k ctx on 4090 (offload)", KNOWN_MODELS["llama-3.1-8b"],
+     TrainingShape(method="lora", seq_len=4096), rtx4090(), 1, True),
+    ("8b lora 4k ctx on 4090 (no offload)", KNOWN_MODELS["llama-3.1-8b"],
+     TrainingShape(method="lora", seq_len=4096, cpu_offload="never"), rtx4090(), 2, False),
+    ("70b qlora on 4090 (no offload; Answer.AI: 4x A5000 24GB)", KNOWN_MODELS["llama-2-70b"],
+     TrainingShape(method="qlora", quantization="nf4", seq_len=512, cpu_offload="never"), rtx4090(), 4, False),
+    ("70b qlora on 4090 (offload allowed)", KNOWN_MODELS["llama-2-70b"],
+     TrainingShape(method="qlora", quantization="nf4", seq_len=512), rtx4090(), 1, True),
+    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"],
+     TrainingShape(method="lora"), mi300x(), 1, False),
+    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"],
+     TrainingShape(method="lora"), mi300x(), 8, False),
+    ("70b nf4 qlora on mi300x (jax_lora)", KNOWN_MODELS["llama-3.1-70b"],
+     TrainingShape(method="qlora", quantization="nf4"), mi300x(), 1, False),
 ]
 
 
@@ -193,15 +204,16 @@ def test_smallest_fitting_gpu_count(name, model, training, pool, gpus, offload):
     assert est.bytes_per_gpu <= HEADROOM * pool.gpu_memory_bytes
     if gpus > 1:  # one step smaller would not fit
         smaller = candidate_gpu_counts(pool)[candidate_gpu_counts(pool).index(gpus) - 1]
-        assert memory_per_gpu(model, training, smaller, accelerator=pool.accelerator).total > HEADROOM * pool.gpu_memory_bytes
+        assert (memory_per_gpu(model, training, smaller, accelerator=pool.accelerator).total
+                > HEADROOM * pool.gpu_memory_bytes)
     assert est.eta_s == pytest.approx(1_000_000 / est.tokens_per_s)
     assert est.cost == pytest.approx(est.eta_s / 3600 * gpus * pool.price_per_gpu_hour)
 
 
 def test_8k_context_8b_lora_does_not_fit_4090s_without_offload():
     # the logits of a 128k vocabulary at 8k tokens alone take ~10 GB on every GPU
-    est = estimate_on_pool(KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=8192, cpu_offload="never"),
-                           rtx4090())
+    est = estimate_on_pool(KNOWN_MODELS["llama-3.1-8b"],
+                           TrainingShape(method="lora", seq_len=8192, cpu_offload="never"), rtx4090())
     assert not est.fits and est.memory.logits > 9e9
 
 
@@ -212,7 +224,8 @@ def test_405b_does_not_fit_4090s_and_says_why():
 
 
 def test_offload_only_on_gpu_torch_pools():
-    m, t = KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="qlora", quantization="nf4", seq_len=2048, cpu_offload="always")
+    m = KNOWN_MODELS["llama-3.1-70b"]
+    t = TrainingShape(method="qlora", quantization="nf4", seq_len=2048, cpu_offload="always")
     assert estimate_on_pool(m, t, rtx4090()).offload
     assert not estimate_on_pool(m, TrainingShape(method="lora", cpu_offload="always"), mi300x()).fits
 
@@ -262,12 +275,17 @@ def test_jax_lora_on_nf4_holds_one_dequantized_layer():
 # their fp32 log-softmax); weights, adapter and optimizer state are the same. Where
 # activations dominate, DPO needs more GPUs.
 SFT_VS_DPO = [
-    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"], TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, 1),
-    ("8b lora 1k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=1024, cpu_offload="never"), rtx4090(), 1, 2),
-    ("8b lora 2k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"], TrainingShape(method="lora", seq_len=2048, cpu_offload="never"), rtx4090(), 2, 4),
+    ("7b qlora on 4090", KNOWN_MODELS["llama-2-7b"],
+     TrainingShape(method="qlora", quantization="nf4"), rtx4090(), 1, 1),
+    ("8b lora 1k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"],
+     TrainingShape(method="lora", seq_len=1024, cpu_offload="never"), rtx4090(), 1, 2),
+    ("8b lora 2k ctx on 4090", KNOWN_MODELS["llama-3.1-8b"],
+     TrainingShape(method="lora", seq_len=2048, cpu_offload="never"), rtx4090(), 2, 4),
     # jax_lora: one MI300X holds both (XLA reuses the loss's buffers for the layer's).
-    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"], TrainingShape(method="lora"), mi300x(), 1, 1),
-    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"], TrainingShape(method="lora"), mi300x(), 8, 8),
+    ("70b lora on mi300x", KNOWN_MODELS["llama-3.1-70b"],
+     TrainingShape(method="lora"), mi300x(), 1, 1),
+    ("405b lora on mi300x", KNOWN_MODELS["llama-3.1-405b"],
+     TrainingShape(method="lora"), mi300x(), 8, 8),
 ]
 
 

@@ -41,7 +41,8 @@ MEMORY_ANCHORS = [
     ("Answer.AI 7B LoRA ctx 2048 bs6", "llama-2-7b", aai("lora", 2048, 6), 2, False, 21.35),
     ("Answer.AI 70B QLoRA+offload ctx 2048 bs2", "llama-2-70b", aai("qlora", 2048, 2), 2, True, 14.92),
     ("torchtune Llama-3.1-8B QLoRA", "llama-3.1-8b",
-     TrainingShape(method="qlora", quantization="nf4", r=8, target_modules=TT, seq_len=512, micro_batch=2), 1, False, 7.4),
+     TrainingShape(method="qlora", quantization="nf4", r=8, target_modules=TT, seq_len=512, micro_batch=2),
+     1, False, 7.4),
     ("torchtune Llama-3.1-8B LoRA", "llama-3.1-8b",
      TrainingShape(method="lora", r=8, target_modules=TT, seq_len=512, micro_batch=2), 1, False, 16.2),
 ]

@@ -79,7 +79,8 @@ def test_a_short_row_job_on_a_long_context_model_is_planned_from_its_rows(method
     assert before_req.training.seq_len == 2048 and before_req.total_tokens == 2_048_000
     if method == "dpo":
         assert before.mode == "no_fit"
-        assert f"needs {before_gib} GiB per GPU even on 1x cpu" in no_pool_fits(before_req, {POOL.name: POOL})[0].message
+        reason = no_pool_fits(before_req, {POOL.name: POOL})[0]
+        assert f"needs {before_gib} GiB per GPU even on 1x cpu" in reason.message
     else:
         assert round(before.estimate.bytes_per_gpu / GIB, 1) == before_gib
 

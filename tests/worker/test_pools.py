@@ -26,7 +26,8 @@ def test_default_is_one_local_pool():
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("pools: [{name: a, accelerator: nvidia-rtx-4090, gpu_memory_gib: 24, gpus_per_node: 2, trainer: fsdp_qlora, peak_tflops: 1}]",
+    (("pools: [{name: a, accelerator: nvidia-rtx-4090, gpu_memory_gib: 24, gpus_per_node: 2, "
+      "trainer: fsdp_qlora, peak_tflops: 1}]"),
      "needs resource_name"),
     ("pools: []", "at least one pool"),
     ("pools: [{name: A_B, accelerator: cpu, gpu_memory_gib: 1, gpus_per_node: 1, trainer: jax_lora, peak_tflops: 1}]",

@@ -19,7 +19,8 @@ convention: the loss shifts them, so ``labels[t]`` is predicted from tokens ``< 
 A token is trained on iff it belongs to an assistant turn with ``weight`` 1: the
 assistant's content and its tool calls as the template renders them, plus the template's
 end-of-turn text (e.g. ``<|eot_id|>``), so the model learns to stop. Tool results are
-never trained on (they are the tool's words, not the model's). Everything else (bos, system/user turns, role headers, ``weight: 0``
+never trained on (they are the tool's words, not the model's). Everything else (bos,
+system/user turns, role headers, ``weight: 0``
 assistant turns, padding) is ``IGNORE_INDEX`` (-100). The assistant span of turn ``i`` is
 found from renders of prefixes: it starts where ``render(messages[:i],
 add_generation_prompt=True)`` ends and ends where ``render(messages[:i+1])`` ends. For a

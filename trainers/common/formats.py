@@ -598,7 +598,8 @@ class _LineMessages:
         if role != "assistant":
             raise FormatError("invalid_tool_call", f"{where}: only assistant messages make tool calls")
         if raw is not None and legacy is not None:
-            raise FormatError("invalid_tool_call", f"{where}: give 'tool_calls' or the legacy 'function_call', not both")
+            raise FormatError("invalid_tool_call",
+                              f"{where}: give 'tool_calls' or the legacy 'function_call', not both")
         if legacy is not None:
             at = f"{where}.function_call"
             if not isinstance(legacy, dict):
@@ -770,7 +771,8 @@ def _preference_output(obj: dict[str, Any], key: str, line: _LineMessages) -> Me
         raise FormatError("missing_field", f"missing '{key}' (a list of one assistant message)")
     if not isinstance(raw, list) or len(raw) != 1:
         shown = f"{len(raw)} messages" if isinstance(raw, list) else _json_type(raw)
-        raise FormatError("invalid_preference_output", f"'{key}' must be a list of exactly one assistant message, got {shown}")
+        raise FormatError("invalid_preference_output",
+                          f"'{key}' must be a list of exactly one assistant message, got {shown}")
     if isinstance(raw[0], dict) and "weight" in raw[0]:
         raise FormatError("invalid_weight", f"{key}[0]: 'weight' is not used on preference outputs")
     fork = _LineMessages()

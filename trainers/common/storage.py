@@ -410,7 +410,8 @@ class S3Staging:
                 self.data_uris[field] = S3Location.parse(value)
 
         self.model_dir = self.root / "models" / _uri_slot(self.model_uri.uri) if self.model_uri else None
-        self.data_paths = {f: self.root / "data" / _uri_slot(u.uri) / _data_file_name(u) for f, u in self.data_uris.items()}
+        self.data_paths = {f: self.root / "data" / _uri_slot(u.uri) / _data_file_name(u)
+                           for f, u in self.data_uris.items()}
         self.output_dir = job / "output" if self.output_uri else Path(spec.output_dir)
         self.checkpoint_dir = job / "checkpoints" if self.checkpoint_uri else Path(spec.checkpoint.dir)
         self.resume_dir = job / "resume" / PurePosixPath(self.resume_uri.key).name if self.resume_uri else None

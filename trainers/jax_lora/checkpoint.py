@@ -65,7 +65,8 @@ def restore_state(directory: str | Path, abstract_state: dict[str, Any], shardin
     """
     path = Path(directory) / STATE_FILE
     if not path.is_file():
-        raise UserError(f"{directory} has no {STATE_FILE}; not a JAX trainer checkpoint", code="incompatible_checkpoint")
+        raise UserError(f"{directory} has no {STATE_FILE}; not a JAX trainer checkpoint",
+                        code="incompatible_checkpoint")
     saved = load_file(str(path))
     abstract = dict(abstract_state)
     key_shape = jax.eval_shape(jax.random.key_data, abstract["rng"])

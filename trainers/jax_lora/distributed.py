@@ -36,7 +36,8 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     try:
         num, pid = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
     except ValueError as exc:
-        raise UserError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers: {exc}", code="invalid_parallelism") from exc
+        raise UserError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers: {exc}",
+                        code="invalid_parallelism") from exc
     if not 0 <= pid < num:
         raise UserError(f"JAX_PROCESS_ID {pid} is not in [0, {num})", code="invalid_parallelism")
 

@@ -148,7 +148,9 @@ def _flat_range(index: tuple[slice, ...], dims: tuple[int, ...]) -> slice:
     return slice(first[0] * inner, first[1] * inner)
 
 
-def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+def _read_shard(
+    reader: CheckpointReader, src: _Source, shape: tuple[int, ...], index: tuple[slice, ...], dtype: Any
+) -> np.ndarray:
     def one(hf: np.ndarray, idx: tuple[slice, ...]) -> np.ndarray:
         if not src.transpose:
             if src.out_dims:  # a flat bias viewed as (heads, head_dim): no copy
@@ -165,7 +167,8 @@ def _read_shard(reader: CheckpointReader, src: _Source, shape: tuple[int, ...], 
     if not src.stacked:
         hf = reader.get(src.hf_names[0])
         if not src.transpose and tuple(hf.shape) != shape:
-            raise UserError(f"{src.hf_names[0]} has shape {tuple(hf.shape)}, config implies {shape}", code="corrupt_model")
+            raise UserError(f"{src.hf_names[0]} has shape {tuple(hf.shape)}, config implies {shape}",
+                            code="corrupt_model")
         return one(hf, index)
     layer_range = range(*index[0].indices(shape[0]))
     parts = []

@@ -62,7 +62,9 @@ def lora_shapes(cfg: DecoderConfig, target_modules: Sequence[str], r: int, dtype
     return out
 
 
-def init_lora(cfg: DecoderConfig, target_modules: Sequence[str], r: int, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+def init_lora(
+    cfg: DecoderConfig, target_modules: Sequence[str], r: int, key: jax.Array, dtype: Any = jnp.float32
+) -> Params:
     """PEFT-default init: A uniform in +-1/sqrt(in_features) per layer, B zeros.
 
     Pure function of its arguments; ``jax.jit`` it with ``out_shardings`` to create the

@@ -496,7 +496,9 @@ def hidden_states(
     return rms_norm(h, params["norm"], cfg.rms_norm_eps)
 
 
-def lm_head(params: Params, h: jax.Array, *, cfg: DecoderConfig, constrain: Constrain = _identity_constrain) -> jax.Array:
+def lm_head(
+    params: Params, h: jax.Array, *, cfg: DecoderConfig, constrain: Constrain = _identity_constrain
+) -> jax.Array:
     """Float32 logits (batch, positions, vocab) of hidden states ``h`` (batch, positions, embed).
 
     The head (tied: the embedding table) is cast to ``h``'s dtype, the compute dtype, and

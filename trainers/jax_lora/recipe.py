@@ -166,7 +166,9 @@ def _block(data: TrainingData, batch: Batch, pad_id: int) -> dict[str, np.ndarra
     return _pad_rows(batch, micro, pad_id)
 
 
-def _step_batches(data: TrainingData, start: DataCursor, dp: int, accum: int, pad_id: int) -> Iterator[tuple[dict[str, np.ndarray], DataCursor]]:
+def _step_batches(
+    data: TrainingData, start: DataCursor, dp: int, accum: int, pad_id: int
+) -> Iterator[tuple[dict[str, np.ndarray], DataCursor]]:
     """Global (accum, dp * micro, seq) host batches and the cursor after each (preference
     data: (accum, dp * 2 * micro, seq), dp blocks of chosen-then-rejected rows)."""
     stream = data.micro_batches(start)
@@ -297,7 +299,8 @@ class JaxLoraRecipe(SteppedRecipe):
             progress.metrics = dict(resume_state.metrics)
             restore_host_rng(resume_state.rng)
             if int(self.state["step"]) != progress.step:
-                raise UserError(f"checkpoint {resume_from} is inconsistent (step mismatch)", code="incompatible_checkpoint")
+                raise UserError(f"checkpoint {resume_from} is inconsistent (step mismatch)",
+                                code="incompatible_checkpoint")
             if primary:
                 assert self.metrics_log is not None
                 report_resumed(reporter, ckpt_root, resume_from, resume_state, self.metrics_log.rows(),

@@ -10,7 +10,8 @@ Parameters are sharded ZeRO-3 style over ``fsdp`` on their ``embed`` dimension a
 Megatron style over ``tensor`` on heads / MLP / vocab; XLA inserts the all-gathers and
 reduce-scatters. A projection's bias (Qwen2) carries its output axes, so it splits like
 the kernel's outputs; RMSNorm weights (``embed``, and Qwen3's per-head ``head_dim``
-norms) are small and split over ``fsdp`` or not at all. Activations are split over ``data`` x ``fsdp`` on the batch dimension.
+norms) are small and split over ``fsdp`` or not at all. Activations are split over
+``data`` x ``fsdp`` on the batch dimension.
 """
 
 from __future__ import annotations

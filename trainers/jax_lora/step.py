@@ -48,7 +48,9 @@ Batch = dict[str, jax.Array]  # input_ids, labels, positions, segment_ids: (accu
 BATCH_KEYS = ("input_ids", "labels", "positions", "segment_ids")
 
 
-def make_schedule(kind: str, *, base_lr: float, total_steps: int, warmup_steps: int) -> Callable[[jax.Array], jax.Array]:
+def make_schedule(
+    kind: str, *, base_lr: float, total_steps: int, warmup_steps: int
+) -> Callable[[jax.Array], jax.Array]:
     """``trainers.common.schedules.learning_rate_at`` in jnp, as an optax schedule.
 
     optax calls it with the number of updates done so far, i.e. the 0-based step.
@@ -292,7 +294,9 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, mesh, ACTIVATION_RULES, shape))
 
 
-def state_shardings(lora_shardings: Params, optimizer: optax.GradientTransformation, lora_abstract: Params, mesh: Mesh) -> dict[str, Any]:
+def state_shardings(
+    lora_shardings: Params, optimizer: optax.GradientTransformation, lora_abstract: Params, mesh: Mesh
+) -> dict[str, Any]:
     """Shardings of the whole train state: optimizer moments shard like their LoRA factor.
 
     ``optax.tree_map_params`` walks the optimizer state and maps every leaf that mirrors
@@ -317,7 +321,9 @@ def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def init_state(lora: Params, optimizer: optax.GradientTransformation, shardings: dict[str, Any], rng: jax.Array, step: int = 0) -> dict[str, Any]:
+def init_state(
+    lora: Params, optimizer: optax.GradientTransformation, shardings: dict[str, Any], rng: jax.Array, step: int = 0
+) -> dict[str, Any]:
     """The train state, created directly with its declared shardings.
 
     ``jax.jit(optimizer.init)`` without ``out_shardings`` would put the moments on one

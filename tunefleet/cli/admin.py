@@ -3,7 +3,8 @@
 ``db upgrade`` applies the Alembic migrations; ``admin`` creates tenants and API keys
 directly in the database the service's settings (``TUNEFLEET_*``) point at, so the first
 key can be made before any key exists; ``admin manifests`` prints the Kubernetes objects
-a job body would get on a pool (``tunefleet.cli.manifests``), creating nothing. Like the client commands they take ``--json``: one
+a job body would get on a pool (``tunefleet.cli.manifests``), creating nothing. Like the
+client commands they take ``--json``: one
 JSON document on stdout (the object the ``/v1/admin`` routes answer), errors as JSON on
 stderr. The service's modules are imported inside each command, so the client commands
 work where only the SDK is installed.

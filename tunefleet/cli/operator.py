@@ -2,7 +2,8 @@
 
 ``tunefleet serve`` is the embedded all-in-one: it migrates the SQLite database, makes
 sure an admin key exists (printed once, and written to ``<data>/admin_key`` with 0600
-permissions), builds the files of the demo model the default registry lists, then runs the API (uvicorn, in this process), a Celery worker, the
+permissions), builds the files of the demo model the default registry lists, then runs
+the API (uvicorn, in this process), a Celery worker, the
 scheduler loop and the inference worker (subprocesses) together, restarts a child that
 exits or (the inference worker) stops answering (``tunefleet.cli.supervise``), and stops
 them all on Ctrl-C or SIGTERM. The production roles run the same code one per process/pod:
@@ -31,7 +32,8 @@ from tunefleet.cli.options import JsonOpt, load_settings
 def _cli_command(*args: str) -> list[str]:
     """This CLI as a child of ``serve`` (works without the console script on PATH); the child
     first asks to die with ``serve`` (``tunefleet.cli.supervise.die_with_parent``)."""
-    code = "from tunefleet.cli.supervise import die_with_parent; die_with_parent(); from tunefleet.cli import app; app()"
+    code = ("from tunefleet.cli.supervise import die_with_parent; die_with_parent(); "
+            "from tunefleet.cli import app; app()")
     return [sys.executable, "-c", code, *args]
 
 

@@ -117,7 +117,9 @@ def _meta(name: str, namespace: str, lbls: dict[str, str]) -> dict[str, Any]:
     return {"name": name, "namespace": namespace, "labels": dict(lbls)}
 
 
-def render_configmap(name: str, spec_json: dict[str, Any], lbls: dict[str, str], opts: ManifestOptions) -> dict[str, Any]:
+def render_configmap(
+    name: str, spec_json: dict[str, Any], lbls: dict[str, str], opts: ManifestOptions
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{name}-spec", opts.namespace, lbls),
         "data": {"spec.json": json.dumps(spec_json, indent=2, sort_keys=True)},
@@ -146,7 +148,9 @@ def render_service(name: str, lbls: dict[str, str], opts: ManifestOptions) -> di
     }
 
 
-def _distributed_env(name: str, trainer: str, nodes: int, gpus_per_node: int, opts: ManifestOptions) -> list[dict[str, Any]]:
+def _distributed_env(
+    name: str, trainer: str, nodes: int, gpus_per_node: int, opts: ManifestOptions
+) -> list[dict[str, Any]]:
     index = {"valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}
     rank0 = f"{name}-0.{name}.{opts.namespace}.svc"

@@ -165,7 +165,8 @@ def _observe(run: TrackedRun, job: Any, pods: list[Any], now: float, max_pending
                 "Kueue suspended the Job (its quota went to other workloads) and its pods are gone; "
                 "requeued from its checkpoint"))]
         queue = (job.metadata.labels or {}).get(kueue.QUEUE_LABEL, "?") if job.metadata else "?"
-        out.append(ObservedChange(jid, ObservedKind.WAITING, message=f"admitted, waiting for Kueue (LocalQueue {queue})"))
+        out.append(ObservedChange(jid, ObservedKind.WAITING,
+                                  message=f"admitted, waiting for Kueue (LocalQueue {queue})"))
     if any(p.status and p.status.phase == "Running" for p in pods):
         out.append(ObservedChange(jid, ObservedKind.STARTED, message="trainer running"))
     return out

@@ -141,7 +141,8 @@ def _reserve(job: JobRequest, snapshot: CapacitySnapshot, blocked: Mapping[str, 
         if used.get(pool.name, 0) >= per_pool:
             continue
         quota = pool.quota_for(job.tenant)
-        if quota is not None and not pool.quota_borrowing and snapshot.tenant_gpus(job.tenant, pool.name) + gpus > quota:
+        if (quota is not None and not pool.quota_borrowing
+                and snapshot.tenant_gpus(job.tenant, pool.name) + gpus > quota):
             continue  # waits for its own jobs to finish; holding nodes would not help
         need = max(1, gpus // pool.gpus_per_node) if gpus > pool.gpus_per_node else 1
         nodes = [n for n in snapshot.nodes.get(pool.name, {}).values() if n.name not in blocked]

@@ -58,7 +58,8 @@ ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a sec
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
 # What a queued job's placement needs (its settings, the JobRequest), and its current reason/position.
-_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.training_file, *(getattr(Job, name) for name in SETTINGS_COLUMNS),
+_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.training_file,
+                  *(getattr(Job, name) for name in SETTINGS_COLUMNS),
                   Job.resume_from, Job.usage, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
                   Job.exited_attempt, Job.restart_not_before, Job.restarts)

@@ -114,7 +114,8 @@ def test_shuffle_is_deterministic_per_seed_and_epoch(tiny_tokenizer):
     c = TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=2)
     assert a.rows(0) == b.rows(0) and a.rows(1) == b.rows(1)
     assert a.rows(0) != a.rows(1) and a.rows(0) != c.rows(0)
-    assert TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=1, shuffle=False).rows(0) == [[i] for i in range(10)]
+    unshuffled = TrainingData(ds, max_seq_len=96, micro_batch_size=1, seed=1, shuffle=False)
+    assert unshuffled.rows(0) == [[i] for i in range(10)]
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -237,7 +238,8 @@ def test_chat_template_messages_parse_arguments_for_the_template():
 
     msgs = chat_template_messages(_tool_example().messages)
     assert msgs[2] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]}
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]}
     assert msgs[3] == {"role": "tool", "content": "21 C", "tool_call_id": "c1"}
     assert msgs[1] == {"role": "user", "content": "Weather in Paris?"}
 
@@ -291,7 +293,8 @@ def test_preference_prompt_with_tools_and_a_tool_call_answer(tiny_tokenizer):
     chosen, rejected = tokenize_preference(tiny_tokenizer, ex, max_seq_len=1024)
     assert _trained_text(tiny_tokenizer, chosen) == '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
     assert _trained_text(tiny_tokenizer, rejected) == "No idea.<|eot_id|>"
-    prompt = tiny_tokenizer.decode([i for i, lab in zip(chosen.input_ids, chosen.labels, strict=True) if lab == IGNORE_INDEX])
+    prompt = tiny_tokenizer.decode(
+        [i for i, lab in zip(chosen.input_ids, chosen.labels, strict=True) if lab == IGNORE_INDEX])
     assert "Environment: ipython" in prompt and prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
@@ -359,12 +362,14 @@ def test_preference_tokenization_equals_trl_dpo_tokenization(tiny_tokenizer, tmp
     call = ToolCall("c1", "get_weather", '{"city": "Oslo"}')
     examples = [
         _pref_example(),
-        PreferenceExample(prompt=(Message("user", "Weather in Oslo?"),), chosen=Message("assistant", "", tool_calls=(call,)),
+        PreferenceExample(prompt=(Message("user", "Weather in Oslo?"),),
+                          chosen=Message("assistant", "", tool_calls=(call,)),
                           rejected=Message("assistant", "Sunny, I guess."), tools=TOOLS),
         PreferenceExample(
             prompt=(Message("user", "Weather in Oslo?"), Message("assistant", "", tool_calls=(call,)),
                     Message("tool", "-3 C", tool_call_id="c1")),
-            chosen=Message("assistant", "It is -3 C in Oslo."), rejected=Message("assistant", "It is 30 C."), tools=TOOLS),
+            chosen=Message("assistant", "It is -3 C in Oslo."), rejected=Message("assistant", "It is 30 C."),
+            tools=TOOLS),
     ]
     rows = [{"prompt": chat_template_messages(ex.prompt), "chosen": chat_template_messages([ex.chosen]),
              "rejected": chat_template_messages([ex.rejected]), "tools": list(ex.tools) or None} for ex in examples]

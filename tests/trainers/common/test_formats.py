@@ -36,7 +36,8 @@ ALPACA = {"instruction": "Add", "input": "2 and 2", "output": "4"}
         (PC, "prompt_completion", (Message("user", "2+2="), Message("assistant", "4"))),
         (ALPACA, "alpaca", (Message("user", "Add\n\n2 and 2"), Message("assistant", "4"))),
         ({"instruction": "Say hi", "output": "hi"}, "alpaca", (Message("user", "Say hi"), Message("assistant", "hi"))),
-        ({"instruction": "Say hi", "input": "", "output": "hi"}, "alpaca", (Message("user", "Say hi"), Message("assistant", "hi"))),
+        ({"instruction": "Say hi", "input": "", "output": "hi"}, "alpaca",
+         (Message("user", "Say hi"), Message("assistant", "hi"))),
         ({"prompt": "", "completion": "x"}, "prompt_completion", (Message("assistant", "x"),)),
     ],
 )
@@ -77,18 +78,24 @@ def test_weights_and_system_turns_are_kept():
         ([{"messages": [{"content": "x"}]}], "invalid_messages", 1),
         ([{"messages": [{"role": "robot", "content": "x"}]}], "unrecognized_role", 1),
         ([{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}], "missing_content", 1),
-        ([{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}], "empty_content", 1),
-        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 2}]}], "invalid_weight", 1),
-        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": True}]}], "invalid_weight", 1),
-        ([{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "x"}]}], "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}],
+         "empty_content", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 2}]}],
+         "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": True}]}],
+         "invalid_weight", 1),
+        ([{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "x"}]}],
+         "invalid_weight", 1),
         # A prompt alone is a reinforcement file's line; in a chat file it has nothing to train on.
         ([CHAT, {"messages": [{"role": "user", "content": "a"}]}], "no_assistant_message", 2),
-        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 0}]}], "no_assistant_message", 1),
+        ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "weight": 0}]}],
+         "no_assistant_message", 1),
         ([PC, {"prompt": "only"}], "missing_field", 2),
         ([ALPACA, {"instruction": "only"}], "missing_field", 2),
         ([PC, {"foo": "bar"}], "missing_field", 2),
         ([{"prompt": 3, "completion": "x"}], "invalid_type", 1),
-        ([{"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]}], "invalid_type", 1),
+        ([{"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]}],
+         "invalid_type", 1),
         ([{"instruction": "a", "input": 5, "output": "b"}], "invalid_type", 1),
         ([{"prompt": "p", "completion": ""}], "empty_content", 1),
     ],
@@ -302,7 +309,8 @@ def test_content_parts_are_concatenated_and_calls_may_come_with_content():
     (ex,) = read_examples([json.dumps(obj)])
     assert ex.messages[0].content == "Hello, world"
     # ids given without one are generated, distinct within the line
-    assert ex.messages[1] == Message("assistant", "Checking.", tool_calls=(ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")))
+    assert ex.messages[1] == Message(
+        "assistant", "Checking.", tool_calls=(ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")))
     assert ex.messages[2] == Message("tool", "", tool_call_id="call_2")
 
 
@@ -310,7 +318,8 @@ def test_legacy_functions_and_function_call():
     obj = {
         "messages": [
             {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"role": "assistant", "content": None,
+             "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"role": "function", "name": "get_weather", "content": "21"},
             {"role": "assistant", "content": "21 degrees."},
         ],
@@ -334,9 +343,11 @@ def _call(**function):
 @pytest.mark.parametrize(
     ("obj", "code"),
     [
-        ({"messages": [{"role": "user", "content": "x", "foo": 1}, {"role": "assistant", "content": "y"}]}, "unrecognized_key"),
+        ({"messages": [{"role": "user", "content": "x", "foo": 1}, {"role": "assistant", "content": "y"}]},
+         "unrecognized_key"),
         (_chat({"role": "assistant", "content": "y", "metadata": {}}), "unrecognized_key"),
-        (_chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}), "unsupported_content_type"),
+        (_chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}),
+         "unsupported_content_type"),
         (_chat({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}), "unsupported_content_type"),
         (_chat({"role": "user", "content": [{"text": "no type"}]}), "invalid_type"),
         (_chat({"role": "user", "content": [{"type": "text", "text": 3}]}), "invalid_type"),
@@ -346,11 +357,14 @@ def _call(**function):
         (_chat({"role": "assistant", "tool_calls": []}), "invalid_tool_call"),
         (_chat({"role": "assistant", "tool_calls": {"id": "c"}}), "invalid_tool_call"),
         (_chat({"role": "assistant", "tool_calls": ["c"]}), "invalid_tool_call"),
-        (_chat({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}), "invalid_tool_call"),
-        (_chat({"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f", "arguments": "{}"}}]}), "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]}),
+         "invalid_tool_call"),
+        (_chat({"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f", "arguments": "{}"}}]}),
+         "invalid_tool_call"),
         (_chat({"role": "user", "content": "x", "tool_calls": [CALL]}), "invalid_tool_call"),
         (_chat({"role": "user", "content": "x", "tool_call_id": "c"}), "invalid_tool_call"),
-        (_chat({**_call(name="f", arguments="{}"), "function_call": {"name": "f", "arguments": "{}"}}), "invalid_tool_call"),
+        (_chat({**_call(name="f", arguments="{}"), "function_call": {"name": "f", "arguments": "{}"}}),
+         "invalid_tool_call"),
         (_chat({"role": "assistant", "function_call": "f"}), "invalid_tool_call"),
         (_chat({"role": "assistant", "tool_calls": [{"id": "c"}]}), "missing_function_name"),
         (_chat(_call(arguments="{}")), "missing_function_name"),
@@ -361,8 +375,10 @@ def _call(**function):
         (_chat(_call(name="f", arguments="[1]")), "invalid_arguments"),
         (_chat(_call(name="f")), "invalid_arguments"),
         (_chat(_call(name="f", arguments="{}"), {"role": "tool", "content": "r"}), "unknown_tool_call_id"),
-        (_chat(_call(name="f", arguments="{}"), {"role": "tool", "tool_call_id": "other", "content": "r"}), "unknown_tool_call_id"),
-        (_chat({"role": "tool", "tool_call_id": "c", "content": "r"}, _call(name="f", arguments="{}")), "unknown_tool_call_id"),
+        (_chat(_call(name="f", arguments="{}"), {"role": "tool", "tool_call_id": "other", "content": "r"}),
+         "unknown_tool_call_id"),
+        (_chat({"role": "tool", "tool_call_id": "c", "content": "r"}, _call(name="f", arguments="{}")),
+         "unknown_tool_call_id"),
         (_chat({"role": "function", "name": "f", "content": "r"}), "unknown_tool_call_id"),
         (_chat(_call(name="f", arguments="{}"), {"role": "tool", "tool_call_id": "c"}), "missing_content"),
         (_chat(tools={"type": "function"}), "invalid_tools"),

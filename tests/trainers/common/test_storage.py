@@ -309,7 +309,8 @@ def test_all_s3_run_uploads_adapter_with_manifest_checksums_and_checkpoints(unin
     assert "error" not in [r["type"] for r in reports]
     ckpts = [r for r in reports if r["type"] == "checkpoint"]
     assert [c["step"] for c in ckpts] == [2, 4, 6, 8, 10]
-    assert [c["location"] for c in ckpts] == [f"s3://{BUCKET}/jobs/{job}/checkpoints/step-{s}" for s in (2, 4, 6, 8, 10)]
+    assert [c["location"] for c in ckpts] == [
+        f"s3://{BUCKET}/jobs/{job}/checkpoints/step-{s}" for s in (2, 4, 6, 8, 10)]
     # keep_last=2 is applied in the bucket too; each kept checkpoint is complete.
     remote = _keys(client, f"jobs/{job}/checkpoints/")
     assert {k.split("/")[3] for k in remote} == {"step-8", "step-10"}

@@ -81,15 +81,18 @@ def test_chat_template_renders_tools_calls_and_results_like_llama_3_1(tiny_token
         "object of its arguments}. The functions:\n"
         '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}<|eot_id|>'
         "<|start_header_id|>user<|end_header_id|>\n\nWeather?<|eot_id|>"
-        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
         "<|start_header_id|>ipython<|end_header_id|>\n\n21<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nTwo calls:\n"
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}\n{"name": "get_time", "parameters": {"tz": "CET"}}<|eot_id|>'
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}\n'
+        '{"name": "get_time", "parameters": {"tz": "CET"}}<|eot_id|>'
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     # without a system message the tools still get their own system header; no tools, no header
     bare = tiny_tokenizer.apply_chat_template(msgs[1:2], tools=tools, tokenize=False)
-    assert bare.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\nTo call")
+    assert bare.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                           "Environment: ipython\n\nTo call")
     assert "ipython" not in tiny_tokenizer.apply_chat_template(msgs[:2], tokenize=False)
 
 

@@ -99,7 +99,8 @@ def main() -> None:
     ref = run_on_mesh(model_dir, MESHES[0])
     for shape in MESHES[1:]:
         got = run_on_mesh(model_dir, shape)
-        diff = lambda a, b: float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+        diff = lambda a, b: float(max(np.max(np.abs(np.asarray(x) - np.asarray(y)))
+                                      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
         row = {
             "loss_diff": abs(got["loss"] - ref["loss"]),
             "grad_diff": diff(got["grads"], ref["grads"]),
@@ -113,7 +114,8 @@ def main() -> None:
                 mu_spec=got["mu_spec"], mu_shard_shape=got["mu_shard_shape"], compiles=got["compiles"],
             )
         results["x".join(map(str, shape))] = row
-    results["reference"] = {"loss": ref["loss"], "n_tokens": ref["n_tokens"], "param_bytes_per_device": ref["param_bytes_per_device"]}
+    results["reference"] = {"loss": ref["loss"], "n_tokens": ref["n_tokens"],
+                            "param_bytes_per_device": ref["param_bytes_per_device"]}
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=1)
 

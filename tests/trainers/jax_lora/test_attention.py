@@ -57,7 +57,8 @@ def test_blockwise_attention_matches_jax_reference(packed, query_block):
     assert np.abs(np.asarray(ref_out)).max() > 0.1
     assert np.abs(np.asarray(ours_out - ref_out)).max() <= TOL
 
-    ours_grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, mask, HEAD_DIM, query_block)), argnums=(0, 1, 2))(q, k, v)
+    ours_grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, mask, HEAD_DIM, query_block)),
+                          argnums=(0, 1, 2))(q, k, v)
     ref_grads = jax.grad(loss(lambda q, k, v: _reference(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
     for ours, ref in zip(ours_grads, ref_grads, strict=True):
         assert np.abs(np.asarray(ref)).max() > 0.1

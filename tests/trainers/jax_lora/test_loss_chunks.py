@@ -72,7 +72,8 @@ def test_chunked_loss_grads_and_eval_match_peft(fixture, chunk, request, tmp_pat
     sc = StepConfig(cfg=cfg, runtime=lora_runtime(ALPHA, R, 0.0), packed=False, loss_chunk=chunk)
     lora = jax.tree.map(jnp.asarray, lora)
 
-    loss, grads, n_tokens = jax.jit(make_loss_and_grads(sc, None))(lora, params, {k: v[None] for k, v in micro.items()}, None)
+    loss, grads, n_tokens = jax.jit(make_loss_and_grads(sc, None))(
+        lora, params, {k: v[None] for k, v in micro.items()}, None)
     sums = jax.jit(make_eval_step(sc, None))(lora, params, micro)
     ref_loss, ref_grads, ref_nll_sum, ref_tokens, ref_correct = _peft_reference(model_dir, adapter, tokens, labels)
 
@@ -96,7 +97,8 @@ def _train_temps(chunk: int, vocab: int, rows: int, seq: int) -> int:
     })
     params = param_shapes(cfg, jnp.float32)
     lora = lora_shapes(cfg, TARGETS, R, jnp.float32)
-    batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.int32) for k in ("input_ids", "labels", "positions", "segment_ids")}
+    batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.int32)
+             for k in ("input_ids", "labels", "positions", "segment_ids")}
     sc = StepConfig(cfg=cfg, runtime=lora_runtime(ALPHA, R, 0.0), packed=False, loss_chunk=chunk)
     compiled = jax.jit(make_loss_and_grads(sc, None)).lower(lora, params, batch, None).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -30,7 +30,9 @@ def _describe(tree):
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_abstract_inputs_are_what_the_recipe_passes_its_step(recipe_model, tiny_datasets, tmp_path, monkeypatch, method):
+def test_abstract_inputs_are_what_the_recipe_passes_its_step(
+    recipe_model, tiny_datasets, tmp_path, monkeypatch, method
+):
     spec = make_spec(
         recipe_model, tiny_datasets, tmp_path,
         data={"validation_file": None},

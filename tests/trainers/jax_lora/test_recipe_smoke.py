@@ -63,7 +63,8 @@ def _reference_first_loss(spec) -> float:
 
 
 def test_entry_point_trains_and_exports(recipe_model, tiny_datasets, tmp_path):
-    spec = make_spec(recipe_model, tiny_datasets, tmp_path, hyperparameters={"max_steps": 4, "batch_size": 4, "micro_batch_size": 2})
+    spec = make_spec(recipe_model, tiny_datasets, tmp_path,
+                     hyperparameters={"max_steps": 4, "batch_size": 4, "micro_batch_size": 2})
     proc = _run_entry(spec, tmp_path)
     assert proc.returncode == ExitCode.SUCCESS, proc.stderr[-3000:]
 
@@ -78,7 +79,8 @@ def test_entry_point_trains_and_exports(recipe_model, tiny_datasets, tmp_path):
 
     manifest = json.loads((out / "manifest.json").read_text())
     names = {f["name"] for f in manifest["files"]}
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "training_config.json", "metrics.jsonl"} <= names
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+            "training_config.json", "metrics.jsonl"} <= names
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     reports = [json.loads(line) for line in (Path(spec.checkpoint.dir) / "reports.jsonl").read_text().splitlines()]

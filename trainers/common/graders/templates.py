@@ -84,7 +84,8 @@ def lookup(expression: str, item: Any, sample: dict[str, Any]) -> Any:
     if namespace == "sample" and steps[0] == "output_json" and sample.get("output_json") is None:
         raise SampleNotJSON("the model's output is not valid JSON, so sample.output_json is empty")
     for step in steps:
-        if isinstance(step, int) and isinstance(value, list) and step < len(value) or isinstance(step, str) and isinstance(value, dict) and step in value:
+        if (isinstance(step, int) and isinstance(value, list) and step < len(value)
+                or isinstance(step, str) and isinstance(value, dict) and step in value):
             value = value[step]
         else:
             raise MissingVariable(f"{{{{{expression.strip()}}}}} names nothing in the {namespace}")

@@ -38,7 +38,8 @@ def upgrade() -> None:
     sa.Column('created_at', control.db.base.UTCDateTime(timezone=True), nullable=False),
     sa.Column('last_used_at', control.db.base.UTCDateTime(timezone=True), nullable=True),
     sa.Column('revoked_at', control.db.base.UTCDateTime(timezone=True), nullable=True),
-    sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_api_keys_tenant_id_tenants'), ondelete='CASCADE'),
+    sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_api_keys_tenant_id_tenants'),
+                            ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_api_keys')),
     sa.UniqueConstraint('key_hash', name=op.f('uq_api_keys_key_hash'))
     )
@@ -146,7 +147,8 @@ def upgrade() -> None:
     sa.Column('job_id', sa.String(length=64), nullable=False),
     sa.Column('created_at', control.db.base.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_idempotency_keys_job_id_jobs'), ondelete='CASCADE'),
-    sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_idempotency_keys_tenant_id_tenants'), ondelete='CASCADE'),
+    sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_idempotency_keys_tenant_id_tenants'),
+                            ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_idempotency_keys')),
     sa.UniqueConstraint('tenant_id', 'key', name='uq_idempotency_keys_tenant_key')
     )
