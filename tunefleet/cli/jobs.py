@@ -59,7 +59,8 @@ def _parse_kv(values: list[str] | None, option: str) -> dict[str, str]:
 def _job_fields(
     *, body: Path | None, validation_file: str | None, suffix: str | None, seed: int | None,
     n_epochs: str | None, batch_size: str | None, learning_rate: str | None,
-    learning_rate_multiplier: str | None, training_method: str | None, beta: str | None, method: str | None, r: int | None,
+    learning_rate_multiplier: str | None, training_method: str | None, beta: str | None, method: str | None,
+    r: int | None,
     alpha: float | None, quantization: str | None, target_modules: str | None, trainer: str | None,
     pool: str | None, gpus: int | None, priority: str | None, max_seq_len: int | None, packing: bool | None,
     metadata: list[str] | None, wandb_project: str | None, mlflow_uri: str | None,
