@@ -273,3 +273,14 @@ def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service
     # A job that has ended already: the final state at once, same exit code.
     again = [json.loads(line) for line in cli("jobs", "watch", job_id, "--json", code=3).stdout.splitlines()]
     assert again[-1]["data"]["status"] == "failed"
+
+
+def test_ids_stay_whole_in_80_columns(cli: Any, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An id folded over two lines cannot be copied: id columns never wrap, others do."""
+    job_id = queued_job(service)
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli("jobs", "list").stdout
+    assert any(job_id in line for line in out.splitlines()), out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    file_id = js(cli("jobs", "get", job_id, "--json"))["training_file"]
+    assert any(file_id in line for line in cli("files", "list").stdout.splitlines())

@@ -151,10 +151,20 @@ def _cell(value: Any) -> Text:
     return Text("-" if value is None else str(value))
 
 
+def is_id_column(name: str) -> bool:
+    """An id a user copies whole into the next command: ``id``, ``job id``, ``file_id``, ..."""
+    return name == "id" or name.endswith((" id", "_id"))
+
+
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+    """Id columns never wrap (an id folded over two lines cannot be copied); the other
+    columns fold to make room for them in a narrow terminal."""
     t = Table(title=title, show_lines=False, header_style="bold")
     for column in columns:
-        t.add_column(column, overflow="fold")
+        if is_id_column(column):
+            t.add_column(column, no_wrap=True, overflow="ignore")
+        else:
+            t.add_column(column, overflow="fold")
     for row in rows:
         t.add_row(*[_cell(v) for v in row])
     return t
