@@ -30,7 +30,9 @@ from tunefleet.cli.options import (
 )
 from tunefleet.cli.render import (
     console,
+    field_label,
     fmt_bytes,
+    fmt_field,
     fmt_time,
     fmt_value,
     key_values,
@@ -265,18 +267,36 @@ jobs_create = jobs_app.command("create")(_make_job_command(estimate=False))
 estimate = _make_job_command(estimate=True)
 
 
+# Objects of the estimate whose numbers are all bytes (``MemoryBreakdownPublic``).
+_BYTE_OBJECTS = frozenset({"breakdown"})
+
+
+def _estimate_pairs(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(field_label(k), fmt_field(k, v, unit="bytes" if k in _BYTE_OBJECTS else None))
+            for k, v in obj.items() if k != "object"]
+
+
 def _print_estimate(est: dict[str, Any]) -> None:
-    scalar = [(k, v) for k, v in est.items() if not isinstance(v, (dict, list)) and k != "object"]
-    nested = [(k, v) for k, v in est.items() if isinstance(v, dict)]
-    console.print(key_values("estimate", scalar + nested))
-    for key, value in est.items():
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            console.print(f"[bold]{key}[/bold]")
-            for line in value:
-                console.print(Text(f"  - {line}"))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            columns = list(dict.fromkeys(k for row in value for k in row))
-            console.print(table(key, columns, [[fmt_value(row.get(c)) for c in columns] for row in value]))
+    """The estimate for people: its fields (sizes in GiB/MiB, times in h/m/s, objects as
+    key=value lines), where the job goes (``chosen``), then a table per list of objects
+    (``pools``, ``unfit``) and the ``reasons`` and ``notes`` one per line."""
+    tables = {k: v for k, v in est.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)}
+    texts = {k: v for k, v in est.items() if isinstance(v, list) and v and k not in tables}
+    chosen = est.get("chosen")
+    fields = {k: v for k, v in est.items() if k not in tables and k not in texts and k != "chosen"
+              and not (isinstance(v, list) and not v)}
+    console.print(key_values("estimate", _estimate_pairs(fields)))
+    if isinstance(chosen, dict):
+        console.print(key_values("chosen", _estimate_pairs(chosen)))
+    for key, rows in tables.items():
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        console.print(table(key, [field_label(c) for c in columns],
+                            [[fmt_field(c, row.get(c), unit="bytes" if c in _BYTE_OBJECTS else None)
+                              for c in columns] for row in rows]))
+    for key, lines in texts.items():
+        console.print(f"[bold]{key}[/bold]")
+        for line in lines:
+            console.print(Text(f"  - {fmt_value(line)}"))
 
 
 @jobs_app.command("list")
