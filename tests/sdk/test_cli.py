@@ -303,3 +303,20 @@ def test_estimate_fields_read_as_sizes_and_times() -> None:
     assert [fmt_seconds(s) for s in (45, 200, 7530, 93600)] == ["45s", "3m 20s", "2h 05m", "1d 2h"]
     assert fmt_field("eta_s", 7530) == "2h 05m" and fmt_field("tokens_per_s", 142900.5) == "142,900"
     assert fmt_field("model", {"id": "m", "params": 135_000_000}) == "id=m\nparams=135.0M"
+
+
+def test_metrics_show_dpo_rewards(cli: Any, service: Service) -> None:
+    job_id = queued_job(service)
+    driver = JobDriver(service, job_id)
+    driver.start()
+    driver.report(driver.metric(1, 2, 0.69))
+    plain = cli("jobs", "metrics", job_id).stdout  # a supervised run's rows: no reward columns
+    assert "0.69" in plain and "reward" not in plain
+    driver.report({**driver.metric(2, 2, 0.41), "rewards/accuracy": 0.875, "rewards/margin": 1.25,
+                   "rewards/chosen": 0.5, "rewards/rejected": -0.75})
+    rows = js(cli("jobs", "metrics", job_id, "--json"))["data"]
+    assert rows[1]["rewards/accuracy"] == 0.875 and rows[0]["rewards/accuracy"] is None
+    human = cli("jobs", "metrics", job_id).stdout
+    assert "reward acc" in human and "reward margin" in human and "valid reward" not in human
+    (line,) = [line for line in human.splitlines() if "0.41" in line]
+    assert "0.875" in line and "1.25" in line and "-0.75" in line

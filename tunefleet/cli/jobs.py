@@ -43,7 +43,7 @@ from tunefleet.cli.render import (
 )
 from tunefleet.cli.watch import watch_job
 from tunefleet.sdk.client import Tunefleet
-from tunefleet.sdk.types import FineTuningJob
+from tunefleet.sdk.types import FineTuningJob, JobMetric
 
 jobs_app = typer.Typer(help="Create, follow and control fine-tuning jobs.", no_args_is_help=True)
 
@@ -418,10 +418,27 @@ def jobs_checkpoints(client: Tunefleet, json_out: bool, job_id: str) -> None:
 def jobs_metrics(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Print a job's training metrics (every step)."""
     items = list(client.jobs.metrics(job_id))
+    rewards = [(label, name) for label, name in REWARD_COLUMNS if any(_reward(m, name) is not None for m in items)]
     rows = ((m.step, m.total_steps, fmt_value(m.train_loss), fmt_value(m.valid_loss), fmt_value(m.learning_rate),
-             fmt_value(m.tokens_per_s)) for m in items)
-    print_list(json_out, items, f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows,
-               has_more=False)
+             fmt_value(m.tokens_per_s), *(fmt_value(_reward(m, name)) for _, name in rewards)) for m in items)
+    columns = ["step", "of", "loss", "valid loss", "lr", "tok/s", *(label for label, _ in rewards)]
+    print_list(json_out, items, f"metrics of {job_id}", columns, rows, has_more=False)
+
+
+# A DPO run's reward metrics (the API's names, ``rewards/...``): a column each when some row has it.
+REWARD_COLUMNS = [
+    ("reward acc", "rewards/accuracy"), ("reward margin", "rewards/margin"),
+    ("chosen", "rewards/chosen"), ("rejected", "rewards/rejected"),
+    ("valid reward acc", "valid_rewards/accuracy"), ("valid reward margin", "valid_rewards/margin"),
+]
+
+
+def _reward(metric: JobMetric, name: str) -> Any:
+    """A reward metric of a row: the API's ``rewards/margin``, or ``rewards_margin`` as the
+    service stores it (an older or other service may answer under that name)."""
+    extra = metric.model_extra or {}
+    value = extra.get(name)
+    return extra.get(name.replace("/", "_")) if value is None else value
 
 
 @jobs_app.command("logs")
