@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from tests.preference_data import sum_preference_lines
 from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job
 from tunefleet.cli import app
+from tunefleet.cli.render import fmt_bytes, fmt_seconds
 
 
 @pytest.fixture
@@ -182,7 +183,14 @@ def test_pools_and_estimate(app: Any, request: pytest.FixtureRequest, tmp_path: 
     assert direct.status_code == 200, direct.text
     estimate = js(cli("estimate", "-m", DEMO_MODEL, "-t", fid, "--r", "4", "--json"))
     assert set(estimate) == set(direct.json())
-    assert cli("estimate", "-m", DEMO_MODEL, "-t", fid).stdout.strip()
+    human = cli("estimate", "-m", DEMO_MODEL, "-t", fid, "--r", "4").stdout
+    assert "iB" in human and "{" not in human and "breakdown" in human
+    chosen = estimate["chosen"]
+    if chosen and chosen.get("memory_per_gpu_bytes"):
+        assert fmt_bytes(chosen["memory_per_gpu_bytes"]) in human
+        assert str(chosen["memory_per_gpu_bytes"]) not in human  # raw bytes
+    if chosen and chosen.get("eta_s"):
+        assert fmt_seconds(chosen["eta_s"]) in human
     bad = cli("estimate", "-m", "nope", "-t", fid, "--json", code=1)
     assert json.loads(bad.stderr)["error"]["param"] == "model"
 
@@ -273,3 +281,42 @@ def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service
     # A job that has ended already: the final state at once, same exit code.
     again = [json.loads(line) for line in cli("jobs", "watch", job_id, "--json", code=3).stdout.splitlines()]
     assert again[-1]["data"]["status"] == "failed"
+
+
+def test_ids_stay_whole_in_80_columns(cli: Any, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An id folded over two lines cannot be copied: id columns never wrap, others do."""
+    job_id = queued_job(service)
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli("jobs", "list").stdout
+    assert any(job_id in line for line in out.splitlines()), out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    file_id = js(cli("jobs", "get", job_id, "--json"))["training_file"]
+    assert any(file_id in line for line in cli("files", "list").stdout.splitlines())
+
+
+def test_estimate_fields_read_as_sizes_and_times() -> None:
+    from tunefleet.cli.render import fmt_field
+
+    assert fmt_field("memory_per_gpu_bytes", 20 * 2**30) == "20.0 GiB"
+    assert fmt_field("breakdown", {"weights": 2**30, "lora": 3 * 2**20}, unit="bytes") == (
+        "weights=1.0 GiB\nlora=3.0 MiB")
+    assert [fmt_seconds(s) for s in (45, 200, 7530, 93600)] == ["45s", "3m 20s", "2h 05m", "1d 2h"]
+    assert fmt_field("eta_s", 7530) == "2h 05m" and fmt_field("tokens_per_s", 142900.5) == "142,900"
+    assert fmt_field("model", {"id": "m", "params": 135_000_000}) == "id=m\nparams=135.0M"
+
+
+def test_metrics_show_dpo_rewards(cli: Any, service: Service) -> None:
+    job_id = queued_job(service)
+    driver = JobDriver(service, job_id)
+    driver.start()
+    driver.report(driver.metric(1, 2, 0.69))
+    plain = cli("jobs", "metrics", job_id).stdout  # a supervised run's rows: no reward columns
+    assert "0.69" in plain and "reward" not in plain
+    driver.report({**driver.metric(2, 2, 0.41), "rewards/accuracy": 0.875, "rewards/margin": 1.25,
+                   "rewards/chosen": 0.5, "rewards/rejected": -0.75})
+    rows = js(cli("jobs", "metrics", job_id, "--json"))["data"]
+    assert rows[1]["rewards/accuracy"] == 0.875 and rows[0]["rewards/accuracy"] is None
+    human = cli("jobs", "metrics", job_id).stdout
+    assert "reward acc" in human and "reward margin" in human and "valid reward" not in human
+    (line,) = [line for line in human.splitlines() if "0.41" in line]
+    assert "0.875" in line and "1.25" in line and "-0.75" in line

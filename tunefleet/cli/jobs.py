@@ -30,7 +30,9 @@ from tunefleet.cli.options import (
 )
 from tunefleet.cli.render import (
     console,
+    field_label,
     fmt_bytes,
+    fmt_field,
     fmt_time,
     fmt_value,
     key_values,
@@ -41,7 +43,7 @@ from tunefleet.cli.render import (
 )
 from tunefleet.cli.watch import watch_job
 from tunefleet.sdk.client import Tunefleet
-from tunefleet.sdk.types import FineTuningJob
+from tunefleet.sdk.types import FineTuningJob, JobMetric
 
 jobs_app = typer.Typer(help="Create, follow and control fine-tuning jobs.", no_args_is_help=True)
 
@@ -265,18 +267,36 @@ jobs_create = jobs_app.command("create")(_make_job_command(estimate=False))
 estimate = _make_job_command(estimate=True)
 
 
+# Objects of the estimate whose numbers are all bytes (``MemoryBreakdownPublic``).
+_BYTE_OBJECTS = frozenset({"breakdown"})
+
+
+def _estimate_pairs(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(field_label(k), fmt_field(k, v, unit="bytes" if k in _BYTE_OBJECTS else None))
+            for k, v in obj.items() if k != "object"]
+
+
 def _print_estimate(est: dict[str, Any]) -> None:
-    scalar = [(k, v) for k, v in est.items() if not isinstance(v, (dict, list)) and k != "object"]
-    nested = [(k, v) for k, v in est.items() if isinstance(v, dict)]
-    console.print(key_values("estimate", scalar + nested))
-    for key, value in est.items():
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            console.print(f"[bold]{key}[/bold]")
-            for line in value:
-                console.print(Text(f"  - {line}"))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            columns = list(dict.fromkeys(k for row in value for k in row))
-            console.print(table(key, columns, [[fmt_value(row.get(c)) for c in columns] for row in value]))
+    """The estimate for people: its fields (sizes in GiB/MiB, times in h/m/s, objects as
+    key=value lines), where the job goes (``chosen``), then a table per list of objects
+    (``pools``, ``unfit``) and the ``reasons`` and ``notes`` one per line."""
+    tables = {k: v for k, v in est.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)}
+    texts = {k: v for k, v in est.items() if isinstance(v, list) and v and k not in tables}
+    chosen = est.get("chosen")
+    fields = {k: v for k, v in est.items() if k not in tables and k not in texts and k != "chosen"
+              and not (isinstance(v, list) and not v)}
+    console.print(key_values("estimate", _estimate_pairs(fields)))
+    if isinstance(chosen, dict):
+        console.print(key_values("chosen", _estimate_pairs(chosen)))
+    for key, rows in tables.items():
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        console.print(table(key, [field_label(c) for c in columns],
+                            [[fmt_field(c, row.get(c), unit="bytes" if c in _BYTE_OBJECTS else None)
+                              for c in columns] for row in rows]))
+    for key, lines in texts.items():
+        console.print(f"[bold]{key}[/bold]")
+        for line in lines:
+            console.print(Text(f"  - {fmt_value(line)}"))
 
 
 @jobs_app.command("list")
@@ -398,10 +418,27 @@ def jobs_checkpoints(client: Tunefleet, json_out: bool, job_id: str) -> None:
 def jobs_metrics(client: Tunefleet, json_out: bool, job_id: str) -> None:
     """Print a job's training metrics (every step)."""
     items = list(client.jobs.metrics(job_id))
+    rewards = [(label, name) for label, name in REWARD_COLUMNS if any(_reward(m, name) is not None for m in items)]
     rows = ((m.step, m.total_steps, fmt_value(m.train_loss), fmt_value(m.valid_loss), fmt_value(m.learning_rate),
-             fmt_value(m.tokens_per_s)) for m in items)
-    print_list(json_out, items, f"metrics of {job_id}", ["step", "of", "loss", "valid loss", "lr", "tok/s"], rows,
-               has_more=False)
+             fmt_value(m.tokens_per_s), *(fmt_value(_reward(m, name)) for _, name in rewards)) for m in items)
+    columns = ["step", "of", "loss", "valid loss", "lr", "tok/s", *(label for label, _ in rewards)]
+    print_list(json_out, items, f"metrics of {job_id}", columns, rows, has_more=False)
+
+
+# A DPO run's reward metrics (the API's names, ``rewards/...``): a column each when some row has it.
+REWARD_COLUMNS = [
+    ("reward acc", "rewards/accuracy"), ("reward margin", "rewards/margin"),
+    ("chosen", "rewards/chosen"), ("rejected", "rewards/rejected"),
+    ("valid reward acc", "valid_rewards/accuracy"), ("valid reward margin", "valid_rewards/margin"),
+]
+
+
+def _reward(metric: JobMetric, name: str) -> Any:
+    """A reward metric of a row: the API's ``rewards/margin``, or ``rewards_margin`` as the
+    service stores it (an older or other service may answer under that name)."""
+    extra = metric.model_extra or {}
+    value = extra.get(name)
+    return extra.get(name.replace("/", "_")) if value is None else value
 
 
 @jobs_app.command("logs")

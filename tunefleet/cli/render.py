@@ -108,6 +108,71 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def fmt_seconds(seconds: float | None) -> str:
+    """A duration as people say it: ``45s``, ``3m 20s``, ``2h 05m``, ``1d 4h``."""
+    if seconds is None or seconds < 0:
+        return "-"
+    seconds = round(seconds)
+    d, rem = divmod(seconds, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m:02d}m"
+    return f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+def fmt_count(n: float) -> str:
+    """A large count (parameters) in K/M/B: ``135.0M``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def field_label(key: str) -> str:
+    """A field's name for people: ``memory_per_gpu_bytes`` -> ``memory per gpu``."""
+    if key.endswith("_bytes"):
+        key = key.removesuffix("_bytes")
+    elif _is_duration(key):
+        key = key.removesuffix("_s")
+    return key.replace("_", " ")
+
+
+def _is_duration(key: str) -> bool:
+    return key.endswith("_s") and not key.endswith("_per_s")
+
+
+def fmt_field(key: str, value: Any, *, unit: str | None = None) -> str:
+    """An API field's value for people, by its name: ``*_bytes`` in KiB/MiB/GiB, ``*_s`` as
+    h/m/s, parameters in K/M/B, token counts and rates with thousands separators, objects
+    as ``key=value`` lines, lists of text one per line.
+    ``unit="bytes"`` formats every number of an object as bytes (a memory breakdown)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return "\n".join(f"{field_label(k)}={fmt_field(k, v, unit=unit)}" for k, v in value.items())
+    if isinstance(value, list):
+        return "\n".join(fmt_field(key, v, unit=unit) for v in value) if value else "-"
+    if isinstance(value, (int, float)):
+        if unit == "bytes" or key.endswith("_bytes"):
+            return fmt_bytes(int(value))
+        if _is_duration(key):
+            return fmt_seconds(value)
+        if key == "params":
+            return fmt_count(value)
+        if key.endswith("tokens") and isinstance(value, int):
+            return f"{value:,}"
+        if key == "cost":
+            return f"{value:.2f}"
+        if key.endswith("_per_s"):
+            return f"{value:,.0f}"
+    return fmt_value(value)
+
+
 def fmt_value(value: Any) -> str:
     """A metric or estimate value in a table cell: JSON for structures, 4 significant digits."""
     if isinstance(value, (dict, list)):
@@ -151,10 +216,20 @@ def _cell(value: Any) -> Text:
     return Text("-" if value is None else str(value))
 
 
+def is_id_column(name: str) -> bool:
+    """An id a user copies whole into the next command: ``id``, ``job id``, ``file_id``, ..."""
+    return name == "id" or name.endswith((" id", "_id"))
+
+
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+    """Id columns never wrap (an id folded over two lines cannot be copied); the other
+    columns fold to make room for them in a narrow terminal."""
     t = Table(title=title, show_lines=False, header_style="bold")
     for column in columns:
-        t.add_column(column, overflow="fold")
+        if is_id_column(column):
+            t.add_column(column, no_wrap=True, overflow="ignore")
+        else:
+            t.add_column(column, overflow="fold")
     for row in rows:
         t.add_row(*[_cell(v) for v in row])
     return t

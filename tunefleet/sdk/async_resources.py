@@ -224,14 +224,16 @@ class AsyncNodePools(_AsyncResource):
 
 
 class AsyncModels(_AsyncResource):
-    """Base models and fine-tuned adapters, read only: a fine-tuned model is the adapter
-    of its job, so the service has no ``DELETE /v1/models/{id}``."""
+    """Base models and fine-tuned adapters; admins also register base models."""
 
     async def list(self) -> AsyncPage[Model]:
         return await self._page(rq.list_models(), Model.model_validate)
 
     async def retrieve(self, model_id: str) -> Model:
         return Model.model_validate(await self._json(rq.retrieve_model(model_id)))
+
+    async def register(self, *, source: str, id: str | None = None, hf_id: str | None = None) -> Model:
+        return Model.model_validate(await self._json(rq.register_model(source, id, hf_id)))
 
 
 class AsyncWebhooks(_AsyncResource):

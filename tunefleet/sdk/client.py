@@ -24,7 +24,7 @@ from tunefleet.sdk.async_resources import (
     AsyncWebhooks,
 )
 from tunefleet.sdk.config import resolve_config
-from tunefleet.sdk.resources import Files, Jobs, Models, NodePools, Webhooks
+from tunefleet.sdk.resources import Chat, Files, Jobs, Models, NodePools, Webhooks
 from tunefleet.sdk.transport import (
     DEFAULT_MAX_RETRIES,
     AsyncTransport,
@@ -66,7 +66,8 @@ class _Client(Generic[HttpClientT, TransportT]):
 
 
 class Tunefleet(_Client[httpx.Client, SyncTransport]):
-    """Synchronous client. Resources: ``files``, ``jobs``, ``node_pools``, ``models``, ``webhooks``."""
+    """Synchronous client. Resources: ``files``, ``jobs``, ``node_pools``, ``models``, ``webhooks``,
+    ``chat.completions``."""
 
     _transport_class = SyncTransport
 
@@ -76,6 +77,7 @@ class Tunefleet(_Client[httpx.Client, SyncTransport]):
         self.node_pools = NodePools(transport)
         self.models = Models(transport)
         self.webhooks = Webhooks(transport)
+        self.chat = Chat(transport)
 
     def health(self) -> dict[str, Any]:
         """``GET /healthz``: is the API process up."""

@@ -223,7 +223,7 @@ def list_data(body: Any) -> list[Any]:
     return body.get("data", []) if isinstance(body, dict) else body
 
 
-# ----------------------------------------------------------- pools, models, webhooks
+# ----------------------------------------------------- pools, models, chat, webhooks
 
 
 def list_node_pools() -> RequestOptions:
@@ -236,6 +236,20 @@ def list_models() -> RequestOptions:
 
 def retrieve_model(model_id: str) -> RequestOptions:
     return RequestOptions("GET", f"/v1/models/{seg(model_id)}")
+
+
+def register_model(source: str, model_id: str | None, hf_id: str | None) -> RequestOptions:
+    body = {"source": source, "id": model_id, "hf_id": hf_id}
+    return RequestOptions("POST", "/v1/models", json={k: v for k, v in body.items() if v is not None})
+
+
+def chat_completion(body: dict[str, Any]) -> RequestOptions:
+    """``POST /v1/chat/completions``; a streamed one has no read timeout, as a job's stream:
+    the first token may wait for the model to load."""
+    if body.get("stream"):
+        return RequestOptions("POST", "/v1/chat/completions", json=body, stream=True,
+                              headers={"Accept": "text/event-stream"}, timeout=httpx.Timeout(10.0, read=None))
+    return RequestOptions("POST", "/v1/chat/completions", json=body)
 
 
 def create_webhook(url: str, events: list[str] | None, description: str | None, enabled: bool) -> RequestOptions:

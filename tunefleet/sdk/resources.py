@@ -9,6 +9,7 @@ beyond the requests (stream decoding, download plans, wait deadlines) lives in
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import httpx
 from tunefleet.sdk import requests as rq
 from tunefleet.sdk.downloads import ArtifactWriter, download_plan, listed_sha256
 from tunefleet.sdk.pagination import SyncPage
+from tunefleet.sdk.sse import SSEDecoder
 from tunefleet.sdk.streaming import JobStream
 from tunefleet.sdk.transport import RequestOptions, SyncTransport
 from tunefleet.sdk.types import (
@@ -219,14 +221,48 @@ class NodePools(_Resource):
 
 
 class Models(_Resource):
-    """Base models and fine-tuned adapters, read only: a fine-tuned model is the adapter
-    of its job, so the service has no ``DELETE /v1/models/{id}``."""
+    """Base models and fine-tuned adapters; admins also register base models."""
 
     def list(self) -> SyncPage[Model]:
         return self._page(rq.list_models(), Model.model_validate)
 
     def retrieve(self, model_id: str) -> Model:
         return Model.model_validate(self._json(rq.retrieve_model(model_id)))
+
+    def register(self, *, source: str, id: str | None = None, hf_id: str | None = None) -> Model:
+        """Register a base model (an admin key): a directory or ``s3://`` checkpoint answers
+        ``status: ready``, a Hub id ``org/name[@revision]`` answers ``fetching``."""
+        return Model.model_validate(self._json(rq.register_model(source, id, hf_id)))
+
+
+class ChatCompletions(_Resource):
+    def create(self, *, model: str, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+        """A chat completion: OpenAI's ``chat.completion`` object, as a dict. ``params`` are
+        the body's other fields (``max_tokens``, ``temperature``, ...); for a stream use ``stream``."""
+        return self._json(rq.chat_completion({"model": model, "messages": messages, **params, "stream": False}))
+
+    def stream(self, *, model: str, messages: list[dict[str, Any]], **params: Any) -> Iterator[dict[str, Any]]:
+        """The completion's ``chat.completion.chunk`` objects as the service sends them
+        (each token's text is in ``choices[i].delta.content``), until ``data: [DONE]``."""
+        response = self._send(rq.chat_completion({"model": model, "messages": messages, **params, "stream": True}))
+        decoder = SSEDecoder()
+        try:
+            for line in [*response.iter_lines(), ""]:
+                message = decoder.feed(line)
+                if message is None:
+                    continue
+                if message.data.strip() == "[DONE]":
+                    return
+                yield json.loads(message.data)
+        finally:
+            response.close()
+
+
+class Chat:
+    """``client.chat.completions``, as in OpenAI's SDK."""
+
+    def __init__(self, transport: SyncTransport) -> None:
+        self.completions = ChatCompletions(transport)
 
 
 class Webhooks(_Resource):

@@ -1,0 +1,103 @@
+"""`tunefleet models register/get` and `tunefleet chat` against the running service.
+
+The chat goes through the service's inference proxy to a small fake of vLLM
+(tests/fake_vllm.py), which answers "<model> says hi" and records what it was sent, so the
+test sees the body the CLI built and the tokens it streamed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.fake_vllm import FakeVLLM
+from tests.sdk.conftest import DEMO_MODEL, Service
+from tunefleet.cli import app
+
+# What the CLI sends does not depend on the database: one backend is enough here.
+pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
+
+
+@pytest.fixture
+def vllm() -> FakeVLLM:
+    return FakeVLLM(served=(DEMO_MODEL,))
+
+
+@pytest.fixture
+def settings(settings: Any, vllm: FakeVLLM, live_server: Any, tmp_path: Path) -> Any:
+    """The demo model served by the fake vLLM server (the registry's ``inference_url``)."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text(yaml.safe_dump({"models": [
+        {"id": DEMO_MODEL, "path": str(settings.models_dir / "tiny-llama"), "inference_url": live_server(vllm.app)}]}))
+    return settings.model_copy(update={"base_models_file": registry})
+
+
+@pytest.fixture
+def run(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
+    for name, value in service.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("COLUMNS", "200")
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0, input: str | None = None) -> Any:
+        result = runner.invoke(app, list(args), input=input, catch_exceptions=False)
+        assert result.exit_code == code, (args, result.exit_code, result.stdout, result.stderr)
+        return result
+
+    return invoke
+
+
+def test_models_register_and_get(run: Any, service: Service, admin_key: str) -> None:
+    source = str(service.settings.models_dir / "tiny-llama")
+    denied = run("models", "register", source, "--id", "acme/tiny", "--json", code=1)
+    assert json.loads(denied.stderr)["error"]["code"] == "permission_denied"
+
+    admin = ("--api-key", admin_key)
+    model = json.loads(run("models", "register", source, "--id", "acme/tiny", "--hf-id", "acme/tiny-hf",
+                           "--json", *admin).stdout)
+    assert (model["id"], model["kind"], model["status"], model["architecture"]) == (
+        "acme/tiny", "base", "ready", "llama")
+    taken = run("models", "register", source, "--id", "acme/tiny", *admin, code=1)
+    assert "model_exists" in taken.stderr
+
+    got = json.loads(run("models", "get", "acme/tiny", "--json").stdout)
+    assert got["id"] == "acme/tiny" and got["status"] == "ready" and got.get("source") is None
+    human = run("models", "get", "acme/tiny", *admin).stdout
+    assert "ready" in human and "llama" in human and source in human
+    listed = [m["id"] for m in json.loads(run("models", "--json").stdout)["data"]]
+    assert listed == [m["id"] for m in json.loads(run("models", "list", "--json").stdout)["data"]]
+    assert {"acme/tiny", DEMO_MODEL} <= set(listed)
+    assert "acme/tiny" in run("models").stdout
+    missing = run("models", "get", "nope", "--json", code=1)
+    assert json.loads(missing.stderr)["error"]["code"] == "not_found"
+
+
+def test_chat_prints_the_answer(run: Any, vllm: FakeVLLM) -> None:
+    answer = run("chat", DEMO_MODEL, "What is 2+2?", "--system", "Be brief.", "--max-tokens", "5")
+    assert answer.stdout == f"{DEMO_MODEL} says hi\n"
+    (sent,) = [body for kind, body in vllm.calls if kind == "chat"]
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "What is 2+2?"}]
+    assert sent["max_tokens"] == 5 and sent["temperature"] == 0
+
+    completion = json.loads(run("chat", DEMO_MODEL, "-", "--json", input="from stdin\n").stdout)
+    assert completion["object"] == "chat.completion"
+    assert completion["choices"][0]["message"]["content"] == f"{DEMO_MODEL} says hi"
+    assert vllm.calls[-1][1]["messages"] == [{"role": "user", "content": "from stdin\n"}]
+
+    streamed = run("chat", DEMO_MODEL, "hi", "--stream", "--temperature", "0.7")
+    assert streamed.stdout == f"{DEMO_MODEL} says hi\n"
+    assert vllm.calls[-1][1]["stream"] is True and vllm.calls[-1][1]["temperature"] == 0.7
+    chunks = [json.loads(line) for line in run("chat", DEMO_MODEL, "hi", "--stream", "--json").stdout.splitlines()]
+    assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == (
+        f"{DEMO_MODEL} says hi")
+
+    unknown = run("chat", "nope", "hi", "--json", code=1)
+    assert json.loads(unknown.stderr)["error"]["status"] == 404
+    assert "no prompt" in run("chat", DEMO_MODEL, "-", input="", code=2).stderr
