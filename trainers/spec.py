@@ -173,6 +173,13 @@ class ParallelismSpec(_Strict):
         "checkpointing and offload (its memory estimate); None = not planned. Informational: a "
         "trainer may log it beside its measured peak.",
     )
+    device_memory_bytes: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="Memory of one device as the pool declares it (what the step was planned "
+        "against). jax_lora compiles its step before the first one and, if XLA's plan does not fit "
+        "this (or the device's own limit), steps down to a smaller micro batch or more "
+        "rematerialization (trainers/jax_lora/step_fit.py). None = the device's own limit only.",
+    )
     host_devices: Annotated[int, Field(ge=1)] | None = Field(
         default=None,
         description="jax_lora on a CPU-only host: run on the CPU platform split into this many "

@@ -310,6 +310,7 @@ def _parallelism(trainer: str, accelerator: str, gpus: int, host_devices: int | 
             world_size=gpus if trainer == "fsdp_qlora" else 1, mesh=mesh, host_devices=host_devices,
             activation_checkpointing=step.activation_checkpointing, remat=step.remat,
             cpu_offload=step.cpu_offload and offload_ok, planned_memory_bytes=step.planned_bytes,
+            device_memory_bytes=step.device_bytes or None,
         )
     return ParallelismSpec(
         world_size=gpus if trainer == "fsdp_qlora" else 1,

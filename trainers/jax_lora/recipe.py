@@ -57,7 +57,7 @@ from trainers.common.preference import PreferenceData, RewardSums, load_training
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.reporter import Reporter
 from trainers.common.signals import StopFlag
-from trainers.errors import UserError
+from trainers.errors import OutOfMemory, UserError
 from trainers.spec import TrainerSpec, trains_base
 
 
@@ -240,6 +240,13 @@ class JaxLoraRecipe(SteppedRecipe):
             make_schedule,
             state_shardings,
         )
+        from trainers.jax_lora.step_fit import (
+            StepFit,
+            device_limit_bytes,
+            fallback_steps,
+            with_step,
+            xla_step_bytes,
+        )
 
         self.spec, self.reporter, self.stop = spec, reporter, stop
         self.primary = primary = jax.process_index() == 0
@@ -306,16 +313,45 @@ class JaxLoraRecipe(SteppedRecipe):
                 report_resumed(reporter, ckpt_root, resume_from, resume_state, self.metrics_log.rows(),
                                every_n_steps=spec.checkpoint.every_n_steps)
 
-        sc = StepConfig(
-            cfg=cfg,
-            runtime=lora_runtime(spec.adapter.alpha, spec.adapter.r, spec.adapter.dropout),
-            remat=spec.parallelism.remat,
-            compute_dtype=spec.precision.compute_dtype,
-            packed=spec.data.packing,
-            # DPO: dp blocks of chosen-then-rejected rows per micro-batch (_step_batches)
-            preference=PreferenceLoss(spec.method.beta, spec.method.sft_weight, blocks=dp) if dpo else None,
-        )
-        self.compiled_train_step, self.eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
+        # -- the step: compiled for the planned choice, stepped down if it does not fit --------
+        limit = device_limit_bytes(spec, jax.local_devices()[0])
+        planned = (spec.hyperparameters.micro_batch_size, spec.parallelism.remat)
+        candidates = [planned]
+        if limit is not None:
+            candidates += fallback_steps(hp.batch_size // dp, *planned)
+        tried: list[StepFit] = []
+        for micro, remat in candidates:
+            if (micro, remat) != planned:
+                spec = self.spec = with_step(spec, micro, remat)
+                _, accum = _data_parallel_plan(spec)
+                if micro != planned[0]:
+                    self.data = data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+            sc = StepConfig(
+                cfg=cfg,
+                runtime=lora_runtime(spec.adapter.alpha, spec.adapter.r, spec.adapter.dropout),
+                remat=spec.parallelism.remat,
+                compute_dtype=spec.precision.compute_dtype,
+                packed=spec.data.packing,
+                # DPO: dp blocks of chosen-then-rejected rows per micro-batch (_step_batches)
+                preference=PreferenceLoss(spec.method.beta, spec.method.sft_weight, blocks=dp) if dpo else None,
+            )
+            self.compiled_train_step, self.eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
+            first, _ = next(_step_batches(data.train, progress.cursor, dp, accum, self.pad_id))
+            compiled = self.compiled_train_step.compile(self.state, self.params, self._to_device(first))
+            tried.append(StepFit(micro, remat, xla_step_bytes(compiled), limit))
+            if tried[-1].fits:
+                break
+        else:
+            raise OutOfMemory("no step fits one device: " + "; ".join(fit.describe() for fit in tried[:4])
+                              + (f" (and {len(tried) - 4} more)" if len(tried) > 4 else ""))
+        if primary:
+            if len(tried) > 1:
+                reporter.event(f"step stepped down: {tried[0].describe()} does not fit; running {tried[-1].describe()}",
+                               level="warning", data={"step": {"micro_batch": micro, "remat": remat},
+                                                      "tried": [vars(fit) for fit in tried]})
+            else:
+                reporter.event(f"step confirmed: {tried[-1].describe()}", data={"xla_bytes": tried[-1].xla_bytes,
+                                                                                 "limit_bytes": limit})
 
         if primary:
             step = progress.step

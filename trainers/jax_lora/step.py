@@ -357,16 +357,28 @@ def compile_steps(
     evaluate = (make_preference_eval_step if sc.preference is not None else make_eval_step)(sc, mesh)
     cache: dict[tuple, Any] = {}
 
+    def jitted_train(batch):
+        return jax.jit(
+            train,
+            in_shardings=(shardings, param_shardings, batch_shardings(batch)),
+            out_shardings=(shardings, rep),  # every metric replicated
+            donate_argnums=(0,),
+        )
+
     def train_step(state, params, batch):
         key = ("train", tuple(v.shape for v in batch.values()))
         if key not in cache:
-            cache[key] = jax.jit(
-                train,
-                in_shardings=(shardings, param_shardings, batch_shardings(batch)),
-                out_shardings=(shardings, rep),  # every metric replicated
-                donate_argnums=(0,),
-            )
+            cache[key] = jitted_train(batch)
         return cache[key](state, params, batch)
+
+    def compile_train(state, params, batch):
+        """Compile the train step for ``batch``'s shapes now (nothing runs, nothing is
+        donated) and keep the executable for the calls that follow: the caller reads XLA's
+        ``memory_analysis()`` of what it will run, without compiling twice."""
+        key = ("train", tuple(v.shape for v in batch.values()))
+        compiled = jitted_train(batch).lower(state, params, batch).compile()
+        cache[key] = compiled
+        return compiled
 
     def eval_step(lora, params, micro):
         key = ("eval", tuple(v.shape for v in micro.values()))
@@ -379,4 +391,5 @@ def compile_steps(
         return cache[key](lora, params, micro)
 
     train_step.cache = cache  # type: ignore[attr-defined]
+    train_step.compile = compile_train  # type: ignore[attr-defined]
     return train_step, eval_step
