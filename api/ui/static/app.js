@@ -107,6 +107,21 @@
       const d = digits ?? (i === 0 ? 0 : n >= 100 ? 0 : 1);
       return `${n.toFixed(i === 0 ? 0 : d)} ${units[i]}`;
     },
+    /** An axis tick in bytes, given all the axis' ticks: each in the unit of the largest,
+     *  with as many decimals as the step between ticks needs to tell them apart (a narrow
+     *  range reads 1.40, 1.42, 1.44 GiB, not 1.4 GiB five times). */
+    bytesTick(v, ticks) {
+      if (v === null || v === undefined) return "—";
+      const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+      const top = Math.max(...ticks.map((t) => Math.abs(Number(t))));
+      let i = 0;
+      while (top >= 1024 ** (i + 1) && i < units.length - 1) i += 1;
+      const scale = 1024 ** i;
+      const step = ticks.length > 1 ? Math.abs(ticks[1] - ticks[0]) / scale : 0;
+      // The fewest decimals with 10^-d <= step: neighbours then round to different labels.
+      const d = i === 0 || !(step > 0) ? 0 : Math.min(6, Math.max(0, Math.ceil(-Math.log10(step) - 1e-9)));
+      return `${(Number(v) / scale).toFixed(d)} ${units[i]}`;
+    },
     duration(seconds) {
       if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "—";
       seconds = Math.max(0, Math.round(seconds));

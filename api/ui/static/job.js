@@ -28,7 +28,8 @@
       series: [{ label: "tokens/s", color: "#0ba5ec" }], yFmt: (v) => fmt.num(v),
     }),
     mem: tf.lineChart(document.getElementById("chart-mem"), {
-      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v), yTick: (v) => fmt.bytes(v, 1),
+      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v),
+      yTick: (v, ticks) => fmt.bytesTick(v, ticks),
       empty: "No memory readings reported yet.",
     }),
     // DPO runs only: their cards show once the job is DPO or a reward metric arrives.
