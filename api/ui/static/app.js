@@ -147,6 +147,19 @@
     money(v) { return v === null || v === undefined ? "—" : `$${Number(v).toFixed(v < 1 ? 3 : 2)}`; },
   };
 
+  /** What a pool's "GPUs" are, by its accelerators: a CPU pool (the embedded `local`
+   *  pool) runs one trainer per slot, so its units are slots and its GPU time is CPU time;
+   *  a list mixing CPU and GPU pools counts devices. Unknown accelerators count as GPUs. */
+  function devices(...accelerators) {
+    const known = accelerators.flat().filter(Boolean);
+    const cpu = known.filter((a) => a === "cpu").length;
+    if (known.length && cpu === known.length) {
+      return { one: "slot", many: "slots", title: "Slots", time: "CPU time" };
+    }
+    if (cpu) return { one: "device", many: "devices", title: "Devices", time: "Device time" };
+    return { one: "GPU", many: "GPUs", title: "GPUs", time: "GPU time" };
+  }
+
   // ---- DOM ----------------------------------------------------------------------------
 
   /** el("td.num", {title}, child, ...): a tiny element builder; strings become text nodes. */
@@ -237,5 +250,5 @@
   });
 
   window.tf = { api, apiAll, csrfToken, ApiError, Unreachable, fmt, el, pill, progressBar, emptyState, notice,
-    confirmAction, every, page, setBanner, STATUS_LABELS };
+    confirmAction, every, page, setBanner, STATUS_LABELS, devices };
 })();

@@ -184,7 +184,8 @@
     if (chosen && (chosen.fits ?? true) && chosen.pool) {
       const pick = notice("ok", null, null);
       pick.setAttribute("data-testid", "estimate-choice");
-      pick.append(el("div", el("b", `${chosen.gpus}× GPU on pool `), el("span.tag", chosen.pool),
+      const unit = tf.devices(chosen.accelerator || pools.find((p) => p.pool === chosen.pool)?.accelerator);
+      pick.append(el("div", el("b", `${chosen.gpus}× ${unit.one} on pool `), el("span.tag", chosen.pool),
         chosen.trainer ? [" · trainer ", el("span.tag", chosen.trainer)] : null));
       pick.append(el("div.small", { style: "margin-top:4px" },
         `ETA ${fmt.duration(chosen.eta_s)} · ${fmt.num(chosen.tokens_per_s)} tokens/s · cost ${fmt.money(chosen.cost)}`));
@@ -196,7 +197,8 @@
       if (reasons.length) warn.append(el("ul.reasons", reasons.map((r) => el("li", r))));
       parts.push(warn);
     }
-    parts.push(el("h3", { style: "margin-top:14px" }, "Memory per GPU vs capacity"));
+    const unit = tf.devices(pools.map((p) => p.accelerator));
+    parts.push(el("h3", { style: "margin-top:14px" }, `Memory per ${unit.one} vs capacity`));
     for (const p of pools) {
       const need = p.memory_per_gpu_bytes;
       const cap = p.gpu_memory_bytes;
@@ -204,7 +206,8 @@
       const fill = el(`div.fill${p.fits ? ".ok" : ".over"}`, { style: `width:${need ? Math.min(100, (100 * need) / scale) : 0}%` });
       const capMark = el("div.cap", { style: `left:calc(${(100 * cap) / scale}% - 1px)`, title: "GPU memory" });
       parts.push(el("div.meter-row", { "data-pool": p.pool },
-        el("div", el("div.name", p.pool), el("div.cell-sub", p.fits ? `${p.gpus}× GPU${p.cpu_offload ? " + CPU offload" : ""}` : "does not fit")),
+        el("div", el("div.name", p.pool), el("div.cell-sub", p.fits
+          ? `${p.gpus}× ${tf.devices(p.accelerator).one}${p.cpu_offload ? " + CPU offload" : ""}` : "does not fit")),
         el("div.meter", fill, capMark),
         el("div.fig", need ? `${fmt.bytes(need)} / ${fmt.bytes(cap)}` : "—")));
       if (p.reasons?.length && !p.fits) parts.push(el("div.cell-sub", { style: "margin:-4px 0 6px 182px" }, p.reasons.join("; ")));
