@@ -45,7 +45,9 @@
         axes: [
           { stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" } },
           {
-            stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" }, size: 72,
+            stroke: "#667085", grid: { stroke: "#f2f4f7" }, ticks: { stroke: "#eaecf0" },
+            // Wide enough for the longest label (about 7 px a character), e.g. "504.52 MiB".
+            size: (u, values) => Math.max(72, 20 + 7 * Math.max(0, ...(values || []).map((v) => String(v).length))),
             values: (u, vals) => vals.map((v) => (opts.yTick || opts.yFmt || String)(v, vals)),
           },
         ],
