@@ -176,11 +176,24 @@ def watch_parent(stop: Any, interval_s: float = 1.0) -> threading.Thread:
     return thread
 
 
+def configure_logging() -> None:
+    """INFO on stderr, which the executor keeps as the job's log, except the HTTP client's.
+
+    httpx logs every request at INFO ("HTTP Request: POST .../reports "HTTP/1.1 200 OK""),
+    and the reporter sends one at every flush: those lines would bury the training's own.
+    From WARNING they still show; a report that fails is logged by the reporter itself
+    (``trainers.common.reporter``, WARNING and ERROR), with its status and what it does next.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="path of the trainer spec JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
 
     from pydantic import ValidationError
 

@@ -16,7 +16,7 @@ part of the public API and may change with the dashboard).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import func, or_, select
@@ -139,8 +139,11 @@ def resolved_hyperparameters(
     batch_size: str = "auto",
     learning_rate_multiplier: str = "auto",
     max_steps: Annotated[int | None, Query(ge=1)] = None,
+    method: Literal["supervised", "dpo"] = "supervised",
+    beta: str = "auto",
 ) -> dict[str, Any]:
-    """What "auto" resolves to for ``training_file`` (the creation route's own rule)."""
+    """What "auto" resolves to for ``training_file`` (the creation route's own rule); a
+    ``dpo`` method also resolves ``beta`` (OpenAI's range, 0 < beta <= 2)."""
     file = get_file(db, key.tenant, training_file, param="training_file")
     n_examples = int((file.validation or {}).get("n_examples") or 0)
     if file.status != "processed" or n_examples < 1:
@@ -155,10 +158,14 @@ def resolved_hyperparameters(
         ),
         "max_steps": max_steps,
     }
+    if method == "dpo":
+        requested["beta"] = _auto_or_number(beta, float, "beta")
+        if requested["beta"] != "auto" and requested["beta"] > 2:
+            raise APIError(400, "invalid_request", "beta must be at most 2.", param="beta")
     return {
         "training_file": file.id,
         "n_examples": n_examples,
-        "hyperparameters": resolve_hyperparameters(requested, n_examples),
+        "hyperparameters": resolve_hyperparameters(requested, n_examples, method=method),
     }
 
 

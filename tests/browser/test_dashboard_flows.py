@@ -429,3 +429,65 @@ def test_a_dpo_job_charts_its_reward_metrics(service, page_for, screenshots: Pat
     legend = page.inner_text("#card-rewards")
     assert all(label in legend for label in ("chosen", "rejected", "margin", "valid margin"))
     page.screenshot(path=screenshots / "dpo-job-rewards.png", full_page=True)
+
+
+def test_a_dpo_job_from_the_new_job_form(service, page_for, screenshots: Path) -> None:
+    """The form sends a DPO job as OpenAI's method.dpo with its hyperparameters (beta too);
+    its page then charts only the series that have data (no validation file: no valid
+    lines) and names the CPU pool's units slots."""
+    from tests.preference_data import sum_preference_lines
+
+    page = page_for(service.admin_key)
+    page.goto(f"{service.url}/ui/new")
+    assert not page.is_visible("[data-testid=preference-help]")
+    page.click("#training-method label:has-text('DPO')")
+    help_text = page.inner_text("[data-testid=preference-help]")
+    assert all(key in help_text for key in ("input", "preferred_output", "non_preferred_output")), help_text
+    _upload(page, "prefs.jsonl", sum_preference_lines(16))
+    ok = page.wait_for_selector("[data-testid=validation-ok]", timeout=60_000)
+    assert "Format preference" in ok.inner_text() and "16 examples" in ok.inner_text(), ok.inner_text()
+    page.select_option("#model-select", "tunefleet-tiny-llama")
+    page.select_option("select[name=trainer]", "fsdp_qlora")
+    page.fill("input[name=max_seq_len]", "48")
+    page.fill("input[name=n_epochs]", "1")
+    page.fill("input[name=batch_size]", "4")
+    page.wait_for_function("document.querySelector('[data-resolved=beta]').textContent === 'auto → 0.1'")
+    # Out of OpenAI's range (0 < beta <= 2): refused before anything is sent.
+    page.fill("input[name=beta]", "2.5")
+    page.click("#submit-job")
+    assert "Beta must be above 0 and at most 2" in page.inner_text("[data-testid=submit-error]")
+    page.fill("input[name=beta]", "0.2")
+    page.wait_for_selector("[data-testid=estimate-choice]", timeout=30_000)
+    page.screenshot(path=screenshots / "04b-new-dpo-job.png", full_page=True)
+    with page.expect_request(lambda r: r.url.endswith("/v1/fine_tuning/jobs") and r.method == "POST") as sent:
+        page.click("#submit-job")
+    body = sent.value.post_data_json
+    assert "hyperparameters" not in body, body
+    assert body["method"] == {"type": "dpo", "dpo": {"hyperparameters": {
+        "n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": "auto", "beta": 0.2}}}, body
+    page.wait_for_url(re.compile(r".*/ui/jobs/ftjob-[A-Za-z0-9]+$"))
+    _wait_js(page, service, "document.querySelector('#job-details').innerText.includes('DPO · β 0.2')",
+             timeout_ms=30_000, what="the details to show the job's beta")
+    assert _wait_status(page, {"succeeded", "failed"}, timeout_s=300) == "succeeded", service.log_tail(120)
+    _wait_js(page, service, "Number(document.querySelector('#chart-rewards').dataset.points || 0) >= 4",
+             timeout_ms=30_000, what="the rewards chart to hold every step")
+    assert page.get_attribute("#chart-rewards", "data-series") == "chosen,rejected,margin"
+    assert page.get_attribute("#chart-reward-accuracy", "data-series") == "train"
+    assert page.get_attribute("#chart-loss", "data-series") == "train"
+    assert "valid" not in page.inner_text("#card-rewards")
+    # The embedded pool is a CPU pool: its units are slots, not GPUs.
+    terms = page.eval_on_selector_all("#job-details dt", "(nodes) => nodes.map((n) => n.textContent)")
+    assert "Slots" in terms and "GPUs" not in terms and "GPU time" not in terms, terms
+    # Memory ticks over a narrow range tell the ticks apart.
+    ticks = page.evaluate("[1.50e9, 1.52e9, 1.54e9, 1.56e9].map((v, _, all) => tf.fmt.bytesTick(v, all))")
+    assert ticks == ["1.40 GiB", "1.42 GiB", "1.43 GiB", "1.45 GiB"], ticks
+    page.screenshot(path=screenshots / "dpo-job-from-form.png", full_page=True)
+
+    page.goto(f"{service.url}/ui/pools")
+    card = page.locator('[data-pool="local"]')
+    card.wait_for()
+    assert card.get_attribute("data-accelerator") == "cpu"
+    text = card.inner_text()
+    assert "Slots" in text and "per slot" in text and "slots/node" in text and "GPU" not in text, text
+    page.wait_for_selector("#chart-util")
+    assert page.inner_text("#util-unit") == "Slots"

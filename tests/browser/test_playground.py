@@ -21,6 +21,7 @@ from tests.browser.test_dashboard_flows import _processed_file
 pytestmark = pytest.mark.browser
 
 PROMPT = "Spell backwards: bank"
+SYSTEM = "Answer with the letters only."
 MAX_TOKENS = 12
 # TUNEFLEET_INFERENCE_MAX_CONCURRENT_PER_TENANT's default, which the service runs with.
 TENANT_SLOTS = 4
@@ -52,12 +53,14 @@ def trained_job(service) -> dict:
     return job
 
 
-def _greedy(service, model: str) -> str:
+def _greedy(service, model: str, system: str | None = None) -> str:
     """The content of the same greedy request, asked over the API directly (not streamed)."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": PROMPT})
     with service.api() as api:
         for _ in range(150):
             answer = api.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": PROMPT}],
+                "model": model, "messages": messages,
                 "temperature": 0, "top_p": 1, "max_tokens": MAX_TOKENS,
             })
             if answer.status_code != 503:
@@ -74,8 +77,9 @@ def _open_playground(page, service, job_id: str) -> list[str]:
     page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
     page.goto(f"{service.url}/ui/jobs/{job_id}")
     page.wait_for_selector("#playground:not(.hidden)")
+    # Greedy by default: comparing the two models needs answers that do not vary by sampling.
+    assert page.input_value("#pg-temperature") == "0"
     page.fill("#pg-prompt", PROMPT)
-    page.fill("#pg-temperature", "0")
     page.fill("#pg-max-tokens", str(MAX_TOKENS))
     return errors
 
@@ -135,6 +139,20 @@ def test_playground_streams_the_fine_tuned_and_base_answers(service, page_for, t
     checkpoint = _column(page, "tuned")
     assert checkpoint["state"] == "done" and checkpoint["model"] == earliest, checkpoint
     assert checkpoint["text"] and checkpoint["text"] == _greedy(service, earliest)
+
+    # A system prompt goes first, as a system message, to both models.
+    sent: list[dict] = []
+    page.on("request", lambda request: sent.append(request.post_data_json)
+            if request.url.endswith("/v1/chat/completions") else None)
+    page.select_option("#pg-model", trained_job["fine_tuned_model"])
+    page.fill("#pg-system", SYSTEM)
+    _send_and_wait(page, service, errors)
+    expected = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+    assert len(sent) == 2 and all(body["messages"] == expected and body["temperature"] == 0 for body in sent), sent
+    tuned, base = _column(page, "tuned"), _column(page, "base")
+    assert tuned["state"] == "done" and base["state"] == "done", (tuned, base)
+    assert tuned["text"] == _greedy(service, trained_job["fine_tuned_model"], system=SYSTEM)
+    assert base["text"] == _greedy(service, "tunefleet-tiny-llama", system=SYSTEM)
 
 
 def test_playground_shows_when_to_retry_a_429(service, page_for, trained_job: dict, screenshots: Path) -> None:

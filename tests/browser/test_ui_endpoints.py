@@ -163,6 +163,9 @@ def test_jobs_table_carries_the_latest_metric(client, tenant_key, db_session) ->
         ({}, {"n_epochs": 3, "batch_size": 1, "total_steps": 144, "learning_rate": 2e-4}),
         ({"n_epochs": "2", "batch_size": "4"}, {"n_epochs": 2, "batch_size": 4, "total_steps": 24}),
         ({"learning_rate_multiplier": "0.5", "max_steps": "10"}, {"total_steps": 10, "learning_rate": 1e-4}),
+        # DPO: beta too (OpenAI's default 0.1 for "auto"); the other values by the same rule.
+        ({"method": "dpo"}, {"beta": 0.1, "n_epochs": 3, "total_steps": 144}),
+        ({"method": "dpo", "beta": "0.5", "batch_size": "4"}, {"beta": 0.5, "total_steps": 36}),
     ],
 )
 def test_resolved_auto_hyperparameters(client, tenant_key, params, expected) -> None:
@@ -191,3 +194,6 @@ def test_resolved_hyperparameters_refuse_bad_input_and_foreign_files(client, ten
     bad = client.get("/ui/api/hyperparameters", params={"training_file": own["id"], "n_epochs": "many"})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "n_epochs"
+    for beta in ("0", "2.5", "strong"):
+        bad = client.get("/ui/api/hyperparameters", params={"training_file": own["id"], "method": "dpo", "beta": beta})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "beta", (beta, bad.text)

@@ -221,3 +221,23 @@ def test_disk_full_inside_a_distributed_checkpoint_failure_is_disk_full():
     assert classify(failure).code == "disk_full"
     assert classify(CheckpointException("save failed", {0: (KeyError("x"), traceback.extract_stack())})).code \
         == "internal_error"
+
+
+def test_the_log_keeps_training_and_errors_but_not_each_report_request():
+    # In a fresh process: the entry point's logging setup, as `python -m trainers` runs it.
+    script = (
+        "import logging\n"
+        "from trainers.__main__ import configure_logging\n"
+        "configure_logging()\n"
+        "logging.getLogger('httpx').info('HTTP Request: POST http://api/reports \"HTTP/1.1 200 OK\"')\n"
+        "logging.getLogger('httpcore.http11').debug('send_request_headers.started')\n"
+        "logging.getLogger('httpx').warning('httpx warning shown')\n"
+        "logging.getLogger('trainers.common.reporter').warning('reporter: seq 3 got HTTP 503; will retry')\n"
+        "logging.getLogger('trainers.common.reporter').error('reporter: API refused reports')\n"
+        "logging.getLogger('trainers').info('step 10 loss 1.5')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=60, check=True).stderr
+    assert "HTTP/1.1 200 OK" not in out and "send_request_headers" not in out, out
+    for line in ("httpx warning shown", "seq 3 got HTTP 503", "API refused reports", "step 10 loss 1.5"):
+        assert line in out, out

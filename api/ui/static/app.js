@@ -107,6 +107,21 @@
       const d = digits ?? (i === 0 ? 0 : n >= 100 ? 0 : 1);
       return `${n.toFixed(i === 0 ? 0 : d)} ${units[i]}`;
     },
+    /** An axis tick in bytes, given all the axis' ticks: each in the unit of the largest,
+     *  with as many decimals as the step between ticks needs to tell them apart (a narrow
+     *  range reads 1.40, 1.42, 1.44 GiB, not 1.4 GiB five times). */
+    bytesTick(v, ticks) {
+      if (v === null || v === undefined) return "—";
+      const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+      const top = Math.max(...ticks.map((t) => Math.abs(Number(t))));
+      let i = 0;
+      while (top >= 1024 ** (i + 1) && i < units.length - 1) i += 1;
+      const scale = 1024 ** i;
+      const step = ticks.length > 1 ? Math.abs(ticks[1] - ticks[0]) / scale : 0;
+      // The fewest decimals with 10^-d <= step: neighbours then round to different labels.
+      const d = i === 0 || !(step > 0) ? 0 : Math.min(6, Math.max(0, Math.ceil(-Math.log10(step) - 1e-9)));
+      return `${(Number(v) / scale).toFixed(d)} ${units[i]}`;
+    },
     duration(seconds) {
       if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "—";
       seconds = Math.max(0, Math.round(seconds));
@@ -131,6 +146,19 @@
     },
     money(v) { return v === null || v === undefined ? "—" : `$${Number(v).toFixed(v < 1 ? 3 : 2)}`; },
   };
+
+  /** What a pool's "GPUs" are, by its accelerators: a CPU pool (the embedded `local`
+   *  pool) runs one trainer per slot, so its units are slots and its GPU time is CPU time;
+   *  a list mixing CPU and GPU pools counts devices. Unknown accelerators count as GPUs. */
+  function devices(...accelerators) {
+    const known = accelerators.flat().filter(Boolean);
+    const cpu = known.filter((a) => a === "cpu").length;
+    if (known.length && cpu === known.length) {
+      return { one: "slot", many: "slots", title: "Slots", time: "CPU time" };
+    }
+    if (cpu) return { one: "device", many: "devices", title: "Devices", time: "Device time" };
+    return { one: "GPU", many: "GPUs", title: "GPUs", time: "GPU time" };
+  }
 
   // ---- DOM ----------------------------------------------------------------------------
 
@@ -222,5 +250,5 @@
   });
 
   window.tf = { api, apiAll, csrfToken, ApiError, Unreachable, fmt, el, pill, progressBar, emptyState, notice,
-    confirmAction, every, page, setBanner, STATUS_LABELS };
+    confirmAction, every, page, setBanner, STATUS_LABELS, devices };
 })();

@@ -28,7 +28,8 @@
       series: [{ label: "tokens/s", color: "#0ba5ec" }], yFmt: (v) => fmt.num(v),
     }),
     mem: tf.lineChart(document.getElementById("chart-mem"), {
-      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v), yTick: (v) => fmt.bytes(v, 1),
+      series: [{ label: "memory", color: "#9e77ed" }], yFmt: (v) => fmt.bytes(v),
+      yTick: (v, ticks) => fmt.bytesTick(v, ticks),
       empty: "No memory readings reported yet.",
     }),
     // DPO runs only: their cards show once the job is DPO or a reward metric arrives.
@@ -172,16 +173,34 @@
       start && end ? `${LIVE.has(job.status) ? "running for" : "ran for"} ${fmt.duration(end - start)}` : " ";
   }
 
+  // The accelerator of the job's pool, for its words (a CPU pool's "GPUs" are slots): from
+  // the pool rows of the job's estimate, else from GET /v1/node_pools, read once.
+  let poolAccelerators = null;
+  function acceleratorOf(j) {
+    if (!j.pool) return null;
+    const row = (j.estimate?.pools || []).find((p) => p.pool === j.pool);
+    if (row?.accelerator) return row.accelerator;
+    if (poolAccelerators === null) {
+      poolAccelerators = new Map();
+      api("/v1/node_pools").then((r) => {
+        for (const p of r.data || []) poolAccelerators.set(p.name, p.accelerator);
+        if (job) renderDetails();
+      }).catch(() => {});
+    }
+    return poolAccelerators.get(j.pool) || null;
+  }
+
   function renderDetails() {
     const hp = job.hyperparameters || {};
     const ad = job.adapter || {};
+    const unit = tf.devices(acceleratorOf(job));
     const rows = [
       ["Model", el("span", job.model)],
       ["Method", ad.method ? `${ad.method.toUpperCase()}${ad.quantization && ad.quantization !== "none" ? ` (${ad.quantization})` : ""} · r ${ad.r ?? "—"} · α ${ad.alpha ?? "—"}` : "—"],
       ["Objective", job.method?.type === "dpo" ? `DPO · β ${hp.beta ?? "auto"}` : "Supervised"],
       ["Trainer", job.estimate?.chosen?.trainer || job.trainer || "—"],
       ["Pool", job.pool ? el("span.tag", job.pool) : el("span.muted", "not placed yet")],
-      ["GPUs", job.gpus ?? "—"],
+      [unit.title, job.gpus ?? "—"],
       ["Priority", job.priority ?? "—"],
       ["Epochs", hp.n_epochs ?? "—"],
       ["Batch size", hp.batch_size ?? "—"],
@@ -192,7 +211,7 @@
     ];
     if (job.tenant_id && tf.page().principal.is_admin) rows.splice(0, 0, ["Tenant", el("span.mono", job.tenant_id)]);
     if (job.fine_tuned_model) rows.push(["Fine-tuned model", el("span.mono", job.fine_tuned_model)]);
-    if (job.usage?.gpu_seconds !== undefined) rows.push(["GPU time", fmt.duration(job.usage.gpu_seconds)]);
+    if (job.usage?.gpu_seconds !== undefined) rows.push([unit.time, fmt.duration(job.usage.gpu_seconds)]);
     if (job.usage?.cost !== undefined && job.usage?.cost !== null) rows.push(["Cost", fmt.money(job.usage.cost)]);
     document.getElementById("job-details").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
   }

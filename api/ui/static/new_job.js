@@ -1,5 +1,8 @@
 /* New job page: upload + inline validation, model/method/hyperparameters, the resolved
  * "auto" values, a placement estimate (POST /v1/fine_tuning/estimate) and submit.
+ * The training method is supervised or DPO; a DPO job's hyperparameters (beta besides the
+ * others) go in OpenAI's method.dpo.hyperparameters, as the API takes no top-level ones
+ * for it. Reinforcement is not offered: the API refuses it until a trainer runs it.
  * Everything goes through the public JSON API with the session cookie + CSRF header,
  * except the "auto" preview, which the dashboard's own endpoint computes with the
  * API's resolver (api/hyperparameters.py) so the numbers are the ones the job will get.
@@ -20,7 +23,7 @@
   function fileLabel(f) {
     const v = f.validation || {};
     const n = v.n_examples !== undefined && v.n_examples !== null ? ` · ${fmt.num(v.n_examples)} examples` : "";
-    return `${f.filename} (${f.id.slice(0, 14)}…${n})`;
+    return `${f.filename} (${f.id.slice(0, 14)}…${v.format ? ` · ${v.format}` : ""}${n})`;
   }
 
   async function loadFiles(selectId) {
@@ -115,19 +118,36 @@
     return v === "" ? null : Number(v);
   }
 
-  /** The job-creation body (OpenAI fields + our extensions) from the form. */
-  function body() {
-    const method = form.elements.method.value;
+  const isDpo = () => form.elements.training_method.value === "dpo";
+
+  /** The hyperparameters from the form: OpenAI's (each a value or "auto"), beta for DPO. */
+  function hyperparameters() {
     const hp = {};
     for (const name of ["n_epochs", "batch_size"]) { const v = numberField(name); hp[name] = v === null ? "auto" : Math.round(v); }
     const mult = numberField("learning_rate_multiplier");
     hp.learning_rate_multiplier = mult === null ? "auto" : mult;
     const maxSteps = numberField("max_steps");
     if (maxSteps !== null) hp.max_steps = Math.round(maxSteps);
+    if (isDpo()) { const beta = numberField("beta"); hp.beta = beta === null ? "auto" : beta; }
+    return hp;
+  }
+
+  /** What the form cannot send as it is, or null. */
+  function formProblem() {
+    const beta = numberField("beta");
+    if (isDpo() && beta !== null && !(beta > 0 && beta <= 2)) return "Beta must be above 0 and at most 2, or empty for auto.";
+    return null;
+  }
+
+  /** The job-creation body (OpenAI fields + our extensions) from the form. */
+  function body() {
+    const method = form.elements.method.value;
+    const hp = hyperparameters();
     const out = {
       model: form.elements.model.value,
       training_file: fileSelect.value,
-      hyperparameters: hp,
+      // A DPO job takes its hyperparameters in the method only (the API refuses both).
+      ...(isDpo() ? { method: { type: "dpo", dpo: { hyperparameters: hp } } } : { hyperparameters: hp }),
       adapter: {
         method,
         r: Math.round(numberField("r") ?? 8),
@@ -154,17 +174,18 @@
   async function resolveAuto() {
     const targets = document.querySelectorAll("[data-resolved]");
     if (!fileSelect.value) { targets.forEach((t) => { t.textContent = ""; }); return; }
-    const b = body();
-    const params = new URLSearchParams({ training_file: b.training_file });
-    for (const [k, v] of Object.entries(b.hyperparameters)) params.set(k, String(v));
+    const hp = hyperparameters();
+    const params = new URLSearchParams({ training_file: fileSelect.value, method: isDpo() ? "dpo" : "supervised" });
+    for (const [k, v] of Object.entries(hp)) params.set(k, String(v));
     try {
       const r = await api(`/ui/api/hyperparameters?${params}`);
-      const hp = r.hyperparameters;
       const mark = (name, text) => { document.querySelector(`[data-resolved="${name}"]`).textContent = text; };
-      mark("n_epochs", b.hyperparameters.n_epochs === "auto" ? `auto → ${hp.n_epochs}` : "");
-      mark("batch_size", b.hyperparameters.batch_size === "auto" ? `auto → ${hp.batch_size}` : "");
-      mark("learning_rate", `learning rate ${fmt.sci(hp.learning_rate)}`);
-      mark("total_steps", `${fmt.num(hp.total_steps)} optimizer steps for ${fmt.num(r.n_examples)} examples`);
+      const got = r.hyperparameters;
+      mark("n_epochs", hp.n_epochs === "auto" ? `auto → ${got.n_epochs}` : "");
+      mark("batch_size", hp.batch_size === "auto" ? `auto → ${got.batch_size}` : "");
+      mark("learning_rate", `learning rate ${fmt.sci(got.learning_rate)}`);
+      mark("total_steps", `${fmt.num(got.total_steps)} optimizer steps for ${fmt.num(r.n_examples)} examples`);
+      mark("beta", hp.beta === "auto" ? `auto → ${got.beta}` : "");
     } catch (_) {
       targets.forEach((t) => { t.textContent = ""; });
     }
@@ -184,7 +205,8 @@
     if (chosen && (chosen.fits ?? true) && chosen.pool) {
       const pick = notice("ok", null, null);
       pick.setAttribute("data-testid", "estimate-choice");
-      pick.append(el("div", el("b", `${chosen.gpus}× GPU on pool `), el("span.tag", chosen.pool),
+      const unit = tf.devices(chosen.accelerator || pools.find((p) => p.pool === chosen.pool)?.accelerator);
+      pick.append(el("div", el("b", `${chosen.gpus}× ${unit.one} on pool `), el("span.tag", chosen.pool),
         chosen.trainer ? [" · trainer ", el("span.tag", chosen.trainer)] : null));
       pick.append(el("div.small", { style: "margin-top:4px" },
         `ETA ${fmt.duration(chosen.eta_s)} · ${fmt.num(chosen.tokens_per_s)} tokens/s · cost ${fmt.money(chosen.cost)}`));
@@ -196,7 +218,8 @@
       if (reasons.length) warn.append(el("ul.reasons", reasons.map((r) => el("li", r))));
       parts.push(warn);
     }
-    parts.push(el("h3", { style: "margin-top:14px" }, "Memory per GPU vs capacity"));
+    const unit = tf.devices(pools.map((p) => p.accelerator));
+    parts.push(el("h3", { style: "margin-top:14px" }, `Memory per ${unit.one} vs capacity`));
     for (const p of pools) {
       const need = p.memory_per_gpu_bytes;
       const cap = p.gpu_memory_bytes;
@@ -204,7 +227,8 @@
       const fill = el(`div.fill${p.fits ? ".ok" : ".over"}`, { style: `width:${need ? Math.min(100, (100 * need) / scale) : 0}%` });
       const capMark = el("div.cap", { style: `left:calc(${(100 * cap) / scale}% - 1px)`, title: "GPU memory" });
       parts.push(el("div.meter-row", { "data-pool": p.pool },
-        el("div", el("div.name", p.pool), el("div.cell-sub", p.fits ? `${p.gpus}× GPU${p.cpu_offload ? " + CPU offload" : ""}` : "does not fit")),
+        el("div", el("div.name", p.pool), el("div.cell-sub", p.fits
+          ? `${p.gpus}× ${tf.devices(p.accelerator).one}${p.cpu_offload ? " + CPU offload" : ""}` : "does not fit")),
         el("div.meter", fill, capMark),
         el("div.fig", need ? `${fmt.bytes(need)} / ${fmt.bytes(cap)}` : "—")));
       if (p.reasons?.length && !p.fits) parts.push(el("div.cell-sub", { style: "margin:-4px 0 6px 182px" }, p.reasons.join("; ")));
@@ -221,6 +245,8 @@
       box.replaceChildren(el("div.muted", "Choose a training file and a model to see where this job fits."));
       return;
     }
+    const problem = formProblem();
+    if (problem) { box.replaceChildren(notice("warn", "No estimate for these settings", problem)); return; }
     const seq = ++estimateSeq;
     box.style.opacity = "0.6";
     try {
@@ -246,6 +272,13 @@
   async function submit() {
     const errors = document.getElementById("submit-errors");
     errors.replaceChildren();
+    const problem = formProblem();
+    if (problem) {
+      const box = notice("error", "The job was not created", problem);
+      box.setAttribute("data-testid", "submit-error");
+      errors.replaceChildren(box);
+      return;
+    }
     submitButton.disabled = true;
     try {
       const job = await api("/v1/fine_tuning/jobs", { method: "POST", json: body() });
@@ -264,6 +297,8 @@
   function changed() {
     submitButton.disabled = !ready();
     document.getElementById("quant-field").classList.toggle("hidden", form.elements.method.value !== "qlora");
+    document.getElementById("dpo-fields").classList.toggle("hidden", !isDpo());
+    document.getElementById("preference-help").classList.toggle("hidden", !isDpo());
     clearTimeout(timer);
     timer = setTimeout(() => { resolveAuto(); estimate(); }, 250);
   }

@@ -1,6 +1,7 @@
 /* Job page playground: once a job has succeeded, send one prompt to its fine-tuned model
  * (the final adapter or any checkpoint) and to its base model at once, and stream both
- * answers side by side.
+ * answers side by side. An optional system prompt goes first, as a system message; the
+ * temperature starts at 0 (greedy), so the two columns differ by the model, not by sampling.
  *
  * Both requests are ordinary POST /v1/chat/completions calls with `stream: true`, made
  * with the dashboard's session cookie and CSRF token, so the API applies the same tenant
@@ -25,6 +26,7 @@
   const form = document.getElementById("pg-form");
   const modelSelect = document.getElementById("pg-model");
   const promptBox = document.getElementById("pg-prompt");
+  const systemBox = document.getElementById("pg-system");
   const sendButton = document.getElementById("pg-send");
   const stopButton = document.getElementById("pg-stop");
   const formError = document.getElementById("pg-form-error");
@@ -116,7 +118,10 @@
     if (topP === null || !(topP > 0 && topP <= 1)) return { error: "top_p must be above 0 and at most 1." };
     const seed = number("pg-seed");
     if (seed !== null && !Number.isSafeInteger(seed)) return { error: "Seed must be a whole number, or empty." };
-    const settings = { messages: [{ role: "user", content: prompt }], temperature, max_tokens: maxTokens, top_p: topP };
+    const system = systemBox.value;
+    const messages = system.trim() ? [{ role: "system", content: system }] : [];
+    messages.push({ role: "user", content: prompt });
+    const settings = { messages, temperature, max_tokens: maxTokens, top_p: topP };
     if (seed !== null) settings.seed = seed;
     return { settings };
   }

@@ -1,11 +1,12 @@
 /* Queue & pools page: pool capacity from GET /v1/node_pools (when the server has it),
  * running jobs grouped by pool and the queue from GET /v1/fine_tuning/jobs, and a
  * GPUs-in-use chart rebuilt from the jobs' start/finish times (no sampled history is
- * invented: the curve is exactly what those timestamps imply).
+ * invented: the curve is exactly what those timestamps imply). A CPU pool's units are
+ * named slots, not GPUs (tf.devices).
  */
 (function () {
   "use strict";
-  const { api, apiAll, el, fmt, pill, emptyState, every } = tf;
+  const { api, apiAll, el, fmt, pill, emptyState, every, devices } = tf;
   const MAX_WINDOW_S = 24 * 3600;
   const MIN_WINDOW_S = 5 * 60;
   // Every job listed here is one the viewer may open (its own; an admin: all).
@@ -13,21 +14,23 @@
   let util = null;
 
   function poolCard(p) {
+    const unit = devices(p.accelerator);
     const pct = p.gpus_total ? Math.min(100, (100 * p.gpus_used) / p.gpus_total) : 0;
     const source = p.capacity_source === "cluster"
       ? `nodes observed in the cluster ${fmt.age(p.observed_at)}`
       : "nodes from the pools file";
-    const card = el("div.card", { "data-pool": p.name, "data-capacity-source": p.capacity_source },
+    const card = el("div.card", { "data-pool": p.name, "data-capacity-source": p.capacity_source,
+      "data-accelerator": p.accelerator },
       el("div.card-head", el("h2", p.name), el("span.tag", p.accelerator || "—"),
-        el("span.right", p.gpu_memory_bytes ? `${fmt.bytes(p.gpu_memory_bytes)} per GPU` : "")),
+        el("span.right", p.gpu_memory_bytes ? `${fmt.bytes(p.gpu_memory_bytes)} per ${unit.one}` : "")),
       el("div.meter-row", { style: "grid-template-columns: 90px 1fr 120px" },
-        el("div.name", "GPUs"),
+        el("div.name", unit.title),
         el("div.meter", el("div.fill", { style: `width:${pct}%` })),
         el("div.fig", `${p.gpus_used} used · ${p.gpus_free} free / ${p.gpus_total}`)),
       el("div.small.muted", [
         p.trainers.length ? `trainer ${p.trainers.join(", ")}` : null,
-        `${fmt.money(p.price_per_gpu_hour)}/GPU-hour`,
-        `${p.gpus_per_node} GPUs/node`,
+        `${fmt.money(p.price_per_gpu_hour)}/${unit.one}-hour`,
+        `${p.gpus_per_node} ${unit.many}/node`,
         p.queued_jobs ? `${p.queued_jobs} queued` : null,
         source,
       ].filter(Boolean).join(" · ")));
@@ -41,7 +44,7 @@
     return card;
   }
 
-  function runningList(jobs) {
+  function runningList(jobs, accelerators) {
     const box = document.getElementById("running");
     if (!jobs.length) {
       box.replaceChildren(emptyState("◌", "Nothing is running", "Queued jobs start as soon as a pool has room."));
@@ -57,7 +60,9 @@
       el("h3", { style: "margin-top:8px" }, pool),
       ...list.map((j) => el("div", { style: "display:flex;gap:10px;align-items:center;padding:6px 0" },
         pill(j.status), jobLink(j),
-        el("span.muted.small", { style: "margin-left:auto" }, `${j.gpus ?? "?"} GPU · ${j.total_steps ? `${j.current_step || 0}/${j.total_steps}` : "starting"}`))))));
+        el("span.muted.small", { style: "margin-left:auto" },
+          `${j.gpus ?? "?"} ${devices(accelerators.get(j.pool)).one} · `
+          + `${j.total_steps ? `${j.current_step || 0}/${j.total_steps}` : "starting"}`))))));
   }
 
   function queueTable(jobs) {
@@ -78,13 +83,14 @@
       emptyState("✓", "The queue is empty", "Every submitted job is running or finished."));
   }
 
-  function utilization(jobs) {
+  function utilization(jobs, unit) {
     const now = Date.now() / 1000;
     // From shortly before the earliest start we know of, between 15 minutes and a day.
     const starts = jobs.filter((j) => j.started_at).map((j) => j.started_at);
     const earliest = starts.length ? Math.min(...starts) - 60 : now - MIN_WINDOW_S;
     const from = Math.max(now - MAX_WINDOW_S, Math.min(earliest, now - MIN_WINDOW_S));
     document.getElementById("util-window").textContent = fmt.duration(now - from);
+    document.getElementById("util-unit").textContent = unit.title;
     const changes = [];
     for (const j of jobs) {
       if (!j.started_at || !j.gpus) continue;
@@ -104,7 +110,7 @@
     rows.push([now, [level]]);
     if (!util) {
       util = tf.lineChart(document.getElementById("chart-util"), {
-        series: [{ label: "GPUs in use", color: "#4f46e5", fill: "rgba(79,70,229,0.12)" }],
+        series: [{ label: `${unit.title} in use`, color: "#4f46e5", fill: "rgba(79,70,229,0.12)" }],
         xTime: true, xLabel: "time", yFmt: (v) => String(Math.round(v * 10) / 10),
       });
     }
@@ -129,9 +135,10 @@
     } else {
       box.replaceChildren(...pools.map(poolCard));
     }
-    runningList(running);
+    const accelerators = new Map((pools || []).map((p) => [p.name, p.accelerator]));
+    runningList(running, accelerators);
     queueTable(jobs);
-    utilization(jobs);
+    utilization(jobs, devices([...accelerators.values()]));
   }
 
   every(5000, refresh);
