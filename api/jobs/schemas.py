@@ -446,6 +446,13 @@ class JobPublic(BaseModel):
         "reports nor its outputs supplied: `missing_metric_steps` (e.g. `\"3-4,7\"`) and "
         "`missing_checkpoints` (steps). Null: the records are complete."
     )
+    mean_tokens_per_s: float | None = Field(
+        None, description="Mean tokens/s over the job's training steps (its metrics' `tokens_per_s`)."
+    )
+    mean_mfu: float | None = Field(
+        None, description="Mean model FLOP utilisation over its steps, a fraction (its metrics' `mfu`); "
+        "null when no step has one."
+    )
 
     @classmethod
     def of(cls, job: Job) -> JobPublic:
@@ -478,6 +485,7 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "total_steps": job.total_steps, "current_step": job.current_step,
         "resume_from": job.resume_from, "restarts": job.restarts, "estimate": job.estimate,
         "usage": job.usage, "report_gaps": job.report_gaps,
+        "mean_tokens_per_s": job.mean_tokens_per_s, "mean_mfu": job.mean_mfu,
     }
 
 

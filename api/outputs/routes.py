@@ -52,7 +52,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning outputs"])
 
 METRIC_FIELDS = (
     "step", "total_steps", "epoch", "train_loss", "valid_loss", "token_accuracy",
-    "valid_token_accuracy", "learning_rate", "grad_norm", "tokens_per_s", "tokens_seen",
+    "valid_token_accuracy", "learning_rate", "grad_norm", "tokens_per_s", "mfu", "tokens_seen",
     "memory_bytes", "time",
 )
 

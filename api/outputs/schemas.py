@@ -25,6 +25,11 @@ class MetricPublic(PreferenceMetrics):
     learning_rate: float | None
     grad_norm: float | None
     tokens_per_s: float | None
+    mfu: float | None = Field(
+        None, description="Model FLOP utilisation of the step, a fraction (0.42 = 42 %): tokens_per_s x the "
+        "model's FLOPs per token (no recomputation counted) / the gang's peak FLOP/s. Null when the "
+        "step has no tokens_per_s or the job no throughput basis (admitted before it existed)."
+    )
     tokens_seen: int | None
     memory_bytes: int | None
     time: float | None

@@ -207,6 +207,12 @@ class Job(Base):
         "(``worker.report_gaps``): ``missing_metric_steps`` (ranges), ``missing_checkpoints``. "
         "None: complete."
     )
+    mean_tokens_per_s: Mapped[float | None] = mapped_column(
+        Float, doc="Mean ``tokens_per_s`` over the job's metric rows, refreshed whenever rows are stored."
+    )
+    mean_mfu: Mapped[float | None] = mapped_column(
+        Float, doc="Mean ``mfu`` over the job's metric rows that have one (None: no row has one)."
+    )
     report_items: Mapped[int] = mapped_column(
         BigInteger, default=0, doc="Metric and event items its trainers' reports stored (the job's "
         "report quota, ``Settings.report_max_items_per_job``)."
@@ -273,6 +279,10 @@ class JobMetric(Base):
     learning_rate: Mapped[float | None] = mapped_column(Float)
     grad_norm: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    mfu: Mapped[float | None] = mapped_column(
+        Float, doc="Model FLOP utilisation of the step (a fraction), from ``tokens_per_s`` and the job's "
+        "``estimate[\"throughput\"]`` at ingestion (``scheduling.throughput``); None without either."
+    )
     tokens_seen: Mapped[int | None] = mapped_column(BigInteger)
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     time: Mapped[float | None] = mapped_column(Float, doc="Unix seconds at the trainer.")

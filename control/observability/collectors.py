@@ -2,15 +2,16 @@
 
 Each scrape runs a handful of aggregate queries (jobs by status/pool, queued jobs per
 pool with the oldest wait, GPUs held by running jobs, the newest metric row of each
-running job, webhook outbox counts). GPU capacity per pool comes from a provider the
-application registers (``set_pool_capacity_provider``), because pool configuration is
-owned by the scheduler; without one, only allocated GPUs are reported.
+running job: per job, and per pool the mean tokens/s and MFU of its running jobs; webhook
+outbox counts). GPU capacity per pool comes from a provider the application registers
+(``set_pool_capacity_provider``), because pool configuration is owned by the scheduler;
+without one, only allocated GPUs are reported.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -122,11 +123,12 @@ class DatabaseCollector(Collector):
             yield total
             yield free
 
-        if self._job_series:
-            yield from self._running_jobs(session)
+        yield from self._running_jobs(session)
         yield from self._webhooks(session)
 
     def _running_jobs(self, session: Session) -> Iterator[GaugeMetricFamily]:
+        """The newest metric row of each running job: per job (only with ``job_series``)
+        and, with no job named, each pool's mean throughput and MFU over its running jobs."""
         latest = (
             select(JobMetric.job_id, func.max(JobMetric.step).label("step"))
             .join(Job, Job.id == JobMetric.job_id)
@@ -138,22 +140,10 @@ class DatabaseCollector(Collector):
             select(JobMetric, Job.pool)
             .join(latest, (JobMetric.job_id == latest.c.job_id) & (JobMetric.step == latest.c.step))
             .join(Job, Job.id == JobMetric.job_id)
-        )
-        labels = ["job_id", "pool"]
-        speed = GaugeMetricFamily("tunefleet_job_tokens_per_second", "Trainer throughput (latest step)", labels=labels)
-        loss = GaugeMetricFamily("tunefleet_job_train_loss", "Training loss (latest step)", labels=labels)
-        step = GaugeMetricFamily("tunefleet_job_step", "Latest optimizer step", labels=labels)
-        total = GaugeMetricFamily("tunefleet_job_total_steps", "Planned optimizer steps", labels=labels)
-        for metric, pool in rows:
-            values = [metric.job_id, pool or NO_POOL]
-            if metric.tokens_per_s is not None:
-                speed.add_metric(values, metric.tokens_per_s)
-            if metric.train_loss is not None:
-                loss.add_metric(values, metric.train_loss)
-            step.add_metric(values, metric.step)
-            if metric.total_steps is not None:
-                total.add_metric(values, metric.total_steps)
-        yield from (speed, loss, step, total)
+        ).all()
+        if self._job_series:
+            yield from _job_gauges(rows)
+        yield from _pool_throughput(rows)
 
     def _webhooks(self, session: Session) -> Iterator[GaugeMetricFamily]:
         try:
@@ -177,3 +167,46 @@ def _safe_capacity() -> dict[str, int]:
     except Exception:
         log.exception("metrics: pool capacity provider failed")
         return {}
+
+
+def _job_gauges(rows: Sequence[Any]) -> Iterator[GaugeMetricFamily]:
+    labels = ["job_id", "pool"]
+    speed = GaugeMetricFamily("tunefleet_job_tokens_per_second", "Trainer throughput (latest step)", labels=labels)
+    mfu = GaugeMetricFamily("tunefleet_job_mfu", "Model FLOP utilisation, a fraction (latest step)", labels=labels)
+    loss = GaugeMetricFamily("tunefleet_job_train_loss", "Training loss (latest step)", labels=labels)
+    step = GaugeMetricFamily("tunefleet_job_step", "Latest optimizer step", labels=labels)
+    total = GaugeMetricFamily("tunefleet_job_total_steps", "Planned optimizer steps", labels=labels)
+    for metric, pool in rows:
+        values = [metric.job_id, pool or NO_POOL]
+        if metric.tokens_per_s is not None:
+            speed.add_metric(values, metric.tokens_per_s)
+        if metric.mfu is not None:
+            mfu.add_metric(values, metric.mfu)
+        if metric.train_loss is not None:
+            loss.add_metric(values, metric.train_loss)
+        step.add_metric(values, metric.step)
+        if metric.total_steps is not None:
+            total.add_metric(values, metric.total_steps)
+    yield from (speed, mfu, loss, step, total)
+
+
+def _pool_throughput(rows: Sequence[Any]) -> Iterator[GaugeMetricFamily]:
+    """Per pool, the mean over its running jobs of their latest step's tokens/s and MFU.
+    A pool gets a sample only where a running job reported one: no sample reads as "no
+    data", where a 0 would read as an idle gang."""
+    speeds: dict[str, list[float]] = {}
+    mfus: dict[str, list[float]] = {}
+    for metric, pool in rows:
+        if metric.tokens_per_s is not None:
+            speeds.setdefault(pool or NO_POOL, []).append(metric.tokens_per_s)
+        if metric.mfu is not None:
+            mfus.setdefault(pool or NO_POOL, []).append(metric.mfu)
+    speed = GaugeMetricFamily("tunefleet_pool_tokens_per_second",
+                              "Mean trainer throughput of the pool's running jobs (latest step)", labels=["pool"])
+    mfu = GaugeMetricFamily("tunefleet_pool_mfu",
+                            "Mean model FLOP utilisation, a fraction, of the pool's running jobs (latest step)",
+                            labels=["pool"])
+    for family, values in ((speed, speeds), (mfu, mfus)):
+        for pool, samples in sorted(values.items()):
+            family.add_metric([pool], sum(samples) / len(samples))
+    yield from (speed, mfu)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -41,6 +41,7 @@ from control.reports.schemas import (
     ReportBatchIn,
 )
 from control.settings import Settings, resolved_dir
+from scheduling.throughput import row_mfu
 
 # Trainer metric names -> OpenAI checkpoint metric names.
 CHECKPOINT_METRIC_NAMES = {
@@ -382,6 +383,19 @@ def _store_metrics(session: Session, job: Job, metrics: dict[int, dict[str, Any]
         # A trainer restarted from a checkpoint reports the steps after it again: the newest wins.
         session.execute(delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step.in_(metrics)))
         session.execute(insert(JobMetric), list(metrics.values()))
+        _refresh_means(session, job)
+
+
+def _refresh_means(session: Session, job: Job) -> None:
+    """The job's ``mean_tokens_per_s`` and ``mean_mfu`` over its stored rows (AVG skips the
+    rows without a value). Recomputed rather than kept as running sums, because a step
+    reported again replaces its row; late rows of a finished job count too, as they are
+    shown in its metrics."""
+    mean_tps, mean_mfu = session.execute(
+        select(func.avg(JobMetric.tokens_per_s), func.avg(JobMetric.mfu)).where(JobMetric.job_id == job.id)
+    ).one()
+    job.mean_tokens_per_s = None if mean_tps is None else float(mean_tps)
+    job.mean_mfu = None if mean_mfu is None else float(mean_mfu)
 
 
 def _item_bytes(item: MetricItem | EventItem) -> int:
@@ -402,8 +416,11 @@ def _apply_error(session: Session, job: Job, item: ErrorItem) -> None:
 def _metric_values(job: Job, item: MetricItem) -> dict[str, Any]:
     """The metric row's values; the running job's progress fields follow the newest step."""
     values: dict[str, Any] = item.model_dump(exclude={"type"})
-    for name in ("train_loss", "valid_loss", "grad_norm", *PREFERENCE_METRICS.values()):
+    # tokens_per_s too: the job's mean of it must stay a JSON number.
+    for name in ("train_loss", "valid_loss", "grad_norm", "tokens_per_s", *PREFERENCE_METRICS.values()):
         values[name] = _finite(values[name])
+    # The step's MFU on the gang the job was admitted to (None before that basis existed).
+    values["mfu"] = row_mfu(values["tokens_per_s"], job.estimate)
     if not job.is_terminal and (job.current_step is None or item.step >= job.current_step):
         job.current_step = item.step
         if item.total_steps:

@@ -212,6 +212,13 @@ def test_submit_watch_training_and_download_adapter(
     page.wait_for_function(
         f"Number(document.querySelector('#chart-loss').dataset.points || 0) >= {TRAIN_STEPS}"
     )
+    # Each step's MFU (admission stored its basis: the model's FLOPs and the slot's peak)
+    # and the job's means over its steps.
+    page.wait_for_function(
+        f"Number(document.querySelector('#chart-mfu').dataset.points || 0) >= {TRAIN_STEPS}"
+    )
+    page.wait_for_function("/^mean \\d+\\.\\d% · [\\d,.]+ tokens\\/s$/"
+                           ".test(document.querySelector('#throughput-means').textContent)")
     # The final checkpoint is listed (step column). Read in the page, in one go: the live
     # page re-renders the table, and a row handle read after that is detached (its text
     # then loses the cell tabs).

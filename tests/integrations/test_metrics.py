@@ -111,6 +111,39 @@ def test_metrics_reflect_jobs_queue_gpus_trainers_and_requests(service: Service,
     assert count >= 1
 
 
+def test_pool_throughput_gauges_average_the_running_jobs_latest_steps(service: Service,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per pool, the mean of its running jobs' latest tokens/s and MFU; served without a
+    token too, as they name no job."""
+    with Tunefleet(base_url=service.base_url, api_key=service.key) as client:
+        fid = client.files.upload(chat_jsonl(), filename="t.jsonl", wait=True).id
+        ids = [client.jobs.create(model=DEMO_MODEL, training_file=fid).id for _ in range(4)]
+    # 6e9 FLOPs per token on 2 devices of 1 PFLOP/s: 100k tok/s is an MFU of 0.3.
+    basis = {"model_flops_per_token": 6e9, "peak_flops": 2e15}
+    fast, slow, unplanned, done = (JobDriver(service, job_id) for job_id in ids)
+    fast.start(pool="mi300x", gpus=2, throughput=basis)
+    fast.report(fast.metric(1, 10, 2.0, tokens_per_s=50_000.0), fast.metric(2, 10, 1.9, tokens_per_s=150_000.0))
+    slow.start(pool="mi300x", gpus=2, throughput=basis)
+    slow.report(slow.metric(1, 10, 2.0, tokens_per_s=100_000.0))
+    # A job without a basis counts in the pool's tokens/s, not in its MFU.
+    unplanned.start(pool="local", gpus=1)
+    unplanned.report(unplanned.metric(1, 10, 2.0, tokens_per_s=900.0))
+    done.start(pool="local", gpus=1, throughput=basis)
+    done.report(done.metric(1, 10, 2.0, tokens_per_s=100_000.0))
+    done.finish("succeeded")  # no longer running: not counted
+
+    open_scrape = scrape(service.base_url)
+    monkeypatch.setenv("TUNEFLEET_METRICS_TOKEN", "scrape-secret")
+    m = scrape(service.base_url, authorization="Bearer scrape-secret")
+    for families in (open_scrape, m):
+        assert value(families, "tunefleet_pool_tokens_per_second", pool="mi300x") == pytest.approx(125_000.0)
+        assert value(families, "tunefleet_pool_mfu", pool="mi300x") == pytest.approx((0.45 + 0.30) / 2)
+        assert value(families, "tunefleet_pool_tokens_per_second", pool="local") == 900.0
+        assert not any(s.labels.get("pool") == "local" for s in families.get("tunefleet_pool_mfu", []))
+    assert value(m, "tunefleet_job_mfu", job_id=fast.job_id, pool="mi300x") == pytest.approx(0.45)
+    assert not any(s.labels["job_id"] == unplanned.job_id for s in m["tunefleet_job_mfu"])
+
+
 def test_metrics_token_when_configured(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TUNEFLEET_METRICS_TOKEN", "scrape-secret")
     denied = httpx.get(f"{service.base_url}/metrics", timeout=10)

@@ -79,7 +79,8 @@ class JobDriver:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     seq: int = 0
 
-    def start(self, pool: str = "local", gpus: int = 1) -> None:
+    def start(self, pool: str = "local", gpus: int = 1, throughput: dict[str, float] | None = None) -> None:
+        """``throughput``: the MFU basis admission stores (``job.estimate["throughput"]``)."""
         from control.db.session import session_scope
         from control.ids import hash_secret
         from control.jobs.lifecycle import lock_job, transition
@@ -87,8 +88,9 @@ class JobDriver:
         with session_scope(self.service.settings.resolved_database_url) as session:
             job = lock_job(session, self.job_id)
             assert job is not None
+            estimate = {"estimate": {**(job.estimate or {}), "throughput": throughput}} if throughput else {}
             transition(session, job, "running", actor="scheduler", pool=pool, gpus=gpus,
-                       job_token_hash=hash_secret(self.token))
+                       job_token_hash=hash_secret(self.token), **estimate)
 
     def report(self, *items: dict[str, Any]) -> dict[str, Any]:
         self.seq += 1

@@ -310,17 +310,20 @@ def test_an_admitted_job_runs_the_chosen_step_and_a_resumed_run_keeps_it(setting
     """Admission writes the step choice into the spec (micro batch, remat and activation
     checkpointing, planned bytes), an event in words, and the job; a resumed run keeps it."""
     from scheduling.step_choice import StepChoice
+    from scheduling.throughput import model_flops_per_token
 
     _tiny_config(settings)
     a = tenant_key()
     jid = make_job(a.headers, hyperparameters={"batch_size": 4, "n_epochs": 1})["id"]
     pool = local_pool(slots=1)
     store, ex = DbStore(settings, [pool]), RecordingExecutor([pool])
+    request = {r.job_id: r for r in store.queued()}[jid]
     run_cycle(store, ex)
     spec = dict(ex.launches)[jid]
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(Job, jid)
         stored = StepChoice.from_dict(job.estimate["step"])
+        throughput = job.estimate["throughput"]
         events = s.scalars(select(JobEvent.message).where(JobEvent.job_id == jid,
                                                           JobEvent.message.like("Step:%"))).all()
     # a tiny model on a 16 GiB CPU slot: the whole batch in one micro batch, no recomputation
@@ -330,6 +333,10 @@ def test_an_admitted_job_runs_the_chosen_step_and_a_resumed_run_keeps_it(setting
     assert spec["parallelism"]["planned_memory_bytes"] == stored.planned_bytes > 0
     assert events == [f"Step: {stored.describe()}."]
     assert events[0].startswith("Step: micro-batch 4, no remat: ")
+    # Beside it, what each step's MFU needs: the model's FLOPs per token and the gang's peak.
+    assert throughput == {"model_flops_per_token": model_flops_per_token(request.model, request.training),
+                          "peak_flops": 1 * pool.peak_tflops * 1e12}
+    assert throughput["model_flops_per_token"] > 0
 
     # The run is lost and requeued to resume: its earlier choice (made smaller here, as if a
     # smaller device had chosen it) is kept, not chosen again.

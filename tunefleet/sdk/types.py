@@ -148,6 +148,7 @@ class JobMetric(APIObject):
     learning_rate: float | None = None
     grad_norm: float | None = None
     tokens_per_s: float | None = None
+    mfu: float | None = None
     tokens_seen: int | None = None
     token_accuracy: float | None = None
     memory_bytes: int | None = None

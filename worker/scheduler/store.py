@@ -42,6 +42,7 @@ from scheduling.estimator import EstimateError, ModelShape
 from scheduling.model_files import base_model_shape
 from scheduling.pools import NodePool
 from scheduling.request import DataStats, JobRequest, request_from_job
+from scheduling.throughput import throughput_basis
 from scheduling.usage import close_segment, gpu_seconds_since, open_segment, pending_segment
 from worker.executors.base import ObservedChange, RunningRow
 from worker.outcomes import apply_outcome
@@ -301,9 +302,12 @@ class DbStore:
                     "pool": pool.name, "gpus": placement.gpus, "job_token_hash": hash_secret(token),
                     "attempt": (job.attempt or 0) + 1,
                     # Keep the estimate shown at creation; add the one this admission used,
-                    # and the step chosen for it (a resumed run keeps it: ``job_step``).
+                    # the step chosen for it (a resumed run keeps it: ``job_step``) and the
+                    # basis of its steps' MFU on this gang (``scheduling.throughput``).
                     "estimate": {**(job.estimate or {}), **({"admitted": est.to_dict()} if est else {}),
-                                 **({"step": step.to_dict()} if step else {})} or job.estimate}
+                                 **({"step": step.to_dict()} if step else {}),
+                                 "throughput": throughput_basis(adm.job.model, adm.job.training, trainer=trainer,
+                                                                gpus=placement.gpus, peak_tflops=pool.peak_tflops)}}
                 if self.kueue_queue:
                     # Kueue starts the Job (created suspended) when its own quota allows:
                     # until then the job stays queued, holds no GPUs and is billed nothing.

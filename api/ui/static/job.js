@@ -55,10 +55,31 @@
 
   const has = (v) => v !== null && v !== undefined;
 
+  /** MFU per step (the share of the gang's peak FLOP/s the model's own FLOPs used, as
+   * the API computes it) and the job's mean tokens/s and MFU over its steps. */
+  function throughputChart() {
+    const chart = tf.lineChart(document.getElementById("chart-mfu"), {
+      series: [{ label: "MFU", color: "#ee46bc" }], yFmt: (v) => `${Number(v).toFixed(1)}%`,
+      yTick: (v) => `${Number(Number(v).toPrecision(3))}%`,  // small MFUs (CPU slots) keep distinct ticks
+      empty: "No MFU reported yet.",
+    });
+    return {
+      addRows(rows) { chart.setData(rows.filter((m) => has(m.mfu)).map((m) => [m.step, [100 * m.mfu]])); },
+      showMeans(j) {
+        const means = [];
+        if (has(j.mean_mfu)) means.push(`mean ${(100 * j.mean_mfu).toFixed(1)}%`);
+        if (has(j.mean_tokens_per_s)) means.push(`${fmt.num(j.mean_tokens_per_s)} tokens/s`);
+        document.getElementById("throughput-means").textContent = means.join(" · ");
+      },
+    };
+  }
+  const throughput = throughputChart();
+
   /** Add metric rows (any order; a re-sent step replaces its point), redrawing once. */
   function addMetrics(rows) {
     rows = rows.filter((m) => has(m.step));
     if (!rows.length) return;
+    throughput.addRows(rows);
     charts.loss.setData(rows.map((m) => [m.step, [m.train_loss, m.valid_loss]]));
     charts.lr.setData(rows.filter((m) => has(m.learning_rate)).map((m) => [m.step, [m.learning_rate]]));
     charts.tps.setData(rows.filter((m) => has(m.tokens_per_s)).map((m) => [m.step, [m.tokens_per_s]]));
@@ -163,6 +184,7 @@
     document.getElementById("stat-valid").textContent =
       lastMetric?.valid_loss !== null && lastMetric?.valid_loss !== undefined ? `valid ${fmt.loss(lastMetric.valid_loss)}` : " ";
     document.getElementById("stat-tps").textContent = fmt.num(lastMetric?.tokens_per_s);
+    throughput.showMeans(job);
     const seen = job.trained_tokens || lastMetric?.tokens_seen;
     document.getElementById("stat-tokens").textContent = seen ? `${fmt.num(seen)} tokens seen` : " ";
     const eta = job.estimated_finish && LIVE.has(job.status) ? job.estimated_finish - Date.now() / 1000 : null;
