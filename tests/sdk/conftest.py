@@ -35,6 +35,17 @@ from tests.conftest import own_pg_database
 DEMO_MODEL = "tunefleet-tiny-llama"
 
 
+def terminal_width(monkeypatch: pytest.MonkeyPatch, columns: int) -> None:
+    """The CLI's consoles ``columns`` wide. rich fixes a console's width when the console is
+    built while COLUMNS is set (the CLI builds its consoles once, at import, under whatever
+    test imports it first in the process), so setting COLUMNS alone is not enough."""
+    from tunefleet.cli import render
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    for console in (render.console, render.err_console):
+        monkeypatch.setattr(console, "width", columns)
+
+
 def chat_jsonl(n: int = 6) -> bytes:
     rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
                           {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]

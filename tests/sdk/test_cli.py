@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.preference_data import sum_preference_lines
-from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job
+from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job, terminal_width
 from tunefleet.cli import app
 from tunefleet.cli.render import fmt_bytes, fmt_seconds
 
@@ -19,7 +19,7 @@ from tunefleet.cli.render import fmt_bytes, fmt_seconds
 def cli(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
     for name, value in service.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("COLUMNS", "200")
+    terminal_width(monkeypatch, 200)
     runner = CliRunner()
 
     def run(*args: str, code: int = 0) -> Any:
@@ -286,7 +286,7 @@ def test_watch_json_lines_follow_a_job_to_its_failure(cli: Any, service: Service
 def test_ids_stay_whole_in_80_columns(cli: Any, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     """An id folded over two lines cannot be copied: id columns never wrap, others do."""
     job_id = queued_job(service)
-    monkeypatch.setenv("COLUMNS", "80")
+    terminal_width(monkeypatch, 80)
     out = cli("jobs", "list").stdout
     assert any(job_id in line for line in out.splitlines()), out
     assert max(len(line) for line in out.splitlines()) <= 80

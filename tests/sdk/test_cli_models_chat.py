@@ -16,7 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.fake_vllm import FakeVLLM
-from tests.sdk.conftest import DEMO_MODEL, Service
+from tests.sdk.conftest import DEMO_MODEL, Service, terminal_width
 from tunefleet.cli import app
 
 # What the CLI sends does not depend on the database: one backend is enough here.
@@ -41,7 +41,7 @@ def settings(settings: Any, vllm: FakeVLLM, live_server: Any, tmp_path: Path) ->
 def run(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
     for name, value in service.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("COLUMNS", "200")
+    terminal_width(monkeypatch, 200)
     runner = CliRunner()
 
     def invoke(*args: str, code: int = 0, input: str | None = None) -> Any:
