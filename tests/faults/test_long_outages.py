@@ -52,5 +52,5 @@ def test_a_30_s_backend_outage_mid_run_loses_nothing_and_strands_no_job(stack: P
             assert seqs == list(range(1, len(seqs) + 1)), f"report batch seqs of {job_id}: {seqs}"
             messages = production.events(http, job_id)
             assert sum(m.startswith("Admitted on pool") for m in messages) == 1, messages
-            assert messages.count("training finished") == 1, messages
+            assert sum(m.startswith("training finished after ") for m in messages) == 1, messages
     assert stack.supervisors_alive() == {"api": None, "worker": None, "scheduler": None}
