@@ -1,7 +1,7 @@
 """One path from "the trainer stopped" to a job transition, for every executor.
 
 Both executors observe how a run ended in their own way -- the local task from the
-trainer process's exit (``worker/tasks/jobs.py``), the Kubernetes executor from pods
+trainer process's exit (``worker.executors.local.supervisor``), the Kubernetes executor from pods
 (``worker.executors.pod_outcomes.observe``) -- and both hand the result, an
 ``ObservedChange``, to ``apply_outcome``, which is the only place that decides what
 happens to the job:

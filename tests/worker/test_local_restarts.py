@@ -6,7 +6,7 @@
 
 The trainer is a stand-in interpreter (``supervise_trainer(python=...)`` runs it as
 ``<python> -m trainers --spec <spec>``); the job transitions go through the real task
-code (``worker.tasks.jobs.finish``) on the test database.
+code (``worker.executors.local.supervisor.finish``) on the test database.
 """
 
 import signal
@@ -20,8 +20,8 @@ from control.db.models import Job
 from control.jobs.lifecycle import transition
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
 from trainers.exit_codes import ExitCode
-from worker.executors.local_process import supervise_trainer
-from worker.tasks.jobs import finish
+from worker.executors.local.process import supervise_trainer
+from worker.executors.local.supervisor import finish
 
 
 def stand_in(tmp_path: Path, body: str) -> str:

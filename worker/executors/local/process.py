@@ -11,8 +11,8 @@ job's log file, and watches it until it ends:
   latest checkpoint, up to `max_restarts` times;
 - it ends with SUCCESS, USER_ERROR or OUT_OF_MEMORY: no restart, the outcome says why.
 
-It knows nothing of the database: the caller (the Celery task in worker/tasks/jobs.py)
-turns the returned `TrainerOutcome` into job transitions. The pid is written to the job
+It knows nothing of the database: the caller (``worker.executors.local.supervisor``, the
+body of the Celery task) turns the returned `TrainerOutcome` into job transitions. The pid is written to the job
 directory so that a worker that was killed and got the task again can stop an orphaned
 trainer before starting a new one; `supervision_lock` makes sure only one supervisor
 watches a job at a time (a task delivered twice must not start a second trainer).
