@@ -11,6 +11,12 @@ again. How the trainer ended becomes an ``ObservedChange`` of this attempt, and
 transition; only the outputs' manifest is registered here first, in case the trainer's
 last report was lost.
 
+A trainer that crashed (an internal error, ``kill -9``, the kernel's OOM killer) is not
+restarted here: its run ends as a lost run (REQUEUE), and ``apply_outcome`` counts the
+restart, requeues the job from its latest checkpoint after the restart backoff
+(``TUNEFLEET_RESTART_BACKOFF_S``; the scheduler admits it as the next attempt) and fails
+it past ``TUNEFLEET_MAX_RESTARTS`` -- exactly as for a Kubernetes pod that crashed.
+
 A database that restarts under a running job costs the supervisor nothing: the checks
 it makes while the trainer runs log the error and try again at the next poll, and the
 final outcome is written with retries, so the trainer is never left unsupervised.
@@ -42,10 +48,11 @@ from control.settings import Settings, get_settings
 from scheduling.pools import load_pools
 from trainers.exit_codes import ExitCode
 from trainers.spec import TrainerSpec
-from worker.executors.base import ObservedChange, ObservedKind, StopReason, restart_delay_s
+from worker.executors.base import ObservedChange, ObservedKind, StopReason
 from worker.executors.local.executor import HEARTBEAT_FILE, LOG_FILE, read_stop_reason, spec_path
 from worker.executors.local.process import (
     TrainerOutcome,
+    describe_exit,
     kill_orphan,
     supervise_trainer,
     supervision_lock,
@@ -118,12 +125,6 @@ def _supervise(settings: Settings, db_url: str, job_id: str, attempt: int, job_d
         state = _tolerant(f"{job_id}: status check", lambda: _job_state(db_url, job_id), ("running", attempt))
         return state is None or state != ("running", attempt)
 
-    def on_event(level: str, message: str) -> None:
-        _event(db_url, job_id, level, message)
-
-    def on_restart(restart: int) -> None:
-        _tolerant(f"{job_id}: restart count", lambda: _count_restart(db_url, job_id, attempt), None)
-
     outcome = supervise_trainer(
         path,
         log_path=job_dir / LOG_FILE,
@@ -131,11 +132,6 @@ def _supervise(settings: Settings, db_url: str, job_id: str, attempt: int, job_d
         pid_path=job_dir / "trainer.pid",
         should_stop=should_stop,
         heartbeat_path=job_dir / HEARTBEAT_FILE,
-        on_event=on_event,
-        on_restart=on_restart,
-        max_restarts=settings.max_restarts,
-        restart_delay=lambda restart: restart_delay_s(restart, base_s=settings.restart_backoff_s,
-                                                      max_s=settings.restart_backoff_max_s),
         grace_s=settings.stop_grace_s,
         env={"OMP_NUM_THREADS": str(local_trainer_threads()), "TUNEFLEET_STOP_WITH_PARENT": "1"},
     )
@@ -185,14 +181,6 @@ def _release_attempt(settings: Settings, job_id: str, attempt: int, job_dir: Pat
             return True
 
 
-def _count_restart(db_url: str, job_id: str, attempt: int) -> None:
-    """The supervisor restarted a crashed trainer itself: count it on the job (its run)."""
-    with session_scope(db_url) as session:
-        job = lock_job(session, job_id)
-        if job is not None and job.status == "running" and (job.attempt or 0) == attempt:
-            job.restarts = (job.restarts or 0) + 1
-
-
 def _event(db_url: str, job_id: str, level: str, message: str) -> None:
     def write() -> None:
         with session_scope(db_url) as session:
@@ -215,6 +203,14 @@ def observed_change(job_id: str, attempt: int, outcome: TrainerOutcome,
     if outcome.succeeded:
         return ObservedChange(job_id, ObservedKind.SUCCEEDED, exit_code=code, message="trainer finished",
                               attempt=attempt)
+    if outcome.crashed:
+        # A lost run, as a crashed pod is for the Kubernetes executor: apply_outcome resumes
+        # it from its latest checkpoint after the backoff, or fails it past max_restarts.
+        error = outcome.error or {}
+        detail = f": {error['message']}" if error.get("message") else ""
+        return ObservedChange(job_id, ObservedKind.REQUEUE, exit_code=code,
+                              error_code=error.get("code") or "trainer_crashed",
+                              message=f"trainer {describe_exit(code)}{detail}", attempt=attempt)
     error = outcome.error or {"code": "trainer_failed", "message": f"the trainer ended with {_code_text(code)}"}
     return ObservedChange(job_id, ObservedKind.FAILED, exit_code=code, error_code=error["code"],
                           message=error["message"], attempt=attempt)
