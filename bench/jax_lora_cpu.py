@@ -111,7 +111,7 @@ def jax_loop(path: Path, tokens, parallelism, quantization: str = "none"):
 
 def _exec_with_malloc_env(mode: str) -> None:
     """Re-run this script with the malloc environment of ``mode`` unless it has it already."""
-    from worker.executors.local_process import trainer_env
+    from worker.executors.local.process import trainer_env
 
     want = trainer_env("jax_lora", {}) if mode == "trainer" else {"GLIBC_TUNABLES": ""}
     if all(os.environ.get(k, "") == v for k, v in want.items()):

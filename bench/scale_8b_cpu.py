@@ -371,7 +371,7 @@ class JobSampler:
 def run_job(trainer: str, model_dir: Path, run: Path, precision: str, max_used: int,
             timeout_s: float, checkpointing: bool = False) -> dict[str, Any]:
     """Run one trainer job and measure it; returns the measured row."""
-    from worker.executors.local_process import trainer_env
+    from worker.executors.local.process import trainer_env
 
     run.mkdir(parents=True, exist_ok=True)
     spec = trainer_spec(trainer, model_dir, write_data(run / "train.jsonl"), run, precision, checkpointing)

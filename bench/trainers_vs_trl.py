@@ -244,7 +244,7 @@ def child(side: str, model_dir: Path, quantization: str, steps: int, batch: int,
 
 
 def _child_env(side: str) -> dict[str, str]:
-    from worker.executors.local_process import trainer_env
+    from worker.executors.local.process import trainer_env
 
     return {**os.environ, **(trainer_env(side, dict(os.environ)) if side != "trl" else {})}
 

@@ -1,7 +1,7 @@
 """One path from "the trainer stopped" to a job transition, for every executor.
 
 Both executors observe how a run ended in their own way -- the local task from the
-trainer process's exit (``worker/tasks/jobs.py``), the Kubernetes executor from pods
+trainer process's exit (``worker.executors.local.supervisor``), the Kubernetes executor from pods
 (``worker.executors.pod_outcomes.observe``) -- and both hand the result, an
 ``ObservedChange``, to ``apply_outcome``, which is the only place that decides what
 happens to the job:
@@ -133,9 +133,11 @@ def apply_outcome(session: Any, job: Job, outcome: ObservedChange, *, files: Art
         restarts = job.restarts or 0
         if restarts >= max_restarts:
             code = outcome.error_code or "trainer_crashed"
+            gave_up = f"gave up after {restarts} restarts"
             transition(session, job, "failed", actor="executor", level="error", usage=usage,
-                       message=f"Job failed: {code}: {outcome.message} (gave up after {restarts} restarts)",
-                       error={"code": code, "message": outcome.message, "param": None})
+                       message=f"Job failed: {code}: {outcome.message} ({gave_up})",
+                       error={"code": code, "message": f"{outcome.message} ({gave_up}, the most allowed: "
+                                                       f"max_restarts={max_restarts})", "param": None})
         else:
             resume = resume_point(session, job)
             delay = restart_delay_s(restarts + 1, base_s=restart_backoff[0], max_s=restart_backoff[1])

@@ -80,8 +80,8 @@ LOCAL_TRAINER_THREADS = 2
 
 def local_trainer_threads(environ: Mapping[str, str] = os.environ) -> int:
     """Threads per local trainer: the worker's ``OMP_NUM_THREADS``, else 2. The local
-    executor gives its trainers this (worker/tasks/jobs.py); the spec builder sizes JAX's
-    host devices by it."""
+    executor gives its trainers this (``worker.executors.local.supervisor``); the spec
+    builder sizes JAX's host devices by it."""
     return int(environ.get("OMP_NUM_THREADS") or LOCAL_TRAINER_THREADS)
 
 

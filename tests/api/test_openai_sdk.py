@@ -10,8 +10,8 @@ import pytest
 from openai import OpenAI
 
 from tests.api.conftest import chat_lines, start_running
-from worker.executors.local_process import TrainerOutcome
-from worker.tasks.jobs import finish
+from worker.executors.local.process import TrainerOutcome
+from worker.executors.local.supervisor import finish
 
 
 def test_openai_sdk_end_to_end(sdk, client, db_session, settings) -> None:

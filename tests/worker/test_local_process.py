@@ -10,7 +10,7 @@ import time
 import pytest
 
 from trainers.exit_codes import ExitCode
-from worker.executors.local_process import (
+from worker.executors.local.process import (
     JAX_MALLOC_TUNABLE,
     supervise_trainer,
     supervision_lock,
@@ -20,7 +20,7 @@ from worker.executors.local_process import (
 PROBE = """
 import sys
 from pathlib import Path
-from worker.executors.local_process import supervision_lock
+from worker.executors.local.process import supervision_lock
 with supervision_lock(Path(sys.argv[1]), wait_s=0.2) as mine:
     sys.exit(0 if mine else 3)
 """
@@ -66,7 +66,7 @@ def test_a_supervisor_that_is_finishing_is_waited_for(tmp_path):
 def test_the_lock_dies_with_its_process(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pathlib import Path; "
-        "from worker.executors.local_process import supervision_lock\n"
+        "from worker.executors.local.process import supervision_lock\n"
         f"with supervision_lock(Path({str(tmp_path)!r})) as mine:\n"
         "    print(mine, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:

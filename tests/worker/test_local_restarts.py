@@ -1,12 +1,16 @@
 """The local executor's two ways of ending a trainer that will not end well by itself.
 
-- A trainer that crashes on every attempt is restarted ``max_restarts`` times, then the
-  job fails with ``trainer_crashed`` (and says so in an event).
+- A crashed trainer is not restarted by its supervisor: the run ends as a lost run
+  (REQUEUE) through the one outcome path (``worker.outcomes.apply_outcome``), which
+  requeues the job from its checkpoint after the restart backoff, as the next attempt;
+  one that crashes on every attempt fails the job with ``trainer_crashed`` after
+  ``max_restarts`` restarts (and says so in an event).
 - A trainer that ignores SIGTERM is killed with SIGKILL once the grace period is over.
 
 The trainer is a stand-in interpreter (``supervise_trainer(python=...)`` runs it as
 ``<python> -m trainers --spec <spec>``); the job transitions go through the real task
-code (``worker.tasks.jobs.finish``) on the test database.
+code (``worker.executors.local.supervisor.finish``) and the scheduler's store
+(``DbStore``, which admits each next attempt) on the test database.
 """
 
 import signal
@@ -17,11 +21,16 @@ from pathlib import Path
 import pytest
 
 from control.db.models import Job
-from control.jobs.lifecycle import transition
+from control.db.session import session_scope
+from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, upload  # noqa: F401 (fixtures)
+from tests.worker.test_db_store import Clock, RecordingExecutor, _tiny_config
 from trainers.exit_codes import ExitCode
-from worker.executors.local_process import supervise_trainer
-from worker.tasks.jobs import finish
+from worker.executors.base import ObservedKind
+from worker.executors.local.process import supervise_trainer
+from worker.executors.local.supervisor import finish, observed_change
+from worker.scheduler.cycle import run_cycle
+from worker.scheduler.store import DbStore
 
 
 def stand_in(tmp_path: Path, body: str) -> str:
@@ -40,67 +49,87 @@ def supervise(tmp_path: Path, python: str, **kwargs):
                              python=python, poll_s=0.05, **kwargs)
 
 
-def test_restarts_wait_out_the_backoff_and_a_stop_during_it_starts_no_new_trainer(tmp_path) -> None:
-    """The supervisor restarts a crashed trainer after ``restart_delay(n)`` seconds, still
-    heartbeating; a cancel or pause while it waits ends the supervision at once."""
-    crashing = stand_in(tmp_path, "#!/bin/sh\nexit 1\n")
-    events: list[str] = []
-    starts: list[float] = []
-    delays = {1: 0.4, 2: 0.8}
-    outcome = supervise(tmp_path, crashing, should_stop=lambda: False, max_restarts=2,
-                        restart_delay=delays.__getitem__, heartbeat_path=tmp_path / "heartbeat",
-                        on_event=lambda level, msg: events.append(msg),
-                        on_restart=lambda n: starts.append(time.monotonic()))
-    assert outcome.history == [ExitCode.INTERNAL_ERROR] * 3 and not outcome.stopped
-    assert "restarting from the latest checkpoint in 0.4 s (restart 1/2)" in events[0], events
-    assert "in 0.8 s (restart 2/2)" in events[1], events
-    # the second restart came at least its own delay after the first one was announced
-    assert starts[1] - starts[0] >= delays[1]
-
-    stop_requested: list[bool] = []
-    began = time.monotonic()
-    outcome = supervise(tmp_path, crashing, should_stop=lambda: bool(stop_requested), max_restarts=2,
-                        restart_delay=lambda n: 600.0, on_restart=lambda n: stop_requested.append(True))
-    assert outcome.stopped and outcome.history == [ExitCode.INTERNAL_ERROR] and outcome.restarts == 1
-    assert time.monotonic() - began < 60  # it did not sit out the 10-minute backoff
+def _row(settings, job_id: str) -> Job:
+    with session_scope(settings.resolved_database_url) as session:
+        job = session.get_one(Job, job_id)
+        session.expunge(job)
+        return job
 
 
 @pytest.mark.parametrize(("crash", "returncode", "described"), [
     ('echo "attempt $$"; exit 1', ExitCode.INTERNAL_ERROR, "exit 1 (INTERNAL_ERROR)"),
     ('echo "attempt $$"; kill -9 $$', -signal.SIGKILL, "killed by SIGKILL"),
 ])
-def test_a_trainer_that_always_crashes_fails_the_job_after_max_restarts(
-    tmp_path, client, tenant_key, make_job, db_session, settings, crash, returncode, described,  # noqa: F811
+def test_a_trainer_that_always_crashes_is_requeued_with_backoff_then_fails_after_max_restarts(
+    tmp_path, client, tenant_key, make_job, settings, crash, returncode, described,  # noqa: F811
 ) -> None:
+    _tiny_config(settings)
+    settings = settings.model_copy(update={"max_restarts": 2, "restart_backoff_s": 10.0,
+                                           "restart_backoff_max_s": 15.0})
     tenant = tenant_key()
-    job = make_job(tenant.headers)
-    row = db_session.get_one(Job, job["id"])
-    transition(db_session, row, "running", actor="scheduler")
-    db_session.commit()
+    job_id = make_job(tenant.headers)["id"]
+    pools = [local_pool(slots=1)]
+    clock = Clock(time.time())  # finish() stamps the backoff with the real time
+    store, ex = DbStore(settings, pools, clock=clock), RecordingExecutor(pools)
+    run_cycle(store, ex, clock=clock)
+    crashing = stand_in(tmp_path, f"#!/bin/sh\n{crash}\n")
 
-    events: list[tuple[str, str]] = []
-    restarts: list[int] = []
-    outcome = supervise(tmp_path, stand_in(tmp_path, f"#!/bin/sh\n{crash}\n"), should_stop=lambda: False,
-                        max_restarts=2, on_event=lambda level, msg: events.append((level, msg)),
-                        on_restart=restarts.append)
+    for attempt, delay in ((1, 10.0), (2, 15.0), (3, None)):  # 20 s capped at 15 s; then no restart left
+        row = _row(settings, job_id)
+        assert (row.status, row.attempt, len(ex.launches)) == ("running", attempt, attempt)
+        outcome = supervise(tmp_path, crashing, should_stop=lambda: False)
+        # One trainer per supervision: the supervisor never restarts it itself.
+        assert len((tmp_path / "trainer.log").read_text().splitlines()) == attempt
+        assert (outcome.returncode, outcome.stopped, outcome.crashed) == (returncode, False, True)
+        status = finish(settings, job_id, str(tmp_path), outcome, None, attempt=attempt)
+        ex.running.clear()
+        row = _row(settings, job_id)
+        assert row.exited_attempt == attempt
+        if delay is None:
+            assert status == "failed" and row.restarts == 2
+            break
+        # Requeued from its checkpoint as a lost run, one restart more, after the backoff.
+        assert (status, row.restarts) == ("queued", attempt)
+        not_before = row.restart_not_before.timestamp()
+        assert abs(not_before - (time.time() + delay)) < 5, (not_before, delay)
+        clock.t = not_before - 1
+        run_cycle(store, ex, clock=clock)
+        waiting = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=tenant.headers).json()
+        assert waiting["status"] == "queued" and len(ex.launches) == attempt, waiting
+        assert waiting["queue_reason"].startswith(f"waiting: restart {attempt} starts at "), waiting
+        clock.t = not_before + 1
+        run_cycle(store, ex, clock=clock)  # admitted again: the next attempt
 
-    assert outcome.history == [returncode] * 3  # the first attempt and 2 restarts
-    assert outcome.restarts == 2 and restarts == [1, 2]
-    assert [level for level, _ in events] == ["warn", "warn"]
-    assert described in events[0][1] and "restart 2/2" in events[1][1]
-    assert len((tmp_path / "trainer.log").read_text().splitlines()) == 3  # every attempt ran
-    assert outcome.error is not None and outcome.error["code"] == "trainer_crashed"
-    assert described in outcome.error["message"] and "max_restarts=2" in outcome.error["message"]
-
-    status = finish(settings, job["id"], str(tmp_path), outcome, None)
-    assert status == "failed"
-    failed = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=tenant.headers).json()
+    failed = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=tenant.headers).json()
     assert failed["status"] == "failed"
     assert failed["error"]["code"] == "trainer_crashed"
-    assert "max_restarts=2" in failed["error"]["message"]
-    messages = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
-                                                 headers=tenant.headers).json()["data"]]
-    assert any(m.startswith("Job failed: trainer_crashed") for m in messages), messages
+    assert described in failed["error"]["message"] and "max_restarts=2" in failed["error"]["message"]
+    messages = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job_id}/events",
+                                                 params={"limit": 100}, headers=tenant.headers).json()["data"]]
+    assert any(f"trainer {described} (restart 1 of 2); resumes from the start in 10 s." in m
+               for m in messages), messages
+    assert any(f"trainer {described} (restart 2 of 2)" in m for m in messages), messages
+    assert any(m.startswith(f"Job failed: trainer_crashed: trainer {described} (gave up after 2 restarts)")
+               for m in messages), messages
+
+
+def test_a_crash_with_a_termination_message_keeps_the_trainers_code(tmp_path) -> None:
+    """An internal error the trainer described itself: its code and message go with the lost run."""
+    termination = tmp_path / "termination.json"
+    crashing = stand_in(tmp_path, "#!/bin/sh\n"
+                                  f"echo '{{\"code\": \"internal_error\", \"message\": \"boom\"}}' > {termination}\n"
+                                  "exit 1\n")
+    outcome = supervise(tmp_path, crashing, should_stop=lambda: False)
+    change = observed_change("ftjob-x", 1, outcome, None)
+    assert (change.kind, change.error_code, change.exit_code) == (ObservedKind.REQUEUE, "internal_error", 1)
+    assert change.message == "trainer exit 1 (INTERNAL_ERROR): boom"
+
+
+@pytest.mark.parametrize("returncode", [ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY, ExitCode.SUCCESS])
+def test_exits_the_trainer_chose_are_not_lost_runs(tmp_path, returncode) -> None:
+    outcome = supervise(tmp_path, stand_in(tmp_path, f"#!/bin/sh\nexit {int(returncode)}\n"),
+                        should_stop=lambda: False)
+    assert outcome.returncode == returncode and not outcome.crashed and not outcome.stopped
 
 
 # The stand-in records that it started, then sleeps; "ignore" makes it immune to SIGTERM.
@@ -126,10 +155,10 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_pat
             stop_asked.append(time.monotonic())
         return bool(stop_asked)
 
-    outcome = supervise(tmp_path, python, should_stop=should_stop, grace_s=grace_s, max_restarts=2)
+    outcome = supervise(tmp_path, python, should_stop=should_stop, grace_s=grace_s)
     waited = time.monotonic() - stop_asked[0]
 
-    assert outcome.stopped and outcome.history == [returncode]  # a stopped trainer is not restarted
+    assert outcome.stopped and not outcome.crashed  # a stopped trainer is no lost run
     assert outcome.returncode == returncode
     if ignore:
         assert waited >= grace_s, f"SIGKILL came {waited:.2f}s after SIGTERM, before the {grace_s}s grace"

@@ -183,7 +183,7 @@ def _messages(client, tenant, job_id: str) -> list[str]:
 
 def test_a_success_whose_reports_fell_short_is_completed_from_the_trainer_outputs(
         settings, client, tenant_key, make_job):  # noqa: F811
-    """Killed right after its step-4 checkpoint and restarted in place: the reports of steps
+    """Killed right after its step-4 checkpoint and restarted: the reports of steps
     3-4 and of checkpoint 4 never arrived, the metrics log and the checkpoint folder have them."""
     tenant = tenant_key()
     job_id, store = _running_job(settings, client, tenant, make_job)

@@ -1,8 +1,9 @@
 """A succeeded job gets ``result_files``: its per-step metrics as OpenAI's results CSV.
 
 Both executors' outcomes write it (``worker.outcomes.apply_outcome``), in the same
-transaction as the status: the local executor's task (``worker.tasks.jobs.finish``) and the scheduler's store
-(``DbStore``, for cluster executors). The metrics arrive through the real report
+transaction as the status: the local executor's task
+(``worker.executors.local.supervisor.finish``) and the scheduler's store (``DbStore``, for
+cluster executors). The metrics arrive through the real report
 endpoint; the CSV is read back through the files API.
 """
 
@@ -16,9 +17,9 @@ import pytest
 from scheduling.pools import local_pool
 from tests.api.conftest import make_job, processed_file, start_running, upload  # noqa: F401 (fixtures)
 from worker.executors.base import ObservedChange, ObservedKind
-from worker.executors.local_process import TrainerOutcome
+from worker.executors.local.process import TrainerOutcome
+from worker.executors.local.supervisor import finish
 from worker.scheduler.store import DbStore
-from worker.tasks.jobs import finish
 
 JOBS = "/v1/fine_tuning/jobs"
 METRICS = [

@@ -72,7 +72,7 @@ def make_executor(settings: Settings, pools: list[Any], *,
         ex.start()
         return ex
     from control.queue import CeleryQueue
-    from worker.executors.local import LocalExecutor
+    from worker.executors.local.executor import LocalExecutor
 
     return LocalExecutor(settings, pools, CeleryQueue(settings))
 

@@ -23,7 +23,7 @@ from tests.trainers.golden.test_golden_losses import GOLDEN, TOLERANCE
 from tests.trainers.tiny_datasets import write_tiny_datasets
 from trainers.common.tiny_model import build_tiny_llama
 from trainers.exit_codes import ExitCode
-from worker.executors.local_process import trainer_env
+from worker.executors.local.process import trainer_env
 from worker.executors.manifests import HOME_MOUNT, SCRATCH_MOUNT
 
 IMAGE_OF = {"fsdp_qlora": "trainer-torch-cuda", "jax_lora": "trainer-jax-rocm"}

@@ -2,18 +2,20 @@
 
 `supervise_trainer` starts ``python -m trainers --spec spec.json`` as a child process in
 its own session (so a whole process tree can be signalled), appends its output to the
-job's log file, and watches it until it ends:
+job's log file, and watches it until it ends -- once: it never restarts a trainer itself.
 
 - the service wants it stopped (cancel, pause, preemption — `should_stop()` turns true):
   SIGTERM, which the trainer answers by checkpointing and exiting with PREEMPTED; after
   `grace_s` seconds, SIGKILL;
-- it dies of a crash (INTERNAL_ERROR, a signal such as ``kill -9``): restarted from its
-  latest checkpoint, up to `max_restarts` times;
-- it ends with SUCCESS, USER_ERROR or OUT_OF_MEMORY: no restart, the outcome says why.
+- it dies of a crash (INTERNAL_ERROR, an exit code outside the contract, a signal such as
+  ``kill -9``): the outcome is `crashed`, and the caller reports a lost run (REQUEUE) to
+  ``worker.outcomes.apply_outcome``, which counts the restart, applies the backoff and
+  fails the job past ``max_restarts`` -- as it does for a Kubernetes pod;
+- it ends with SUCCESS, USER_ERROR or OUT_OF_MEMORY: the outcome says why.
 
-It knows nothing of the database: the caller (the Celery task in worker/tasks/jobs.py)
-turns the returned `TrainerOutcome` into job transitions. The pid is written to the job
-directory so that a worker that was killed and got the task again can stop an orphaned
+It knows nothing of the database: the caller (``worker.executors.local.supervisor``, the
+body of the Celery task) turns the returned `TrainerOutcome` into an ``ObservedChange``.
+The pid is written to the job directory so that a worker that was killed and got the task again can stop an orphaned
 trainer before starting a new one; `supervision_lock` makes sure only one supervisor
 watches a job at a time (a task delivered twice must not start a second trainer).
 """
@@ -30,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainers.common.private_files import (
@@ -52,16 +54,25 @@ class TrainerOutcome:
 
     returncode: int
     stopped: bool = False  # ended because should_stop() asked for it
-    restarts: int = 0
     error: dict[str, str] | None = None  # {"code", "message"} from the termination log
-    history: list[int] = field(default_factory=list)  # return codes of every attempt
 
     @property
     def succeeded(self) -> bool:
         return self.returncode == ExitCode.SUCCESS
 
+    @property
+    def crashed(self) -> bool:
+        """Lost through no decision of the trainer's: a crash, a signal (``kill -9``, the
+        kernel's OOM killer) or an exit code outside the contract. Such a run is worth
+        resuming from its checkpoint; a user error or GPU out-of-memory exit is not."""
+        if self.stopped:
+            return False
+        code = self.returncode
+        return code < 0 or code in _RESTARTABLE or code not in set(ExitCode)
 
-def _describe(returncode: int) -> str:
+
+def describe_exit(returncode: int) -> str:
+    """``killed by SIGKILL``, ``exit 1 (INTERNAL_ERROR)``, ``exit 7``."""
     if returncode < 0:
         try:
             return f"killed by {signal.Signals(-returncode).name}"
@@ -232,76 +243,35 @@ def supervise_trainer(
     pid_path: Path,
     should_stop: Callable[[], bool],
     heartbeat_path: Path | None = None,
-    on_event: Callable[[str, str], None] = lambda level, message: None,
-    on_restart: Callable[[int], None] = lambda attempt: None,
-    max_restarts: int = 2,
-    restart_delay: Callable[[int], float] = lambda restart: 0.0,
     grace_s: float = 30.0,
     poll_s: float = 0.25,
     env: dict[str, str] | None = None,
     python: str = sys.executable,
 ) -> TrainerOutcome:
-    """Run the trainer of `spec_path` until it ends for good (see the module docstring)."""
+    """Run the trainer of `spec_path` once, until it ends (see the module docstring)."""
     private_dir(log_path.parent)
     child_env = {**trainer_base_env(os.environ), **trainer_env(_spec_trainer(spec_path)), **(env or {})}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    restarts = 0
-    history: list[int] = []
-    while True:
-        termination_path.unlink(missing_ok=True)
-        with open_private_log(log_path) as log_file:
-            proc = subprocess.Popen(
-                [python, "-m", "trainers", "--spec", str(spec_path)],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                start_new_session=True,
-            )
-        write_private_text(pid_path, str(proc.pid))
-        stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s,
-                        heartbeat_path=heartbeat_path)
-        pid_path.unlink(missing_ok=True)
-        returncode = proc.returncode
-        history.append(returncode)
-        error = _read_termination(termination_path)
-        if stopped or returncode in (ExitCode.SUCCESS, ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY):
-            return TrainerOutcome(returncode, stopped=stopped, restarts=restarts, error=error, history=history)
-        if returncode == ExitCode.PREEMPTED:
-            # Nobody here asked for it: the process got SIGTERM from outside (a shutdown).
-            return TrainerOutcome(returncode, stopped=True, restarts=restarts, error=error, history=history)
-        crashed = returncode < 0 or returncode in _RESTARTABLE or returncode not in set(ExitCode)
-        if not crashed or restarts >= max_restarts:
-            if crashed and error is None:
-                error = {
-                    "code": "trainer_crashed",
-                    "message": f"the trainer {_describe(returncode)} and was restarted "
-                    f"{restarts} time(s), the most allowed (max_restarts={max_restarts})",
-                }
-            return TrainerOutcome(returncode, restarts=restarts, error=error, history=history)
-        restarts += 1
-        delay = restart_delay(restarts)
-        on_event(
-            "warn",
-            f"trainer {_describe(returncode)}; restarting from the latest checkpoint"
-            f"{f' in {delay:g} s' if delay else ''} (restart {restarts}/{max_restarts})",
+    termination_path.unlink(missing_ok=True)
+    with open_private_log(log_path) as log_file:
+        proc = subprocess.Popen(
+            [python, "-m", "trainers", "--spec", str(spec_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
         )
-        on_restart(restarts)
-        if _backoff(delay, should_stop=should_stop, poll_s=poll_s, heartbeat_path=heartbeat_path):
-            return TrainerOutcome(returncode, stopped=True, restarts=restarts, error=error, history=history)
-
-
-def _backoff(delay_s: float, *, should_stop: Callable[[], bool], poll_s: float, heartbeat_path: Path | None) -> bool:
-    """Sleep ``delay_s`` before a restart, still heartbeating and still stoppable: True when
-    should_stop() asked to stop meanwhile (a cancel during the backoff needs no trainer)."""
-    deadline = time.monotonic() + delay_s
-    while time.monotonic() < deadline:
-        if heartbeat_path is not None:
-            heartbeat_path.touch(mode=PRIVATE_FILE_MODE)
-        if should_stop():
-            return True
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-    return False
+    write_private_text(pid_path, str(proc.pid))
+    stopped = _wait(proc, should_stop=should_stop, grace_s=grace_s, poll_s=poll_s,
+                    heartbeat_path=heartbeat_path)
+    pid_path.unlink(missing_ok=True)
+    returncode = proc.returncode
+    if returncode == ExitCode.PREEMPTED:
+        # Without a stop asked here the process got SIGTERM from outside (a shutdown): it
+        # checkpointed and stopped all the same, which is no crash.
+        stopped = True
+    return TrainerOutcome(returncode, stopped=stopped, error=_read_termination(termination_path))
 
 
 def _wait(proc: subprocess.Popen, *, should_stop: Callable[[], bool], grace_s: float, poll_s: float,

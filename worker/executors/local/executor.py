@@ -1,14 +1,14 @@
-"""The local executor: trainers as subprocesses of this machine's Celery worker.
+"""``LocalExecutor``: trainers as subprocesses of this machine's Celery worker.
 
 The embedded default (`tunefleet serve`) places jobs on the `local` pool, whose "GPUs"
 are trainer slots of this machine. `launch` writes the spec into the job directory and
-sends the Celery task ``tunefleet.run_local_job``; that task (worker/tasks/jobs.py)
-supervises the trainer process (worker/executors/local_process.py) and writes the
-outcome through the one transition function. A worker killed mid-run leaves the job's
-supervisor lock free: `reconcile` (every scheduling cycle) sends the task again within
-seconds, and the worker that runs it stops the orphaned trainer and starts it anew from
-its latest checkpoint -- or, for a job cancelled or paused meanwhile, records how the run
-ended.
+sends the Celery task ``tunefleet.run_local_job``; that task (its body:
+``worker.executors.local.supervisor``) supervises the trainer process
+(``worker.executors.local.process``) and hands how the run ended to the one outcome path.
+A worker killed mid-run leaves the job's supervisor lock free: `reconcile` (every
+scheduling cycle) sends the task again within seconds, and the worker that runs it stops
+the orphaned trainer and starts it anew from its latest checkpoint -- or, for a job
+cancelled or paused meanwhile, records how the run ended.
 
 `stop` leaves a stop request in the job directory (the reason: cancel, pause, preempt);
 the supervising task also stops the trainer whenever the job's status is no longer
@@ -32,7 +32,7 @@ from scheduling.pools import NodePool
 from trainers.common.private_files import private_dir, write_private_text
 from trainers.spec import TrainerSpec
 from worker.executors.base import JobRef, ObservedChange, ObservedKind, StopReason
-from worker.executors.local_process import supervised
+from worker.executors.local.process import supervised
 from worker.spec_builder import write_spec
 
 SPEC_FILE = "spec.json"
