@@ -46,6 +46,27 @@ def terminal_width(monkeypatch: pytest.MonkeyPatch, columns: int) -> None:
         monkeypatch.setattr(console, "width", columns)
 
 
+@pytest.fixture
+def cli(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``cli(*args, code=0, input=None)``: run a ``tunefleet`` command against ``service``
+    (its URL and key in the environment, 200 columns wide) and check its exit code."""
+    from typer.testing import CliRunner
+
+    from tunefleet.cli import app
+
+    for name, value in service.env.items():
+        monkeypatch.setenv(name, value)
+    terminal_width(monkeypatch, 200)
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0, input: str | None = None) -> Any:
+        result = runner.invoke(app, list(args), input=input, catch_exceptions=False)
+        assert result.exit_code == code, (args, result.exit_code, result.stdout, result.stderr)
+        return result
+
+    return run
+
+
 def chat_jsonl(n: int = 6) -> bytes:
     rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
                           {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]

@@ -7,27 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from tests.preference_data import sum_preference_lines
 from tests.sdk.conftest import BAD_JSONL, DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job, terminal_width
-from tunefleet.cli import app
 from tunefleet.cli.render import fmt_bytes, fmt_seconds
-
-
-@pytest.fixture
-def cli(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
-    for name, value in service.env.items():
-        monkeypatch.setenv(name, value)
-    terminal_width(monkeypatch, 200)
-    runner = CliRunner()
-
-    def run(*args: str, code: int = 0) -> Any:
-        result = runner.invoke(app, list(args), catch_exceptions=False)
-        assert result.exit_code == code, (args, result.exit_code, result.stdout, result.stderr)
-        return result
-
-    return run
 
 
 def js(result: Any) -> Any:

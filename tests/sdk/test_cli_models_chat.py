@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from tests.fake_vllm import FakeVLLM
-from tests.sdk.conftest import DEMO_MODEL, Service, terminal_width
-from tunefleet.cli import app
+from tests.sdk.conftest import DEMO_MODEL, Service
 
 # What the CLI sends does not depend on the database: one backend is enough here.
 pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
@@ -37,67 +35,52 @@ def settings(settings: Any, vllm: FakeVLLM, live_server: Any, tmp_path: Path) ->
     return settings.model_copy(update={"base_models_file": registry})
 
 
-@pytest.fixture
-def run(service: Service, isolated_config: Path, monkeypatch: pytest.MonkeyPatch):
-    for name, value in service.env.items():
-        monkeypatch.setenv(name, value)
-    terminal_width(monkeypatch, 200)
-    runner = CliRunner()
-
-    def invoke(*args: str, code: int = 0, input: str | None = None) -> Any:
-        result = runner.invoke(app, list(args), input=input, catch_exceptions=False)
-        assert result.exit_code == code, (args, result.exit_code, result.stdout, result.stderr)
-        return result
-
-    return invoke
-
-
-def test_models_register_and_get(run: Any, service: Service, admin_key: str) -> None:
+def test_models_register_and_get(cli: Any, service: Service, admin_key: str) -> None:
     source = str(service.settings.models_dir / "tiny-llama")
-    denied = run("models", "register", source, "--id", "acme/tiny", "--json", code=1)
+    denied = cli("models", "register", source, "--id", "acme/tiny", "--json", code=1)
     assert json.loads(denied.stderr)["error"]["code"] == "permission_denied"
 
     admin = ("--api-key", admin_key)
-    model = json.loads(run("models", "register", source, "--id", "acme/tiny", "--hf-id", "acme/tiny-hf",
+    model = json.loads(cli("models", "register", source, "--id", "acme/tiny", "--hf-id", "acme/tiny-hf",
                            "--json", *admin).stdout)
     assert (model["id"], model["kind"], model["status"], model["architecture"]) == (
         "acme/tiny", "base", "ready", "llama")
-    taken = run("models", "register", source, "--id", "acme/tiny", *admin, code=1)
+    taken = cli("models", "register", source, "--id", "acme/tiny", *admin, code=1)
     assert "model_exists" in taken.stderr
 
-    got = json.loads(run("models", "get", "acme/tiny", "--json").stdout)
+    got = json.loads(cli("models", "get", "acme/tiny", "--json").stdout)
     assert got["id"] == "acme/tiny" and got["status"] == "ready" and got.get("source") is None
-    human = run("models", "get", "acme/tiny", *admin).stdout
+    human = cli("models", "get", "acme/tiny", *admin).stdout
     assert "ready" in human and "llama" in human and source in human
-    listed = [m["id"] for m in json.loads(run("models", "--json").stdout)["data"]]
-    assert listed == [m["id"] for m in json.loads(run("models", "list", "--json").stdout)["data"]]
+    listed = [m["id"] for m in json.loads(cli("models", "--json").stdout)["data"]]
+    assert listed == [m["id"] for m in json.loads(cli("models", "list", "--json").stdout)["data"]]
     assert {"acme/tiny", DEMO_MODEL} <= set(listed)
-    assert "acme/tiny" in run("models").stdout
-    missing = run("models", "get", "nope", "--json", code=1)
+    assert "acme/tiny" in cli("models").stdout
+    missing = cli("models", "get", "nope", "--json", code=1)
     assert json.loads(missing.stderr)["error"]["code"] == "not_found"
 
 
-def test_chat_prints_the_answer(run: Any, vllm: FakeVLLM) -> None:
-    answer = run("chat", DEMO_MODEL, "What is 2+2?", "--system", "Be brief.", "--max-tokens", "5")
+def test_chat_prints_the_answer(cli: Any, vllm: FakeVLLM) -> None:
+    answer = cli("chat", DEMO_MODEL, "What is 2+2?", "--system", "Be brief.", "--max-tokens", "5")
     assert answer.stdout == f"{DEMO_MODEL} says hi\n"
     (sent,) = [body for kind, body in vllm.calls if kind == "chat"]
     assert sent["messages"] == [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": "What is 2+2?"}]
     assert sent["max_tokens"] == 5 and sent["temperature"] == 0
 
-    completion = json.loads(run("chat", DEMO_MODEL, "-", "--json", input="from stdin\n").stdout)
+    completion = json.loads(cli("chat", DEMO_MODEL, "-", "--json", input="from stdin\n").stdout)
     assert completion["object"] == "chat.completion"
     assert completion["choices"][0]["message"]["content"] == f"{DEMO_MODEL} says hi"
     assert vllm.calls[-1][1]["messages"] == [{"role": "user", "content": "from stdin\n"}]
 
-    streamed = run("chat", DEMO_MODEL, "hi", "--stream", "--temperature", "0.7")
+    streamed = cli("chat", DEMO_MODEL, "hi", "--stream", "--temperature", "0.7")
     assert streamed.stdout == f"{DEMO_MODEL} says hi\n"
     assert vllm.calls[-1][1]["stream"] is True and vllm.calls[-1][1]["temperature"] == 0.7
-    chunks = [json.loads(line) for line in run("chat", DEMO_MODEL, "hi", "--stream", "--json").stdout.splitlines()]
+    chunks = [json.loads(line) for line in cli("chat", DEMO_MODEL, "hi", "--stream", "--json").stdout.splitlines()]
     assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == (
         f"{DEMO_MODEL} says hi")
 
-    unknown = run("chat", "nope", "hi", "--json", code=1)
+    unknown = cli("chat", "nope", "hi", "--json", code=1)
     assert json.loads(unknown.stderr)["error"]["status"] == 404
-    assert "no prompt" in run("chat", DEMO_MODEL, "-", input="", code=2).stderr
+    assert "no prompt" in cli("chat", DEMO_MODEL, "-", input="", code=2).stderr
