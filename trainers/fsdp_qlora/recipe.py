@@ -222,6 +222,13 @@ class FsdpQloraRecipe(SteppedRecipe):
             return evaluate_preference(self.model, self.data.validation, self._ctx, max_batches, self.dpo)
         return evaluate(self.model, self.data.validation, self._ctx, max_batches)
 
+    @property
+    def eval_every_n_steps(self) -> int | None:
+        # A reinforcement job's own cadence (OpenAI's eval_interval) when the spec's eval has none.
+        if self.grpo is not None and self.spec.eval.every_n_steps is None:
+            return self.spec.method.reinforcement.eval_interval
+        return self.spec.eval.every_n_steps
+
     def memory_bytes(self) -> int | None:
         return _memory_bytes(self._ctx)
 
