@@ -140,8 +140,10 @@ def sample_group(model: nn.Module, prompt: Prompt, n: int, objective: GrpoObject
 
 def grade_completions(objective: GrpoObjective, completions: Sequence[Sequence[int]],
                       items: Sequence[dict[str, Any]]) -> torch.Tensor:
-    """The grader's reward of each completion, ``(n,)`` float32."""
-    samples = [sample_namespace(objective.decode(c)) for c in completions]
+    """The grader's reward of each completion, ``(n,)`` float32 (``finish_reason`` "stop"
+    for one that ended at a stop token, "length" for one cut at its token budget)."""
+    samples = [sample_namespace(objective.decode(c), finish_reason="stop" if c and c[-1] in objective.stop_ids
+                                else "length") for c in completions]
     results = grade_batch(objective.grader, samples, items, objective.grading)
     return torch.tensor([float(r.reward) for r in results], dtype=torch.float32)
 

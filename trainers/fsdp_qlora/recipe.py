@@ -104,6 +104,7 @@ class FsdpQloraRecipe(SteppedRecipe):
     Every rank runs it; only rank 0 reports and writes files."""
 
     ctx: DistContext | None = None
+    grpo: GrpoObjective | None = None  # set by setup() for a reinforcement job
 
     def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
         # -- setup: layout checks before anything heavy -----------------------------------
