@@ -68,7 +68,7 @@ from scheduling.pools import GIB, NodePool
 from trainers.spec import DEFAULT_TARGET_MODULES
 
 Method = Literal["lora", "qlora"]
-Objective = Literal["supervised", "dpo"]
+Objective = Literal["supervised", "dpo", "reinforcement"]
 Quantization = Literal["none", "nf4", "hqq4"]
 
 # Fraction of a GPU's memory the estimate may use. Against published peaks the estimate
@@ -164,10 +164,15 @@ class TrainingShape:
     compute_bytes: int = _BF16
     """Bytes per element of unquantized weights and activations (4 for the fp32 CPU runs)."""
     objective: Objective = "supervised"
-    """``dpo``: two sequences per example and a reference forward (module docstring)."""
+    """``dpo``: two sequences per example and a reference forward (module docstring);
+    ``reinforcement``: ``group_size`` sampled sequences per prompt and a reference forward."""
+    group_size: int = 1
+    """Reinforcement only: completions per prompt (``samples_per_prompt``), trained together."""
 
     @property
     def sequences_per_example(self) -> int:
+        if self.objective == "reinforcement":
+            return self.group_size
         return 2 if self.objective == "dpo" else 1
 
     @property
@@ -384,7 +389,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
         # two phases' transients share memory and only the larger one counts. The loss
         # phase is shown in ``logits`` as far as it exceeds the layer phase.
         logits = max(0, logits - layer_transients)
-    if t.objective == "dpo":
+    if t.objective in ("dpo", "reinforcement"):
         # The reference forward: one layer's intermediates and its logits with their fp32
         # log-softmax live at once, nothing kept for backward.
         acts += per_layer
@@ -441,6 +446,10 @@ def flops_per_token(m: ModelShape, t: TrainingShape, trainer: str | None = None)
         # per planned token: two sequences, each also run once more through the reference
         # (a forward of the base: 2P, its attention, and the LoRA-free path).
         per_token = 2 * (per_token + 2 * (m.linear_params + head) + attention)
+    elif t.objective == "reinforcement":
+        # per planned token: each of the group's sequences trained and run through the
+        # reference; the sampling's decoding steps are not counted.
+        per_token = t.group_size * (per_token + 2 * (m.linear_params + head) + attention)
     return per_token
 
 

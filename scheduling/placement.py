@@ -31,7 +31,7 @@ from scheduling.estimator import PoolEstimate, TrainingShape, estimate_on_pool
 from scheduling.pools import NodePool
 from scheduling.reasons import Reason, ReasonCode, messages
 from scheduling.request import JobRequest
-from trainers.spec import trains_base
+from trainers.spec import trains_base, trains_method
 
 Mode = Literal["fit", "fit_after_preemption", "no_fit"]
 Objective = Literal["cost", "time"]
@@ -119,8 +119,10 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
 
 def trainer_can_train(trainer: str, training: TrainingShape) -> bool:
     """Whether the ``trainer`` family can train the job's base weights as they are stored
-    (``trainers.spec.trains_base``, the trainers' own rule)."""
-    return trains_base(trainer, training.quantization, training.double_quant)
+    (``trainers.spec.trains_base``, the trainers' own rule) and run its method
+    (``trainers.spec.trains_method``: reinforcement on fsdp_qlora only)."""
+    return (trains_base(trainer, training.quantization, training.double_quant)
+            and trains_method(trainer, training.objective))
 
 
 def base_text(training: TrainingShape) -> str:
@@ -146,8 +148,12 @@ def trainer_for(job: JobRequest, pool: NodePool) -> str | None:
 def trainer_refusal(job: JobRequest, pool: NodePool) -> str:
     """Why ``trainer_for(job, pool)`` is None, in a user's words (no pool name)."""
     runs = f"runs {'/'.join(pool.trainers)}"
+    if job.trainer != "auto" and not trains_method(job.trainer, job.training.objective):
+        return f"{runs}, job asks for {job.trainer}, which does not run reinforcement fine-tuning"
     if job.trainer != "auto" and not trainer_can_train(job.trainer, job.training):
         return f"{runs}, job asks for {job.trainer}, which cannot train a {base_text(job.training)}"
+    if job.trainer == "auto" and job.training.objective == "reinforcement":
+        return f"{runs}, job needs fsdp_qlora (reinforcement fine-tuning)"
     if job.trainer == "auto":
         return f"{runs}, job needs fsdp_qlora ({base_text(job.training)})"
     return f"{runs}, job needs {job.trainer}"

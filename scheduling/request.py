@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from control.job_settings import JobSettings, PlacementSettings, TrainerChoice
+from control.job_settings import JobSettings, PlacementSettings, TrainerChoice, samples_per_prompt
 from scheduling.estimator import ModelShape, TrainingShape
 from scheduling.priorities import DEFAULT_PRIORITY
 
@@ -80,7 +80,10 @@ def planned_seq_len(settings: JobSettings, data: DataStats | None = None) -> int
     rows are not known yet or the job packs rows (a packed sequence fills ``max_seq_len``)."""
     if data is None or settings.packing:
         return settings.max_seq_len
-    return max(1, min(data.longest_row, settings.max_seq_len))
+    longest = data.longest_row
+    if settings.method.type == "reinforcement":  # a prompt and its sampled completion
+        longest += settings.method.max_completion_tokens  # type: ignore[union-attr]
+    return max(1, min(longest, settings.max_seq_len))
 
 
 def longest_row_words(settings: JobSettings, data: DataStats | None) -> str | None:
@@ -113,8 +116,19 @@ def training_shape(settings: JobSettings, data: DataStats | None = None) -> Trai
         target_modules=adapter.target_modules,
         seq_len=planned_seq_len(settings, data),
         micro_batch=settings.hyperparameters.micro_batch_size or 1,
-        objective="dpo" if settings.method.type == "dpo" else "supervised",
+        objective=settings.method.type,  # type: ignore[arg-type]
+        group_size=group_size(settings),
     )
+
+
+def group_size(settings: JobSettings) -> int:
+    """A reinforcement job's completions per prompt (``compute_multiplier`` "auto" counts as
+    1.0, its resolved value); 1 for other methods."""
+    method = settings.method
+    if method.type != "reinforcement":
+        return 1
+    multiplier = method.compute_multiplier  # type: ignore[union-attr]
+    return samples_per_prompt(1.0 if multiplier == "auto" else float(multiplier))
 
 
 def planned_tokens(settings: JobSettings, data: DataStats | None = None) -> int | None:
@@ -177,7 +191,8 @@ def request_from_job(
         total_tokens=total_tokens if total_tokens is not None else planned_tokens(settings, data),
         trainer=checkpoint_trainer or settings.trainer,
         pool=pins.pool,
-        gpus=pins.gpus,
+        # Reinforcement runs on one process (the torch trainer samples on one GPU).
+        gpus=1 if pins.gpus is None and settings.method.type == "reinforcement" else pins.gpus,
         queue_if_unfit=pins.queue_if_unfit,
         longest_row=longest_row_words(settings, data),
     )

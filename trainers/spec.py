@@ -69,6 +69,14 @@ def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> 
     return quantization in ("none", "nf4") and not double_quant
 
 
+def trains_method(trainer: str, method: str) -> bool:
+    """Whether ``trainer`` runs ``method``: reinforcement fine-tuning (its sampling loop)
+    runs on ``fsdp_qlora`` only; both trainers run supervised and DPO. The API, the
+    scheduler's placement ("auto" picks a trainer that runs the method) and the trainers
+    ask this."""
+    return method != "reinforcement" or trainer == "fsdp_qlora"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

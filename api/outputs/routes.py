@@ -41,7 +41,7 @@ from control.errors import APIError
 from control.exports import request_export
 from control.jobs.lifecycle import add_event
 from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
-from control.reports.schemas import PREFERENCE_METRICS
+from control.reports.schemas import METHOD_METRICS
 from control.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,10 @@ METRIC_FIELDS = (
 
 
 def metric_dict(row: JobMetric) -> dict[str, Any]:
-    """A metric row as the API shows it; a DPO run's rewards under their reported names."""
+    """A metric row as the API shows it; a DPO or reinforcement run's own metrics under
+    their reported names."""
     out = {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
-    out.update({name: getattr(row, column) for name, column in PREFERENCE_METRICS.items()})
+    out.update({name: getattr(row, column) for name, column in METHOD_METRICS.items()})
     return out
 
 

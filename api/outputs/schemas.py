@@ -8,11 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from control.db.models import Export
 from control.exports import artifacts_prefix
-from control.reports.schemas import PreferenceMetrics
+from control.reports.schemas import PreferenceMetrics, ReinforcementMetrics
 
 
-class MetricPublic(PreferenceMetrics):
-    """One metric row; a DPO run's also carries ``rewards/...`` (null otherwise)."""
+class MetricPublic(PreferenceMetrics, ReinforcementMetrics):
+    """One metric row; a DPO run's also carries ``rewards/...``, a reinforcement run's
+    ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction``, ``completion_length`` and
+    ``valid_reward_mean`` (null otherwise)."""
 
     object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
     step: int

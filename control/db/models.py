@@ -295,6 +295,13 @@ class JobMetric(Base):
     valid_rewards_rejected: Mapped[float | None] = mapped_column(Float)
     valid_rewards_accuracy: Mapped[float | None] = mapped_column(Float)
     valid_rewards_margin: Mapped[float | None] = mapped_column(Float)
+    # Reinforcement runs only (``control.reports.schemas.REINFORCEMENT_METRICS``).
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    kl: Mapped[float | None] = mapped_column(Float)
+    clip_fraction: Mapped[float | None] = mapped_column(Float)
+    completion_length: Mapped[float | None] = mapped_column(Float)
+    valid_reward_mean: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

@@ -32,7 +32,7 @@ from control.ids import hash_secret, new_id
 from control.jobs.lifecycle import add_event, lock_job, start_admitted_launch
 from control.jobs.naming import checkpoint_model_id, fine_tuned_model_id
 from control.reports.schemas import (
-    PREFERENCE_METRICS,
+    METHOD_METRICS,
     ArtifactsItem,
     CheckpointItem,
     ErrorItem,
@@ -54,7 +54,7 @@ CHECKPOINT_METRIC_NAMES = {
     "valid_mean_token_accuracy": "valid_mean_token_accuracy",
     "full_valid_loss": "full_valid_loss",
     "full_valid_mean_token_accuracy": "full_valid_mean_token_accuracy",
-    **{name: name for name in PREFERENCE_METRICS},
+    **{name: name for name in METHOD_METRICS},
 }
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
 # The report protocol's event levels, as OpenAI's (info, warn, error): a trainer's debug
@@ -417,7 +417,7 @@ def _metric_values(job: Job, item: MetricItem) -> dict[str, Any]:
     """The metric row's values; the running job's progress fields follow the newest step."""
     values: dict[str, Any] = item.model_dump(exclude={"type"})
     # tokens_per_s too: the job's mean of it must stay a JSON number.
-    for name in ("train_loss", "valid_loss", "grad_norm", "tokens_per_s", *PREFERENCE_METRICS.values()):
+    for name in ("train_loss", "valid_loss", "grad_norm", "tokens_per_s", *METHOD_METRICS.values()):
         values[name] = _finite(values[name])
     # The step's MFU on the gang the job was admitted to (None before that basis existed).
     values["mfu"] = row_mfu(values["tokens_per_s"], job.estimate)
@@ -442,7 +442,7 @@ def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
     """
     total = item.total_steps
     every = -(-total // METRIC_EVENTS_PER_RUN) if total else 1
-    evaluated = item.valid_loss is not None or item.valid_token_accuracy is not None
+    evaluated = any(v is not None for v in (item.valid_loss, item.valid_token_accuracy, item.valid_reward_mean))
     if not (item.step <= 1 or item.step == total or item.step % every == 0 or evaluated):
         return None
     values = item.model_dump(by_alias=True)
@@ -452,14 +452,15 @@ def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
         ("train_mean_token_accuracy", item.token_accuracy),
         ("valid_loss", _finite(item.valid_loss)),
         ("valid_mean_token_accuracy", item.valid_token_accuracy),
-        *((name, _finite(values[name])) for name in PREFERENCE_METRICS),
+        *((name, _finite(values[name])) for name in METHOD_METRICS),
     ):
         if value is not None:
             data[public] = value
     data["total_steps"] = total
     message = f"Step {item.step}/{total}" if total else f"Step {item.step}"
     losses = [f"{label}={data[name]:.4f}" for name, label in (
-        ("train_loss", "training loss"), ("valid_loss", "validation loss")) if name in data]
+        ("train_loss", "training loss"), ("valid_loss", "validation loss"), ("reward_mean", "mean reward"),
+        ("valid_reward_mean", "validation reward")) if name in data]
     return (f"{message}: {', '.join(losses)}" if losses else message), data
 
 

@@ -51,7 +51,31 @@ class PreferenceMetrics(BaseModel):
     valid_rewards_margin: Finite | None = Field(None, alias="valid_rewards/margin")
 
 
-class MetricItem(_Item, PreferenceMetrics):
+# A reinforcement run's metrics (``trainers.common.reinforcement``): reported, stored and shown
+# under the same names.
+REINFORCEMENT_METRICS: dict[str, str] = {
+    name: name for name in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_length",
+                            "valid_reward_mean")
+}
+# Every method's own metrics, reported name -> field (and column).
+METHOD_METRICS: dict[str, str] = {**PREFERENCE_METRICS, **REINFORCEMENT_METRICS}
+
+
+class ReinforcementMetrics(BaseModel):
+    """A reinforcement run's metrics: the mean and std of its sampled completions' rewards,
+    the mean per-token KL to the reference (null with ``kl_coef`` 0), the fraction of
+    completion tokens whose ratio was clipped, the mean completion length in tokens, and at
+    evaluations the mean reward on the validation prompts."""
+
+    reward_mean: Finite | None = None
+    reward_std: Finite | None = None
+    kl: Finite | None = None
+    clip_fraction: Finite | None = None
+    completion_length: Finite | None = None
+    valid_reward_mean: Finite | None = None
+
+
+class MetricItem(_Item, PreferenceMetrics, ReinforcementMetrics):
     type: Literal["metric"]
     step: Step
     total_steps: Step | None = None

@@ -1,7 +1,7 @@
 """Reinforcement jobs through the API: OpenAI's ``method.reinforcement`` object is checked in
-full (hyperparameters, grader, response format, the files' format), and creation then answers
-400 ``method_not_available``: no trainer runs reinforcement fine-tuning yet, and a job that could
-only fail is not created.
+full (hyperparameters, grader, response format, the files' format); a valid job is created for
+the torch trainer (``auto`` or ``fsdp_qlora``, one GPU) and refused for the JAX trainer with 400
+``method_not_available``, which does not run reinforcement fine-tuning yet.
 
 Driven with the official ``openai`` SDK where a client would use it, and with raw bodies for the
 errors (the SDK's types would refuse some of them before sending).
@@ -44,22 +44,46 @@ def _upload(oai, data: bytes) -> str:
     return file.id
 
 
-def test_a_valid_reinforcement_job_is_refused_as_not_available(sdk) -> None:
-    oai, _ = sdk
+def test_a_valid_reinforcement_job_is_created_for_the_torch_trainer(sdk, client) -> None:
+    oai, tenant = sdk
     training = _upload(oai, prompt_lines(12))
-    assert oai.files.retrieve(training).to_dict().get("status") == "processed"
-    with pytest.raises(openai.BadRequestError) as caught:
-        oai.fine_tuning.jobs.create(
-            model="tunefleet-tiny-llama", training_file=training, validation_file=_upload(oai, prompt_lines(3)),
-            method={"type": "reinforcement", "reinforcement": {
-                "grader": GRADER,
-                "hyperparameters": {"n_epochs": 2, "compute_multiplier": 2, "eval_interval": "auto",
-                                    "reasoning_effort": "low"}}},
-        )
-    assert (caught.value.status_code, caught.value.code, caught.value.param) == (
-        400, "method_not_available", "method.type")
-    assert "not enabled" in caught.value.message
-    assert oai.fine_tuning.jobs.list().data == []
+    job = oai.fine_tuning.jobs.create(
+        model="tunefleet-tiny-llama", training_file=training, validation_file=_upload(oai, prompt_lines(3)),
+        method={"type": "reinforcement", "reinforcement": {
+            "grader": GRADER,
+            "hyperparameters": {"n_epochs": 2, "compute_multiplier": 2, "eval_interval": "auto",
+                                "reasoning_effort": "low"}}},
+    )
+    assert job.status in ("validating_files", "queued")
+    assert job.method.type == "reinforcement" and job.method.reinforcement.grader.to_dict() == GRADER
+    assert [j.id for j in oai.fine_tuning.jobs.list().data] == [job.id]
+    explicit = client.post(JOBS, headers=tenant.headers, json={
+        "model": "tunefleet-tiny-llama", "training_file": training, "trainer": "fsdp_qlora", "method": rft()})
+    assert explicit.status_code == 200, explicit.text
+    assert explicit.json()["trainer"] == "fsdp_qlora"
+
+
+@pytest.mark.parametrize(
+    ("patch", "code", "param"),
+    [
+        ({"trainer": "jax"}, "method_not_available", "trainer"),
+        ({"trainer": "jax_lora"}, "method_not_available", "trainer"),
+        ({"placement": {"gpus": 2}}, "invalid_request", "placement.gpus"),
+        ({"method": rft({"type": "score_model", "name": "s", "model": "tunefleet-tiny-llama",
+                         "input": [{"role": "user", "content": "{{sample.output_text}}"}]})},
+         "invalid_request", "method.reinforcement.grader"),
+    ],
+)
+def test_a_reinforcement_job_its_trainer_cannot_run_is_refused(client, tenant_key, processed_file, patch, code,
+                                                               param) -> None:
+    headers = tenant_key().headers
+    body = {"model": "tunefleet-tiny-llama", "training_file": processed_file(headers, prompt_lines(4)),
+            "method": rft(), **patch}
+    response = client.post(JOBS, headers=headers, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert client.get(JOBS, headers=headers).json()["data"] == []
 
 
 @pytest.mark.parametrize(
@@ -202,3 +226,19 @@ def test_a_grader_reading_a_key_the_lines_lack_is_refused(client, tenant_key, pr
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("grader_item_missing", param), error
     assert "messages, reference_answer" in error["message"]
+
+
+def test_an_estimate_plans_one_gpu_and_the_sampled_group(client, tenant_key) -> None:
+    headers = tenant_key().headers
+    body = {"model": "tunefleet-tiny-llama", "n_examples": 1000}
+
+    def estimate(**extra):
+        response = client.post("/v1/fine_tuning/estimate", headers=headers, json={**body, **extra})
+        assert response.status_code == 200, response.text
+        return {row["pool"]: row for row in response.json()["pools"]}
+
+    sft = estimate()
+    rl = estimate(method=rft(compute_multiplier=1))  # 4 completions per prompt
+    assert all(row["gpus"] in (1, None) for row in rl.values()), rl
+    common = [p for p in rl if rl[p]["memory_per_gpu_bytes"] and sft[p]["memory_per_gpu_bytes"]]
+    assert common and all(rl[p]["memory_per_gpu_bytes"] > sft[p]["memory_per_gpu_bytes"] for p in common)

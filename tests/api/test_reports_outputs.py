@@ -92,6 +92,22 @@ def test_dpo_reward_metrics_are_stored_and_shown(client, running, settings) -> N
                                      "valid_rewards/margin": 0.5}
 
 
+def test_reinforcement_metrics_are_stored_and_shown(client, running, settings) -> None:
+    post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
+    rl = {"reward_mean": 0.375, "reward_std": 0.5, "kl": 0.0125, "clip_fraction": 0.0625,
+          "completion_length": 7.5, "valid_reward_mean": 0.5}
+    post(0, metric(1, 0.01, **rl))
+    post(1, metric(2, 0.02, reward_mean=0.5))
+    first, second = client.get(f"{JOBS}/{job_id}/metrics", headers=headers).json()["data"]
+    assert {k: first[k] for k in rl} == rl
+    assert second["reward_mean"] == 0.5 and second["valid_reward_mean"] is None and second["kl"] is None
+    ck = settings.job_dir(job_id) / "checkpoints" / "step-2"
+    post(2, {"type": "checkpoint", "step": 2, "location": str(ck),
+             "metrics": {"train_loss": 0.02, "reward_mean": 0.5, "valid_reward_mean": 0.5}})
+    checkpoint = client.get(f"{JOBS}/{job_id}/checkpoints", headers=headers).json()["data"][0]
+    assert checkpoint["metrics"] == {"step": 2.0, "train_loss": 0.02, "reward_mean": 0.5, "valid_reward_mean": 0.5}
+
+
 def test_rotated_token_stops_working(client, running, db_session) -> None:
     row = db_session.get_one(Job, running["job"]["id"])
     new = issue_job_token(db_session, row)

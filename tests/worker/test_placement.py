@@ -93,6 +93,12 @@ TRAINERS = [
     ("pinned jax_lora double-quant", make_job().qlora("7b").double_quant().trainer("jax_lora"), BOTH, None),
     ("pinned fsdp_qlora hqq4", make_job().qlora("7b", "hqq4").trainer("fsdp_qlora"), BOTH, "fsdp_qlora"),
     ("pinned fsdp_qlora on jax only", make_job().qlora("7b").trainer("fsdp_qlora"), ("jax_lora",), None),
+    ("auto reinforcement skips a preferred jax_lora", make_job().lora("7b")._t(objective="reinforcement", group_size=4),
+     ("jax_lora", "fsdp_qlora"), "fsdp_qlora"),
+    ("auto reinforcement on jax only", make_job().lora("7b")._t(objective="reinforcement", group_size=4),
+     ("jax_lora",), None),
+    ("pinned jax_lora reinforcement", make_job().lora("7b")._t(objective="reinforcement").trainer("jax_lora"),
+     BOTH, None),
 ]
 
 

@@ -16,7 +16,10 @@ framework is decided here, so the same job reports the same rows on either train
   reports") and appended to ``metrics.jsonl``. A DPO run's rows also carry the reward
   metrics under TRL's names (``rewards/chosen``, ``rewards/rejected``,
   ``rewards/accuracy``, ``rewards/margin``, and ``valid_rewards/...`` when the step
-  evaluated); ``train_loss`` / ``valid_loss`` are then the DPO objective.
+  evaluated); ``train_loss`` / ``valid_loss`` are then the DPO objective. A reinforcement
+  run's rows carry ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction`` and
+  ``completion_length`` (``trainers.common.reinforcement``) and, when the step evaluated,
+  ``valid_reward_mean``; ``train_loss`` is then GRPO's loss and ``valid_loss`` None.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from trainers.common.data import DataCursor
 from trainers.common.preference import REWARD_KEYS, VALID_REWARD_KEYS
+from trainers.common.reinforcement import REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
 from trainers.errors import UserError
 
 METRIC_KEYS = (
@@ -34,6 +38,13 @@ METRIC_KEYS = (
     "tokens_seen", "memory_bytes", "valid_loss", "token_accuracy", "time",
 )
 EVAL_KEYS = ("valid_loss", "token_accuracy")
+
+
+def _method_keys(rewards: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The (step, evaluation) keys of a run's ``rewards``: DPO's or reinforcement's."""
+    if REWARD_KEYS[0] in rewards:
+        return REWARD_KEYS, VALID_REWARD_KEYS
+    return REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
 
 
 def should_evaluate(step: int, *, total_steps: int, every_n_steps: int | None, has_validation: bool) -> bool:
@@ -108,9 +119,11 @@ def metric_row(
         step_tokens: non-padding tokens the step consumed (all ranks).
         elapsed_s: wall time of the step; ``tokens_per_s`` is None if it is not positive.
         tokens_seen: tokens consumed since the start of training, this step included.
-        evaluation: ``valid_loss`` and ``token_accuracy`` (DPO: also ``valid_rewards/*``)
-            when the step evaluated; None otherwise (all reported as None).
-        rewards: a DPO step's ``rewards/*``; None for supervised steps (no reward keys).
+        evaluation: ``valid_loss`` and ``token_accuracy`` (DPO: also ``valid_rewards/*``;
+            reinforcement: ``valid_reward_mean``) when the step evaluated; None otherwise
+            (all reported as None).
+        rewards: a DPO step's ``rewards/*`` or a reinforcement step's
+            ``REINFORCEMENT_KEYS``; None for supervised steps (no reward keys).
     """
     evaluation = evaluation or {}
     row = {
@@ -127,20 +140,23 @@ def metric_row(
         "time": time.time(),
     }
     if rewards is not None:
-        row.update({k: rewards[k] for k in REWARD_KEYS})
-        row.update({k: evaluation.get(k) for k in VALID_REWARD_KEYS})
+        keys, valid_keys = _method_keys(rewards)
+        row.update({k: rewards.get(k) for k in keys})
+        row.update({k: evaluation.get(k) for k in valid_keys})
     return row
 
 
 def checkpoint_metrics(row: dict[str, Any], previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The metrics a checkpoint records: the step's train loss (and DPO rewards) and the
-    latest evaluation (from ``previous``, the last checkpoint-metrics dict, when this step
-    did not evaluate)."""
+    """The metrics a checkpoint records: the step's train loss (and DPO or reinforcement
+    rewards) and the latest evaluation (from ``previous``, the last checkpoint-metrics dict,
+    when this step did not evaluate)."""
     out = {"train_loss": row.get("train_loss")}
-    dpo = REWARD_KEYS[0] in row
-    if dpo:
-        out.update({k: row[k] for k in REWARD_KEYS})
-    evaluated = row.get("valid_loss") is not None
+    valid_keys: tuple[str, ...] = ()
+    if REWARD_KEYS[0] in row or REINFORCEMENT_KEYS[0] in row:
+        keys, valid_keys = _method_keys(row)
+        out.update({k: row[k] for k in keys})
+    eval_keys = EVAL_KEYS + valid_keys
+    evaluated = any(row.get(k) is not None for k in ("valid_loss", *valid_keys))
     source = row if evaluated else (previous or {})
-    out.update({k: source.get(k) for k in EVAL_KEYS + (VALID_REWARD_KEYS if dpo else ())})
+    out.update({k: source.get(k) for k in eval_keys})
     return out

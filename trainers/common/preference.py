@@ -226,15 +226,15 @@ def load_training_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None) 
     (:func:`load_preference_data`), examples otherwise (``job_data.load_job_data``).
 
     Raises:
-        UserError: ``method_unsupported`` for a reinforcement spec: its prompts need the
-            sampling loop of reinforcement fine-tuning, which the trainers do not run yet, and
-            reading them as supervised examples would train something else than was asked.
+        UserError: ``method_unsupported`` for a reinforcement spec: its prompts are read by
+            ``trainers.common.reinforcement.load_reinforcement_data`` for the sampling loop,
+            which only the fsdp_qlora trainer runs; reading them as supervised examples
+            would train something else than was asked.
     """
     if spec.method.type == "reinforcement":
         raise UserError(
-            "method.type 'reinforcement' is not supported by this trainer yet: reinforcement "
-            "fine-tuning needs completions sampled and graded during training, which no trainer "
-            "runs; the job did not train",
+            f"method.type 'reinforcement' is not supported by the {spec.trainer} trainer yet: only the fsdp_qlora "
+            "trainer samples and grades completions during training; the job did not train",
             code="method_unsupported",
         )
     load = load_preference_data if spec.method.type == "dpo" else load_job_data

@@ -240,6 +240,11 @@ class SteppedRecipe(Recipe):
         """The trained adapter as a finished PEFT adapter dir (every process joins the
         gathers; the primary writes)."""
 
+    @property
+    def eval_every_n_steps(self) -> int | None:
+        """The evaluation cadence: ``eval.every_n_steps`` unless the method has its own."""
+        return self.spec.eval.every_n_steps
+
     def agree_to_stop(self, requested: bool) -> bool:
         """Whether the job stops now, the same answer on every process (a collective where
         the processes must agree). One process, or one that decides alone: its own flag."""
@@ -264,7 +269,7 @@ class SteppedRecipe(Recipe):
             p.tokens_seen += out.tokens
             self.losses[p.step] = out.loss
             evaluation = None
-            if should_evaluate(p.step, total_steps=self.total_steps, every_n_steps=spec.eval.every_n_steps,
+            if should_evaluate(p.step, total_steps=self.total_steps, every_n_steps=self.eval_every_n_steps,
                                has_validation=self.has_validation):
                 evaluation = self.evaluate()
             row = metric_row(

@@ -34,7 +34,7 @@ from trainers.exit_codes import ExitCode
 
 # Imported here, not lazily: an image without torch (or peft, transformers) is then
 # refused by the entry point's import as ``trainer_unavailable``.
-from trainers.fsdp_qlora.recipe import FsdpQloraRecipe
+from trainers.fsdp_qlora.recipe import FsdpQloraRecipe, check_reinforcement_layout
 
 RANK_REPORTS = ".rank0-reports.jsonl"
 RANK_SPEC = ".launch-spec.json"
@@ -54,6 +54,7 @@ class FsdpQloraLauncher(Recipe):
         self._launch: tuple[Any, Any] | None = None  # (spec, reporter) when launching
 
     def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
+        check_reinforcement_layout(spec)  # before N ranks are started for a job that cannot run
         if spec.parallelism.world_size > 1 and "RANK" not in os.environ:
             # ``stop`` is not polled here: SIGTERM reaches the ranks through
             # ``launch_local``'s forwarding, and they checkpoint and exit PREEMPTED.

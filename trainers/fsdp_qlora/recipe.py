@@ -23,7 +23,10 @@ split into micro-batches nor on the world size), clip, AdamW-update the LoRA
 parameters with the shared schedule's learning rate. A DPO job (``method.type`` dpo)
 reads preference pairs instead and back-propagates the DPO objective, normalized the
 same way over the step's pairs; its reference policy is this model with the adapter
-switched off (``train_step.preference_backward``). A resumed run reproduces the
+switched off (``train_step.preference_backward``). A reinforcement job (``method.type``
+reinforcement, one process only) reads ``batch_size`` prompts per step, samples and
+grades ``samples_per_prompt`` completions of each and back-propagates GRPO's loss on them
+(``grpo_step``). A resumed run reproduces the
 uninterrupted one: the checkpoint holds the adapter, the AdamW state, the data cursor
 and the RNG states.
 
@@ -63,6 +66,7 @@ from trainers.common.outputs import MetricsLog, finish_adapter
 from trainers.common.peft_export import write_peft_adapter
 from trainers.common.preference import load_training_data
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
+from trainers.common.reinforcement import load_reinforcement_data
 from trainers.common.schedules import learning_rate_at
 from trainers.errors import UserError
 from trainers.fsdp_qlora.checkpoint import (
@@ -80,6 +84,7 @@ from trainers.fsdp_qlora.distributed import (
     destroy_distributed,
     init_distributed,
 )
+from trainers.fsdp_qlora.grpo_step import GrpoObjective, evaluate_rewards, grpo_train_step, stop_token_ids
 from trainers.fsdp_qlora.loading import build_model, options_from_spec
 from trainers.fsdp_qlora.train_step import (
     PreferenceObjective,
@@ -99,6 +104,7 @@ class FsdpQloraRecipe(SteppedRecipe):
     Every rank runs it; only rank 0 reports and writes files."""
 
     ctx: DistContext | None = None
+    grpo: GrpoObjective | None = None  # set by setup() for a reinforcement job
 
     def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
         # -- setup: layout checks before anything heavy -----------------------------------
@@ -107,6 +113,7 @@ class FsdpQloraRecipe(SteppedRecipe):
         # Before the load: the loader's and the steps' freed tensors then leave the process
         # (trainers.common.memory explains the heap growth this prevents).
         heap_bounded = return_freed_tensors_to_the_os()
+        check_reinforcement_layout(spec)
         check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
                           cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
         resume_path = resolve_resume(spec.checkpoint)  # a bad resume_from fails before any load
@@ -131,9 +138,12 @@ class FsdpQloraRecipe(SteppedRecipe):
         # DPO reads preference pairs: a micro-batch is micro_batch_size pairs, chosen then
         # rejected rows (trainers.common.preference); the rest of the loop is the same.
         self.dpo = PreferenceObjective(spec.method.beta, spec.method.sft_weight) if spec.method.type == "dpo" else None
-        self.data = data = load_training_data(spec, tokenizer)
+        # Reinforcement reads prompts: a step is batch_size prompts, sampled and graded.
+        self.grpo = grpo_objective(spec, tokenizer) if spec.method.type == "reinforcement" else None
+        self.data = data = (load_reinforcement_data(spec, tokenizer) if self.grpo
+                            else load_training_data(spec, tokenizer))
         self.has_validation = data.validation is not None
-        self.total_steps = total_steps = total_optimizer_steps(spec, data.train)
+        self.total_steps = total_steps = total_optimizer_steps(spec, data.train)  # type: ignore[arg-type]
         self.micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
 
         # -- model: meta skeleton -> quantize -> LoRA -> shard -> stream weights ----------
@@ -166,7 +176,7 @@ class FsdpQloraRecipe(SteppedRecipe):
             assert self.metrics_log is not None
             report_resumed(reporter, spec.checkpoint.dir, resume_path, state, self.metrics_log.rows(),
                            every_n_steps=spec.checkpoint.every_n_steps)
-        self.batches = data.train.micro_batches(progress.cursor)
+        self.batches = None if self.grpo else data.train.micro_batches(progress.cursor)
         # Without FSDP there is no mixed-precision policy: autocast does the casting.
         self.autocast = (
             torch.autocast(ctx.device.type, dtype=getattr(torch, spec.precision.compute_dtype))
@@ -179,9 +189,19 @@ class FsdpQloraRecipe(SteppedRecipe):
     def train_step(self, step: int) -> StepResult:
         hp, ctx = self.spec.hyperparameters, self._ctx
         started = time.perf_counter()
-        micro = [next(self.batches) for _ in range(self.micro_per_step)]
         lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=self.total_steps,
                               warmup_steps=hp.warmup_steps, kind=hp.lr_scheduler)
+        if self.grpo:
+            prompts, cursor_after = self.data.train.take(self.progress.cursor, hp.batch_size)
+            with self.autocast:
+                stats = grpo_train_step(self.model, self.optimizer, prompts, ctx, self.grpo, step=step,
+                                        seed=self.spec.seed, micro_batch_size=hp.micro_batch_size,
+                                        learning_rate=lr, max_grad_norm=hp.max_grad_norm)
+            return StepResult(loss=stats.loss, grad_norm=stats.grad_norm, learning_rate=lr, tokens=stats.tokens,
+                              elapsed_s=time.perf_counter() - started, cursor_after=cursor_after,
+                              rewards=stats.rewards)
+        assert self.batches is not None
+        micro = [next(self.batches) for _ in range(self.micro_per_step)]
         with self.autocast:
             if self.dpo:
                 stats = dpo_train_step(self.model, self.optimizer, rank_share(micro, ctx), ctx, self.dpo, step=step,
@@ -195,9 +215,20 @@ class FsdpQloraRecipe(SteppedRecipe):
 
     def evaluate(self) -> dict[str, Any]:
         max_batches = self.spec.eval.max_batches
+        if self.grpo:
+            with self.autocast:
+                return evaluate_rewards(self.model, self.data.validation, self._ctx, max_batches, self.grpo,
+                                        seed=self.spec.seed, step=self.progress.step)
         if self.dpo:
             return evaluate_preference(self.model, self.data.validation, self._ctx, max_batches, self.dpo)
         return evaluate(self.model, self.data.validation, self._ctx, max_batches)
+
+    @property
+    def eval_every_n_steps(self) -> int | None:
+        # A reinforcement job's own cadence (OpenAI's eval_interval) when the spec's eval has none.
+        if self.grpo is not None and self.spec.eval.every_n_steps is None:
+            return self.spec.method.reinforcement.eval_interval
+        return self.spec.eval.every_n_steps
 
     def memory_bytes(self) -> int | None:
         return _memory_bytes(self._ctx)
@@ -254,6 +285,54 @@ def run(spec: Any, *, reporter: Any = None, stop: Any = None) -> TrainResult:
         UserError, Preempted, OutOfMemory: see ``trainers.errors``.
     """
     return run_recipe(FsdpQloraRecipe(), spec, reporter=reporter, stop=stop)
+
+
+def check_reinforcement_layout(spec: Any) -> None:
+    """Refuse a reinforcement job this trainer cannot run: more than one rank (sampling
+    would need every FSDP rank to decode in lockstep; one process samples alone)."""
+    if spec.method.type == "reinforcement" and spec.parallelism.world_size > 1:
+        raise UserError(
+            f"reinforcement fine-tuning runs on one process (one GPU) on the fsdp_qlora trainer; this job asks "
+            f"for world_size {spec.parallelism.world_size}: set parallelism.world_size to 1",
+            code="reinforcement_multi_rank",
+        )
+
+
+def grpo_objective(spec: Any, tokenizer: Any) -> GrpoObjective:
+    """The GRPO settings of a reinforcement spec, with its grader parsed and checked.
+
+    Raises:
+        UserError: ``invalid_grader`` for a grader the parser refuses (the API checked it;
+            a hand-written spec may not have been); ``grader_unavailable`` for a
+            ``score_model`` grader, which needs a chat-completion endpoint the trainer has
+            no access to (every reward would be 0).
+    """
+    from trainers.common.graders import GraderInvalid, parse_grader
+
+    rft = spec.method.reinforcement
+    try:
+        grader = parse_grader(rft.grader, param="method.reinforcement.grader")
+    except GraderInvalid as exc:
+        raise UserError(f"method.reinforcement.grader: {exc}", code="invalid_grader") from exc
+    if _uses_model_grader(rft.grader):
+        raise UserError("score_model graders are not available during training on this trainer (no model endpoint "
+                        "reaches it); use string_check, text_similarity or python graders",
+                        code="grader_unavailable")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return GrpoObjective(
+        grader=grader, samples_per_prompt=rft.samples_per_prompt, temperature=rft.temperature,
+        kl_coef=rft.kl_coef, clip_epsilon=rft.clip_epsilon, loss_type=rft.loss_type,
+        max_completion_tokens=rft.max_completion_tokens, eval_samples=rft.eval_samples,
+        stop_ids=stop_token_ids(tokenizer, spec.model.path), pad_id=pad_id,
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+    )
+
+
+def _uses_model_grader(grader: Any) -> bool:
+    """Whether the grader object is, or (a ``multi``) contains, a ``score_model`` grader."""
+    subs = grader.get("graders") if isinstance(grader, dict) else None
+    leaves = [grader] + (list(subs.values()) if isinstance(subs, dict) else [])
+    return any(isinstance(g, dict) and g.get("type") == "score_model" for g in leaves)
 
 
 def _agree_to_stop(requested: bool, ctx: DistContext) -> bool:

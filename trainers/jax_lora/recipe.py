@@ -250,6 +250,12 @@ class JaxLoraRecipe(SteppedRecipe):
 
         self.spec, self.reporter, self.stop = spec, reporter, stop
         self.primary = primary = jax.process_index() == 0
+        if spec.method.type == "reinforcement":
+            raise UserError(
+                "the JAX trainer (jax_lora) does not run reinforcement fine-tuning yet: it has no sampling loop; "
+                "use the fsdp_qlora trainer",
+                code="method_unsupported",
+            )
         check_inputs_exist(spec)
         cfg = DecoderConfig.from_pretrained(spec.model.path)
         m = spec.parallelism.mesh

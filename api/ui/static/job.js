@@ -42,6 +42,15 @@
         { label: "margin", color: "#4f46e5" }, { label: "valid margin", color: "#f79009" }],
       yFmt: (v) => Number(v).toFixed(3),
     }),
+    // Reinforcement runs only: shown once a reward metric arrives.
+    rlReward: tf.lineChart(document.getElementById("chart-rl-reward"), {
+      series: [{ label: "train", color: "#4f46e5" }, { label: "valid", color: "#f79009" }],
+      yFmt: (v) => Number(v).toFixed(3),
+    }),
+    rlPolicy: tf.lineChart(document.getElementById("chart-rl-policy"), {
+      series: [{ label: "KL", color: "#12b76a" }, { label: "clipped", color: "#f04438" }],
+      yFmt: (v) => Number(v).toFixed(4),
+    }),
   };
 
   const REWARD_KEYS = ["rewards/accuracy", "rewards/chosen", "rewards/rejected", "rewards/margin",
@@ -90,6 +99,12 @@
       charts.rewardAccuracy.setData(rewarded.map((m) => [m.step, [m["rewards/accuracy"], m["valid_rewards/accuracy"]]]));
       charts.rewards.setData(rewarded.map((m) => [m.step,
         [m["rewards/chosen"], m["rewards/rejected"], m["rewards/margin"], m["valid_rewards/margin"]]]));
+    }
+    const sampled = rows.filter((m) => has(m.reward_mean) || has(m.valid_reward_mean));
+    if (sampled.length) {
+      for (const id of ["card-rl-reward", "card-rl-policy"]) document.getElementById(id).classList.remove("hidden");
+      charts.rlReward.setData(sampled.map((m) => [m.step, [m.reward_mean, m.valid_reward_mean]]));
+      charts.rlPolicy.setData(sampled.map((m) => [m.step, [m.kl, m.clip_fraction]]));
     }
     for (const m of rows) {
       if (!lastMetric || m.step >= lastMetric.step) lastMetric = { ...(lastMetric || {}), ...m };
