@@ -22,7 +22,7 @@ Per request: latency (prompt to last token), time to first token (TTFT) and toke
 the ratio engine / transformers of the median latencies. Every engine answer is checked
 to be the same text as transformers' greedy output for that prompt.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/inference_real_model.py --rounds 5 --tokens 16
+    PYTHONPATH=$PWD .venv/bin/python bench/inference_real_model.py --rounds 3 --tokens 16 --http --service
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import socket
@@ -224,6 +225,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--http", action="store_true", help="Time the inference worker process over HTTP too.")
     parser.add_argument("--service", action="store_true", help="Time an embedded service's chat completions too.")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="Busy-loop processes run meanwhile: a machine whose cores other work shares.")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="Another source tree (e.g. `git archive` of an older commit): its worker is timed "
                              "over HTTP too, as `baseline`.")
@@ -256,6 +259,10 @@ def main() -> None:
             ways[label] = lambda p, c=client: http_run(c, _request(args.model, None, p, args.tokens))
             ways[f"{label}+lora"] = lambda p, c=client: http_run(c, _request(args.model, adapter, p, args.tokens))
         stack = contextlib.ExitStack()
+        for _ in range(args.busy):
+            burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            stack.callback(burner.wait)
+            stack.callback(burner.kill)
         if args.service:
             http = stack.enter_context(embedded(args.model, Path(tmp)))
             ways["service"] = lambda p: service_run(http, "bench-real", p, args.tokens)
@@ -280,7 +287,8 @@ def main() -> None:
             stack.close()
     load = os.getloadavg()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in load)}; {args.rounds} rounds x {len(PROMPTS)} "
-          f"prompts, greedy, {args.tokens} new tokens, fp32 CPU, torch threads {torch.get_num_threads()}; "
+          f"prompts, greedy, {args.tokens} new tokens, fp32 CPU, torch threads {torch.get_num_threads()}, "
+          f"{args.busy} busy-loop processes; "
           "every engine answer equal to transformers' text\n")
     medians = {k: statistics.median(r[0] for r in v) for k, v in results.items()}
     reference = {"hf": "hf", "engine": "hf", "http": "hf", "hf+peft": "hf+peft", "engine+lora": "hf+peft",
@@ -293,7 +301,8 @@ def main() -> None:
         ttft = statistics.median(r[1] for r in rows)
         tok_s = statistics.median(r[2] / r[0] for r in rows)
         ratio = lat / medians[reference[name]]
-        print(f"| {name} | {lat * 1000:.0f} | {ttft * 1000:.0f} | {tok_s:.1f} | {ratio:.2f} |")
+        shown = "-" if math.isnan(ttft) else f"{ttft * 1000:.0f}"  # NaN: not measured over HTTP
+        print(f"| {name} | {lat * 1000:.0f} | {shown} | {tok_s:.1f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ loads torch). Decoding one token is hundreds of tiny parallel kernels (one atten
 call per layer on a single query row), and torch's OpenMP threads by default spin after
 each one; on a machine whose cores are shared (the API, the Celery worker, a training
 job) the spinning threads and the waits for a descheduled one made a 16-token answer of
-SmolLM2-135M take 6-10 s instead of about 1.3 s (``bench/inference_real_model.py``).
+SmolLM2-135M take 7-10 s instead of under 2 s (``bench/inference_real_model.py``).
 Waiting threads that sleep cost nothing there, and the arithmetic is the same: the same
 threads split the same work, so the tokens do not change.
 """
