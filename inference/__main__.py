@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{SECRET_ENV} must hold the shared secret (16+ characters)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from inference.engine import passive_cpu_threads
+
+    if not passive_cpu_threads() and "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+        logging.getLogger(__name__).warning("torch was imported before the worker started: its CPU threads spin")
     import torch
     import uvicorn
 

@@ -26,6 +26,15 @@ every new token: it decodes the completion so far, ends the generation at a stop
 (holding back text that may be the start of one), hands new text to the caller, and
 passes the turn on. :meth:`Generation.cancel` (the caller went away) ends the generation
 at its next token, or at once while it waits for a turn or a load.
+
+CPU threads wait passively (:func:`passive_cpu_threads`, applied by the worker before it
+loads torch). Decoding one token is hundreds of tiny parallel kernels (one attention
+call per layer on a single query row), and torch's OpenMP threads by default spin after
+each one; on a machine whose cores are shared (the API, the Celery worker, a training
+job) the spinning threads and the waits for a descheduled one made a 16-token answer of
+SmolLM2-135M take 7-10 s instead of under 2 s (``bench/inference_real_model.py``).
+Waiting threads that sleep cost nothing there, and the arithmetic is the same: the same
+threads split the same work, so the tokens do not change.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import hashlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -52,6 +62,19 @@ DEFAULT_TURN_TOKENS = 16
 
 # What a generation hands its caller: events, an InferenceError before it started, None at the end.
 Sink = Callable[["StreamEvent | InferenceError | None"], None]
+
+
+def passive_cpu_threads() -> bool:
+    """Make torch's OpenMP threads sleep, not spin, between parallel regions
+    (``OMP_WAIT_POLICY=PASSIVE``; see the module doc). OpenMP reads it once, when torch is
+    first imported: returns False (and changes nothing) once torch is loaded, or when
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already say how to wait."""
+    if "torch" in sys.modules:
+        return False
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
 
 
 class InferenceError(Exception):

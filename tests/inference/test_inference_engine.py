@@ -4,6 +4,8 @@ keeps one base loaded and switches (and evicts) adapters."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from inference.engine import Engine, InferenceError, ModelLoading
+from inference.engine import Engine, InferenceError, ModelLoading, passive_cpu_threads
 from inference.protocol import GenerationRequest, ModelRef, Sampling
 
 MESSAGES = ({"role": "user", "content": "hello there"},)
@@ -280,3 +282,22 @@ def test_a_turn_holder_without_tokens_shows_as_stalled() -> None:
     turns.release(seat)
     now[0] += 1000
     assert turns.stalled_s() == 0.0
+
+
+def test_cpu_threads_wait_passively_when_set_before_torch_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenMP reads its wait policy once, when torch loads: the worker sets it before that,
+    never over a policy the operator chose."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert passive_cpu_threads() is False  # torch is loaded in this process: too late
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delitem(sys.modules, "torch")
+    assert passive_cpu_threads() is True
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert passive_cpu_threads() is False
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert passive_cpu_threads() is False
+    assert "OMP_WAIT_POLICY" not in os.environ
