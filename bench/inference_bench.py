@@ -152,17 +152,22 @@ def wait_loaded(engine: Engine, model_dir: Path) -> None:
             time.sleep(0.05)
 
 
-def start_worker(threads: int) -> tuple[subprocess.Popen[bytes], InferenceClient]:
+def start_worker(threads: int | None = None, tree: Path = REPO,
+                 quiet: bool = False) -> tuple[subprocess.Popen[bytes], InferenceClient]:
+    """The inference worker (``python -m inference``) of the source tree ``tree``, once it
+    answers its health check; ``threads`` None: torch's default threads."""
+    import httpx
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     secret = secrets.token_hex(16)
-    env = {**os.environ, "TUNEFLEET_INFERENCE_SECRET": secret, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "inference", "--port", str(port), "--threads", str(threads)],
-                            cwd=REPO, env=env)
+    env = {**os.environ, "TUNEFLEET_INFERENCE_SECRET": secret, "PYTHONPATH": str(tree)}
+    command = [sys.executable, "-m", "inference", "--port", str(port)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    proc = subprocess.Popen(command, cwd=tree, env=env, stderr=subprocess.DEVNULL if quiet else None)
     client = InferenceClient(f"http://127.0.0.1:{port}", secret)
-    import httpx
-
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -172,15 +177,16 @@ def start_worker(threads: int) -> tuple[subprocess.Popen[bytes], InferenceClient
         except httpx.HTTPError:
             time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("the inference worker did not start")
+    raise RuntimeError(f"the inference worker of {tree} did not start")
 
 
-def worker_ready(client: InferenceClient, request: GenerationRequest) -> None:
+def worker_ready(client: InferenceClient, request: GenerationRequest, run: Any = None) -> None:
+    """Send ``request`` (with ``run``, default :func:`worker_run`) until the model is loaded."""
     from inference.client import InferenceRejected
 
     while True:
         try:
-            worker_run(client, request)
+            (run or worker_run)(client, request)
             return
         except InferenceRejected as exc:
             if exc.code != "model_loading":

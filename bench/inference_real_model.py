@@ -32,8 +32,6 @@ import asyncio
 import contextlib
 import math
 import os
-import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +45,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from inference_bench import start_worker, worker_ready  # the worker's start and warm-up, shared
 
 from inference.engine import Engine, ModelLoading
 from inference.protocol import GenerationRequest, ModelRef, Sampling
@@ -179,45 +180,6 @@ def wait_loaded(engine: Engine, model_dir: Path) -> None:
             time.sleep(0.05)
 
 
-def start_worker(tree: Path) -> tuple[subprocess.Popen[bytes], Any]:
-    """The inference worker (``python -m inference``) of the source tree ``tree``, with
-    torch's default threads and the environment of this process."""
-    import httpx
-
-    from inference.client import InferenceClient
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    secret = secrets.token_hex(16)
-    env = {**os.environ, "TUNEFLEET_INFERENCE_SECRET": secret, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen([sys.executable, "-m", "inference", "--port", str(port)], cwd=tree, env=env,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", headers={"X-Tunefleet-Inference-Secret": secret}
-                         ).status_code == 200:
-                return proc, InferenceClient(f"http://127.0.0.1:{port}", secret)
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"the inference worker of {tree} did not start")
-
-
-def http_ready(client: Any, request: GenerationRequest) -> None:
-    from inference.client import InferenceRejected
-
-    while True:
-        try:
-            http_run(client, request)
-            return
-        except InferenceRejected as exc:
-            if exc.code != "model_loading":
-                raise
-            time.sleep(0.2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -253,9 +215,9 @@ def main() -> None:
         procs = []
         trees = ([("http", REPO)] if args.http else []) + ([("baseline", args.baseline)] if args.baseline else [])
         for label, tree in trees:
-            proc, client = start_worker(tree)
+            proc, client = start_worker(tree=tree, quiet=True)
             procs.append(proc)
-            http_ready(client, _request(args.model, None, PROMPTS[0], 2))
+            worker_ready(client, _request(args.model, None, PROMPTS[0], 2), run=http_run)
             ways[label] = lambda p, c=client: http_run(c, _request(args.model, None, p, args.tokens))
             ways[f"{label}+lora"] = lambda p, c=client: http_run(c, _request(args.model, adapter, p, args.tokens))
         stack = contextlib.ExitStack()
