@@ -49,11 +49,19 @@ def test_abstract_inputs_are_what_the_recipe_passes_its_step(
     def recording_compile_steps(sc, optimizer, mesh, shardings, param_shardings):
         train_step, eval_step = real_compile_steps(sc, optimizer, mesh, shardings, param_shardings)
 
-        def recorded(state, params, batch):
+        def record(state, params, batch):
             seen.setdefault("inputs", _describe((state, params, batch)))
             seen.setdefault("step_config", sc)
+
+        def recorded(state, params, batch):
+            record(state, params, batch)
             return train_step(state, params, batch)
 
+        def compile_recorded(state, params, batch):  # the recipe compiles its step before step 1
+            record(state, params, batch)
+            return train_step.compile(state, params, batch)
+
+        recorded.compile = compile_recorded
         return recorded, eval_step
 
     monkeypatch.setattr(step_module, "compile_steps", recording_compile_steps)
