@@ -89,7 +89,7 @@ def test_the_control_plane_image_migrates_serves_validates_and_schedules(api_ima
         "TUNEFLEET_ADMIN_API_KEY": admin_key,
         "TUNEFLEET_METRICS_TOKEN": secrets.token_urlsafe(24),
         "TUNEFLEET_PUBLIC_URL": url,
-        # plain http on the loopback: TLS would end in front of the service, as the guard allows
+        # a plain-http loopback URL: allowed explicitly, as an operator whose TLS ends in front does
         "TUNEFLEET_ALLOW_HTTP_PUBLIC_URL": "true",
         "TUNEFLEET_EXECUTOR": "local",
         "OMP_NUM_THREADS": "1",
