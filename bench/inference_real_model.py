@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from inference_bench import start_worker, worker_ready  # the worker's start and warm-up, shared
+from inference_bench import _FirstToken, start_worker, worker_ready  # shared with the tiny-model bench
 
 from inference.engine import Engine, ModelLoading
 from inference.protocol import GenerationRequest, ModelRef, Sampling
@@ -58,21 +58,6 @@ PROMPTS = (
     "Name three rivers of South America and say why they matter.",
     "Write a haiku about the sea.",
 )
-
-
-class _FirstToken:
-    """A generate streamer that notes when the first new token arrives (its second put)."""
-
-    def __init__(self) -> None:
-        self.calls, self.first_at = 0, 0.0
-
-    def put(self, value: Any) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int = 1) -> Path:

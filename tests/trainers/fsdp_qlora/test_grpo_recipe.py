@@ -181,8 +181,7 @@ def test_the_jax_trainer_and_multi_rank_jobs_refuse_reinforcement(rft_spec, tmp_
             FsdpQloraLauncher().setup(rft_spec("ranks", parallelism={"world_size": 2}), reporter, StopFlag())
         assert refused.value.code == "reinforcement_multi_rank"
 
-        pytest.importorskip("jax")
-        from trainers.jax_lora.recipe import JaxLoraRecipe
+        from trainers.jax_lora.recipe import JaxLoraRecipe  # jax is a dependency of the suite
 
         with pytest.raises(UserError) as refused:
             JaxLoraRecipe().setup(rft_spec("jax", trainer="jax_lora"), reporter, StopFlag())
