@@ -16,6 +16,10 @@ Delivery guarantees, and how:
 - The next ``seq`` is persisted in the spool directory (``next_seq``), so a restarted
   trainer never reuses a number (the API would drop a reused one as a duplicate).
 - Transport errors and 5xx/408/429 answers are retried with exponential backoff (capped).
+  An answer's ``Retry-After`` (seconds or an HTTP date: the API sends one with its 503
+  while its database is down, and with 429) is honoured as the least wait before the next
+  try, within the same cap: retrying sooner only adds load where the server said it cannot
+  take any, and a server cannot stall a trainer past the cap.
   Other 4xx (wrong token, job gone) cannot succeed by retrying: the reporter stops
   sending, keeps the spool, and exposes the answer in ``rejected``.
 - ``persist()`` spools every queued item now, and ``checkpoint()`` spools its item and
@@ -43,6 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Self
 
@@ -108,6 +113,7 @@ class Reporter:
         self._closing = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._backoff_s = 0.0
+        self._server_wait_s = 0.0  # the last answer's Retry-After, 0 when it had none
         self._retry_at = 0.0
         self._local_path = Path(local_path) if local_path is not None else None
         self._spool = Path(spool_dir) if spool_dir is not None else None
@@ -337,18 +343,20 @@ class Reporter:
             if self.rejected is not None:
                 return False
             self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
+            wait_s = min(self.max_backoff_s, max(self._backoff_s, self._server_wait_s))
             if deadline is None:
-                self._retry_at = self._clock() + self._backoff_s  # the thread retries then
+                self._retry_at = self._clock() + wait_s  # the thread retries then
                 return False
-            if self._clock() + self._backoff_s > deadline:
+            if self._clock() + wait_s > deadline:
                 return False
-            time.sleep(self._backoff_s)
+            time.sleep(wait_s)
         self._backoff_s = 0.0
         self.sent_batches += 1
         return True
 
     def _post(self, body: dict[str, Any]) -> bool:
         assert self._client is not None and self.url is not None
+        self._server_wait_s = 0.0
         try:
             resp = self._client.post(self.url, json=body)
         except httpx.HTTPError as exc:
@@ -364,7 +372,9 @@ class Reporter:
                 return False
             return True
         if resp.status_code >= 500 or resp.status_code in _RETRYABLE_STATUS:
-            log.warning("reporter: seq %s got HTTP %s; will retry", body["seq"], resp.status_code)
+            self._server_wait_s = retry_after_s(resp.headers.get("Retry-After"), now=time.time())
+            log.warning("reporter: seq %s got HTTP %s; will retry%s", body["seq"], resp.status_code,
+                        f" after {self._server_wait_s:g} s (Retry-After)" if self._server_wait_s else "")
             return False
         self.rejected = (resp.status_code, resp.text[:500])
         log.error("reporter: API refused reports (HTTP %s: %s); keeping the spool",
@@ -421,3 +431,18 @@ def reporter_from_spec(report: Any, *, default_spool_dir: str | Path, local_path
         local_path=local_path,
         first_seq=report.first_seq,
     )
+
+
+def retry_after_s(value: str | None, *, now: float) -> float:
+    """Seconds a ``Retry-After`` header asks to wait (RFC 9110: delay-seconds or an
+    HTTP-date); 0 for none, a date in the past or a value that is neither."""
+    if not value:
+        return 0.0
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - now)
+    except (TypeError, ValueError):
+        return 0.0
+

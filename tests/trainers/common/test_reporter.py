@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainers.common.reporter import Reporter
+from trainers.common.reporter import Reporter, retry_after_s
 
 
 class FakeReportAPI:
@@ -24,6 +24,8 @@ class FakeReportAPI:
         self.token = token
         self.applied: list[dict] = []  # batches applied, in arrival order
         self.requests: list[int] = []  # every seq received, duplicates included
+        self.request_times: list[float] = []  # time.monotonic() of every report received
+        self.refusals: list[tuple[int, dict[str, str]]] = []  # answered first, one per request
         self.port = port
         self._server: ThreadingHTTPServer | None = None
 
@@ -40,14 +42,21 @@ class FakeReportAPI:
                     self._answer(401, {"error": "bad token"})
                     return
                 api.requests.append(body["seq"])
+                api.request_times.append(time.monotonic())
+                if api.refusals:
+                    code, headers = api.refusals.pop(0)
+                    self._answer(code, {"error": "unavailable"}, headers)
+                    return
                 duplicate = any(b["seq"] == body["seq"] for b in api.applied)
                 if not duplicate:
                     api.applied.append(body)
                 self._answer(200, {"acked_seq": body["seq"], "duplicate": duplicate})
 
-            def _answer(self, code, obj):
+            def _answer(self, code, obj, headers=None):
                 data = json.dumps(obj).encode()
                 self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -91,6 +100,30 @@ def test_outage_loses_nothing_and_duplicates_nothing(tmp_path):
     seqs = [b["seq"] for b in _restart.applied_before + api.applied]
     assert seqs == list(range(1, len(seqs) + 1))  # in order, no gaps
     assert list((tmp_path / "spool").glob("*.json")) == []
+
+
+def test_a_retry_after_is_honoured_within_the_backoff_cap(tmp_path):
+    """A 503 saying Retry-After: 1 (the API's answer while its database is down) is not
+    retried sooner; a Retry-After beyond the cap waits only the cap."""
+    api = FakeReportAPI().start()
+    api.refusals = [(503, {"Retry-After": "1"}), (429, {"Retry-After": "3600"})]
+    rep = Reporter(url=api.url, token="tok", spool_dir=tmp_path / "spool", flush_interval_s=0.02, max_backoff_s=1.5)
+    rep.metric(step=1, train_loss=1.0)
+    assert rep.close(timeout_s=10)
+    assert api.metric_steps() == [1]
+    first, second, third = api.request_times
+    assert 1.0 <= second - first < 1.5  # the server's 1 s, not the reporter's first 0.25 s backoff
+    assert 1.5 <= third - second < 3.0  # an hour asked for; the cap of 1.5 s waited
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, 0.0), ("", 0.0), ("7", 7.0), ("soon", 0.0), ("-3", 0.0),
+    ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date in the past
+    ("Wed, 21 Oct 2015 07:28:30 GMT", 30.0),
+])
+def test_retry_after_values(value, expected):
+    now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert retry_after_s(value, now=now) == expected
 
 
 def _restart(old: FakeReportAPI) -> FakeReportAPI:
