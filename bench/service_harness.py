@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -69,12 +70,15 @@ def get_ok(url: str) -> bool:
 
 @contextmanager
 def embedded_service(
-    extra_env: Mapping[str, str] | None = None, *, start_timeout: float = 120
+    extra_env: Mapping[str, str] | None = None, *, models: Mapping[str, Path] | None = None,
+    start_timeout: float = 120,
 ) -> Iterator[EmbeddedService]:
     """Start `tunefleet serve` in a fresh data dir; yield it once /healthz answers; stop it.
 
     Args:
         extra_env: settings on top of the embedded defaults (``TUNEFLEET_*`` variables).
+        models: prepared model folders copied into the data dir's models folder under the
+            given names before the service starts (its registry lists what is there then).
         start_timeout: seconds the API may take to answer.
     """
     data_dir = Path(tempfile.mkdtemp(prefix="tf-bench-"))
@@ -83,6 +87,8 @@ def embedded_service(
     env = {**os.environ, "TUNEFLEET_DATA_DIR": str(data_dir), "TUNEFLEET_ADMIN_API_KEY": key,
            "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     model_dir = ensure_demo_model(data_dir / "models")  # built once before timing, as `serve --demo` does
+    for name, path in (models or {}).items():
+        shutil.copytree(path, data_dir / "models" / name)
     log = (data_dir / "serve.log").open("wb")
     serve = subprocess.Popen(
         [sys.executable, "-c", "from tunefleet.cli import app; app()", "serve", "--port", str(port)],

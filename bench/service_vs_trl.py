@@ -39,7 +39,18 @@ The two alternate (service, TRL, service, ...) ``--runs`` times so a shared mach
 load hits both alike; a section with per-run times, medians, ratio, losses and load
 average is appended to bench/RESULTS.md.
 
+``--real-model`` runs the real demo instead: SmolLM2-135M-Instruct (prepared once into
+``--models-dir`` by ``tunefleet.real_model``) on the date-formatting task, with the real
+demo's job (``tunefleet.demo.DATES_JOB``: one epoch of ``--examples`` dates, batch 8, LoRA
+r 8 / alpha 16 on 7 projections, ``max_seq_len`` 96) on ``--trainer``. It adds what a user
+compares two fine-tunes by: held-out exact match of each adapter (the same greedy
+``transformers`` + ``peft`` decoding of 20 held-out dates for both, and for the base model
+once), tokens/s over the training phase (the job's ``trained_tokens``, the same rows on
+both sides, over first to last step) and peak memory (the trainer's largest reported RSS;
+TRL's process peak RSS, ``ru_maxrss``).
+
     OMP_NUM_THREADS=2 .venv/bin/python bench/service_vs_trl.py [--runs 3] [--examples 400] [--epochs 3]
+    OMP_NUM_THREADS=2 .venv/bin/python bench/service_vs_trl.py --real-model [--trainer fsdp_qlora] [--runs 3]
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ import argparse
 import datetime as dt
 import json
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,7 +128,8 @@ def trl_by_hand(job: dict, model_dir: str, train_file: str, out_dir: str) -> dic
     trainer.save_model(str(Path(out_dir) / "adapter"))
     saved = time.time()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    return {"first_step": steps[0], "last_step": steps[-1], "saved": saved, "losses": losses}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"first_step": steps[0], "last_step": steps[-1], "saved": saved, "losses": losses, "peak_bytes": peak}
 
 
 # -- the service side ----------------------------------------------------------------------
@@ -143,13 +157,17 @@ def run_service_job(http, body: dict, poll: float) -> dict:
     rows = http.get(f"/fine_tuning/jobs/{job_id}/metrics", params={"limit": 1000}).json()["data"]
     events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
     started = [e for e in events if e["message"] == "trainer started"]
+    peaks = [r["memory_bytes"] for r in rows if r.get("memory_bytes")]
     return {"t0": t0, "seconds": done - t0, "job": job, "losses": [r["train_loss"] for r in rows],
+            "peak_bytes": max(peaks) if peaks else None,
             "first_step": float(rows[0]["time"]), "last_step": float(rows[-1]["time"]), "done": done,
             "trainer": (started[0].get("data") or {}).get("trainer") if started else job["trainer"]}
 
 
-def run_trl_process(job: dict, model_dir: Path, train_file: Path, threads: str) -> dict:
-    """This file's ``--trl`` mode in a fresh process, timed from its start."""
+def run_trl_process(job: dict, model_dir: Path, train_file: Path, threads: str,
+                    keep_adapter: Path | None = None) -> dict:
+    """This file's ``--trl`` mode in a fresh process, timed from its start; its adapter
+    copied to ``keep_adapter`` when given."""
     with tempfile.TemporaryDirectory(prefix="tf-trl-") as work:
         (Path(work) / "job.json").write_text(json.dumps(job))
         # A fresh datasets cache: the service tokenizes every job anew, and so does a first run.
@@ -161,6 +179,8 @@ def run_trl_process(job: dict, model_dir: Path, train_file: Path, threads: str) 
         if out.returncode:
             raise RuntimeError(f"the TRL script failed:\n{out.stderr[-4000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
+        if keep_adapter is not None:
+            shutil.copytree(Path(work) / "out" / "adapter", keep_adapter)
     return {**result, "t0": t0, "seconds": result["saved"] - t0, "exit_seconds": exited - t0}
 
 
@@ -179,9 +199,14 @@ def loss_summary(losses: list[float], steps_per_epoch: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3, help="service/TRL pairs, alternating")
-    p.add_argument("--examples", type=int, default=400, help="demo examples (the demo has 400)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs (the demo has 3)")
+    p.add_argument("--examples", type=int, help="training examples (the tiny demo has 400, the real one 160)")
+    p.add_argument("--epochs", type=int, help="epochs (the tiny demo has 3, the real one 1)")
     p.add_argument("--poll", type=float, default=0.25, help="seconds between artifact polls")
+    p.add_argument("--real-model", action="store_true",
+                   help="the real demo: SmolLM2-135M-Instruct on the date task, with held-out accuracy")
+    p.add_argument("--trainer", default="fsdp_qlora", help="with --real-model: the job's trainer")
+    p.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "tunefleet" / "models",
+                   help="with --real-model: where the real model is (or is prepared once)")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
     p.add_argument("--trl", nargs=3, metavar=("WORK_DIR", "MODEL_DIR", "TRAIN_FILE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -192,6 +217,14 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
+    if args.real_model:
+        from tunefleet.demo import DATES_JOB, DATES_TRAIN
+
+        args.examples = args.examples or DATES_TRAIN
+        args.epochs = args.epochs or DATES_JOB["hyperparameters"]["n_epochs"]
+        real_model_main(args)
+        return
+    args.examples, args.epochs = args.examples or 400, args.epochs or 3
     from bench.service_harness import embedded_service, upload_jsonl
     from tunefleet.demo import DEMO_MODEL_ID, demo_examples
     from worker.spec_builder import local_trainer_threads
@@ -251,6 +284,134 @@ def record(args, hp, service_runs, trl_runs, med_s, med_t, loss_s, loss_t, load,
     )
     with (REPO / "bench" / "RESULTS.md").open("a", encoding="utf-8") as f:
         f.write(section)
+
+
+# -- the real demo: SmolLM2 on the date task, with held-out accuracy ------------------------
+
+HELD_OUT = 20
+MAX_TOKENS = 16
+
+
+class HeldOut:
+    """Held-out exact match of the base model and of adapters on it: greedy ``transformers``
+    + ``peft`` decoding, the same for every adapter, in this process."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tunefleet.demo import date_examples
+
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.examples = date_examples(HELD_OUT, seed=1)
+
+    def score(self, adapter_dir: Path | None = None) -> float:
+        import torch
+        from peft import PeftModel
+
+        model = self.base if adapter_dir is None else PeftModel.from_pretrained(self.base, str(adapter_dir))
+        right = 0
+        with torch.no_grad():
+            for example in self.examples:
+                prompt = self.tokenizer.apply_chat_template(example["messages"][:-1], add_generation_prompt=True,
+                                                            tokenize=False)
+                ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:]
+                text = self.tokenizer.decode(out, skip_special_tokens=True).strip()
+                right += text == example["messages"][-1]["content"]
+        if adapter_dir is not None:
+            model.unload()  # the base model's modules back as they were, for the next adapter
+        return right / len(self.examples)
+
+
+def download_adapter(http, job_id: str, into: Path) -> Path:
+    into.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        resp = http.get(f"/fine_tuning/jobs/{job_id}/artifacts/adapter/{name}")
+        resp.raise_for_status()
+        (into / name).write_bytes(resp.content)
+    return into
+
+
+def training_tokens_per_s(run: dict, tokens: int) -> float:
+    """The job's trained tokens over its training phase (first to last step: the first step's
+    own time is in neither side's figure)."""
+    steps = len(run["losses"])
+    return tokens * (steps - 1) / steps / (run["last_step"] - run["first_step"])
+
+
+def real_model_main(args) -> None:
+    from bench.service_harness import embedded_service, upload_jsonl
+    from tunefleet.demo import DATES_JOB, date_examples
+    from tunefleet.real_model import REAL_MODEL_DIRNAME, REAL_MODEL_ID, ensure_real_model
+    from worker.spec_builder import local_trainer_threads
+
+    model_dir = ensure_real_model(args.models_dir)
+    threads = str(local_trainer_threads())
+    examples = date_examples(args.examples, seed=0)
+    held_out = HeldOut(model_dir)
+    before = held_out.score()
+    service_runs, trl_runs = [], []
+    with (embedded_service(models={REAL_MODEL_DIRNAME: model_dir}) as service,
+          tempfile.TemporaryDirectory(prefix="tf-adapters-") as adapters):
+        train_file = service.data_dir / "dates.jsonl"
+        train_file.write_text("".join(json.dumps(e) + "\n" for e in examples))
+        file_id = upload_jsonl(service.http, examples, "dates.jsonl")
+        body = {"model": REAL_MODEL_ID, "training_file": file_id, "seed": 0, "trainer": args.trainer,
+                **DATES_JOB, "hyperparameters": {**DATES_JOB["hyperparameters"], "n_epochs": args.epochs}}
+        for run in range(args.runs):
+            s = run_service_job(service.http, body, args.poll)
+            s["accuracy"] = held_out.score(download_adapter(service.http, s["job"]["id"], Path(adapters) / f"s{run}"))
+            service_runs.append(s)
+            t = run_trl_process(s["job"], model_dir, train_file, threads, keep_adapter=Path(adapters) / f"t{run}")
+            t["accuracy"] = held_out.score(Path(adapters) / f"t{run}")
+            trl_runs.append(t)
+            tokens = s["job"]["trained_tokens"]
+            print(f"run {run}: service {s['seconds']:.1f} s ({phases(s)}; trainer {s['trainer']}; "
+                  f"{training_tokens_per_s(s, tokens):.0f} tok/s; peak {s['peak_bytes'] / 2**30:.2f} GiB; "
+                  f"exact {s['accuracy']:.0%}), TRL {t['seconds']:.1f} s ({phases(t)}; "
+                  f"{training_tokens_per_s(t, tokens):.0f} tok/s; peak {t['peak_bytes'] / 2**30:.2f} GiB; "
+                  f"exact {t['accuracy']:.0%}), load {os.getloadavg()[0]:.1f}", flush=True)
+    tokens = service_runs[-1]["job"]["trained_tokens"]
+    med = lambda runs, f: statistics.median(f(r) for r in runs)
+    rows = {
+        "POST to adapter, s": (med(service_runs, lambda r: r["seconds"]), med(trl_runs, lambda r: r["seconds"])),
+        "training tokens/s": (med(service_runs, lambda r: training_tokens_per_s(r, tokens)),
+                              med(trl_runs, lambda r: training_tokens_per_s(r, tokens))),
+        "peak memory, GiB": (med(service_runs, lambda r: r["peak_bytes"] / 2**30),
+                             med(trl_runs, lambda r: r["peak_bytes"] / 2**30)),
+        "held-out exact match": (med(service_runs, lambda r: r["accuracy"]), med(trl_runs, lambda r: r["accuracy"])),
+    }
+    load = os.getloadavg()
+    table = ["| median of {} runs | service ({}) | TRL SFTTrainer + peft | service / TRL |".format(
+        args.runs, service_runs[-1]["trainer"]), "|---|---:|---:|---:|"]
+    for name, (ours, theirs) in rows.items():
+        table.append(f"| {name} | {ours:.3g} | {theirs:.3g} | {ours / theirs:.2f}x |" if theirs else
+                     f"| {name} | {ours:.3g} | {theirs:.3g} | - |")
+    text = "\n".join(table)
+    print(f"base model held-out exact match {before:.0%}\n{text}\n"
+          f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    if not args.no_record:
+        now = dt.datetime.now(dt.UTC)
+        per_run = "; ".join(f"{s['seconds']:.1f} / {t['seconds']:.1f}" for s, t in zip(service_runs, trl_runs,
+                                                                                      strict=True))
+        section = (
+            f"\n## Real model: service (POST to downloadable adapter) vs TRL by hand, SmolLM2-135M-Instruct "
+            f"({now:%Y-%m-%d %H:%M} UTC)\n\n"
+            f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')} .venv/bin/python bench/service_vs_trl.py "
+            f"--real-model --trainer {args.trainer} --runs {args.runs} --examples {args.examples} "
+            f"--epochs {args.epochs}`; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on "
+            f"2 cores; the sides alternate. The demo's date task and job ({args.examples} dates x {args.epochs} "
+            f"epoch(s), {len(service_runs[-1]['losses'])} steps, {tokens} trained tokens), {threads} threads per "
+            f"side; held-out exact match on {HELD_OUT} dates by the same greedy transformers + peft decoding for "
+            f"both adapters (base model: {before:.0%}). Peak memory: the trainer's largest reported RSS vs the TRL "
+            f"process's ru_maxrss. Per run (service / TRL, s): {per_run}.\n\n{text}\n"
+        )
+        with (REPO / "bench" / "RESULTS.md").open("a", encoding="utf-8") as f:
+            f.write(section)
 
 
 if __name__ == "__main__":
