@@ -64,8 +64,9 @@
     card.dataset.count = String(evaluations.length);
     renderLatest(evaluations[0]);
     const body = document.querySelector("#ev-table tbody");
-    body.replaceChildren(...evaluations.map((e) => el("tr", { "data-id": e.id, "data-status": e.status, title: e.id },
-      el("td", pill(e.status), el("div.cell-sub", `${graderLabel(e.grader)} · `, el("span.mono", e.file))),
+    body.replaceChildren(...evaluations.map((e) => el("tr", { "data-id": e.id, "data-status": e.status,
+      title: `${e.id} on ${e.file}` },
+      el("td", pill(e.status), el("div.cell-sub", graderLabel(e.grader))),
       el("td.num", e.results ? e.results.fine_tuned.count : e.max_samples),
       el("td.num", { "data-role": "base" }, score(e, e.results?.base.score)),
       el("td.num", { "data-role": "fine-tuned" }, score(e, e.results?.fine_tuned.score)))));
