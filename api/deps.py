@@ -24,6 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.evaluations.runner import EvaluationRunner
 from api.jobs.pages import JobPageCache
 from api.outputs.stream import StreamSlots
 from api.rate_limits import mark_verified
@@ -72,6 +73,7 @@ EngineDep = Annotated[Engine, app_state("engine")]
 StartedAtDep = Annotated[int, app_state("started_at")]  # Unix seconds the app was built at
 SessionFactoryDep = Annotated[sessionmaker[Session], app_state("session_factory")]
 StreamSlotsDep = Annotated[StreamSlots, app_state("stream_slots")]  # open job streams (caps)
+EvaluationsDep = Annotated[EvaluationRunner, app_state("evaluations")]  # held-out evaluations under way
 
 
 async def get_current_key(

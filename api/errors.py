@@ -86,7 +86,11 @@ too_many_streams               429   job streams: this key's (or this process's)
 logs_unavailable               502   Kubernetes mode: the cluster refused the pod-log read
 checkpoint_not_found           404   no such checkpoint of this job
 checkpoint_not_stored          404   the checkpoint's files were pruned (only the last are kept)
-job_not_succeeded              409   a merged export of a job without a final adapter (yet)
+job_not_succeeded              409   a merged export of a job without a final adapter (yet), or an
+                                     evaluation of a job that has not succeeded
+too_many_samples               400   an evaluation's ``max_samples`` over ``TUNEFLEET_EVALUATION_MAX_SAMPLES``
+too_many_evaluations           429   the organization's evaluations queued or running are at
+                                     ``TUNEFLEET_EVALUATION_MAX_CONCURRENT_PER_TENANT`` (``Retry-After``)
 export_in_progress             409   a merged export of an adapter whose export in another dtype is
                                      still queued or running (one per adapter at a time)
 too_many_exports               429   the organization's merged exports queued or running are at
@@ -131,7 +135,8 @@ invalid_grader_model           400   graders: a score_model grader's ``model`` t
 grader_item_missing            400   job creation: a reinforcement grader reads ``{{item.<key>}}`` that
                                      not every line of its training/validation file has (``param`` = the
                                      grader's field); the grader codes above apply under
-                                     ``method.reinforcement.grader`` too
+                                     ``method.reinforcement.grader`` too (and, for an evaluation, under
+                                     ``grader``, whose reinforcement file's lines have no ``reference``)
 method_not_available           400   job creation: ``method.type`` ``reinforcement`` with trainer ``jax``/``jax_lora``,
                                      which does not run it yet (no job is created; ``fsdp_qlora`` or
                                      ``auto`` does)

@@ -19,6 +19,8 @@ from api.admin import routes as admin
 from api.body_limit import BodySizeLimitMiddleware
 from api.checkpoint_permissions import routes as checkpoint_permissions
 from api.errors import install_error_handlers
+from api.evaluations import routes as evaluations
+from api.evaluations.runner import EvaluationRunner, running_evaluations
 from api.files import routes as files
 from api.fleet import routes as fleet_routes
 from api.fleet.pools import install as install_fleet
@@ -62,6 +64,7 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
         title="tunefleet",
         version="0.1.0",
         description="Self-hosted LLM fine-tuning service with an OpenAI-compatible API.",
+        lifespan=running_evaluations,  # held-out evaluations under way: taken over at startup, given back at exit
     )
     url = settings.resolved_database_url
     app.state.settings = settings
@@ -75,12 +78,13 @@ def create_app(settings: Settings | None = None, *, queue: TaskQueue | None = No
     app.state.started_at = int(time.time())
     app.state.stream_slots = StreamSlots(per_key=settings.stream_max_per_key,
                                          per_process=settings.stream_max_per_process)
+    app.state.evaluations = EvaluationRunner(app)  # held-out evaluations run in this process (api/evaluations)
     install_error_handlers(app)
     install_fleet(app, settings)  # node pools + the Prometheus capacity provider
     if settings.executor == "kubernetes":
         register_log_reader(kubernetes_log)  # trainer logs from the pods (api/outputs/logs.py)
     for module in (health, files, uploads, jobs, checkpoint_permissions, outputs, models, reports, admin,
-                   fleet_routes, inference, graders):
+                   fleet_routes, inference, graders, evaluations):
         app.include_router(module.router)
     # The dashboard (api/ui), webhooks (api/webhooks) and Prometheus metrics
     # (api/observability) add their routers here.

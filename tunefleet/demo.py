@@ -2,11 +2,13 @@
 
 `tunefleet serve --demo` prepares SmolLM2-135M-Instruct (tunefleet/real_model.py, once,
 into the data dir), writes a small generated task whose answers are checkable — write a
-date as YYYY-MM-DD — uploads it and creates a fine-tuning job over the public HTTP API,
-exactly as a user would. It measures held-out exact-match accuracy through
-``/v1/chat/completions`` on the base model before and on the fine-tuned model after: the
-instruct model answers in its own words (about 0 % exact), the fine-tuned one in the
-format asked for.
+date as YYYY-MM-DD — uploads it with held-out dates as the job's validation file and
+creates a fine-tuning job over the public HTTP API, exactly as a user would. When the job
+has succeeded it asks the service for a held-out evaluation
+(``POST /v1/fine_tuning/jobs/{id}/evaluations``): exact match of the base and the
+fine-tuned model's greedy answers, which the job page then shows next to the loss and
+the terminal prints. The instruct model answers in its own words (about 0 % exact), the
+fine-tuned one in the format asked for.
 
 Where the real model cannot be prepared (offline, no ``gguf``), the demo trains the tiny
 random-init Llama (cached in the data dir) on the capital-city task instead; the tests
@@ -90,22 +92,20 @@ def date_examples(n: int, *, seed: int) -> list[dict]:
     return examples
 
 
-def exact_match(http, model: str, examples: list[dict], *, max_tokens: int = 16) -> float:
-    """The share of ``examples`` whose greedy answer from ``/v1/chat/completions`` (through
-    ``http``, an httpx client on ``<api>/v1``) equals the reference answer exactly (surrounding
-    whitespace ignored)."""
-    right = 0
-    for example in examples:
-        prompt, answer = example["messages"][:-1], example["messages"][-1]["content"]
-        for attempt in range(60):  # the inference worker may still be loading the model
-            resp = http.post("/chat/completions", timeout=300.0, json={
-                "model": model, "messages": prompt, "temperature": 0, "max_tokens": max_tokens})
-            if resp.status_code not in (429, 503):
-                break
-            time.sleep(min(2.0, float(resp.headers.get("retry-after", "1"))))
-        resp.raise_for_status()
-        right += resp.json()["choices"][0]["message"]["content"].strip() == answer
-    return right / len(examples)
+def held_out_evaluation(http, job_id: str, file_id: str, *, max_tokens: int = 16,
+                        timeout: float = 1800.0) -> dict:
+    """Ask the service to evaluate job ``job_id``'s base and fine-tuned models on ``file_id``
+    (through ``http``, an httpx client on ``<api>/v1``; default grader: exact match) and wait
+    for the ``fine_tuning.job.evaluation``, succeeded or failed."""
+    created = http.post(f"/fine_tuning/jobs/{job_id}/evaluations",
+                        json={"file": file_id, "max_tokens": max_tokens})
+    created.raise_for_status()
+    evaluation = created.json()
+    deadline = time.monotonic() + timeout
+    while evaluation["status"] in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(2.0)
+        evaluation = http.get(f"/fine_tuning/jobs/{job_id}/evaluations/{evaluation['id']}").json()
+    return evaluation
 
 
 def ensure_demo_model(models_dir: Path) -> Path:
@@ -137,8 +137,8 @@ def start_demo(settings, base_url: str, admin_key: str) -> str:
     """Submit the demo job over HTTP: the real model's when it is prepared, else the tiny one's.
 
     Returns the job id. Uses plain HTTP, exactly as a user would (README quickstart). With
-    the real model it then waits for the job and prints held-out exact-match accuracy
-    before and after fine-tuning.
+    the real model it then waits for the job, has the service evaluate it on the held-out
+    dates and prints exact-match accuracy before and after fine-tuning.
     """
     from control.models.base_models import REAL_MODEL_ID
     from tunefleet.real_model import is_prepared, real_model_dir
@@ -164,19 +164,16 @@ def _upload(http, path: Path) -> str:
 
 
 def _real_model_demo(settings, base_url: str, admin_key: str, model: str) -> str:
-    dataset = write_examples(settings.data_path / "demo" / "dates.jsonl",
-                             date_examples(DATES_TRAIN, seed=0))
-    held_out = date_examples(DATES_HELD_OUT, seed=1)
+    demo = settings.data_path / "demo"
+    dataset = write_examples(demo / "dates.jsonl", date_examples(DATES_TRAIN, seed=0))
+    held_out = write_examples(demo / "dates-held-out.jsonl", date_examples(DATES_HELD_OUT, seed=1))
     with _client(base_url, admin_key) as http:
-        before = exact_match(http, model, held_out)
-        print(f"demo: {model} answers {before:.0%} of {len(held_out)} held-out dates exactly "
-              "(YYYY-MM-DD) before fine-tuning", flush=True)
-        file_id = _upload(http, dataset)
+        file_id, held_out_id = _upload(http, dataset), _upload(http, held_out)
         job = http.post(
             "/fine_tuning/jobs",
             headers={"Idempotency-Key": f"demo-{file_id}"},
-            json={"model": model, "training_file": file_id, "suffix": "demo", "seed": 0,
-                  "metadata": {"demo": "dates"}, **DATES_JOB},
+            json={"model": model, "training_file": file_id, "validation_file": held_out_id, "suffix": "demo",
+                  "seed": 0, "metadata": {"demo": "dates"}, **DATES_JOB},
         )
         job.raise_for_status()
         job_id = job.json()["id"]
@@ -187,9 +184,16 @@ def _real_model_demo(settings, base_url: str, admin_key: str, model: str) -> str
         if state["status"] != "succeeded":
             print(f"demo job {job_id} {state['status']}: {state.get('error')}", flush=True)
             return job_id
-        after = exact_match(http, state["fine_tuned_model"], held_out)
-        print(f"demo: {state['fine_tuned_model']} answers {after:.0%} of {len(held_out)} held-out "
-              f"dates exactly after fine-tuning (before: {before:.0%})", flush=True)
+        print(f"demo: evaluating {model} and {state['fine_tuned_model']} on {DATES_HELD_OUT} held-out dates "
+              "(the job page shows the result)", flush=True)
+        evaluation = held_out_evaluation(http, job_id, held_out_id)
+    if evaluation["status"] != "succeeded":
+        print(f"demo: the held-out evaluation {evaluation['id']} {evaluation['status']}: {evaluation['error']}",
+              flush=True)
+        return job_id
+    before, after = evaluation["results"]["base"], evaluation["results"]["fine_tuned"]
+    print(f"demo: held-out exact match (YYYY-MM-DD) on {after['count']} dates: {model} {before['score']:.0%} "
+          f"before fine-tuning -> {after['model']} {after['score']:.0%} after", flush=True)
     return job_id
 
 

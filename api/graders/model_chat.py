@@ -15,25 +15,21 @@ hands each call back to the event loop.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import anyio.from_thread
 import httpx
 from fastapi import Request
-from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from api.inference.completions import local_routing, serve_completion
-from api.inference.proxy import proxy_completion
+from api.inference.internal import chat_completion
 from api.inference.schemas import DEFAULT_CHAT_MAX_TOKENS
 from api.inference.served_models import ServedModel, resolve_served_model
 from control.errors import APIError
 from control.models.base_models import BaseModelRegistry
 from control.settings import Settings
 from control.webhooks.urls import TargetURLError, checked_target, pinned_request
-from inference.client import GenerationRequest
 from inference.protocol import Sampling
 from trainers.common.graders import ChatCompletionError, ChatReply, ChatRequest
 from trainers.common.graders.models import MultiGrader, ScoreModelGrader
@@ -88,28 +84,18 @@ class ModelChat:
     async def complete(self, chat: ChatRequest) -> ChatReply:
         try:
             if chat.model in self.served:
-                response = await self._served(self.served[chat.model], chat)
-                return _reply(json.loads(response.body), chat.model)
+                sampling = Sampling(max_tokens=chat.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                                    fit_context=chat.max_completion_tokens is None,
+                                    temperature=1.0 if chat.temperature is None else chat.temperature,
+                                    top_p=1.0 if chat.top_p is None else chat.top_p, seed=chat.seed)
+                body = await chat_completion(self.request, self.tenant_id, self.served[chat.model], chat.messages,
+                                             sampling, response_format=chat.response_format)
+                return _reply(body, chat.model)
             return await self._external(chat)
         except APIError as exc:
             raise ChatCompletionError(f"{exc.code}: {exc.message}") from exc
         except ValueError as exc:
             raise ChatCompletionError(f"the model's answer is not a chat completion: {exc}") from exc
-
-    async def _served(self, served: ServedModel, chat: ChatRequest) -> Response:
-        if served.base.inference_url is not None:
-            return await proxy_completion(self.request, self.tenant_id, served, _payload(chat),
-                                          path="/v1/chat/completions", endpoint="chat.completions", stream=False)
-        sampling = Sampling(max_tokens=chat.max_completion_tokens or DEFAULT_CHAT_MAX_TOKENS,
-                            fit_context=chat.max_completion_tokens is None,
-                            temperature=1.0 if chat.temperature is None else chat.temperature,
-                            top_p=1.0 if chat.top_p is None else chat.top_p, seed=chat.seed)
-        # The embedded worker cannot hold a model to a JSON schema: a bare number or the
-        # JSON the prompt asks for both parse (model_grader.parse_score).
-        generation = GenerationRequest(**local_routing(served, self.tenant_id, self.settings),
-                                       messages=tuple(chat.messages), sampling=sampling)
-        return await serve_completion(self.request, self.tenant_id, generation, kind="chat", model=served.id,
-                                      stream=False, include_usage=False)
 
     async def _external(self, chat: ChatRequest) -> ChatReply:
         settings = self.settings

@@ -82,7 +82,7 @@ class PythonSlots:
             self.tenants.release(tenant_id)
 
 
-def _python_slots(request: Request) -> PythonSlots:
+def python_slots(request: Request) -> PythonSlots:
     state = request.app.state
     if getattr(state, "python_grader_slots", None) is None:
         settings = state.settings
@@ -98,7 +98,7 @@ async def run_grader(request: Request, session: Session, tenant_id: str, setting
     grader = checked_grader(data)
     served = await run_in_threadpool(resolve_grader_models, session, tenant_id, settings, base_models, grader)
     context = GradingContext(chat=ModelChat(request, tenant_id, served), sandbox=settings.grader_limits())
-    slot = _python_slots(request).hold(tenant_id) if runs_python(grader) else nullcontext()
+    slot = python_slots(request).hold(tenant_id) if runs_python(grader) else nullcontext()
     with slot:
         result = await run_in_threadpool(grade, grader, sample_namespace(model_sample), item or {}, context)
     return result.response()

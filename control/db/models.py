@@ -357,6 +357,47 @@ class Export(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
+EVALUATION_STATUSES = ("queued", "running", "succeeded", "failed")
+
+
+class Evaluation(Base):
+    """A held-out evaluation of a succeeded job: its base and fine-tuned models answer the
+    rows of a file, graded by one grader (``api/evaluations``).
+
+    ``status``: ``queued`` (waiting for an API process to run it), ``running`` (``runner``
+    holds it and renews ``heartbeat_at``), ``succeeded`` (``results`` and ``samples``) or
+    ``failed`` (``error``). A claim whose heartbeat stopped is taken over by another API
+    process (``attempts`` counts the runs), so no evaluation stays ``running`` forever.
+    """
+
+    __tablename__ = "evaluations"
+    __table_args__ = (
+        Index("ix_evaluations_job_created", "job_id", "created_at", "id"),
+        Index("ix_evaluations_tenant_status", "tenant_id", "status"),
+        Index("ix_evaluations_status_heartbeat", "status", "heartbeat_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    file_id: Mapped[str] = mapped_column(String(64), doc="The evaluated file (no key: files expire).")
+    grader: Mapped[dict[str, Any]] = mapped_column(JSON, doc="As checked, the default filled in.")
+    max_samples: Mapped[int] = mapped_column(Integer)
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    rows_done: Mapped[int] = mapped_column(Integer, default=0, doc="Answers generated, both models.")
+    rows_total: Mapped[int] = mapped_column(Integer, default=0)
+    results: Mapped[dict[str, Any] | None]
+    samples: Mapped[list[Any] | None]
+    error: Mapped[dict[str, Any] | None]
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    runner: Mapped[str | None] = mapped_column(String(128), doc="The API process that holds it.")
+    heartbeat_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+
+
 class IdempotencyKey(Base):
     """``Idempotency-Key`` of a job creation: same key + same body -> same job."""
 

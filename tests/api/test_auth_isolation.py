@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from api.jobs.commands import issue_job_token
-from control.db.models import Job
+from control.db.models import Evaluation, Job
+from control.ids import new_id
 from control.jobs.lifecycle import transition
 from tests.api.conftest import chat_lines, start_running
 
@@ -21,6 +22,10 @@ PUBLIC = {("GET", "/healthz"), ("GET", "/readyz")}
 SCOPED: list[tuple[str, str, Any]] = [
     ("GET", "/v1/files/{file_id}", None),
     ("GET", "/v1/files/{file_id}/content", None),
+    # Before the file's deletion: an evaluation reads it.
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations", None),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations/{evaluation_id}", None),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/evaluations", "evaluate"),
     ("DELETE", "/v1/files/{file_id}", None),
     ("GET", "/v1/fine_tuning/jobs/{job_id}", None),
     ("POST", "/v1/fine_tuning/jobs/{job_id}/cancel", None),
@@ -67,8 +72,8 @@ JOB_TOKEN = [("POST", "/internal/v1/jobs/{job_id}/reports", {"seq": 0, "items": 
 
 
 # The foundation's routers (api/<feature>/routes.py); webhooks, metrics and the dashboard test theirs.
-FOUNDATION_TAGS = {"files", "fine-tuning", "fine-tuning outputs", "models", "internal", "admin",
-                   "health", "fleet"}
+FOUNDATION_TAGS = {"files", "fine-tuning", "fine-tuning outputs", "fine-tuning evaluations", "models", "internal",
+                   "admin", "health", "fleet"}
 
 
 def test_route_table_covers_every_route(app) -> None:
@@ -106,6 +111,9 @@ def world(client, tenant_key, make_job, settings, db_session):
                        headers={"Authorization": f"Bearer {token}"}).status_code == 200
     db_session.refresh(row)
     transition(db_session, row, "succeeded", actor="executor")
+    evaluation = Evaluation(id=new_id("fteval"), job_id=job["id"], tenant_id=a.tenant_id, file_id=job["training_file"],
+                            grader={}, max_samples=1, max_tokens=1, status="failed")
+    db_session.add(evaluation)
     db_session.commit()
     log = settings.job_dir(job["id"]) / "trainer.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +128,7 @@ def world(client, tenant_key, make_job, settings, db_session):
         "tenant_id": a.tenant_id, "key_id": "key-x",
         "checkpoint_id": checkpoints[0]["id"], "checkpoint_file": "adapter_model.safetensors",
         "fine_tuned_model_checkpoint": shared, "permission_id": permission, "grantee_id": grantee.tenant_id,
+        "evaluation_id": evaluation.id,
     }
     return {"a": a, "b": b, "names": names, "token": token}
 
@@ -133,6 +142,8 @@ def _call(client, method: str, path: str, body: Any, headers: dict[str, str], na
                               data={"purpose": "fine-tune"})
     if body == "job":
         body = {"model": "tunefleet-tiny-llama", "training_file": "file-x"}
+    if body == "evaluate":
+        body = {"file": (names or FAKE_NAMES)["file_id"], "max_samples": 1}
     return client.request(method, path, headers=headers, json=body)
 
 
@@ -140,7 +151,7 @@ FAKE_NAMES = {"file_id": "file-x", "job_id": "ftjob-x", "name": "adapter/a.bin",
               "model_id": "m", "tenant_id": "org-x", "key_id": "key-x",
               "checkpoint_id": "ftckpt-x", "checkpoint_file": "a.bin",
               "fine_tuned_model_checkpoint": "ft:m:org-x:ftjob-x:ckpt-step-1", "permission_id": "cp-x",
-              "grantee_id": "org-y"}
+              "grantee_id": "org-y", "evaluation_id": "fteval-x"}
 BAD_AUTH = ({}, {"Authorization": "Bearer tf_aaaaaaaa_" + "b" * 32},
             {"Authorization": "Basic abc"}, {"Authorization": "Bearer"})
 

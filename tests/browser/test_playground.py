@@ -4,7 +4,8 @@ A job trains for real (two epochs: a checkpoint after each), then the page strea
 fine-tuned model's greedy answer next to the base model's; both columns must hold exactly
 what a direct API call with the same request returns, for the final model and for an
 earlier checkpoint. With the organization's completion slots all taken, the playground
-shows the 429 with when to retry.
+shows the 429 with when to retry. Without the comparison only the fine-tuned model is asked.
+The card next to the loss chart evaluates both models on a held-out file.
 """
 
 from __future__ import annotations
@@ -53,15 +54,16 @@ def trained_job(service) -> dict:
     return job
 
 
-def _greedy(service, model: str, system: str | None = None) -> str:
+def _greedy(service, model: str, system: str | None = None, *, prompt: str = PROMPT,
+            max_tokens: int = MAX_TOKENS) -> str:
     """The content of the same greedy request, asked over the API directly (not streamed)."""
     messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": PROMPT})
+    messages.append({"role": "user", "content": prompt})
     with service.api() as api:
         for _ in range(150):
             answer = api.post("/v1/chat/completions", json={
                 "model": model, "messages": messages,
-                "temperature": 0, "top_p": 1, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "top_p": 1, "max_tokens": max_tokens,
             })
             if answer.status_code != 503:
                 break
@@ -208,3 +210,72 @@ def test_playground_shows_when_to_retry_a_429(service, page_for, trained_job: di
         stop.set()
         for holder in holders:
             holder.join(timeout=30)
+
+
+def test_playground_without_comparison_asks_the_fine_tuned_model_only(service, page_for,
+                                                                     trained_job: dict) -> None:
+    page = page_for(service.admin_key)
+    errors = _open_playground(page, service, trained_job["id"])
+    sent: list[dict] = []
+    page.on("request", lambda request: sent.append(request.post_data_json)
+            if request.url.endswith("/v1/chat/completions") else None)
+    page.uncheck("#pg-compare")
+    assert page.is_hidden("#pg-col-base")
+    page.click("#pg-send")
+    page.wait_for_function("['done', 'error'].includes(document.getElementById('pg-col-tuned').dataset.state)",
+                           timeout=90_000)
+    tuned = _column(page, "tuned")
+    assert tuned["state"] == "done" and tuned["text"] == _greedy(service, trained_job["fine_tuned_model"]), tuned
+    assert [body["model"] for body in sent] == [trained_job["fine_tuned_model"]], sent
+    page.check("#pg-compare")
+    assert page.is_visible("#pg-col-base") and not errors, errors
+
+
+def test_the_job_page_evaluates_the_base_and_the_fine_tuned_model(service, page_for, trained_job: dict,
+                                                                   screenshots: Path) -> None:
+    """A held-out file picked in the card next to the loss chart: the card shows the API's
+    scores (base -> fine-tuned), the evaluation in its table, and answers that are the
+    models' greedy answers through /v1/chat/completions."""
+    from tests.browser.test_dashboard_flows import _jsonl, demo_examples
+
+    rows = demo_examples(3, seed=4)
+    with service.api() as api:
+        held_out = api.post("/v1/files", data={"purpose": "fine-tune"},
+                            files={"file": ("held-out.jsonl", _jsonl(rows), "application/jsonl")}).json()["id"]
+        deadline = time.monotonic() + 60
+        while api.get(f"/v1/files/{held_out}").json()["status"] == "uploaded" and time.monotonic() < deadline:
+            time.sleep(0.3)
+    page = page_for(service.admin_key)
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{service.url}/ui/jobs/{trained_job['id']}")
+    page.wait_for_selector("#card-evaluations:not(.hidden)")
+    page.wait_for_selector(f"#ev-file option[value='{held_out}']", state="attached")
+    page.select_option("#ev-file", held_out)
+    page.fill("#ev-max-samples", "3")
+    page.click("#ev-start")
+    page.wait_for_function("['succeeded', 'failed'].includes(document.getElementById('ev-latest').dataset.status)",
+                           timeout=120_000)
+    evaluation_id = page.get_attribute("#ev-latest", "data-id")
+    with service.api() as api:
+        evaluation = api.get(f"/v1/fine_tuning/jobs/{trained_job['id']}/evaluations/{evaluation_id}").json()
+        events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{trained_job['id']}/events?limit=100")
+                  .json()["data"]]
+    assert evaluation["status"] == "succeeded" and evaluation["file"] == held_out, evaluation
+    page.click("#ev-samples-box summary")
+    page.screenshot(path=screenshots / "22-held-out-evaluation.png", full_page=True)
+    results = evaluation["results"]
+    shown = [page.inner_text(f"#ev-latest [data-role='{role}']") for role in ("base", "fine-tuned")]
+    assert shown == [f"{round(100 * results[key]['score'], 1):g}%" for key in ("base", "fine_tuned")], (shown, results)
+    assert "exact match · 3 rows" in page.inner_text("#ev-latest")
+    assert page.get_attribute(f"#ev-table tr[data-id='{evaluation_id}']", "data-status") == "succeeded"
+    assert any(m.startswith("Held-out exact match: base ") and evaluation_id in m for m in events), events
+    # The answers are the models' own greedy answers, asked the same way.
+    first = evaluation["samples"][0]
+    assert first["prompt"] == rows[0]["messages"][0]["content"]
+    answers = page.eval_on_selector_all("#ev-samples tbody tr:first-child .ev-answer", "(nodes) => "
+                                        "nodes.map((n) => n.textContent)")
+    assert answers == [rows[0]["messages"][1]["content"], first["base"]["answer"], first["fine_tuned"]["answer"]]
+    for key, model in (("base", "tunefleet-tiny-llama"), ("fine_tuned", trained_job["fine_tuned_model"])):
+        assert first[key]["answer"] == _greedy(service, model, prompt=first["prompt"], max_tokens=64), key
+    assert not errors, errors

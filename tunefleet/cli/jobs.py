@@ -3,6 +3,8 @@
 ``jobs create`` and ``estimate`` take the same body options (built once, by
 ``_make_job_command``); a local path given as the training file is uploaded and validated
 first. ``jobs watch`` (and ``create --watch``) draw the live view of ``tunefleet.cli.watch``.
+``jobs evaluate`` starts a held-out evaluation of a succeeded job (base against
+fine-tuned) and waits for it; ``jobs evaluations`` lists them.
 """
 
 # No `from __future__ import annotations`: typer reads these annotations at runtime, and
@@ -43,7 +45,7 @@ from tunefleet.cli.render import (
 )
 from tunefleet.cli.watch import watch_job
 from tunefleet.sdk.client import Tunefleet
-from tunefleet.sdk.types import FineTuningJob, JobMetric
+from tunefleet.sdk.types import Evaluation, FineTuningJob, JobMetric
 
 jobs_app = typer.Typer(help="Create, follow and control fine-tuning jobs.", no_args_is_help=True)
 
@@ -478,3 +480,93 @@ def jobs_download(
         rows = [(a.name, fmt_bytes(a.bytes), (a.sha256 or "")[:16], str(p)) for a, p in zip(artifacts, paths)]
         console.print(table(f"downloaded {len(paths)} file(s), sha256 verified", ["name", "size", "sha256", "path"],
                             rows))
+
+
+def _score(evaluation: Evaluation, key: str) -> str:
+    """A model's mean score: a percentage for graders whose rewards are fractions."""
+    result = (evaluation.results or {}).get(key)
+    if result is None:
+        return "-"
+    if (evaluation.grader or {}).get("type") in ("string_check", "text_similarity"):
+        return f"{100 * result.score:.1f}".removesuffix(".0") + "%"
+    return f"{result.score:.3f}"
+
+
+def _grader_label(evaluation: Evaluation) -> str:
+    grader = evaluation.grader or {}
+    if grader.get("type") == "string_check" and grader.get("name") == "exact_match":
+        return "exact match"
+    return str(grader.get("name") or grader.get("type") or "-")
+
+
+def _rows(evaluation: Evaluation) -> Any:
+    result = (evaluation.results or {}).get("fine_tuned")
+    return result.count if result is not None else evaluation.max_samples
+
+
+def _print_evaluation(evaluation: Evaluation) -> None:
+    console.print(Text.assemble(f"{evaluation.id}: ", status_text(evaluation.status)))
+    if evaluation.error is not None:
+        console.print(Text(f"{evaluation.error.code}: {evaluation.error.message}"))
+    if evaluation.results:
+        console.print(Text(f"held-out {_grader_label(evaluation)} on {_rows(evaluation)} rows of {evaluation.file}: "
+                           f"base {_score(evaluation, 'base')} -> fine-tuned {_score(evaluation, 'fine_tuned')}"))
+    if evaluation.samples:
+        rows = ((s.get("prompt"), s.get("reference"), (s.get("base") or {}).get("answer"),
+                 (s.get("fine_tuned") or {}).get("answer")) for s in evaluation.samples)
+        console.print(table("sample answers", ["prompt", "reference", "base", "fine-tuned"], rows))
+
+
+@jobs_app.command("evaluate")
+@client_command
+def jobs_evaluate(
+    client: Tunefleet,
+    json_out: bool,
+    job_id: str,
+    file: Annotated[str | None, typer.Option(
+        "--file", help="The held-out rows: a file id, or a local JSONL file (uploaded first); default: the job's "
+                       "validation file.")] = None,
+    max_samples: Annotated[int | None, typer.Option(min=1, help="Evaluate the first N rows (default: all, up to "
+                                                                  "the service's limit).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Longest answer in tokens (default 64).")] = None,
+    grader: Annotated[str | None, typer.Option(
+        help="A grader as JSON, or @path to a JSON file (default: exact match with the row's last answer).")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait for the result.")] = True,
+    timeout: Annotated[float | None, typer.Option(help="Give up waiting after this many seconds.")] = None,
+) -> None:
+    """Evaluate a succeeded job's base and fine-tuned models on held-out rows; exit 3 if the evaluation fails."""
+    grader_json = None
+    if grader is not None:
+        text = Path(grader[1:]).read_text() if grader.startswith("@") else grader
+        try:
+            grader_json = json.loads(text)
+        except ValueError as exc:
+            raise typer.BadParameter(f"not JSON: {exc}", param_hint="--grader") from exc
+    file_id = _resolve_training_file(client, file, json_out) if file is not None else None
+    evaluation = client.jobs.evaluate(job_id, file=file_id, max_samples=max_samples, max_tokens=max_tokens,
+                                      grader=grader_json)
+    if wait:
+        if not json_out:
+            console.print(Text(f"{evaluation.id}: evaluating the base and the fine-tuned model ..."))
+        evaluation = client.jobs.wait_evaluation(job_id, evaluation.id, timeout=timeout)
+    print_json(evaluation) if json_out else _print_evaluation(evaluation)
+    if evaluation.status == "failed":
+        raise typer.Exit(EXIT_JOB_FAILED)
+
+
+@jobs_app.command("evaluations")
+@client_command
+def jobs_evaluations(
+    client: Tunefleet,
+    json_out: bool,
+    job_id: str,
+    limit: LimitOpt = 20,
+    after: AfterOpt = None,
+    fetch_all: AllOpt = False,
+) -> None:
+    """List a job's held-out evaluations, newest first: base and fine-tuned scores."""
+    items, has_more = page_items(client.jobs.list_evaluations(job_id, limit=limit, after=after), fetch_all)
+    rows = ((e.id, status_text(e.status), _grader_label(e), _rows(e), _score(e, "base"), _score(e, "fine_tuned"),
+             e.file, fmt_time(e.created_at)) for e in items)
+    print_list(json_out, items, f"evaluations of {job_id}",
+               ["id", "status", "grader", "rows", "base", "fine-tuned", "file", "created"], rows, has_more=has_more)

@@ -22,6 +22,7 @@ from tunefleet.sdk.types import (
     Artifact,
     DeletedObject,
     Estimate,
+    Evaluation,
     FileObject,
     FineTuningJob,
     JobCheckpoint,
@@ -186,6 +187,30 @@ class AsyncJobs(_AsyncResource):
         plan = download_plan(await self.list_artifacts(job_id), Path(dest_dir), prefix)
         return [await self.download_artifact(job_id, artifact.name, target, expected_sha256=artifact.sha256)
                 for artifact, target in plan]
+
+    async def evaluate(self, job_id: str, *, file: str | None = None, max_samples: int | None = None,
+                       max_tokens: int | None = None, grader: Mapping[str, Any] | None = None) -> Evaluation:
+        """Start a held-out evaluation of a succeeded job: its base and fine-tuned models answer
+        ``file``'s rows (default: the job's validation file), graded by ``grader`` (default:
+        exact match). It runs in the background; ``wait_evaluation`` waits for it."""
+        body = rq.evaluation_body(file, max_samples, max_tokens, grader)
+        return Evaluation.model_validate(await self._json(rq.create_evaluation(job_id, body)))
+
+    async def list_evaluations(self, job_id: str, *, limit: int | None = None,
+                               after: str | None = None) -> AsyncPage[Evaluation]:
+        return await self._page(rq.list_evaluations(job_id, limit, after), Evaluation.model_validate)
+
+    async def retrieve_evaluation(self, job_id: str, evaluation_id: str) -> Evaluation:
+        return Evaluation.model_validate(await self._json(rq.retrieve_evaluation(job_id, evaluation_id)))
+
+    async def wait_evaluation(self, job_id: str, evaluation_id: str, *, timeout: float | None = None,
+                              poll_interval: float = 1.0) -> Evaluation:
+        """Poll until the evaluation has succeeded or failed; returns it.
+
+        Raises:
+            WaitTimeoutError: it was still queued or running after ``timeout`` seconds."""
+        return await self._poll(lambda: self.retrieve_evaluation(job_id, evaluation_id), lambda e: e.is_final,
+                                f"evaluation {evaluation_id}", timeout, poll_interval)
 
     async def wait(self, job_id: str, *, timeout: float | None = None,
                    poll_interval: float = 1.0) -> FineTuningJob:

@@ -186,6 +186,26 @@ def list_job_metrics(job_id: str, limit: int | None, after: int | None) -> Reque
     return list_request(job_path(job_id, "metrics"), limit, after)
 
 
+def evaluation_body(file: str | None, max_samples: int | None, max_tokens: int | None,
+                    grader: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A held-out evaluation's body; what is None is left to the service's default."""
+    body = {"file": file, "max_samples": max_samples, "max_tokens": max_tokens,
+            "grader": dict(grader) if grader is not None else None}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def create_evaluation(job_id: str, body: dict[str, Any]) -> RequestOptions:
+    return RequestOptions("POST", job_path(job_id, "evaluations"), json=body)
+
+
+def list_evaluations(job_id: str, limit: int | None, after: str | None) -> RequestOptions:
+    return list_request(job_path(job_id, "evaluations"), limit, after)
+
+
+def retrieve_evaluation(job_id: str, evaluation_id: str) -> RequestOptions:
+    return RequestOptions("GET", job_path(job_id, "evaluations", seg(evaluation_id)))
+
+
 def job_logs(job_id: str, tail: int | None) -> RequestOptions:
     return RequestOptions("GET", job_path(job_id, "logs"), params={"tail": tail}, headers=dict(ANY_CONTENT))
 

@@ -27,6 +27,7 @@ from tunefleet.sdk.types import (
     Artifact,
     DeletedObject,
     Estimate,
+    Evaluation,
     FileObject,
     FineTuningJob,
     JobCheckpoint,
@@ -185,6 +186,30 @@ class Jobs(_Resource):
         """Download every artifact whose name starts with ``prefix``, each checksum-verified."""
         return [self.download_artifact(job_id, artifact.name, target, expected_sha256=artifact.sha256)
                 for artifact, target in download_plan(self.list_artifacts(job_id), Path(dest_dir), prefix)]
+
+    def evaluate(self, job_id: str, *, file: str | None = None, max_samples: int | None = None,
+                 max_tokens: int | None = None, grader: Mapping[str, Any] | None = None) -> Evaluation:
+        """Start a held-out evaluation of a succeeded job: its base and fine-tuned models answer
+        ``file``'s rows (default: the job's validation file), graded by ``grader`` (default:
+        exact match). It runs in the background; ``wait_evaluation`` waits for it."""
+        body = rq.evaluation_body(file, max_samples, max_tokens, grader)
+        return Evaluation.model_validate(self._json(rq.create_evaluation(job_id, body)))
+
+    def list_evaluations(self, job_id: str, *, limit: int | None = None,
+                         after: str | None = None) -> SyncPage[Evaluation]:
+        return self._page(rq.list_evaluations(job_id, limit, after), Evaluation.model_validate)
+
+    def retrieve_evaluation(self, job_id: str, evaluation_id: str) -> Evaluation:
+        return Evaluation.model_validate(self._json(rq.retrieve_evaluation(job_id, evaluation_id)))
+
+    def wait_evaluation(self, job_id: str, evaluation_id: str, *, timeout: float | None = None,
+                        poll_interval: float = 1.0) -> Evaluation:
+        """Poll until the evaluation has succeeded or failed; returns it.
+
+        Raises:
+            WaitTimeoutError: it was still queued or running after ``timeout`` seconds."""
+        return self._poll(lambda: self.retrieve_evaluation(job_id, evaluation_id), lambda e: e.is_final,
+                          f"evaluation {evaluation_id}", timeout, poll_interval)
 
     def wait(self, job_id: str, *, timeout: float | None = None, poll_interval: float = 1.0) -> FineTuningJob:
         """Poll until the job is succeeded, failed or cancelled; returns that final job.

@@ -155,6 +155,37 @@ class JobMetric(APIObject):
     time: float | None = None
 
 
+class ModelScore(APIObject):
+    model: str
+    score: float
+    count: int
+    errors: int = 0
+
+
+class Evaluation(APIObject):
+    """A held-out evaluation of a job (``fine_tuning.job.evaluation``): both models' scores
+    in ``results`` (``base``, ``fine_tuned``) once it has succeeded."""
+
+    id: str
+    object: str = "fine_tuning.job.evaluation"
+    fine_tuning_job_id: str | None = None
+    file: str | None = None
+    grader: dict[str, Any] | None = None
+    max_samples: int | None = None
+    status: str
+    created_at: int | None = None
+    finished_at: int | None = None
+    progress: dict[str, int] | None = None
+    error: JobError | None = None
+    results: dict[str, ModelScore] | None = None
+    samples: list[dict[str, Any]] = []
+
+    @property
+    def is_final(self) -> bool:
+        """True once it has ``succeeded`` or ``failed``."""
+        return self.status in ("succeeded", "failed")
+
+
 class Artifact(APIObject):
     name: str
     bytes: int | None = None

@@ -1,7 +1,8 @@
 /* Job page playground: once a job has succeeded, send one prompt to its fine-tuned model
- * (the final adapter or any checkpoint) and to its base model at once, and stream both
- * answers side by side. An optional system prompt goes first, as a system message; the
- * temperature starts at 0 (greedy), so the two columns differ by the model, not by sampling.
+ * (the final adapter or any checkpoint) and, in "compare with the base model" mode (on by
+ * default), to its base model at once, and stream both answers side by side. An optional
+ * system prompt goes first, as a system message; the temperature starts at 0 (greedy), so
+ * the two columns differ by the model, not by sampling.
  *
  * Both requests are ordinary POST /v1/chat/completions calls with `stream: true`, made
  * with the dashboard's session cookie and CSRF token, so the API applies the same tenant
@@ -30,6 +31,7 @@
   const sendButton = document.getElementById("pg-send");
   const stopButton = document.getElementById("pg-stop");
   const formError = document.getElementById("pg-form-error");
+  const compare = document.getElementById("pg-compare");
 
   let baseModel = null;
   let controller = null;
@@ -69,6 +71,13 @@
   }
 
   const columns = { tuned: column("pg-col-tuned"), base: column("pg-col-base") };
+
+  /** Without the comparison, the fine-tuned model's column takes the whole width. */
+  function showComparison() {
+    columns.base.node.classList.toggle("hidden", !compare.checked);
+    document.getElementById("pg-columns").classList.toggle("single", !compare.checked);
+  }
+  compare.addEventListener("change", showComparison);
 
   // ---- models -------------------------------------------------------------------------
 
@@ -245,7 +254,9 @@
         else col.fail(`Cannot reach the tunefleet API (${err.message}).`);
       }
     };
-    await Promise.all([one(columns.tuned, modelSelect.value), one(columns.base, baseModel)]);
+    const asked = [one(columns.tuned, modelSelect.value)];
+    if (compare.checked) asked.push(one(columns.base, baseModel));
+    await Promise.all(asked);
     if (controller === mine) {
       controller = null;
       sendButton.disabled = false;
