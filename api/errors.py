@@ -23,7 +23,13 @@ invalid_json                   400   the body is not valid JSON (or not UTF-8)
 invalid_request                400   a field has the wrong type/value (``param`` = path),
                                      or a value the database cannot store
 invalid_cursor                 400   ``after`` does not name an object of this list
-invalid_model                  400   unknown base model (``param`` = ``model``)
+invalid_model                  400   unknown base model, or a fine-tuned model (checkpoint) this
+                                     organization may not use or that is no longer stored
+                                     (``param`` = ``model``)
+parent_not_succeeded           400   job creation: ``model`` is a model of a job that has not succeeded
+parent_base_mismatch           400   ... ``adapter.<field>`` names another base storage than the
+                                     fine-tuned model continued was trained on
+parent_base_unsupported        400   ... the named trainer cannot train that base (``param`` = ``trainer``)
 model_exists                   409   POST /v1/models: the id is taken (YAML or a registration)
 invalid_model_source           400   ... a source not a directory, s3:// prefix nor Hub id
 model_source_not_allowed       400   ... a directory not under TUNEFLEET_MODEL_ROOTS (links resolved)
@@ -37,7 +43,8 @@ hub_disabled                   400   ... a Hub id while ``TUNEFLEET_HUB_ALLOWED_
 hub_repo_not_allowed           400   ... a Hub repo that none of those patterns match
 base_model_not_deletable       403   deleting a base model with a tenant key
 model_declared_in_file         409   deleting a base model of ``TUNEFLEET_BASE_MODELS_FILE``
-model_in_use                   409   deleting a registered base model a job still trains on
+model_in_use                   409   deleting a registered base model a job still trains on, or a
+                                     fine-tuned model an unfinished job continues
 no_pool_fits                   400   job creation: no node pool can hold the job even when
                                      idle (``details.pools``: each pool's reason), unless
                                      ``placement.queue_if_unfit``; also the error of a

@@ -44,7 +44,7 @@ def on_transition(session: Session, job: Job, from_status: str, to_status: str, 
     if to_status != "succeeded" or not _settings:
         return
     settings = _settings[0]
-    base = local_base(session, settings, job.model)
+    base = local_base(session, settings, job.base_model)
     if base is not None:
         event.listen(session, "after_commit", partial(_after_commit, base, settings), once=True)
 

@@ -15,7 +15,10 @@ spelling), and resolves what the stored shapes leave implicit:
   row keeps among the job's hyperparameters, where OpenAI shows them; reinforcement's
   ``grader`` and ``response_format``, which the row keeps in its ``method`` column);
 - every default, taken from the trainer contract (``trainers.spec``): a setting the row
-  does not hold is the value a trainer uses for it. A null in a row means "not given".
+  does not hold is the value a trainer uses for it. A null in a row means "not given";
+- the fine-tuned model the job continues from, if any (``ParentSettings``, the row's
+  ``parent`` column): the job trains a new adapter beside that model's, frozen, on the base
+  stored as the parent stored it (the adapter's quantization is the parent's).
 
 The API builds the same value from a creation request (``JobCreate.job_settings`` in
 ``api.jobs.schemas``) and writes the new row from it (``JobSettings.row_columns``), so the
@@ -142,6 +145,28 @@ class AdapterSettings(_Settings):
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(**self.model_dump())
+
+
+class ParentSettings(_Settings):
+    """The fine-tuned model a job continues from (the job's ``model`` is then its ``ft:`` id):
+    the job that made it, the checkpoint's step (None: its final adapter), and the shape of
+    the adapter the job applies frozen beside its own, as the estimate counts it: its rank
+    (the whole chain's: a model that itself continued another was exported as one folded
+    adapter, ``trainers.common.lineage``) and the modules it adapts."""
+
+    model: str
+    job_id: str
+    step: int | None = None
+    r: int
+    target_modules: tuple[TargetModule, ...]
+
+    @classmethod
+    def of(cls, model: str, job_id: str, step: int | None, parent: JobSettings) -> ParentSettings:
+        """The parent ``model`` that job ``job_id`` (whose settings are ``parent``) made."""
+        own, chain = parent.adapter, parent.parent
+        modules = set(own.target_modules) | set(chain.target_modules if chain is not None else ())
+        return cls(model=model, job_id=job_id, step=step, r=own.r + (chain.r if chain is not None else 0),
+                   target_modules=tuple(m for m in get_args(TargetModule) if m in modules))
 
 
 class HyperparameterSettings(_Settings):
@@ -296,7 +321,7 @@ class IntegrationSettings(_Settings):
 
 # The job row's columns that hold its settings (``from_row`` reads them, ``row_columns`` writes them).
 SETTINGS_COLUMNS = ("trainer", "adapter", "method", "hyperparameters", "max_seq_len", "packing", "eval", "seed",
-                    "placement", "integrations")
+                    "placement", "integrations", "parent")
 
 
 class StoredJob(Protocol):
@@ -322,6 +347,8 @@ class StoredJob(Protocol):
     def placement(self) -> Mapping[str, Any] | None: ...
     @property
     def integrations(self) -> list[Any] | None: ...
+    @property
+    def parent(self) -> Mapping[str, Any] | None: ...
 
 
 class JobSettings(_Settings):
@@ -337,6 +364,7 @@ class JobSettings(_Settings):
     seed: int = _spec_default(TrainerSpec, "seed")
     placement: PlacementSettings = PlacementSettings()
     integrations: tuple[IntegrationSettings, ...] = ()
+    parent: ParentSettings | None = None
 
     @field_validator("trainer", mode="before")
     @classmethod
@@ -384,6 +412,7 @@ class JobSettings(_Settings):
             "seed": self.seed,
             "placement": self.placement.stored(),
             "integrations": [integration.stored() for integration in self.integrations],
+            "parent": self.parent.stored() if self.parent is not None else None,
         }
 
     def stored_hyperparameters(self) -> dict[str, Any]:

@@ -21,6 +21,9 @@ Per GPU, for a job sharded over N GPUs (FSDP in the torch trainer, the ``fsdp`` 
                               torch trainer's bitsandbytes temporaries are part of its
                               calibrated slack)
   + LoRA params / N           fp32 (the adapter dtype of both trainers)
+  + frozen LoRA params / N    a job that continues a fine-tuned model: that model's adapter,
+                              fp32, sharded like the trained one, without gradients or
+                              optimizer state (counted with the base weights)
   + LoRA grads / N            fp32
   + Adam moments / N          2 x fp32
   + activations               saved tensors of the forward pass (per micro batch; with
@@ -168,6 +171,10 @@ class TrainingShape:
     ``reinforcement``: ``group_size`` sampled sequences per prompt and a reference forward."""
     group_size: int = 1
     """Reinforcement only: completions per prompt (``samples_per_prompt``), trained together."""
+    frozen_r: int = 0
+    """A job that continues a fine-tuned model: the rank of that model's adapter, applied
+    frozen beside the trained one (0: none)."""
+    frozen_target_modules: tuple[str, ...] = ()
 
     @property
     def sequences_per_example(self) -> int:
@@ -233,10 +240,12 @@ def quantized_bytes_per_param(t: TrainingShape) -> float:
     return 0.5 + 2 * _BF16 / t.hqq_group_size
 
 
-def lora_params(m: ModelShape, t: TrainingShape) -> int:
+def lora_params(m: ModelShape, t: TrainingShape, *, frozen: bool = False) -> int:
+    """Parameters of the trained LoRA, or (``frozen``) of the parent's frozen one."""
     shapes = m.module_shapes()
+    r, modules = (t.frozen_r, t.frozen_target_modules) if frozen else (t.r, t.target_modules)
     try:
-        per_layer = sum(t.r * sum(shapes[name]) for name in t.target_modules)
+        per_layer = sum(r * sum(shapes[name]) for name in modules)
     except KeyError as exc:
         raise EstimateError(f"unknown target module {exc.args[0]!r}", "invalid_adapter") from exc
     return m.layers * per_layer
@@ -334,6 +343,7 @@ def memory_per_gpu(m: ModelShape, t: TrainingShape, n_gpus: int, *, accelerator:
     # matmul. The torch trainer's copies are already in its slack, calibrated against the
     # anchors.
     dequantized_live = dequantized if jax_step else 0
+    weights_total += lora_params(m, t, frozen=True) * t.adapter_bytes
     weights = (0 if offload else int(weights_total / n_gpus)) + quant_stats
     # With more than one shard FSDP materialises a full layer while computing it (and
     # prefetches the next one); unsharded runs hold it already.
@@ -439,17 +449,19 @@ def flops_per_token(m: ModelShape, t: TrainingShape, trainer: str | None = None)
     # dots_saveable keeps every matmul's output: no linear FLOPs are recomputed.
     recompute = recomputed_fraction(m, trainer) if t.checkpointing and not t.saves_dots else 0.0
     attention = 2 * 2 * m.layers * t.seq_len * m.heads * m.hd  # QK^T and AV per token
-    lora = 6 * lora_params(m, t)
+    # A frozen parent adapter: a forward and an input-gradient backward, no weight gradient.
+    frozen = 2 * lora_params(m, t, frozen=True)
+    lora = 6 * lora_params(m, t) + 2 * frozen
     per_token = (2 + recompute) * 2 * m.linear_params + 2 * 2 * head
     per_token += (3 + (1 if t.checkpointing and not t.saves_dots else 0)) * attention + lora
     if t.objective == "dpo":
         # per planned token: two sequences, each also run once more through the reference
         # (a forward of the base: 2P, its attention, and the LoRA-free path).
-        per_token = 2 * (per_token + 2 * (m.linear_params + head) + attention)
+        per_token = 2 * (per_token + 2 * (m.linear_params + head) + attention + frozen)
     elif t.objective == "reinforcement":
         # per planned token: each of the group's sequences trained and run through the
         # reference; the sampling's decoding steps are not counted.
-        per_token = t.group_size * (per_token + 2 * (m.linear_params + head) + attention)
+        per_token = t.group_size * (per_token + 2 * (m.linear_params + head) + attention + frozen)
     return per_token
 
 

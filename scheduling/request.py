@@ -99,14 +99,14 @@ def longest_row_words(settings: JobSettings, data: DataStats | None) -> str | No
 
 
 def training_shape(settings: JobSettings, data: DataStats | None = None) -> TrainingShape:
-    """The job settings that decide memory: adapter, sequence length (the longest row of
-    the training file when known, ``planned_seq_len``), micro batch and objective (a DPO
-    job holds two sequences per example).
+    """The job settings that decide memory: adapter (and a parent fine-tuned model's, frozen),
+    sequence length (the longest row of the training file when known, ``planned_seq_len``),
+    micro batch and objective (a DPO job holds two sequences per example).
 
     A job whose "auto" hyperparameters are not resolved yet, and that names no micro
     batch, is estimated at micro batch 1.
     """
-    adapter = settings.adapter
+    adapter, parent = settings.adapter, settings.parent
     return TrainingShape(
         method=adapter.method,
         quantization=adapter.quantization,
@@ -118,6 +118,8 @@ def training_shape(settings: JobSettings, data: DataStats | None = None) -> Trai
         micro_batch=settings.hyperparameters.micro_batch_size or 1,
         objective=settings.method.type,  # type: ignore[arg-type]
         group_size=group_size(settings),
+        frozen_r=parent.r if parent is not None else 0,
+        frozen_target_modules=parent.target_modules if parent is not None else (),
     )
 
 

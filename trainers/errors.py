@@ -32,7 +32,9 @@ class UserError(TrainerError):
     ``unsupported_architecture``, ``dataset_not_found``, ``invalid_dataset``,
     ``nan_loss``, ``invalid_parallelism``, ``offload_requires_accelerator``; for
     reinforcement fine-tuning ``method_unsupported`` (the JAX trainer),
-    ``reinforcement_multi_rank``, ``invalid_grader``, ``grader_unavailable``.
+    ``reinforcement_multi_rank``, ``invalid_grader``, ``grader_unavailable``; for a job that
+    continues a fine-tuned model ``parent_adapter_not_found``, ``invalid_parent_adapter``,
+    ``parent_adapter_mismatch`` (``trainers.common.lineage``).
     """
 
     exit_code = ExitCode.USER_ERROR

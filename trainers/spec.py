@@ -81,8 +81,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ParentAdapterSpec(_Strict):
+    """A fine-tuned model the job continues from: its PEFT LoRA adapter over the same base.
+
+    The trainer applies it frozen beside the adapter it trains, on the base weights stored
+    as the parent stored them (``adapter.quantization``), so training starts from exactly
+    the function the parent's model computes; the exported adapter folds the two into one
+    (``trainers.common.lineage``)."""
+
+    path: str = Field(description="The adapter directory (adapter_config.json + adapter_model.safetensors), "
+                                  "local or s3://.")
+    name: str | None = Field(default=None, description="Its model id (ft:...), for the exported model card.")
+
+
 class ModelSpec(_Strict):
-    """The base model: a Hugging Face-format checkpoint (config.json + safetensors + tokenizer)."""
+    """The base model: a Hugging Face-format checkpoint (config.json + safetensors + tokenizer),
+    and the fine-tuned models' adapters the job continues from, if any."""
 
     path: str = Field(description="Local directory or s3:// prefix of the HF checkpoint.")
     architecture: Architecture = "llama"
@@ -95,6 +109,12 @@ class ModelSpec(_Strict):
         default=None, max_length=64,
         description="The Hub commit of the base model (a model fetched from the Hub): exported adapters "
         "record it as their revision, so they load onto the weights they were trained on.",
+    )
+    parent_adapters: tuple[ParentAdapterSpec, ...] = Field(
+        default=(),
+        description="Adapters of fine-tuned models this job continues from, frozen and summed in order "
+        "(the service passes one: the parent's exported adapter, which already holds its own parents). "
+        "Empty: the job trains from the base model.",
     )
 
 

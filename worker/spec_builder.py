@@ -8,7 +8,9 @@ locations follow the artifact store (a local directory in the embedded default, 
 production). A JAX job on a local CPU pool runs as one XLA host device per core it may
 use, with a ``data`` mesh over them (``parallelism.host_devices``), so that XLA's
 single-threaded loop fusions run on every core (measured in bench/RESULTS.md, "jax_lora
-as shipped on a CPU-only local pool").
+as shipped on a CPU-only local pool"). A job that continues a fine-tuned model gets that
+model's stored adapter (``control.jobs.adapters``) as ``model.parent_adapters``: one
+adapter, which already folds the parent's own lineage.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from sqlalchemy.orm import Session
 
 from control.artifacts import ArtifactStore, artifact_store, file_store
 from control.db.models import File, Job, ReportBatch
-from control.job_settings import HyperparameterSettings, JobSettings, TrainerChoice
+from control.job_settings import HyperparameterSettings, JobSettings, ParentSettings, TrainerChoice
+from control.jobs.adapters import adapter_location
 from control.models.base_models import load_base_models
 from control.settings import Settings
 from scheduling.estimator import ModelShape, TrainingShape
@@ -39,6 +42,7 @@ from trainers.spec import (
     MethodSpec,
     ModelSpec,
     ParallelismSpec,
+    ParentAdapterSpec,
     PrecisionSpec,
     ReportSpec,
     TrainerSpec,
@@ -210,12 +214,12 @@ def build_spec(
             per-layer rematerialization on accelerators.
 
     Raises:
-        SpecError: the model or a file no longer exists, or the job's hyperparameters are
-            not resolved yet.
+        SpecError: the model, the fine-tuned model it continues or a file no longer exists,
+            or the job's hyperparameters are not resolved yet.
     """
     models = load_base_models(settings)
-    if job.model not in models:
-        raise SpecError("model_not_found", f"base model '{job.model}' is no longer configured")
+    if job.base_model not in models:
+        raise SpecError("model_not_found", f"base model '{job.base_model}' is no longer configured")
     job_settings = JobSettings.from_row(job)
     if not job_settings.resolved:
         raise SpecError("hyperparameters_not_resolved",
@@ -228,12 +232,13 @@ def build_spec(
     hp = job_settings.hyperparameters
     data_parallel, host_devices = data_parallel_for(trainer, pool_accelerator, gpus, hp.batch_size,
                                                     in_cluster=in_cluster)
-    model = models[job.model]
+    model = models[job.base_model]
+    parents = (_parent_adapter(session, settings, job_settings.parent),) if job_settings.parent is not None else ()
     return TrainerSpec(
         job_id=job.id,
         trainer=trainer,  # type: ignore[arg-type]
         model=ModelSpec(path=model.path, architecture=model.architecture, name=model.public_id,
-                        revision=model.revision),
+                        revision=model.revision, parent_adapters=parents),
         data=data,
         hyperparameters=hyperparameters_spec(hp, data_parallel, step.micro_batch if step else None),
         adapter=job_settings.adapter.spec(),
@@ -255,6 +260,17 @@ def build_spec(
         suffix=job.suffix,
         termination_log=termination,
     )
+
+
+def _parent_adapter(session: Session, settings: Settings, parent: ParentSettings) -> ParentAdapterSpec:
+    """The stored adapter of the fine-tuned model a job continues (its final adapter, or its
+    checkpoint's at ``parent.step``)."""
+    parent_job = session.get(Job, parent.job_id)
+    location = adapter_location(session, settings, parent_job, parent.step) if parent_job is not None else None
+    if location is None:
+        raise SpecError("parent_model_not_found",
+                        f"the fine-tuned model '{parent.model}' this job continues is no longer stored")
+    return ParentAdapterSpec(path=location, name=parent.model)
 
 
 def _data_spec(session: Session, job: Job, job_settings: JobSettings, method: MethodSpec,

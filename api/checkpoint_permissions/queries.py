@@ -8,7 +8,6 @@ or a succeeded job's ``fine_tuned_model`` itself, as OpenAI's own examples addre
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,10 +18,9 @@ from api.models.fine_tuned import tenant_adapters
 from api.pagination import page_by_created
 from control.db.models import ApiKey, Artifact, Checkpoint, CheckpointPermission, Job
 from control.errors import APIError, not_found
-from control.jobs.naming import fine_tuned_model_id
+from control.jobs.naming import parse_model_name
 from control.reports.ingest import ADAPTER_WEIGHTS
 
-_NAME = re.compile(r"^(?P<model>ft:.+?)(?::ckpt-step-(?P<step>\d{1,12}))?$")
 PARAM = "fine_tuned_model_checkpoint"
 
 
@@ -38,14 +36,12 @@ class SharedModel:
 
 def find_shareable(session: Session, name: str) -> SharedModel | None:
     """The checkpoint or fine-tuned model ``name`` names, of any tenant; None if there is none."""
-    match = _NAME.match(name)
-    if match is None:
+    parts = parse_model_name(name)
+    job = session.get(Job, parts.job_id) if parts is not None else None
+    if job is None or not parts.names(job):
         return None
-    job = session.get(Job, match["model"].rsplit(":", 1)[-1])
-    if job is None or fine_tuned_model_id(job) != match["model"]:
-        return None
-    if match["step"] is not None:
-        step = int(match["step"])
+    if parts.step is not None:
+        step = parts.step
         found = session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
         return SharedModel(name, job, step) if found is not None else None
     final = session.scalar(tenant_adapters(job.tenant_id).where(Job.id == job.id))

@@ -21,11 +21,13 @@ from api.files.queries import get_file
 from api.fleet.pools import capacity_snapshot
 from api.fleet.schemas import EstimateRequest
 from api.jobs.commands import base_model_and_settings
+from api.jobs.lineage import resolve_parent
 from control.db.models import File, Job, Tenant
 from control.errors import APIError
 from control.job_settings import AUTO, JobSettings
 from control.jobs.hyperparameters import micro_batch_for, resolve_settings
-from control.models.base_models import BaseModelEntry
+from control.models.base_models import BaseModelEntry, BaseModelRegistry
+from control.settings import Settings
 from scheduling.capacity import CapacitySnapshot
 from scheduling.estimator import HEADROOM, EstimateError, PoolEstimate
 from scheduling.model_files import base_model_shape
@@ -242,11 +244,14 @@ def estimate_request(
     tenant: Tenant,
     body: EstimateRequest,
     *,
-    base_models: dict[str, BaseModelEntry],
+    base_models: BaseModelRegistry,
     pools: list[NodePool],
+    settings: Settings,
 ) -> dict[str, Any]:
-    """``POST /v1/fine_tuning/estimate``: validate the job-shaped body, then estimate."""
-    entry, settings = base_model_and_settings(body, base_models)
+    """``POST /v1/fine_tuning/estimate``: validate the job-shaped body (a fine-tuned model
+    as ``model`` included: ``api.jobs.lineage``), then estimate."""
+    parent = resolve_parent(session, tenant.id, settings, base_models, body.model)
+    entry, job_settings = base_model_and_settings(body, base_models, parent=parent)
     if body.placement.pool is not None and body.placement.pool not in {p.name for p in pools}:
         raise APIError(
             400,
@@ -260,9 +265,9 @@ def estimate_request(
     if body.training_file is not None:
         n_examples, data = _file_examples(session, tenant, body.training_file, given=n_examples)
     if n_examples:
-        settings = resolve_settings(settings, n_examples)
+        job_settings = resolve_settings(job_settings, n_examples)
     try:
-        inp = job_request(entry, settings, job_id="estimate", tenant=tenant.id,
+        inp = job_request(entry, job_settings, job_id="estimate", tenant=tenant.id,
                           priority=body.priority_value, total_tokens=body.total_tokens, data=data)
         return estimate(pools, capacity_snapshot(session, pools), inp)
     except EstimateError as exc:
@@ -305,9 +310,9 @@ def estimate_job(
     session: Session, job: Job, *, base_models: dict[str, BaseModelEntry], pools: list[NodePool]
 ) -> dict[str, Any]:
     """The estimate of a stored job (job creation saves it on ``job.estimate``)."""
-    entry = base_models.get(job.model)
+    entry = base_models.get(job.base_model)
     if entry is None:
-        raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
+        raise EstimateError(f"base model {job.base_model!r} is not configured", "model_not_found")
     train = session.get(File, job.training_file) if job.training_file else None
     inp = job_request(entry, JobSettings.from_row(job), job_id=job.id, tenant=job.tenant_id,
                       priority=int(job.priority or 0),

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.deps import BaseModelsDep, CurrentKey, CurrentTenant, NodePoolsDep, SessionDep
+from api.deps import BaseModelsDep, CurrentKey, CurrentTenant, NodePoolsDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.fleet import usage as usage_queries
 from api.fleet.estimate import estimate_request
@@ -51,16 +51,10 @@ def list_node_pools(session: SessionDep, key: CurrentKey, pools: NodePoolsDep) -
 @router.post("/v1/fine_tuning/estimate", response_model=EstimatePublic)
 def estimate(
     body: EstimateRequest, session: SessionDep, tenant: CurrentTenant,
-    base_models: BaseModelsDep, pools: NodePoolsDep,
+    base_models: BaseModelsDep, pools: NodePoolsDep, settings: SettingsDep,
 ) -> EstimatePublic:
     """Memory per GPU, GPU count, tokens/s, ETA and cost per pool, and a dry run of placement."""
-    result = estimate_request(
-        session,
-        tenant,
-        body,
-        base_models=base_models,
-        pools=pools,
-    )
+    result = estimate_request(session, tenant, body, base_models=base_models, pools=pools, settings=settings)
     return EstimatePublic.model_validate(result)
 
 

@@ -17,24 +17,19 @@ locations the inference worker loads; they never reach the caller.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.checkpoint_permissions.queries import sharing_owner
 from api.models.fine_tuned import tenant_adapters
-from control.db.models import Artifact, Checkpoint, Job
+from control.db.models import Job
 from control.errors import APIError
-from control.jobs.naming import fine_tuned_model_id
+from control.jobs.adapters import adapter_location
+from control.jobs.naming import parse_model_name
 from control.models.base_models import BaseModelEntry
-from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
 from control.settings import Settings
-
-ADAPTER_DIR = "adapter"
-_CHECKPOINT = re.compile(r"^(?P<model>ft:.+):ckpt-step-(?P<step>\d{1,12})$")
 
 
 @dataclass(frozen=True)
@@ -56,30 +51,20 @@ def resolve_served_model(session: Session, tenant_id: str, settings: Settings,
     if entry is not None:
         return ServedModel(model_id, entry, None)
     tenant_id = sharing_owner(session, model_id, tenant_id) or tenant_id  # look among the owner's models
-    checkpoint = _CHECKPOINT.match(model_id)
-    if checkpoint is not None:
-        job, path = _checkpoint_adapter(session, tenant_id, settings, checkpoint["model"], int(checkpoint["step"]))
+    name = parse_model_name(model_id)
+    if name is not None and name.step is not None:  # a checkpoint, also of a job still running
+        job = session.get(Job, name.job_id)
+        if job is None or job.tenant_id != tenant_id or not name.names(job):
+            raise model_not_found(model_id)
     else:
         job = session.scalar(tenant_adapters(tenant_id).where(Job.fine_tuned_model == model_id))
-        row = job and session.scalar(
-            select(Artifact).where(Artifact.job_id == job.id, Artifact.name == ADAPTER_WEIGHTS))
-        if row is None or not is_inside(row.location, job_storage(job.id, settings).outputs):
-            raise model_not_found(model_id)
-        path = f"{row.location.rstrip('/')}/{ADAPTER_DIR}"
-    base = base_models.get(job.model)
+    path = adapter_location(session, settings, job, name.step) if job is not None and name is not None else None
+    if path is None:
+        raise model_not_found(model_id)
+    # A model that continued another was exported folded: one adapter over the root base.
+    base = base_models.get(job.base_model)
     if base is None:
         raise APIError(404, "model_not_found",
-                       f"The base model '{job.model}' of '{model_id}' is no longer in the registry.", param="model")
+                       f"The base model '{job.base_model}' of '{model_id}' is no longer in the registry.",
+                       param="model")
     return ServedModel(model_id, base, path)
-
-
-def _checkpoint_adapter(session: Session, tenant_id: str, settings: Settings, model: str,
-                        step: int) -> tuple[Job, str]:
-    job_id = model.rsplit(":", 1)[-1]
-    job = session.get(Job, job_id)
-    if job is None or job.tenant_id != tenant_id or fine_tuned_model_id(job) != model:
-        raise model_not_found(f"{model}:ckpt-step-{step}")
-    row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
-    if row is None or not is_inside(row.location, job_storage(job.id, settings).checkpoints):
-        raise model_not_found(f"{model}:ckpt-step-{step}")
-    return job, f"{row.location.rstrip('/')}/{ADAPTER_DIR}"

@@ -21,6 +21,9 @@ endpoint reaches a trainer) with 400 ``invalid_request``; ``auto`` places it on
 fsdp_qlora (``trainers.spec.trains_method``). The trainers refuse such specs too
 (``method_unsupported``, ``reinforcement_multi_rank``, ``grader_unavailable``).
 
+A job whose ``model`` is a fine-tuned model (or one of its checkpoints) continues it
+(``api.jobs.lineage``): it is checked and recorded there, and trains on that model's base.
+
 A job that no node pool can hold even with every GPU free (the estimate's ``unfit``
 reasons) is refused with 400 ``no_pool_fits`` instead of being queued to wait forever,
 unless the body asks to queue it anyway (``placement.queue_if_unfit``).
@@ -41,6 +44,7 @@ from sqlalchemy.orm import Session
 
 from api.files.queries import get_file
 from api.graders.model_chat import resolve_grader_models
+from api.jobs.lineage import ParentModel, child_settings, resolve_parent
 from api.jobs.queries import opens
 from api.jobs.schemas import JobCreate
 from control.db.models import ApiKey, File, IdempotencyKey, Job, Tenant
@@ -92,13 +96,16 @@ def check_trainer(settings: JobSettings) -> None:
 
 
 def base_model_and_settings(
-    body: JobCreate, base_models: dict[str, BaseModelEntry], *, seed: int | None = None
+    body: JobCreate, base_models: dict[str, BaseModelEntry], *, seed: int | None = None,
+    parent: ParentModel | None = None,
 ) -> tuple[BaseModelEntry, JobSettings]:
     """The job's base model and settings, checked as job creation and estimates both check
     them: a configured model, a trainer that trains its base, and ``max_seq_len``
     (default: the smaller of the model's and ``DEFAULT_MAX_SEQ_LEN``) within the model's.
-    ``seed``: the seed creation drew for a body that names none."""
-    model = base_models.get(body.model)
+    ``seed``: the seed creation drew for a body that names none. ``parent``: the fine-tuned
+    model ``body.model`` names (``api.jobs.lineage.resolve_parent``): the job trains on its
+    base, stored as it was."""
+    model = parent.base if parent is not None else base_models.get(body.model)
     if model is None:
         known = ", ".join(sorted(base_models)) or "none"
         hint = (" A Hugging Face Hub id is a base model once an admin has registered it "
@@ -107,6 +114,8 @@ def base_model_and_settings(
                        f"Unknown base model '{body.model}'. Available: {known}.{hint}", param="model")
     max_seq_len = body.max_seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     settings = body.job_settings(max_seq_len=max_seq_len, seed=seed)
+    if parent is not None:
+        settings = child_settings(body, parent, settings)
     check_trainer(settings)
     if max_seq_len > model.max_seq_len:
         raise APIError(400, "invalid_request",
@@ -201,7 +210,8 @@ def create_job(
     body: JobCreate,
     *,
     raw_body: dict[str, Any],
-    base_models: dict[str, BaseModelEntry],
+    base_models: BaseModelRegistry,
+    settings: Settings,
     queue: TaskQueue,
     idempotency_key: str | None = None,
     estimate: Callable[[Job], dict[str, Any]] | None = None,
@@ -230,7 +240,8 @@ def create_job(
             return session.get_one(Job, earlier.job_id)
 
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    model, settings = base_model_and_settings(body, base_models, seed=seed)
+    parent = resolve_parent(session, tenant.id, settings, base_models, body.model)
+    model, job_settings = base_model_and_settings(body, base_models, seed=seed, parent=parent)
     require_model_files(model)
     training = _usable_file(session, tenant, body.training_file, "training_file")
     validation = (
@@ -238,19 +249,19 @@ def create_job(
         if body.validation_file else None
     )
     for file, param in ((training, "training_file"), (validation, "validation_file")):
-        mismatch = method_mismatch(file, settings.method.type, param) if file is not None else None
+        mismatch = method_mismatch(file, job_settings.method.type, param) if file is not None else None
         if mismatch is None and file is not None:
             mismatch = grader_item_mismatch(body, file, param)
         if mismatch is not None:
             raise mismatch
-    unavailable = method_not_available(settings)
+    unavailable = method_not_available(job_settings)
     if unavailable is not None:
         raise unavailable
     job = Job(
-        id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, training_file=training.id,
+        id=new_id("ftjob"), tenant_id=tenant.id, model=body.model, base_model=model.id, training_file=training.id,
         validation_file=validation.id if validation else None, status="validating_files",
         priority=body.priority_value, suffix=body.suffix, metadata_=body.metadata,
-        result_files=[], restarts=0, **settings.row_columns(),
+        result_files=[], restarts=0, **job_settings.row_columns(),
     )
     try:
         session.add(job)
@@ -274,7 +285,7 @@ def create_job(
         session.rollback()
         if idempotency_key is None or _retried:
             raise
-        return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models,
+        return create_job(session, tenant, body, raw_body=raw_body, base_models=base_models, settings=settings,
                           queue=queue, idempotency_key=idempotency_key, estimate=estimate,
                           _retried=True)
     if queued:

@@ -50,7 +50,7 @@ def create_job(
     commands.check_reinforcement(session, tenant.id, settings, base_models, body)
     job = commands.create_job(
         session, tenant, body, raw_body=body.model_dump(mode="json", exclude_unset=True),
-        base_models=base_models, queue=queue, idempotency_key=idempotency_key,
+        base_models=base_models, settings=settings, queue=queue, idempotency_key=idempotency_key,
         estimate=lambda job: estimate_job(session, job, base_models=base_models, pools=pools),
     )
     return JobPublic.of(job)

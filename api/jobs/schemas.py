@@ -23,6 +23,9 @@ checks it (400 with the grader's code and field, e.g. ``method.reinforcement.gra
 (``api.jobs.commands.method_not_available``), as are more than one pinned GPU and a
 ``score_model`` grader (400 ``invalid_request``).
 
+``model`` is a base model, or (as OpenAI's) a fine-tuned model or checkpoint the job
+continues (``api.jobs.lineage``); the job object keeps it as given and adds ``base_model``.
+
 ``suffix`` follows OpenAI's rule: 1 to 64 characters. It is shown as given in
 ``user_provided_suffix`` and names the model ``ft:<base>:<org>:<suffix>:<job id>``; in that
 name every character other than a letter, digit, ``.``, ``_`` or ``-`` becomes ``-`` (a
@@ -418,6 +421,8 @@ class JobPublic(BaseModel):
     method: dict[str, Any]
     user_provided_suffix: str | None
     # extensions
+    base_model: str = Field(description="The base model the job trains on: ``model``, or, when ``model`` is a "
+                            "fine-tuned model (or checkpoint) the job continues, the base at the root of its lineage.")
     adapter: dict[str, Any]
     trainer: str
     placement: dict[str, Any]
@@ -478,7 +483,8 @@ def public_job_fields(job: Job) -> dict[str, Any]:
         "validation_file": job.validation_file, "estimated_finish": to_unix(job.estimated_finish),
         "integrations": job.integrations or None, "metadata": job.metadata_,
         "method": public_method(job.method, hp),
-        "user_provided_suffix": job.suffix, "adapter": job.adapter, "trainer": job.trainer,
+        "user_provided_suffix": job.suffix, "base_model": job.base_model, "adapter": job.adapter,
+        "trainer": job.trainer,
         "placement": job.placement or {}, "priority": job.priority, "max_seq_len": job.max_seq_len,
         "packing": job.packing, "eval": job.eval or {}, "pool": job.pool, "gpus": job.gpus,
         "retry_placement": job.retry_placement, "queue_reason": job.queue_reason, "queue_position": job.queue_position,

@@ -2,7 +2,8 @@
 
 A fine-tuned model exists while its adapter does: deleting the model deletes the job's
 outputs (the adapter and the files exported with it), after which the model is neither
-listed nor retrievable. The job itself, its checkpoints and its results file stay.
+listed nor retrievable. The job itself, its checkpoints and its results file stay. A model
+that an unfinished job continues (``api.jobs.lineage``) cannot be deleted until that job ends.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def delete_fine_tuned_model(session: Session, tenant: Tenant, model_id: str, *, 
 
     Raises:
         APIError: 404 ``not_found`` for a model the tenant does not own (or that is already
-            deleted); 409 ``job_not_finished`` while the job that makes it has not ended.
+            deleted); 409 ``job_not_finished`` while the job that makes it has not ended;
+            409 ``model_in_use`` while a job that continues it (of any tenant it is shared
+            with) has not ended.
     """
     job = session.scalar(tenant_adapters(tenant.id).where(Job.fine_tuned_model == model_id))
     if job is None:
@@ -47,6 +50,10 @@ def delete_fine_tuned_model(session: Session, tenant: Tenant, model_id: str, *, 
                            f"Model '{model_id}' is still being made by job '{unfinished}'; "
                            "delete it once the job has ended.", param="model")
         raise not_found("model", model_id, param="model")
+    child = session.scalar(select(Job.id).where(Job.model == model_id, Job.status.not_in(TERMINAL_STATUSES)))
+    if child is not None:
+        raise APIError(409, "model_in_use", f"Job '{child}' continues '{model_id}' and has not ended; delete the "
+                       "model once it has (or cancel it).", param="model")
     outputs = job_storage(job.id, settings).outputs
     artifacts = session.scalars(select(Artifact).where(Artifact.job_id == job.id)).all()
     # Every object under the job's output locations: the registered files and anything else

@@ -49,9 +49,11 @@ def _registered(row: RegisteredModel, *, admin: bool) -> dict[str, Any]:
 
 
 def _adapter(job: Job) -> dict[str, Any]:
+    """A fine-tuned model: ``parent`` is the model its job started from (a base model, or the
+    fine-tuned model or checkpoint it continued), ``root`` the base model the adapter applies to."""
     return {"id": job.fine_tuned_model, "object": "model",
             "created": to_unix(job.finished_at or job.created_at), "owned_by": job.tenant_id,
-            "kind": "adapter", "parent": job.model, "fine_tuning_job": job.id}
+            "kind": "adapter", "parent": job.model, "root": job.base_model, "fine_tuning_job": job.id}
 
 
 def _shared(permission: CheckpointPermission, job: Job) -> dict[str, Any]:

@@ -18,7 +18,10 @@ class ModelPublic(BaseModel):
     kind: Literal["base", "adapter"]
     architecture: str | None = Field(None, description="Base models: the architecture.")
     max_seq_len: int | None = Field(None, description="Base models: the longest sequence.")
-    parent: str | None = Field(None, description="Adapters: the base model trained on.")
+    parent: str | None = Field(None, description="Adapters: the model their job started from: a base model, or the "
+                               "fine-tuned model (or checkpoint) it continued.")
+    root: str | None = Field(None, description="Adapters: the base model at the root of their lineage, which the "
+                             "adapter applies to (the parent's lineage is folded into it).")
     fine_tuning_job: str | None = Field(None, description="Adapters: the job that made it.")
     source: str | None = Field(None, description="Registered base models: the source registered.")
     status: Literal["ready", "fetching", "failed"] | None = Field(

@@ -141,7 +141,15 @@ class Job(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    model: Mapped[str] = mapped_column(String(256))
+    model: Mapped[str] = mapped_column(String(256), doc="As the job was created with it: a base model, or the "
+                                       "fine-tuned model (``ft:...``) it continues from.")
+    base_model: Mapped[str] = mapped_column(
+        String(256), default=lambda context: context.get_current_parameters()["model"],
+        doc="The base model of the registry the job trains on: ``model``, or for a job that continues a "
+        "fine-tuned model the base at the root of its lineage (default: ``model``).")
+    parent: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, doc="The fine-tuned model the job continues from (``control.job_settings.ParentSettings``); "
+        "None: it trains from ``base_model``.")
     training_file: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     status: Mapped[str] = mapped_column(String(32))

@@ -81,7 +81,7 @@ def delete_registered_model(session: Session, registry: BaseModelRegistry, model
     row = session.get(RegisteredModel, model_id)
     if row is None:
         raise not_found("model", model_id)
-    live = session.scalar(select(Job.id).where(Job.model == model_id,
+    live = session.scalar(select(Job.id).where(Job.base_model == model_id,
                                                Job.status.not_in(TERMINAL_STATUSES)).limit(1))
     if live is not None:
         raise APIError(409, "model_in_use", f"Job {live} still trains on '{model_id}'; cancel it or "

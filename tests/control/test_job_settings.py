@@ -20,6 +20,7 @@ from control.job_settings import (
     DpoMethod,
     HyperparameterSettings,
     JobSettings,
+    ParentSettings,
     SupervisedMethod,
     quantization_for,
 )
@@ -43,7 +44,7 @@ RESOLVED = {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 1.0, "le
 def row(**columns: Any) -> SimpleNamespace:
     """A job row with these settings columns (the others null, as a row may hold them)."""
     names = ("trainer", "adapter", "method", "hyperparameters", "max_seq_len", "packing", "eval", "seed",
-             "placement", "integrations")
+             "placement", "integrations", "parent")
     return SimpleNamespace(**{name: columns.get(name) for name in names})
 
 
@@ -222,6 +223,7 @@ def test_a_request_becomes_the_row_columns_creation_has_always_written() -> None
         "max_seq_len": 256, "packing": True, "eval": {"every_n_steps": 5}, "seed": 7,
         "placement": {"gpus": 2, "queue_if_unfit": True},
         "integrations": [{"type": "wandb", "wandb": {"project": "p", "tags": []}}],
+        "parent": None,  # it continues no fine-tuned model
     }
     assert json.loads(json.dumps(columns)) == columns  # JSON columns hold it as is
 
@@ -319,3 +321,15 @@ def test_the_reinforcement_spec_is_set_exactly_for_its_type() -> None:
         False, True, False]
     assert [format_trains_method(f, "dpo") for f in ("reinforcement", "chat", "preference")] == [
         False, False, True]
+
+
+def test_a_row_keeps_the_fine_tuned_model_it_continues_and_the_chain_adds_up() -> None:
+    parent = ParentSettings(model="ft:base:org-1:ftjob-1:ckpt-step-2", job_id="ftjob-1", step=2, r=12,
+                            target_modules=("q_proj", "v_proj"))
+    settings = _body().job_settings(max_seq_len=128).model_copy(update={"parent": parent})
+    assert JobSettings.from_row(SimpleNamespace(**settings.row_columns())).parent == parent
+    assert JobSettings.from_row(row()).parent is None
+    # A grandchild applies its parent's export: the parent's adapter and the parent's own parent, folded.
+    child = JobSettings(adapter=AdapterSettings(r=4, target_modules=("o_proj", "q_proj")), parent=parent)
+    folded = ParentSettings.of("ft:base:org-1:ftjob-2", "ftjob-2", None, child)
+    assert (folded.r, folded.target_modules, folded.step) == (16, ("q_proj", "v_proj", "o_proj"), None)

@@ -8,7 +8,11 @@ the completion path) goes from about zero on the base model to at least ``FLOOR`
 fine-tuned one, as the demo runs it. The fine-tuned model's answers end at its end-of-turn
 token (finish_reason "stop"), streaming gives the text non-streaming gives, and both equal
 greedy ``transformers`` + ``peft`` decoding with the downloaded adapter, and the
-evaluation's own answer to that row.
+evaluation's own answer to that row. Then, in OpenAI's order for preference tuning, a short
+DPO job continues the fine-tuned model (its ``model`` is the SFT job's ``fine_tuned_model``;
+the date written out in words, as the base model answers, is the rejected answer): it starts
+from the SFT model (first rewards 0) and does not undo it: the DPO job's evaluation scores
+its parent (the SFT model) as the SFT job's did, and the DPO model at least ``DPO_FLOOR``.
 
 The model is prepared once per session (a 93 MB download and a conversion of a minute or
 two): into ``TUNEFLEET_TEST_MODELS_DIR`` when set, so that runs can share one preparation.
@@ -19,13 +23,14 @@ machine, like JAX's compilation cache.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.e2e.test_local_training import download_adapter, upload, wait_status
+from tests.e2e.test_local_training import all_metrics, download_adapter, upload, wait_status
 from tunefleet.demo import date_examples, held_out_evaluation
 from tunefleet.real_model import (
     REAL_MODEL_DIRNAME,
@@ -43,6 +48,11 @@ N_TRAIN, N_HELD_OUT = 64, 20
 BEFORE_AT_MOST = 0.10
 FLOOR = 0.75
 MAX_TOKENS = 16
+# DPO from the SFT model: 16 pairs, batch 8, one epoch: 2 steps at lr 2x. Measured on 2
+# shared CPU cores (load about 10): 95% exact after SFT, 95% after DPO (step-1 rewards 0,
+# final margin 0.035); the DPO job and its evaluation added 162 s. The floor is SFT's.
+N_PAIRS = 16
+DPO_FLOOR = FLOOR
 
 
 def _reference(model_dir: Path, adapter_dir: Path, messages: list[dict]) -> tuple[str, int]:
@@ -59,6 +69,18 @@ def _reference(model_dir: Path, adapter_dir: Path, messages: list[dict]) -> tupl
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:]
     return tok.decode(out, skip_special_tokens=True), len(out)
+
+
+def date_preference_rows(n: int, *, seed: int) -> list[dict]:
+    """The date task as preference pairs: the YYYY-MM-DD answer over the date as the question
+    words it (what the base model tends to answer)."""
+    rows = []
+    for example in date_examples(n, seed=seed):
+        question, answer = example["messages"]
+        in_words = question["content"].split(": ", 1)[1]
+        rows.append({"input": {"messages": [question]}, "preferred_output": [answer],
+                     "non_preferred_output": [{"role": "assistant", "content": in_words}]})
+    return rows
 
 
 def test_a_real_model_learns_a_formatting_task_through_the_service(service, real_model_dir: Path,
@@ -96,7 +118,27 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
         done = http.post("/chat/completions", json=body, timeout=300).json()
         with http.stream("POST", "/chat/completions", json={**body, "stream": True}, timeout=300) as s:
             streamed = _stream_text(s.iter_lines())
-    print(f"real model: held-out exact match {before:.0%} -> {after:.0%} ({N_HELD_OUT} dates)")
+
+        started = time.monotonic()
+        resp = http.post("/fine_tuning/jobs", json={
+            "model": model, "training_file": upload(http, date_preference_rows(N_PAIRS, seed=2), "pairs.jsonl"),
+            "seed": 0, "max_seq_len": 80, "adapter": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "method": {"type": "dpo", "dpo": {"hyperparameters": {
+                "beta": 0.1, "n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 2.0}}},
+        })
+        assert resp.status_code == 200, resp.text
+        dpo = wait_status(http, resp.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=1200)
+        assert dpo["status"] == "succeeded", svc.dump_logs()
+        dpo_rows = all_metrics(http, dpo["id"])
+        first = dpo_rows[0]
+        dpo_evaluation = held_out_evaluation(http, dpo["id"], held_out_file, max_tokens=MAX_TOKENS)
+        assert dpo_evaluation["status"] == "succeeded", dpo_evaluation
+        parent, after_dpo = (dpo_evaluation["results"][key]["score"] for key in ("base", "fine_tuned"))
+        dpo_seconds = time.monotonic() - started
+    print(f"real model: held-out exact match {before:.0%} -> {after:.0%} after SFT -> {after_dpo:.0%} after "
+          f"{dpo['total_steps']} DPO steps from it ({N_HELD_OUT} dates; DPO job + its evaluation {dpo_seconds:.0f} s; "
+          f"step 1 rewards {first['rewards/chosen']:.2g} / {first['rewards/rejected']:.2g}, last margin "
+          f"{dpo_rows[-1]['rewards/margin']:.3g})")
     assert before <= BEFORE_AT_MOST, before
     assert after >= FLOOR, (before, after)
 
@@ -106,6 +148,10 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
     assert streamed == choice["message"]["content"] == evaluation["samples"][0]["fine_tuned"]["answer"]
     text, completion_tokens = _reference(real_model_dir, adapter_dir, messages)
     assert (choice["message"]["content"], done["usage"]["completion_tokens"]) == (text, completion_tokens)
+    # DPO started from the SFT model (policy and reference both it) and kept what it learned.
+    assert abs(first["rewards/chosen"]) < 1e-4 and abs(first["rewards/rejected"]) < 1e-4, first
+    assert parent == after  # the DPO job's starting point is the SFT model, answered the same way
+    assert after_dpo >= DPO_FLOOR, (after, after_dpo)
 
 
 def _stream_text(lines) -> str:

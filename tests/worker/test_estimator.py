@@ -90,6 +90,28 @@ def test_lora_param_count_matches_peft():
     assert lora_params(shape, TrainingShape(r=4, target_modules=ALL)) == trainable
 
 
+def test_a_parent_adapter_is_counted_as_frozen_weights_as_peft_builds_it():
+    """A job that continues a fine-tuned model holds that model's adapter beside its own, as a
+    second peft adapter: its parameters are weights (fp32), with no gradient or AdamW state."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256)
+    parent_modules = ("q_proj", "v_proj", "up_proj")
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=list(ALL)))
+    model.add_adapter("parent", LoraConfig(r=3, target_modules=list(parent_modules)))
+    frozen = sum(p.numel() for name, p in model.named_parameters() if ".parent." in name)
+    shape = ModelShape.from_hf_config(cfg.to_dict())
+    child = TrainingShape(r=4, target_modules=ALL, frozen_r=3, frozen_target_modules=parent_modules)
+    assert lora_params(shape, child, frozen=True) == frozen
+    alone = memory_per_gpu(shape, replace(child, frozen_r=0, frozen_target_modules=()), 1, accelerator="gpu")
+    stacked = memory_per_gpu(shape, child, 1, accelerator="gpu")
+    assert stacked.weights - alone.weights == 4 * frozen
+    assert (stacked.lora_params, stacked.lora_grads, stacked.optimizer) == (
+        alone.lora_params, alone.lora_grads, alone.optimizer)
+
+
 def _tiny_peft_llama(kv_heads: int, targets: tuple[str, ...]):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM

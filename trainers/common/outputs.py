@@ -39,9 +39,10 @@ def adapter_base_model(spec: Any) -> str:
     return spec.model.name or spec.model.path
 
 
-def finish_adapter(adapter_dir: str | Path, spec: Any) -> None:
+def finish_adapter(adapter_dir: str | Path, spec: Any, notes: list[str] | None = None) -> None:
     """Complete an adapter the recipe just wrote (final output or checkpoint) for use
-    outside the service: public base model id, tokenizer files and model card."""
+    outside the service: public base model id, tokenizer files and model card (with
+    ``notes``, sentences of the recipe's, first)."""
     training = {
         "trainer": spec.trainer,
         "method": spec.method.model_dump(mode="json"),
@@ -52,7 +53,7 @@ def finish_adapter(adapter_dir: str | Path, spec: Any) -> None:
         "precision": spec.precision.model_dump(mode="json"),
         "seed": spec.seed,
     }
-    notes = []
+    notes = list(notes or [])
     if spec.adapter.quantization != "none":
         notes.append(
             f"QLoRA: trained against the base quantized to {spec.adapter.quantization} 4-bit; "

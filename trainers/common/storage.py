@@ -8,7 +8,8 @@ artifact bucket, and checkpoints/adapters must land there), the entry point
 1. :meth:`S3Staging.__init__` (pure) decides a local place for every s3:// location
    under the cache dir (``TUNEFLEET_CACHE_DIR``, default ``/tmp/tunefleet-cache``) and
    builds :attr:`S3Staging.local_spec`, a copy of the spec whose locations are local.
-2. :meth:`S3Staging.stage_inputs` downloads the model prefix and the data files (each
+2. :meth:`S3Staging.stage_inputs` downloads the model prefix, the adapters of the
+   fine-tuned models a job continues (``model.parent_adapters``) and the data files (each
    file streamed to disk by boto3's ``download_file``, never held in memory). The model
    cache is keyed by the URI and remembers each object's ETag, so a restarted pod whose
    cache survived downloads only what changed. With ``resume_from: latest`` the newest
@@ -29,7 +30,8 @@ is deleted first and uploaded last, so ``step-N/`` counts as complete (the same 
 The output's ``manifest.json`` is uploaded last for the same reason.
 
 Errors: a missing object is a :class:`~trainers.errors.UserError` with the caller's code
-(``model_not_found``, ``dataset_not_found``, ``checkpoint_not_found``; ``bucket_not_found``
+(``model_not_found``, ``parent_adapter_not_found``, ``dataset_not_found``, ``checkpoint_not_found``;
+``bucket_not_found``
 for an output/checkpoint bucket that does not exist); refused
 credentials are ``storage_access_denied`` (user error: retrying cannot help); an
 unreachable endpoint is ``storage_unreachable`` (internal error, so the executor retries).
@@ -367,7 +369,8 @@ def prune_remote_checkpoints(storage: S3Storage, root: S3Location, keep_last: in
 
 def uses_s3(spec: Any) -> bool:
     return any(is_s3(x) for x in (spec.model.path, spec.data.train_file, spec.data.validation_file,
-                                  spec.output_dir, spec.checkpoint.dir, spec.checkpoint.resume_from))
+                                  spec.output_dir, spec.checkpoint.dir, spec.checkpoint.resume_from,
+                                  *(parent.path for parent in spec.model.parent_adapters)))
 
 
 def _nested(a: S3Location, b: S3Location) -> bool:
@@ -410,6 +413,9 @@ class S3Staging:
                 self.data_uris[field] = S3Location.parse(value)
 
         self.model_dir = self.root / "models" / _uri_slot(self.model_uri.uri) if self.model_uri else None
+        # Each s3:// parent adapter: its URI and local folder (None: a local path, kept).
+        self.parent_uris = [S3Location.parse(p.path) if is_s3(p.path) else None for p in spec.model.parent_adapters]
+        self.parent_dirs = [self.root / "adapters" / _uri_slot(u.uri) if u else None for u in self.parent_uris]
         self.data_paths = {f: self.root / "data" / _uri_slot(u.uri) / _data_file_name(u)
                            for f, u in self.data_uris.items()}
         self.output_dir = job / "output" if self.output_uri else Path(spec.output_dir)
@@ -422,7 +428,11 @@ class S3Staging:
         if self.resume_dir is not None:
             checkpoint["resume_from"] = str(self.resume_dir)
         self.local_spec = spec.model_copy(update={
-            "model": spec.model.model_copy(update={"path": str(self.model_dir or spec.model.path)}),
+            "model": spec.model.model_copy(update={
+                "path": str(self.model_dir or spec.model.path),
+                "parent_adapters": tuple(p.model_copy(update={"path": str(d or p.path)})
+                                         for p, d in zip(spec.model.parent_adapters, self.parent_dirs, strict=True)),
+            }),
             "data": spec.data.model_copy(update={f: str(p) for f, p in self.data_paths.items()}),
             "output_dir": str(self.output_dir),
             "checkpoint": spec.checkpoint.model_copy(update=checkpoint),
@@ -442,7 +452,13 @@ class S3Staging:
         for field, loc in self.data_uris.items():
             stats["data_bytes"] += self._stage_data_file(loc, self.data_paths[field])
         if self.model_uri is not None:
-            stats["model_bytes"] += self._stage_model(self.model_uri, self.model_dir)
+            stats["model_bytes"] += self._stage_folder(self.model_uri, self.model_dir, what="model",
+                                                       marker="config.json", missing_code="model_not_found")
+        for loc, dest in zip(self.parent_uris, self.parent_dirs, strict=True):
+            if loc is not None:
+                stats["model_bytes"] += self._stage_folder(loc, dest, what="parent adapter",
+                                                           marker="adapter_config.json",
+                                                           missing_code="parent_adapter_not_found")
         stats["checkpoint_bytes"] += self._stage_resume()
         return stats
 
@@ -452,24 +468,22 @@ class S3Staging:
             return sync_down(self.storage, [(obj, dest.name)], dest.parent, bucket=loc.bucket,
                              what="dataset file", missing_code="dataset_not_found")
 
-    def _stage_model(self, loc: S3Location, dest: Path) -> int:
-        listing = self.storage.list(loc, what="model", missing_code="model_not_found")
+    def _stage_folder(self, loc: S3Location, dest: Path, *, what: str, marker: str, missing_code: str) -> int:
+        """Download the top-level files of a model (or adapter) prefix that must hold ``marker``."""
+        listing = self.storage.list(loc, what=what, missing_code=missing_code)
         objects: list[tuple[S3Object, str]] = []
         for obj in listing:
             rel = obj.key[len(loc.prefix):]
-            # Top-level files only: the HF layout keeps config, weights and tokenizer there.
+            # Top-level files only: the HF (and PEFT) layout keeps config, weights and tokenizer there.
             if not rel or "/" in rel or rel.endswith(SKIPPED_MODEL_SUFFIXES):
                 continue
             objects.append((obj, rel))
-        if not any(rel == "config.json" for _, rel in objects):
-            raise UserError(
-                f"no Hugging Face checkpoint at {loc.uri}: config.json not found under that prefix",
-                code="model_not_found",
-            )
+        if not any(rel == marker for _, rel in objects):
+            raise UserError(f"no {what} at {loc.uri}: {marker} not found under that prefix", code=missing_code)
         with _locked(dest.with_suffix(".lock")):
-            fetched = sync_down(self.storage, objects, dest, bucket=loc.bucket, what="model file",
-                                missing_code="model_not_found")
-        log.info("model %s staged in %s (%d bytes downloaded)", loc.uri, dest, fetched)
+            fetched = sync_down(self.storage, objects, dest, bucket=loc.bucket, what=f"{what} file",
+                                missing_code=missing_code)
+        log.info("%s %s staged in %s (%d bytes downloaded)", what, loc.uri, dest, fetched)
         return fetched
 
     def _stage_resume(self) -> int:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from trainers.fsdp_qlora.distributed import DistContext, barrier
-from trainers.fsdp_qlora.loading import canonical_name, is_lora_name
+from trainers.fsdp_qlora.loading import canonical_name, is_trained_lora_name
 
 DCP_DIR = "dcp"
 ADAPTER_DIR = "adapter"
@@ -78,13 +78,14 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
 
 
 def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full LoRA weights keyed by canonical name, on every rank (a collective under FSDP).
+    """Full weights of the trained LoRA (not a frozen parent's) keyed by canonical name, on
+    every rank (a collective under FSDP).
 
     ``DTensor.full_tensor()`` all-gathers each shard; plain tensors are returned as is.
     """
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if not is_lora_name(name):
+        if not is_trained_lora_name(name):
             continue
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         out[canonical_name(name)] = full.detach().to("cpu", torch.float32).clone()

@@ -17,8 +17,8 @@ Per step, on the step's prompts (``trainers.common.reinforcement.PromptData.take
 3. **advantages** per group (``trainers.common.grpo.group_advantages``);
 4. per micro-batch of ``micro_batch_size`` prompts (all their completions), the per-token
    log-probs of the completion tokens under the policy (with grad; dropout as trained),
-   and with ``kl_coef`` > 0 under the reference (the same model with every LoRA layer
-   switched off, no grad: ``train_step.adapters_disabled``, no second copy of the model);
+   and with ``kl_coef`` > 0 under the reference (the same model with the trained LoRA
+   switched off, no grad: ``train_step.trained_adapter_disabled``, no second copy of the model);
    the old log-probs are the sampling policy's, i.e. these same values detached, because
    each batch is trained on once right after it is sampled (ratio 1 at the only pass,
    TRL's ``num_iterations=1``), so no extra forward is needed; then
@@ -51,9 +51,9 @@ from trainers.fsdp_qlora.train_step import (
     LabelCrossEntropy,
     StepStats,
     _update,
-    adapters_disabled,
     evaluation_mode,
     reseed,
+    trained_adapter_disabled,
 )
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -241,7 +241,7 @@ def grpo_backward(model: nn.Module, sampled: _Sampled, objective: GrpoObjective,
                                objective.pad_id, ctx.device)
         reference = None
         if objective.kl_coef > 0:
-            with torch.no_grad(), adapters_disabled(model):
+            with torch.no_grad(), trained_adapter_disabled(model):
                 reference = completion_log_probs(model, rows, objective.temperature)
         policy = completion_log_probs(model, rows, objective.temperature)
         out = grpo_loss(policy, None, advantages[sl].to(policy.device, policy.dtype), rows.completion_mask,

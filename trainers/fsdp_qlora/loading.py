@@ -24,6 +24,13 @@ model's 1 GiB embedding and LM head never exist whole in any process. LoRA weigh
 initialized from ``seed`` on rank 0 in module order and scattered the same way, so the
 initial adapter is identical for any world size.
 
+A job that continues a fine-tuned model (``spec.model.parent_adapters``) gets the parent's
+adapter as a second peft adapter (``PARENT_ADAPTER``) beside the trained one
+(``TRAINED_ADAPTER``, peft's "default"): frozen, no dropout, scale 1 (the fold of
+``trainers.common.lineage``), sharded and filled like every other parameter, and active
+in every forward together with the trained one, so the model computes the parent's
+function plus the new adapter's delta.
+
 Everything that can be checked without reading weights (architecture, quantization
 options, the checkpoint's tensor names and shapes) is checked first, on every rank, and
 raises :class:`UserError` with a stable code.
@@ -44,7 +51,9 @@ import torch
 from torch import nn
 
 from trainers.common.hf_checkpoint import TensorLocation, read_checkpoint_index, read_config_json
+from trainers.common.lineage import LoraWeights, read_parent_adapters
 from trainers.common.memory import peak_rss_bytes
+from trainers.common.peft_export import lora_key
 from trainers.errors import UserError
 from trainers.fsdp_qlora.distributed import (
     DistContext,
@@ -65,6 +74,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "base_layer"})
 _PEFT_PREFIX = "base_model.model."
+# The adapter the job trains (peft's default name) and a parent fine-tuned model's, frozen.
+TRAINED_ADAPTER = "default"
+PARENT_ADAPTER = "parent"
 # safetensors dtype names -> torch (the ones checkpoints use).
 _CHECKPOINT_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -100,6 +112,7 @@ class ModelOptions:
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     seed: int = 0
+    parent: LoraWeights | None = None  # the frozen adapter of the fine-tuned model(s) continued
     max_seq_len: int | None = None  # with packing: checked against a sliding window
     packing: bool = False
     load_block_bytes: int | None = None  # None: LOAD_BLOCK_BYTES
@@ -120,7 +133,8 @@ class ModelOptions:
 
 
 def options_from_spec(spec: Any, model_dir: str | Path | None = None) -> ModelOptions:
-    """Map a :class:`trainers.spec.TrainerSpec` to :class:`ModelOptions`.
+    """Map a :class:`trainers.spec.TrainerSpec` to :class:`ModelOptions` (reading the
+    parent adapters it names, ``trainers.common.lineage.read_parent_adapters``).
 
     ``model_dir`` overrides ``spec.model.path`` (e.g. after an s3:// download).
     """
@@ -141,6 +155,7 @@ def options_from_spec(spec: Any, model_dir: str | Path | None = None) -> ModelOp
         activation_checkpointing=par.activation_checkpointing,
         cpu_offload=par.cpu_offload,
         seed=spec.seed,
+        parent=read_parent_adapters(spec),
         max_seq_len=spec.data.max_seq_len,
         packing=spec.data.packing,
     )
@@ -299,7 +314,13 @@ def canonical_name(name: str) -> str:
 
 
 def is_lora_name(name: str) -> bool:
+    """A LoRA factor of any adapter: the trained one or a frozen parent's."""
     return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def is_trained_lora_name(name: str) -> bool:
+    """A LoRA factor of the adapter the job trains (not a frozen parent's)."""
+    return is_lora_name(name) and f".{TRAINED_ADAPTER}." in name
 
 
 # --------------------------------------------------------------------------- build
@@ -326,11 +347,35 @@ def build_meta_model(config: Any, opts: ModelOptions) -> nn.Module:
     )
     # autocast_adapter_dtype=False: the adapter dtype is ours to choose (precision.adapter_dtype).
     model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    if opts.parent is not None:
+        _add_parent_adapter(model, opts.parent)
     adapter_dtype = _DTYPES[opts.adapter_dtype]
     for name, param in model.named_parameters():
         if is_lora_name(name):
             param.data = param.data.to(adapter_dtype)
     return model
+
+
+def _add_parent_adapter(model: nn.Module, parent: LoraWeights) -> None:
+    """The parent's adapter as peft adapter ``PARENT_ADAPTER``: frozen, no dropout, scale 1,
+    active in every layer beside the trained one.
+
+    The layers' active lists are set directly: ``LoraModel.set_adapter`` with a list would
+    make both trainable and leave the model's own ``active_adapter`` a list, which
+    ``PeftModel.forward`` cannot look a config up by.
+    """
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model.add_adapter(PARENT_ADAPTER, LoraConfig(
+        r=parent.r, lora_alpha=parent.r, lora_dropout=0.0, target_modules=list(parent.target_modules),
+        bias="none", task_type="CAUSAL_LM"))
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module._active_adapter = [a for a in (TRAINED_ADAPTER, PARENT_ADAPTER) if a in module.lora_A]
+    for name, param in model.named_parameters():
+        if is_lora_name(name) and not is_trained_lora_name(name):
+            param.requires_grad_(False)
 
 
 def build_model(
@@ -370,6 +415,8 @@ def build_model(
 
     quantized = _stream_weights(model, tensors, opts, ctx)
     _init_lora(model, opts.seed, ctx, block_bytes=opts.load_block_bytes)
+    if opts.parent is not None:
+        _fill_parent(model, opts.parent, ctx, block_bytes=opts.load_block_bytes)
     local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
     report = LoadReport(
         seconds=time.monotonic() - started,
@@ -622,7 +669,7 @@ def _init_lora(model: nn.Module, seed: int, ctx: DistContext, block_bytes: int |
     gen = torch.Generator().manual_seed(seed)
     block_bytes = block_bytes or LOAD_BLOCK_BYTES
     for name, param in model.named_parameters():
-        if not is_lora_name(name):
+        if not is_trained_lora_name(name):
             continue
         value = None
         if ctx.is_main:
@@ -634,8 +681,32 @@ def _init_lora(model: nn.Module, seed: int, ctx: DistContext, block_bytes: int |
         _fill(param, None if value is None else _rows_of(value, param.shape), ctx, block_bytes)
 
 
+def _fill_parent(model: nn.Module, parent: LoraWeights, ctx: DistContext, block_bytes: int | None = None) -> None:
+    """The frozen parent adapter's factors from ``parent`` (every rank read it; rank 0's
+    value is scattered as the checkpoint's is).
+
+    Raises:
+        UserError(parent_adapter_mismatch): a factor whose shape is not the model's (an
+            adapter of another model).
+    """
+    block_bytes = block_bytes or LOAD_BLOCK_BYTES
+    for name, param in model.named_parameters():
+        if not is_lora_name(name) or is_trained_lora_name(name):
+            continue
+        # model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.parent.weight
+        parts = canonical_name(name).split(".")
+        value = parent.weights.get(lora_key(int(parts[2]), parts[4], parts[5][-1]))
+        if value is None or tuple(value.shape) != tuple(param.shape):
+            raise UserError(
+                f"the parent adapter's {canonical_name(name)} has shape "
+                f"{None if value is None else tuple(value.shape)}; this model's is {tuple(param.shape)}",
+                code="parent_adapter_mismatch")
+        rows = _rows_of(torch.from_numpy(value), param.shape) if ctx.is_main else None
+        _fill(param, rows, ctx, block_bytes)
+
+
 def lora_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """(canonical name, parameter) of every trainable LoRA weight, in module order."""
     for name, param in model.named_parameters():
-        if is_lora_name(name):
+        if is_trained_lora_name(name):
             yield canonical_name(name), param

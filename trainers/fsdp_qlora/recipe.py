@@ -60,10 +60,10 @@ from trainers.common.job_data import (
     load_tokenizer,
     total_optimizer_steps,
 )
+from trainers.common.lineage import write_job_adapter
 from trainers.common.loop import epoch_of_step
 from trainers.common.memory import return_freed_tensors_to_the_os
-from trainers.common.outputs import MetricsLog, finish_adapter
-from trainers.common.peft_export import write_peft_adapter
+from trainers.common.outputs import MetricsLog
 from trainers.common.preference import load_training_data
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.reinforcement import load_reinforcement_data
@@ -147,7 +147,9 @@ class FsdpQloraRecipe(SteppedRecipe):
         self.micro_per_step = hp.batch_size // hp.micro_batch_size  # global micro-batches per step
 
         # -- model: meta skeleton -> quantize -> LoRA -> shard -> stream weights ----------
-        self.model, load_report = build_model(options_from_spec(spec), ctx)
+        # A job that continues a fine-tuned model gets its adapter frozen beside the trained one.
+        self.options = options = options_from_spec(spec)
+        self.model, load_report = build_model(options, ctx)
         if ctx.is_main:
             reporter.event("model loaded", data={**load_report.as_event_data(), "total_steps": total_steps,
                                                  **data.stats()})
@@ -237,11 +239,9 @@ class FsdpQloraRecipe(SteppedRecipe):
         return _agree_to_stop(requested, self._ctx)
 
     def _write_adapter(self, d: Path, adapter: dict[str, torch.Tensor]) -> None:
-        """The gathered ``adapter`` as a finished PEFT adapter directory (rank 0 only)."""
-        spec, a = self.spec, self.spec.adapter
-        write_peft_adapter(d, peft_weights(adapter), r=a.r, alpha=a.alpha, dropout=a.dropout,
-                           target_modules=a.target_modules, base_model_name_or_path=spec.model.path)
-        finish_adapter(d, spec)
+        """The gathered ``adapter`` (folded with a frozen parent's) as a finished PEFT adapter
+        directory (rank 0 only)."""
+        write_job_adapter(d, peft_weights(adapter), self.spec, self.options.parent)
 
     def write_checkpoint(self, progress: Progress) -> Path:
         ctx, spec = self._ctx, self.spec

@@ -175,19 +175,23 @@ def sequence_log_probs(model: nn.Module, batch: Any, device: torch.device) -> to
 
 
 @contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model alone (every LoRA layer skips its adapter): DPO's reference policy.
+def trained_adapter_disabled(model: nn.Module) -> Iterator[None]:
+    """The model without the adapter being trained: DPO's (and GRPO's KL) reference policy.
+    That is the base model, or for a job that continues a fine-tuned model the base with
+    the parent's frozen adapter: the model the job started from.
 
-    Flips peft's per-layer switch directly instead of ``PeftModel.disable_adapter()``,
+    Sets peft's per-layer active adapters directly instead of ``PeftModel.disable_adapter()``,
     which also toggles ``requires_grad`` of the adapter parameters; under FSDP2 those are
     the sharded DTensor parameters whose gradient hooks must stay as they are.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from trainers.fsdp_qlora.loading import TRAINED_ADAPTER
+
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    before = [m._disable_adapters for m in layers]
+    before = [m._active_adapter for m in layers]
     for m in layers:
-        m._disable_adapters = True
+        m._active_adapter = [a for a in m.active_adapters if a != TRAINED_ADAPTER]
     try:
         with warnings.catch_warnings():
             # Reentrant activation checkpointing warns that no input needs a gradient: the
@@ -196,7 +200,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         for m, b in zip(layers, before, strict=True):
-            m._disable_adapters = b
+            m._active_adapter = b
 
 
 def reseed(seed: int, step: int, ctx: DistContext) -> None:
@@ -310,7 +314,7 @@ def preference_backward(
     sft_total = 0.0
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        with torch.no_grad(), adapters_disabled(model):
+        with torch.no_grad(), trained_adapter_disabled(model):
             reference = sequence_log_probs(model, batch, ctx.device)
         policy = sequence_log_probs(model, batch, ctx.device)
         loss, chosen_reward, rejected_reward = dpo_terms(policy, reference, objective.beta)
@@ -428,7 +432,7 @@ def evaluate_preference(model: nn.Module, data: Any, ctx: DistContext, max_batch
     with evaluation_mode(model):
         for _ in range(min(data.micro_batches_per_epoch(0), max_batches or 1 << 30)):
             batch = next(batches)
-            with adapters_disabled(model):
+            with trained_adapter_disabled(model):
                 reference = sequence_log_probs(model, batch, ctx.device)
             policy = sequence_log_probs(model, batch, ctx.device)
             loss, chosen, rejected = dpo_terms(policy, reference, objective.beta)

@@ -12,6 +12,9 @@ Shapes follow our kernel layout (in..., out...): ``lora_a`` is (layers, *in, r) 
 Initialization is PEFT's default (``init_lora_weights=True``): A ~ kaiming-uniform with
 a = sqrt(5), i.e. U(-1/sqrt(in_features), 1/sqrt(in_features)); B = 0, so a fresh
 adapter leaves the model unchanged.
+
+A parent fine-tuned model's adapter (``parent_lora``) has the same layout, its scale folded
+into ``lora_b``; it rides among the frozen base weights (``model.PARENT_LORA``).
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from trainers.common.lineage import LoraWeights
+from trainers.common.peft_export import lora_key
 from trainers.errors import UserError
 from trainers.jax_lora.config import DecoderConfig
-from trainers.jax_lora.model import PROJECTIONS, LoraRuntime, Params, projection_shape
+from trainers.jax_lora.model import PARENT_LORA, PROJECTIONS, LoraRuntime, Params, projection_shape
 
 
 def validate_targets(target_modules: Sequence[str]) -> tuple[str, ...]:
@@ -91,3 +97,37 @@ def lora_runtime(alpha: float, r: int, dropout: float) -> LoraRuntime:
 
 def count_params(tree: Params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def parent_lora(cfg: DecoderConfig, parent: LoraWeights, dtype: Any = np.float32) -> Params:
+    """The frozen parent adapter (PEFT orientation, scale 1) as host arrays in our layout:
+    ``lora_a`` (layers, *in, R), ``lora_b`` (layers, R, *out); the inverse of
+    ``export.to_peft_weights``.
+
+    Raises:
+        UserError(parent_adapter_mismatch): a layer it lacks, or a factor whose shape is not
+            this model's (an adapter of another model).
+    """
+    out: Params = {}
+    for name in validate_targets(parent.target_modules):
+        in_dims, out_dims = projection_shape(cfg, name)
+        a_layers, b_layers = [], []
+        for layer in range(cfg.num_layers):
+            a = parent.weights.get(lora_key(layer, name, "A"))
+            b = parent.weights.get(lora_key(layer, name, "B"))
+            expected = ((parent.r, math.prod(in_dims)), (math.prod(out_dims), parent.r))
+            if a is None or b is None or (a.shape, b.shape) != expected:
+                raise UserError(
+                    f"the parent adapter's layer {layer} {name} is {None if a is None else a.shape} / "
+                    f"{None if b is None else b.shape}; this model needs lora_A {expected[0]}, lora_B {expected[1]}",
+                    code="parent_adapter_mismatch")
+            a_layers.append(np.asarray(a).T.reshape(*in_dims, parent.r))
+            b_layers.append(np.asarray(b).T.reshape(parent.r, *out_dims))
+        out[name] = {"lora_a": np.stack(a_layers).astype(dtype), "lora_b": np.stack(b_layers).astype(dtype)}
+    return out
+
+
+def with_parent_lora(params: Params, parent: Params) -> Params:
+    """The base weights' pytree (or its shapes, or its axes) with the parent adapter's added
+    as ``layers[PARENT_LORA]``: frozen, it is never differentiated."""
+    return {**params, "layers": {**params["layers"], PARENT_LORA: parent}}

@@ -15,6 +15,12 @@ read like the math, and stacking the layers along a leading ``layers`` axis lets
 ``lax.scan`` compile a single layer body (compile time independent of depth; remat is a
 ``jax.checkpoint`` around that body).
 
+A job that continues a fine-tuned model carries the parent's adapter, frozen, among the
+base weights: ``params["layers"][PARENT_LORA]`` (``lora.parent_lora``), the LoRA layout
+with its scale folded into ``lora_b``. Every projection it adapts adds its path (no
+dropout) beside the trained one, so the model without the trained adapter (``lora=None``,
+DPO's reference) is the model the job started from.
+
 Layout. Kernels are stored (in..., out...) with heads split out, e.g. ``q_proj`` is
 (layers, embed, heads, head_dim) and ``o_proj`` is (layers, heads, head_dim, embed), so
 every named dimension can be sharded by the rules in ``sharding.py``. Activations are
@@ -47,6 +53,8 @@ from trainers.jax_lora.nf4 import NF4_BLOCKSIZE, nf4_project
 
 Params = dict[str, Any]
 Quantization = Literal["none", "nf4"]
+# The key, among a layer's base weights, of a parent fine-tuned model's frozen adapter.
+PARENT_LORA = "parent_lora"
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 RematPolicy = Literal["none", "per_layer", "dots_saveable"]
 
@@ -208,8 +216,10 @@ def project(
     dropout_key: jax.Array | None,
     out_dims: tuple[int, ...] | None = None,
     bias: jax.Array | None = None,
+    frozen: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
-    """``x @ W (+ bias)`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear).
+    """``x @ W (+ bias)`` plus the LoRA path ``dropout(x) @ A @ B * scaling`` (as PEFT's lora.Linear),
+    and with ``frozen`` (a parent fine-tuned model's adapter, scale folded in) ``x @ A' @ B'``.
 
     ``kernel`` is a dense (in..., out...) array or an NF4 ``{"codes", "absmax"}`` pair
     (then ``out_dims`` gives the output dims), as bitsandbytes' ``Linear4bit`` under
@@ -224,6 +234,10 @@ def project(
         y = jax.lax.dot_general(x, kernel.astype(x.dtype), (contract, ((), ())))
     if bias is not None:
         y = y + bias.astype(y.dtype)
+    if frozen is not None:
+        fa = jax.lax.dot_general(x, frozen["lora_a"].astype(x.dtype), (contract, ((), ())))
+        fb = frozen["lora_b"].astype(x.dtype)
+        y = y + jax.lax.dot_general(fa, fb, (((fa.ndim - 1,), (0,)), ((), ()))).astype(y.dtype)
     if lora is None:
         return y
     x_in = x
@@ -370,11 +384,12 @@ def _decoder_layer(
     constrain: Constrain,
 ) -> jax.Array:
     biases = layer.get("biases", {})
+    parent = layer.get(PARENT_LORA, {})
 
     def proj(name: str, x: jax.Array) -> jax.Array:
         k = None if key is None else jax.random.fold_in(key, list(PROJECTIONS).index(name))
         return project(x, layer[name], lora.get(name), len(PROJECTIONS[name].in_axes), runtime, k,
-                       projection_shape(cfg, name)[1], biases.get(name))
+                       projection_shape(cfg, name)[1], biases.get(name), parent.get(name))
 
     x = rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps)
     q = constrain(proj("q_proj", x), ("batch", "seq", "heads", "head_dim"))

@@ -51,8 +51,9 @@ from trainers.common.job_data import (
     load_tokenizer,
     total_optimizer_steps,
 )
+from trainers.common.lineage import LoraWeights, read_parent_adapters, write_job_adapter
 from trainers.common.loop import epoch_of_step
-from trainers.common.outputs import ADAPTER_DIR, MetricsLog, finish_adapter
+from trainers.common.outputs import ADAPTER_DIR, MetricsLog
 from trainers.common.preference import PreferenceData, RewardSums, load_training_data, pad_pairs
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.reporter import Reporter
@@ -105,8 +106,11 @@ class StepLayout(NamedTuple):
     lora_shardings: Any
 
 
-def step_layout(spec: TrainerSpec, cfg: Any, devices: list[Any] | None = None) -> StepLayout:
-    """The mesh over ``devices`` (default all) and every abstract array's sharding for ``spec``.
+def step_layout(spec: TrainerSpec, cfg: Any, devices: list[Any] | None = None,
+                parent: LoraWeights | None = None) -> StepLayout:
+    """The mesh over ``devices`` (default all) and every abstract array's sharding for ``spec``;
+    with ``parent`` (the frozen adapter of the fine-tuned model the job continues) the base
+    weights hold it too.
 
     The recipe and ``bench/plan_aot.py`` (which compiles this step without weights) both
     build the layout here, so a plan cannot drift from a run.
@@ -117,7 +121,7 @@ def step_layout(spec: TrainerSpec, cfg: Any, devices: list[Any] | None = None) -
     """
     import jax.numpy as jnp
 
-    from trainers.jax_lora.lora import lora_axes, lora_shapes, validate_targets
+    from trainers.jax_lora.lora import lora_axes, lora_shapes, validate_targets, with_parent_lora
     from trainers.jax_lora.model import param_axes, param_shapes
     from trainers.jax_lora.sharding import check_divisible_heads, make_mesh, tree_shardings
 
@@ -128,10 +132,15 @@ def step_layout(spec: TrainerSpec, cfg: Any, devices: list[Any] | None = None) -
     targets = validate_targets(spec.adapter.target_modules)
     quantization = spec.adapter.quantization
     p_abstract = param_shapes(cfg, jnp.dtype(spec.precision.base_dtype), quantization)
-    l_abstract = lora_shapes(cfg, targets, spec.adapter.r, jnp.dtype(spec.precision.adapter_dtype))
+    p_axes = param_axes(cfg, quantization)
+    adapter_dtype = jnp.dtype(spec.precision.adapter_dtype)
+    if parent is not None:
+        p_abstract = with_parent_lora(p_abstract, lora_shapes(cfg, parent.target_modules, parent.r, adapter_dtype))
+        p_axes = with_parent_lora(p_axes, lora_axes(parent.target_modules))
+    l_abstract = lora_shapes(cfg, targets, spec.adapter.r, adapter_dtype)
     return StepLayout(
         mesh=mesh, data_parallel=dp, accumulation=accum, targets=targets, quantization=quantization,
-        param_shapes=p_abstract, param_shardings=tree_shardings(p_abstract, param_axes(cfg, quantization), mesh),
+        param_shapes=p_abstract, param_shardings=tree_shardings(p_abstract, p_axes, mesh),
         lora_shapes=l_abstract, lora_shardings=tree_shardings(l_abstract, lora_axes(targets), mesh),
     )
 
@@ -229,7 +238,8 @@ class JaxLoraRecipe(SteppedRecipe):
         from trainers.jax_lora import checkpoint as ckpt
         from trainers.jax_lora.config import DecoderConfig
         from trainers.jax_lora.loading import load_params
-        from trainers.jax_lora.lora import init_lora, lora_runtime
+        from trainers.jax_lora.lora import init_lora, lora_runtime, parent_lora, with_parent_lora
+        from trainers.jax_lora.model import PARENT_LORA
         from trainers.jax_lora.sharding import check_replication, sharding_report
         from trainers.jax_lora.step import (
             PreferenceLoss,
@@ -259,7 +269,9 @@ class JaxLoraRecipe(SteppedRecipe):
         check_inputs_exist(spec)
         cfg = DecoderConfig.from_pretrained(spec.model.path)
         m = spec.parallelism.mesh
-        layout = step_layout(spec, cfg)
+        # A job that continues a fine-tuned model: its adapter, frozen, among the base weights.
+        self.parent = parent = read_parent_adapters(spec)
+        layout = step_layout(spec, cfg, parent=parent)
         self.mesh, self.dp, accum, self.targets = layout.mesh, layout.data_parallel, layout.accumulation, layout.targets
         mesh, dp, targets, quantization = self.mesh, self.dp, self.targets, layout.quantization
         base_dtype = jnp.dtype(spec.precision.base_dtype)
@@ -285,6 +297,11 @@ class JaxLoraRecipe(SteppedRecipe):
         # -- model: tensor by tensor into sharded arrays ---------------------------------
         t0 = time.perf_counter()
         self.params, load_stats = load_params(spec.model.path, cfg, mesh, base_dtype, quantization)
+        if parent is not None:
+            host = parent_lora(cfg, parent, adapter_dtype)
+            self.params = with_parent_lora(self.params, jax.tree.map(
+                lambda v, s: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx]),
+                host, p_shard["layers"][PARENT_LORA]))
         load_s = time.perf_counter() - t0
 
         # -- adapter + optimizer, created directly sharded ---------------------------------
@@ -429,14 +446,11 @@ class JaxLoraRecipe(SteppedRecipe):
         return _device_memory_bytes(jax) or peak_rss_bytes()
 
     def _write_adapter(self, adapter_dir: Path, host_state: dict[str, np.ndarray]) -> None:
-        from trainers.jax_lora.export import export_adapter
+        """The trained LoRA of ``host_state`` (folded with a frozen parent's) as a finished
+        PEFT adapter directory."""
+        from trainers.jax_lora.export import to_peft_weights
 
-        spec = self.spec
-        export_adapter(
-            adapter_dir, _lora_from_flat(host_state), r=spec.adapter.r, alpha=spec.adapter.alpha,
-            dropout=spec.adapter.dropout, target_modules=self.targets, base_model_name_or_path=spec.model.path,
-        )
-        finish_adapter(adapter_dir, spec)
+        write_job_adapter(adapter_dir, to_peft_weights(_lora_from_flat(host_state)), self.spec, self.parent)
 
     def write_checkpoint(self, progress: Progress) -> Path | None:
         from trainers.jax_lora import checkpoint as ckpt

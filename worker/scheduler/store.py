@@ -59,7 +59,7 @@ ADMIT_CHUNK = 500  # admissions per transaction: row locks held well under a sec
 WAITING_CHUNK = 5_000  # waiting reasons/positions per transaction
 
 # What a queued job's placement needs (its settings, the JobRequest), and its current reason/position.
-_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.model, Job.training_file,
+_QUEUE_COLUMNS = (Job.id, Job.tenant_id, Job.base_model, Job.training_file,
                   *(getattr(Job, name) for name in SETTINGS_COLUMNS),
                   Job.resume_from, Job.usage, Job.priority, Job.created_at,
                   Job.queue_reason, Job.queue_position, Job.retry_placement, Job.attempt,
@@ -191,15 +191,15 @@ class DbStore:
 
     def _request(self, job: Any, models: dict[str, Any], shapes: dict[str, ModelShape | EstimateError],
                  settings: JobSettings) -> JobRequest:
-        entry = models.get(job.model)
+        entry = models.get(job.base_model)
         if entry is None:
-            raise EstimateError(f"base model {job.model!r} is not configured", "model_not_found")
-        if job.model not in shapes:
+            raise EstimateError(f"base model {job.base_model!r} is not configured", "model_not_found")
+        if job.base_model not in shapes:
             try:
-                shapes[job.model] = base_model_shape(entry.path, entry.params_b, model_id=job.model)[0]
+                shapes[job.base_model] = base_model_shape(entry.path, entry.params_b, model_id=job.base_model)[0]
             except EstimateError as exc:
-                shapes[job.model] = exc
-        shape = shapes[job.model]
+                shapes[job.base_model] = exc
+        shape = shapes[job.base_model]
         if isinstance(shape, EstimateError):
             raise shape
         return request_from_job(

@@ -53,7 +53,7 @@ def run_merged_export(settings: Settings, job_id: str, export_id: str, dtype: st
         if checkpoint_id is not None:
             source = session.scalar(select(Checkpoint.location).where(Checkpoint.job_id == job.id,
                                                                       Checkpoint.id == checkpoint_id))
-        base = load_base_models(settings).get(job.model)
+        base = load_base_models(settings).get(job.base_model)
         qlora = JobSettings.from_row(job).adapter.method == "qlora"
         set_export_status(session, export_id, "running")
         add_event(session, job, f"Merged export {export_id} started ({dtype})",

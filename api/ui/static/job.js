@@ -232,7 +232,7 @@
     const ad = job.adapter || {};
     const unit = tf.devices(acceleratorOf(job));
     const rows = [
-      ["Model", el("span", job.model)],
+      ["Model", el("span", job.model)],  // a base model, or the fine-tuned model it continues
       ["Method", ad.method ? `${ad.method.toUpperCase()}${ad.quantization && ad.quantization !== "none" ? ` (${ad.quantization})` : ""} · r ${ad.r ?? "—"} · α ${ad.alpha ?? "—"}` : "—"],
       ["Objective", job.method?.type === "dpo" ? `DPO · β ${hp.beta ?? "auto"}` : "Supervised"],
       ["Trainer", job.estimate?.chosen?.trainer || job.trainer || "—"],
@@ -246,6 +246,8 @@
       ["Validation file", el("span.mono", job.validation_file || "—")],
       ["Seed", job.seed ?? "—"],
     ];
+    // A job that continues a fine-tuned model: its model is that model, the lineage's root its base.
+    if (job.base_model && job.base_model !== job.model) rows.splice(1, 0, ["Base model", el("span", job.base_model)]);
     if (job.tenant_id && tf.page().principal.is_admin) rows.splice(0, 0, ["Tenant", el("span.mono", job.tenant_id)]);
     if (job.fine_tuned_model) rows.push(["Fine-tuned model", el("span.mono", job.fine_tuned_model)]);
     if (job.usage?.gpu_seconds !== undefined) rows.push([unit.time, fmt.duration(job.usage.gpu_seconds)]);

@@ -169,10 +169,27 @@ def test_stages_a_sharded_model_and_data_and_downloads_only_changed_objects(s3_e
         bucket["client"].upload_file(str(shard), BUCKET, f"models/tiny/{shard.name}")
 
 
+def test_stages_the_adapter_of_the_fine_tuned_model_a_job_continues(s3_env, bucket, make_spec, tmp_path):
+    from tests.trainers.lineage import random_peft_adapter
+
+    adapter = random_peft_adapter(bucket["model_dir"], tmp_path / "parent")
+    _upload_dir(bucket["client"], adapter, "jobs/ftjob-parent/output/adapter")
+    uri = f"s3://{BUCKET}/jobs/ftjob-parent/output/adapter"
+    spec = _s3_spec(make_spec, "ftjob-child", model={"parent_adapters": [{"path": uri, "name": "ft:p"}]})
+    staging = S3Staging(spec)
+    (local,) = staging.local_spec.model.parent_adapters
+    assert local.name == "ft:p" and local.path.startswith(str(tmp_path / "cache"))
+    staging.stage_inputs()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (Path(local.path) / name).read_bytes() == (adapter / name).read_bytes()
+
+
 @pytest.mark.parametrize(
     ("changes", "code"),
     [
         ({"model": {"path": f"s3://{BUCKET}/models/nope"}}, "model_not_found"),
+        ({"model": {"parent_adapters": [{"path": f"s3://{BUCKET}/jobs/gone/output/adapter"}]}},
+         "parent_adapter_not_found"),
         ({"model": {"path": "s3://no-such-bucket/models/tiny"}}, "model_not_found"),
         ({"data": {"train_file": f"s3://{BUCKET}/files/missing.jsonl"}}, "dataset_not_found"),
         ({"data": {"validation_file": "s3://no-such-bucket/v.jsonl"}}, "dataset_not_found"),

@@ -6,7 +6,7 @@ per-model results and a few sample answers.
 
 Revision ID: 0218_job_evaluations
 Revises: 0217_reinforcement_metrics
-Create Date: 2026-12-08 18:00:00
+Create Date: 2026-12-07 21:40:00
 """
 
 from __future__ import annotations
