@@ -42,6 +42,17 @@ at 1.05 (bench/RESULTS.md, "jax_lora and fsdp_qlora on one H200").
     python bench/plan_aot.py --model llama-3.1-405b --devices 8 --method lora --seq 2048 --batch 1
     python bench/plan_aot.py --model llama-3.1-70b --devices 2 --method qlora --pool rtx4090 --json
     python bench/plan_aot.py --all            # the rows of bench/RESULTS.md, in one process
+
+``--candidates`` plans the scheduler's step choice for a job of ``--global-batch`` rows on
+one gang of each GPU pool of the pools file: every candidate step in the speed order
+(``scheduling.step_choice.step_candidates``) with the estimator's bytes and whether they fit
+the scheduler's budget (``HEADROOM``), the one it chooses, and, on a jax_lora pool, XLA's
+plan of each candidate from the first to the one the trainer would run (the choice if
+XLA's plan of it fits ``USABLE`` of the device, what ``trainers/jax_lora/step_fit.py``
+compares before step 1, else the next one that does). A fsdp_qlora pool's candidates get
+the estimator's figures only: that trainer measures its first step instead.
+
+    python bench/plan_aot.py --candidates --model llama-3.1-8b --devices 1 --seq 8192 --global-batch 8
 """
 
 from __future__ import annotations
@@ -96,6 +107,8 @@ from scheduling.estimator import HEADROOM, estimate_on_pool, flops_per_token
 from scheduling.model_files import base_model_shape
 from scheduling.pools import GIB, NodePool, load_pools
 from scheduling.request import training_shape
+from scheduling.step_choice import step_candidates
+from trainers.common.step_fit import USABLE
 from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.recipe import _check_spec, step_layout
 from trainers.jax_lora.step import (
@@ -523,6 +536,52 @@ def run_all(show=print_row) -> dict[str, Any]:
     return out
 
 
+# --- --candidates: the step choice's candidates on each GPU pool ------------------------
+
+
+def candidate_rows(job: PlanJob, global_batch: int, pool: NodePool, show=print) -> dict[str, Any]:
+    """The step choice for ``job`` (its micro batch and remat aside) with ``global_batch``
+    rows on ``job.devices`` GPUs of ``pool``: its candidates in the speed order, the
+    scheduler's choice, and on a jax_lora pool XLA's plan of each candidate up to the one
+    the trainer would run (module docstring)."""
+    trainer = pool.preferred_trainer()
+    shape, _ = base_model_shape(str(job.model_dir), None, model_id=job.model)
+    training = training_shape(JobSettings.from_columns(
+        adapter={"method": job.method, "r": job.r, "target_modules": list(job.target_modules)},
+        hyperparameters={"batch_size": global_batch, "micro_batch_size": 1}, max_seq_len=job.seq))
+    candidates = step_candidates(shape, training, accelerator=pool.accelerator, device_bytes=pool.gpu_memory_bytes,
+                                 gpus=job.devices, trainer=trainer, batch_size=global_batch)
+    chosen = next((i for i, c in enumerate(candidates) if c.fits), None)
+    limit = int(pool.gpu_memory_bytes * USABLE)
+    show(f"{job.model} {job.method} on {job.devices}x {pool.name} ({trainer}), seq {job.seq} x global batch "
+         f"{global_batch}: scheduler budget {pool.gpu_memory_bytes * HEADROOM / GIB:.1f} GiB, "
+         f"trainer limit {limit / GIB:.1f} GiB per device")
+    rows: list[dict[str, Any]] = []
+    runs = None
+    for i, c in enumerate(candidates):
+        row: dict[str, Any] = {"micro_batch": c.micro_batch, "remat": c.remat, "estimator_bytes": c.planned_bytes,
+                               "scheduler_fits": c.fits, "chosen": i == chosen, "xla_bytes": None,
+                               "trainer_fits": None, "trainer_runs": False}
+        # Compiled until the trainer's step is found; nothing where no candidate fits the
+        # scheduler's budget (the job is not placed on this pool).
+        if trainer == "jax_lora" and chosen is not None and runs is None:
+            plan = plan_row(replace(job, batch=c.micro_batch, remat=c.remat), {pool.name: pool})
+            row.update(xla_bytes=plan["per_device_bytes"], trainer_fits=plan["per_device_bytes"] <= limit,
+                       compile_s=plan["compile_s"])
+            if chosen is not None and i >= chosen and row["trainer_fits"]:
+                row["trainer_runs"], runs = True, i
+        rows.append(row)
+        xla = "" if row["xla_bytes"] is None else (
+            f"  XLA {row['xla_bytes'] / GIB:7.2f} GiB ({'fits' if row['trainer_fits'] else 'over'}; "
+            f"estimator / XLA {c.planned_bytes / row['xla_bytes']:.3f}; compile {row['compile_s']} s)")
+        marks = ("  <- scheduler" if row["chosen"] else "") + ("  <- trainer runs" if row["trainer_runs"] else "")
+        show(f"  micro-batch {c.micro_batch:2d} {c.remat:13s} estimator {c.planned_bytes / GIB:7.2f} GiB "
+             f"({'fits' if c.fits else 'over'}){xla}{marks}")
+    return {"model": job.model, "method": job.method, "pool": pool.name, "trainer": trainer, "devices": job.devices,
+            "seq": job.seq, "global_batch": global_batch, "budget_bytes": int(pool.gpu_memory_bytes * HEADROOM),
+            "limit_bytes": limit, "candidates": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-405b", help=f"one of {', '.join(MODELS)} or a model dir")
@@ -540,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile bfloat16 as it is (XLA:CPU then upcasts it; see PlanJob.bf16_standin)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--all", action="store_true", help="the recorded rows (ignores the job options)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="the step choice's candidates for the job on every GPU pool (ignores --batch, --remat)")
+    parser.add_argument("--global-batch", type=int, default=8, help="with --candidates: the job's batch")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     show = (lambda row: print_row(row, file=sys.stderr)) if args.json else print_row
@@ -554,6 +616,14 @@ def main(argv: list[str] | None = None) -> int:
     job = PlanJob(args.model, args.devices, args.method, args.seq, args.batch, args.remat, args.tensor,
                   r=args.r, target_modules=tuple(args.targets.split(",")), pool=args.pool,
                   bf16_standin=None if args.keep_bf16 else "float16")
+    if args.candidates:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
+            (lambda line: print(line, flush=True))
+        plans = [candidate_rows(replace(job, pool=pool.name), args.global_batch, pool, say)
+                 for pool in pools_by_name().values() if pool.accelerator != "cpu"]
+        if args.json:
+            print(json.dumps({"plans": plans, "wall_s": round(time.perf_counter() - started, 1)}, indent=2))
+        return 0
     row = plan_row(job)
     if args.json:
         print(json.dumps(row, indent=2))

@@ -122,6 +122,26 @@ def planned_memory(m: ModelShape, t: TrainingShape, *, gpus: int, accelerator: s
     return memory_per_gpu(m, shape, gpus, accelerator=accelerator, offload=offload, trainer=trainer)
 
 
+def step_candidates(m: ModelShape, t: TrainingShape, *, accelerator: str, device_bytes: int, gpus: int,
+                    trainer: str, batch_size: int, data_parallel: int = 1, offload_allowed: bool = False,
+                    max_micro_batch: int = MAX_MICRO_BATCH, devices_per_process: int = 1) -> list[StepChoice]:
+    """Every step the trainer can run for this job, in the speed order (module docstring),
+    each with its planned bytes and whether they fit ``device_bytes`` under ``HEADROOM``.
+    Arguments as :func:`choose_step`."""
+    budget = int(device_bytes * HEADROOM)
+    offloads = [False, True] if offload_allowed and trainer == "fsdp_qlora" and accelerator != "cpu" else [False]
+    keyed: list[tuple[tuple[int, int, int], StepChoice]] = []
+    for micro in micro_batch_options(batch_size, data_parallel, max_micro_batch):
+        for level, remat in enumerate(remat_options(trainer, accelerator)):
+            for offload in offloads:
+                shape = shape_for(t, micro_batch=micro * devices_per_process, remat=remat, accelerator=accelerator)
+                planned = memory_per_gpu(m, shape, gpus, accelerator=accelerator, offload=offload,
+                                         trainer=trainer).total
+                choice = StepChoice(micro, remat, offload, planned, device_bytes, fits=planned <= budget)
+                keyed.append(((level, int(offload), -micro), choice))  # the speed order (module docstring)
+    return [choice for _, choice in sorted(keyed, key=lambda kc: kc[0])]
+
+
 def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_bytes: int, gpus: int,
                 trainer: str, batch_size: int, data_parallel: int = 1, offload_allowed: bool = False,
                 max_micro_batch: int = MAX_MICRO_BATCH, devices_per_process: int = 1) -> StepChoice:
@@ -145,27 +165,17 @@ def choose_step(m: ModelShape, t: TrainingShape, *, accelerator: str, device_byt
     Returns:
         The fastest fitting choice; when none fits, the smallest one with ``fits=False``.
     """
-    budget = int(device_bytes * HEADROOM)
-    offloads = [False, True] if offload_allowed and trainer == "fsdp_qlora" and accelerator != "cpu" else [False]
-    best: tuple[tuple[int, int, int], StepChoice] | None = None
-    smallest: StepChoice | None = None
-    for micro in micro_batch_options(batch_size, data_parallel, max_micro_batch):
-        for level, remat in enumerate(remat_options(trainer, accelerator)):
-            for offload in offloads:
-                shape = shape_for(t, micro_batch=micro * devices_per_process, remat=remat, accelerator=accelerator)
-                planned = memory_per_gpu(m, shape, gpus, accelerator=accelerator, offload=offload,
-                                         trainer=trainer).total
-                choice = StepChoice(micro, remat, offload, planned, device_bytes, fits=planned <= budget)
-                if smallest is None or planned < smallest.planned_bytes:
-                    smallest = choice
-                if not choice.fits:
-                    continue
-                key = (level, int(offload), -micro)  # the speed order (module docstring)
-                if best is None or key < best[0]:
-                    best = (key, choice)
-    if best is not None:
-        return best[1]
-    assert smallest is not None  # at least one micro batch and one policy are always tried
+    candidates = step_candidates(m, t, accelerator=accelerator, device_bytes=device_bytes, gpus=gpus,
+                                 trainer=trainer, batch_size=batch_size, data_parallel=data_parallel,
+                                 offload_allowed=offload_allowed, max_micro_batch=max_micro_batch,
+                                 devices_per_process=devices_per_process)
+    for choice in candidates:
+        if choice.fits:
+            return choice
+    # At least one micro batch and one policy are always tried; among equal plans the
+    # smallest micro batch, then the least recomputation, then no offload.
+    smallest = min(candidates, key=lambda c: (c.planned_bytes, c.micro_batch, REMAT_ORDER.index(c.remat),
+                                              c.cpu_offload))
     return replace(smallest, fits=False)
 
 

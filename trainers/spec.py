@@ -206,7 +206,9 @@ class ParallelismSpec(_Strict):
         description="Memory of one device as the pool declares it (what the step was planned "
         "against). jax_lora compiles its step before the first one and, if XLA's plan does not fit "
         "this (or the device's own limit), steps down to a smaller micro batch or more "
-        "rematerialization (trainers/jax_lora/step_fit.py). None = the device's own limit only.",
+        "rematerialization (trainers/jax_lora/step_fit.py); fsdp_qlora measures its first step's "
+        "peak and, if it is over, takes that step again with a smaller micro batch or more activation "
+        "checkpointing (trainers/fsdp_qlora/step_fit.py). None = the device's own limit only.",
     )
     host_devices: Annotated[int, Field(ge=1)] | None = Field(
         default=None,

@@ -21,7 +21,11 @@ from scheduling.step_choice import (
     micro_batch_options,
     remat_options,
     shape_for,
+    step_candidates,
 )
+from trainers.common.step_fit import fallback_steps
+from trainers.fsdp_qlora.step_fit import CHECKPOINTING_ORDER
+from trainers.jax_lora.step_fit import REMAT_ORDER as JAX_REMAT_ORDER
 
 M8B = KNOWN_MODELS["llama-3.1-8b"]
 M70B = KNOWN_MODELS["llama-3.1-70b"]
@@ -184,3 +188,20 @@ def test_a_cpu_host_mesh_plans_every_devices_rows_in_one_process():
     # 64 GiB holds 8 rows: one device takes all 8, four devices 2 each
     assert (one.micro_batch, four.micro_batch) == (8, 2)
     assert four.planned_bytes == one.planned_bytes
+
+
+@pytest.mark.parametrize(("m", "t", "gib", "trainer", "batch", "micro", "remat"), TABLE)
+def test_the_choice_is_the_first_candidate_that_fits_and_the_trainers_step_down_in_the_same_order(
+        m, t, gib, trainer, batch, micro, remat):
+    candidates = step_candidates(m, t, accelerator="nvidia-h100", device_bytes=gib * GIB, gpus=1, trainer=trainer,
+                                 batch_size=batch)
+    assert len(candidates) == len(micro_batch_options(batch)) * len(remat_options(trainer, "nvidia-h100"))
+    first = next(c for c in candidates if c.fits)
+    assert first == _choose(m, t, gib=gib, trainer=trainer, batch=batch)
+    assert all(c.fits == (c.planned_bytes <= int(gib * GIB * HEADROOM)) for c in candidates)
+    # What a trainer tries after the planned step, when its device disagrees, is what
+    # follows it here (the torch trainer spells per_layer non_reentrant).
+    spelled = (lambda r: r) if trainer == "jax_lora" else (lambda r: {"none": "none"}.get(r, "non_reentrant"))
+    order = JAX_REMAT_ORDER if trainer == "jax_lora" else CHECKPOINTING_ORDER
+    after = [(c.micro_batch, spelled(c.remat)) for c in candidates[candidates.index(first) + 1:]]
+    assert fallback_steps(batch, first.micro_batch, spelled(first.remat), order) == after

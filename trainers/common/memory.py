@@ -31,6 +31,18 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Lower this process's ``VmHWM`` to its resident set now, so :func:`peak_rss_bytes`
+    then measures the peak of what runs next (Linux 4.0+: ``5`` to /proc/self/clear_refs).
+    Returns False where the kernel offers no reset (the peak stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def return_freed_tensors_to_the_os(threshold: int = FIXED_MMAP_THRESHOLD) -> bool:
     """Make glibc's malloc give every block of ``threshold`` bytes or more back when freed.
 

@@ -171,7 +171,9 @@ def mixed_precision_policy(compute_dtype: str) -> object | None:
 
 def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The model's own transformer block classes (``LlamaDecoderLayer``,
-    ``Qwen3DecoderLayer``...): what transformers names in ``_no_split_modules``.
+    ``Qwen3DecoderLayer``...): what transformers names in ``_no_split_modules``. On a
+    sharded model, FSDP2's subclass of each (``FSDPLlamaDecoderLayer``): the class the
+    layer has now.
 
     Raises:
         RuntimeError: the model names none, or none of them occurs in it.
@@ -179,7 +181,7 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    classes = tuple({type(m) for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)})
     if not classes:
         raise RuntimeError(f"no decoder layer class found in {type(model).__name__} (looked for {sorted(names)})")
     return classes
@@ -196,7 +198,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
     ``reentrant`` is the classic autograd.Function implementation (needs an input that
     requires grad: we make the embedding output require it); ``non_reentrant`` is the
-    saved-tensor-hooks one (works with frozen inputs, recommended). Call before sharding.
+    saved-tensor-hooks one (works with frozen inputs, recommended). Call before sharding,
+    so that FSDP shards each wrapper (``shard_model``); on a sharded model (the first
+    step's step-down, ``step_fit.py``) each wrapper goes around the layer's FSDP unit.
     """
     if mode == "none":
         return

@@ -16,6 +16,10 @@ is shared with the JAX trainer lives in ``trainers.common``: data pipeline, sche
 resume rule, eval cadence, metric row, epoch numbering, NaN policy, reporter,
 checkpoint layout and PEFT exporter.
 
+The run's first step confirms the scheduler's micro batch and activation checkpointing
+by its measured peak and, if it does not fit the device, is taken again with the next
+choice that does (``step_fit.py``).
+
 Per optimizer step: read ``batch_size / micro_batch_size`` micro-batches at the data
 cursor (each rank keeps its share), back-propagate each with ``sum(token losses) /
 label tokens of the whole step`` (so the update depends neither on how the step is
@@ -37,6 +41,7 @@ boundary (an all-reduce), so they checkpoint the same step.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -68,7 +73,8 @@ from trainers.common.preference import load_training_data
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.reinforcement import load_reinforcement_data
 from trainers.common.schedules import learning_rate_at
-from trainers.errors import UserError
+from trainers.common.step_fit import fallback_steps
+from trainers.errors import OutOfMemory, UserError
 from trainers.fsdp_qlora.checkpoint import (
     gather_adapter_state,
     load_sharded,
@@ -79,6 +85,7 @@ from trainers.fsdp_qlora.distributed import (
     DistContext,
     accelerator_available,
     all_reduce_sum,
+    apply_activation_checkpointing,
     barrier,
     check_parallelism,
     destroy_distributed,
@@ -86,6 +93,14 @@ from trainers.fsdp_qlora.distributed import (
 )
 from trainers.fsdp_qlora.grpo_step import GrpoObjective, evaluate_rewards, grpo_train_step, stop_token_ids
 from trainers.fsdp_qlora.loading import build_model, options_from_spec
+from trainers.fsdp_qlora.step_fit import (
+    CHECKPOINTING_ORDER,
+    MeasuredStep,
+    PeakMemory,
+    TrainableState,
+    device_limit_bytes,
+    with_step,
+)
 from trainers.fsdp_qlora.train_step import (
     PreferenceObjective,
     build_optimizer,
@@ -105,6 +120,7 @@ class FsdpQloraRecipe(SteppedRecipe):
 
     ctx: DistContext | None = None
     grpo: GrpoObjective | None = None  # set by setup() for a reinforcement job
+    step_confirmed = False  # the run's first step measured and fitting (step_fit.py)
 
     def setup(self, spec: Any, reporter: Any, stop: Any) -> None:
         # -- setup: layout checks before anything heavy -----------------------------------
@@ -119,6 +135,7 @@ class FsdpQloraRecipe(SteppedRecipe):
         resume_path = resolve_resume(spec.checkpoint)  # a bad resume_from fails before any load
         self.ctx = ctx = init_distributed()
         self.primary = ctx.is_main
+        self.peak = PeakMemory(ctx.device)
         if ctx.world_size != par.world_size:
             raise UserError(f"the spec asks for world_size {par.world_size} but the environment has "
                             f"{ctx.world_size} processes", code="invalid_parallelism")
@@ -189,6 +206,77 @@ class FsdpQloraRecipe(SteppedRecipe):
     # -- the hooks of the common loop ------------------------------------------------------
 
     def train_step(self, step: int) -> StepResult:
+        if not self.step_confirmed:
+            return self._confirmed_first_step(step)
+        return self._take_step(step)
+
+    def _confirmed_first_step(self, step: int) -> StepResult:
+        """The run's first step with the planned choice, confirmed by its measured peak, or
+        taken again with the next choice in the speed order until one fits (``step_fit``)."""
+        spec, ctx, peak = self.spec, self._ctx, self.peak
+        hp, par = spec.hyperparameters, spec.parallelism
+        measurable = peak.reset()  # the step's own peak from here; False: this kernel cannot reset VmHWM
+        limit = device_limit_bytes(spec, ctx.device) if measurable else None
+        # A rank that runs out of memory alone would leave the others waiting in a
+        # collective: only a single process steps down from an out-of-memory error.
+        catch_oom = ctx.world_size == 1
+        planned = (hp.micro_batch_size, par.activation_checkpointing)
+        candidates = [planned]
+        if limit is not None or catch_oom:
+            candidates += fallback_steps(hp.batch_size // ctx.world_size, *planned, order=CHECKPOINTING_ORDER)
+        saved = TrainableState(self.model, self.optimizer) if len(candidates) > 1 else None
+        tried: list[MeasuredStep] = []
+        for micro, checkpointing in candidates:
+            if tried:
+                assert saved is not None
+                saved.restore()
+                self._use_step(micro, checkpointing)
+                peak.reset()
+            try:
+                out: StepResult | None = self._take_step(step)
+            except torch.OutOfMemoryError:
+                if not catch_oom:
+                    raise
+                out = None
+            if out is None:  # outside the except block: its traceback no longer holds the step's tensors
+                self.optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if ctx.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            peaks = all_reduce_sum([peak.read() if r == ctx.rank else 0.0 for r in range(ctx.world_size)], ctx)
+            tried.append(MeasuredStep(micro, checkpointing, None if out is None else int(max(peaks)), limit))
+            if tried[-1].fits:
+                break
+        else:
+            raise OutOfMemory("no step fits one device: " + "; ".join(fit.describe() for fit in tried[:4])
+                              + (f" (and {len(tried) - 4} more)" if len(tried) > 4 else ""))
+        if ctx.is_main:
+            if len(tried) > 1:
+                over = "" if tried[0].peak_bytes is None else " does not fit"  # an error says so itself
+                self.reporter.event(
+                    f"step stepped down: {tried[0].describe()}{over}; running {tried[-1].describe()}",
+                    level="warning", data={"step": {"micro_batch": micro, "activation_checkpointing": checkpointing},
+                                           "tried": [vars(fit) for fit in tried]})
+            else:
+                self.reporter.event(f"step confirmed: {tried[-1].describe()}",
+                                    data={"peak_bytes": tried[-1].peak_bytes, "limit_bytes": limit})
+        self.step_confirmed = True
+        assert out is not None
+        return out
+
+    def _use_step(self, micro_batch: int, checkpointing: str) -> None:
+        """Run the next steps (and evaluations) with ``micro_batch`` and ``checkpointing``,
+        reading the data again from the cursor the first step starts at."""
+        if checkpointing != self.spec.parallelism.activation_checkpointing:
+            apply_activation_checkpointing(self.model, checkpointing)
+        self.spec = with_step(self.spec, micro_batch, checkpointing)
+        self.micro_per_step = self.spec.hyperparameters.batch_size // micro_batch
+        for data in (self.data.train, self.data.validation):
+            if data is not None:
+                data.micro_batch_size = micro_batch
+        self.batches = None if self.grpo else self.data.train.micro_batches(self.progress.cursor)
+
+    def _take_step(self, step: int) -> StepResult:
         hp, ctx = self.spec.hyperparameters, self._ctx
         started = time.perf_counter()
         lr = learning_rate_at(step, base_lr=hp.learning_rate, total_steps=self.total_steps,
@@ -233,7 +321,7 @@ class FsdpQloraRecipe(SteppedRecipe):
         return self.spec.eval.every_n_steps
 
     def memory_bytes(self) -> int | None:
-        return _memory_bytes(self._ctx)
+        return self.peak.since_start()
 
     def agree_to_stop(self, requested: bool) -> bool:
         return _agree_to_stop(requested, self._ctx)
@@ -338,12 +426,3 @@ def _uses_model_grader(grader: Any) -> bool:
 def _agree_to_stop(requested: bool, ctx: DistContext) -> bool:
     """True on every rank if SIGTERM reached any of them (so all checkpoint one step)."""
     return all_reduce_sum([1.0 if requested else 0.0], ctx)[0] > 0
-
-
-def _memory_bytes(ctx: DistContext) -> int:
-    """Peak accelerator memory allocated, else the process's peak RSS (``VmHWM``)."""
-    from trainers.common.memory import peak_rss_bytes
-
-    if ctx.device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(ctx.device))
-    return peak_rss_bytes()

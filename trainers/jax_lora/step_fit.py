@@ -18,7 +18,8 @@ with a larger gang.
 The device's memory is the smaller of what the device reports (``bytes_limit`` of its
 allocator, on GPUs) and ``parallelism.device_memory_bytes`` (the pool's memory per
 device, which the step was planned against) times ``USABLE``. A CPU device reports
-none: on a CPU pool only the pool's figure counts.
+none: on a CPU pool only the pool's figure counts. That share (``USABLE``) and the
+order are the torch trainer's too (``trainers.common.step_fit``).
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainers.common import step_fit
+from trainers.common.step_fit import declared_limit_bytes
 from trainers.spec import TrainerSpec
 
 REMAT_ORDER = ("none", "dots_saveable", "per_layer")
 """Least recomputation first: the scheduler's speed order (scheduling/step_choice.py)."""
-# XLA's total counts the step's buffers, not the runtime around them (the CUDA context,
-# the allocator's fragmentation, collectives' scratch): of a pool's declared memory per
-# device, the step may plan this share. A device's own allocator limit already leaves
-# room for the runtime and is used whole.
-USABLE = 0.9
-# As the scheduler's step choice: beyond this a step's matmuls are already large.
-MAX_MICRO_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -67,11 +63,10 @@ def xla_step_bytes(compiled: Any) -> int:
 
 
 def device_limit_bytes(spec: TrainerSpec, device: Any) -> int | None:
-    """The memory the step must fit on ``device`` (module docstring); None: no limit known."""
-    limits = []
-    declared = spec.parallelism.device_memory_bytes
-    if declared:
-        limits.append(int(declared * USABLE))
+    """The memory the step must fit on ``device`` (module docstring); None: no limit known.
+    A device's own allocator limit already leaves room for the runtime and is used whole."""
+    declared = declared_limit_bytes(spec)
+    limits = [declared] if declared is not None else []
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - CPU backends raise or return None: no limit reported
@@ -85,9 +80,7 @@ def fallback_steps(rows_per_rank: int, micro_batch: int, remat: str) -> list[tup
     """The choices after (``micro_batch``, ``remat``) in the speed order: smaller micro
     batches at the same rematerialization, then every micro batch (largest first) of each
     rematerialization that recomputes more. Micro batches divide ``rows_per_rank``."""
-    micros = [m for m in range(min(rows_per_rank, MAX_MICRO_BATCH), 0, -1) if rows_per_rank % m == 0]
-    later = REMAT_ORDER[REMAT_ORDER.index(remat) + 1:] if remat in REMAT_ORDER else ()
-    return [(m, remat) for m in micros if m < micro_batch] + [(m, r) for r in later for m in micros]
+    return step_fit.fallback_steps(rows_per_rank, micro_batch, remat, REMAT_ORDER)
 
 
 def with_step(spec: TrainerSpec, micro_batch: int, remat: str) -> TrainerSpec:

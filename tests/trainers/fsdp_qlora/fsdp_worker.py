@@ -69,6 +69,17 @@ def run_one(args: argparse.Namespace, ctx, out: Path) -> dict:
     if args.resume:
         load_sharded(args.resume, model, optimizer, ctx)
         start = load_trainer_state(args.resume).step
+    if args.ac_later:
+        # The first step's step-down (trainers/fsdp_qlora/step_fit.py): the step taken, the
+        # state put back, checkpointing switched on in the sharded model; then the run.
+        from trainers.fsdp_qlora.distributed import apply_activation_checkpointing
+        from trainers.fsdp_qlora.step_fit import TrainableState
+
+        saved = TrainableState(model, optimizer)
+        train_step(model, optimizer, rank_share(synthetic_batches(start, args.micro, args.micro_bs, args.seq), ctx),
+                   ctx, step=start, seed=0, learning_rate=args.lr, max_grad_norm=1.0)
+        saved.restore()
+        apply_activation_checkpointing(model, args.ac_later)
     losses, norms = [], []
     for step in range(start, args.steps):
         batches = rank_share(synthetic_batches(step, args.micro, args.micro_bs, args.seq), ctx)
@@ -80,8 +91,9 @@ def run_one(args: argparse.Namespace, ctx, out: Path) -> dict:
             _save(args, model, optimizer, ctx, step + 1, opts)
     export_adapter(out / "adapter", model, ctx, r=args.r, alpha=2.0 * args.r, dropout=0.0,
                    target_modules=opts.target_modules)
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
     return {"losses": losses, "grad_norms": norms, "world_size": ctx.world_size, "load": report.as_event_data(),
-            "tables_whole_during_layers": tables}
+            "tables_whole_during_layers": tables, "checkpointed_layers": wrapped}
 
 
 def _watch_tables_during_layers(model) -> dict[str, list]:
@@ -130,6 +142,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quant", default="none")
     p.add_argument("--compute-dtype", default="float32")
     p.add_argument("--ac", default="none")
+    p.add_argument("--ac-later", default=None, help="checkpointing switched on after one step taken and undone")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=LR)
     p.add_argument("--micro", type=int, default=2, help="global micro-batches per step")
@@ -162,6 +175,8 @@ def main(argv: list[str]) -> int:
                          "ac": "reentrant"}),
             ("nf4", {"quant": "nf4", "steps": 3, "save_at": None, "resume": None, "lr": NF4_LR,
                      "ac": "non_reentrant"}),
+            ("checkpointed_later", {"quant": "none", "steps": 4, "save_at": None, "resume": None, "ac": "none",
+                                    "ac_later": "non_reentrant"}),
         ]
         for name, changes in plan:
             results[name] = run_one(argparse.Namespace(**{**vars(args), **changes}), ctx, out / name)

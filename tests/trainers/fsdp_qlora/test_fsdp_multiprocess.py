@@ -11,6 +11,9 @@ each from a freshly built model and optimizer:
 - ``resumed``: a new model resumed from the step-2 DCP checkpoint = ``lora`` (1e-6).
 - ``nf4``: 2-process QLoRA NF4 (non-reentrant checkpointing) = the same loop on Hugging Face's BitsAndBytesConfig
   model + peft (1e-5).
+- ``checkpointed_later``: ``lora`` built without checkpointing, its first step taken and
+  undone (``step_fit.TrainableState``), then checkpointing switched on in the sharded
+  model, as the recipe's first-step step-down does; must equal the same reference (1e-5).
 
 Each run also records what is gathered whole while a decoder layer runs: never the
 embedding table or the LM head, and in the forward pass no other layer.
@@ -93,6 +96,15 @@ def test_two_process_qlora_nf4_equals_single_process_bnb_peft_loop(tiny_model_di
     _assert_adapters_close(read_adapter(out / "nf4" / "adapter"), adapter, atol=1e-5)
 
 
+def test_a_step_undone_then_checkpointing_switched_on_after_sharding_equals_the_loop(tiny_model_dir, suite):
+    out, result = suite
+    run = result["checkpointed_later"]
+    assert run["checkpointed_layers"] == 2  # each decoder layer, around its FSDP unit
+    losses, adapter = _reference(tiny_model_dir, "none", 4, LR)
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=0, atol=1e-5)
+    _assert_adapters_close(read_adapter(out / "checkpointed_later" / "adapter"), adapter, atol=1e-5)
+
+
 def test_only_the_running_layer_is_held_whole(suite):
     """FSDP's point: a rank holds its shard of the model plus the layer it computes (and
     the next, prefetched). Two ways this was broken: the embedding and the LM head sat in
@@ -102,7 +114,7 @@ def test_only_the_running_layer_is_held_whole(suite):
     70B model on two 24 GB cards held all of its weights on each. Both runs accumulate
     (2 micro-batches per rank and step)."""
     _, result = suite
-    for name in ("lora", "nf4"):  # reentrant and non-reentrant checkpointing
+    for name in ("lora", "nf4", "checkpointed_later"):  # reentrant, non-reentrant, switched on after sharding
         seen = result[name]["tables_whole_during_layers"]
         assert seen["embedding"] and len(seen["embedding"]) == len(seen["lm_head"]), seen
         assert not any(seen["embedding"]) and not any(seen["lm_head"]), (name, seen)

@@ -18,8 +18,9 @@ import pytest
 
 from tests.trainers.jax_lora.specs import make_spec
 from tests.trainers.jax_lora.test_recipe_smoke import _run_entry
+from trainers.common.step_fit import USABLE
 from trainers.exit_codes import ExitCode
-from trainers.jax_lora.step_fit import USABLE, StepFit, device_limit_bytes, fallback_steps
+from trainers.jax_lora.step_fit import StepFit, device_limit_bytes, fallback_steps
 
 
 def _run(recipe_model, tiny_datasets, root: Path, *, micro: int, remat: str, device_bytes: int | None = None,
