@@ -108,7 +108,10 @@ def trl_by_hand(job: dict, model_dir: str, train_file: str, out_dir: str) -> dic
         gradient_accumulation_steps=hp["batch_size"] // hp["micro_batch_size"],
         learning_rate=hp["learning_rate"], lr_scheduler_type=hp["lr_scheduler"], warmup_steps=hp["warmup_steps"],
         weight_decay=hp["weight_decay"], max_grad_norm=hp["max_grad_norm"], optim="adamw_torch",
-        max_length=job["max_seq_len"], assistant_only_loss=True, packing=False,
+        # Loss on the answers only: from the template's generation blocks for chat rows (the
+        # tiny demo model's template has them); prompt/completion rows (the real model's
+        # template has none) by TRL's completion mask.
+        max_length=job["max_seq_len"], assistant_only_loss="messages" in data.column_names, packing=False,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
         eval_strategy="no", save_strategy="epoch", logging_steps=1, report_to="none",
         seed=job["seed"], dataloader_num_workers=0, disable_tqdm=True,
@@ -357,8 +360,12 @@ def real_model_main(args) -> None:
     service_runs, trl_runs = [], []
     with (embedded_service(models={REAL_MODEL_DIRNAME: model_dir}) as service,
           tempfile.TemporaryDirectory(prefix="tf-adapters-") as adapters):
-        train_file = service.data_dir / "dates.jsonl"
-        train_file.write_text("".join(json.dumps(e) + "\n" for e in examples))
+        # SmolLM2's chat template marks no generation blocks, so TRL cannot find the answers
+        # in chat rows (``assistant_only_loss`` refuses the template): by hand, a user gives it
+        # the same rows as prompt/completion pairs, whose loss is on the completion only.
+        train_file = service.data_dir / "dates-prompt-completion.jsonl"
+        train_file.write_text("".join(json.dumps({"prompt": e["messages"][:-1], "completion": e["messages"][-1:]})
+                                      + "\n" for e in examples))
         file_id = upload_jsonl(service.http, examples, "dates.jsonl")
         body = {"model": REAL_MODEL_ID, "training_file": file_id, "seed": 0, "trainer": args.trainer,
                 **DATES_JOB, "hyperparameters": {**DATES_JOB["hyperparameters"], "n_epochs": args.epochs}}
