@@ -9,7 +9,8 @@ fine-tuned one, as the demo runs it. The fine-tuned model's answers end at its e
 token (finish_reason "stop"), streaming gives the text non-streaming gives, and both equal
 greedy ``transformers`` + ``peft`` decoding with the downloaded adapter, and the
 evaluation's own answer to that row. Then, in OpenAI's order for preference tuning, a short
-DPO job continues the fine-tuned model (its ``model`` is the SFT job's ``fine_tuned_model``;
+DPO job on the JAX trainer (so each trainer trains the real model through the API)
+continues the fine-tuned model (its ``model`` is the SFT job's ``fine_tuned_model``;
 the date written out in words, as the base model answers, is the rejected answer): it starts
 from the SFT model (first rewards 0) and does not undo it: the DPO job's evaluation scores
 its parent (the SFT model) as the SFT job's did, and the DPO model at least ``DPO_FLOOR``.
@@ -49,8 +50,9 @@ BEFORE_AT_MOST = 0.10
 FLOOR = 0.75
 MAX_TOKENS = 16
 # DPO from the SFT model: 16 pairs, batch 8, one epoch: 2 steps at lr 2x. Measured on 2
-# shared CPU cores (load about 10): 95% exact after SFT, 95% after DPO (step-1 rewards 0,
-# final margin 0.035); the DPO job and its evaluation added 162 s. The floor is SFT's.
+# shared CPU cores (load about 4-10): 95% exact after SFT, 95% after DPO (step-1 rewards
+# below 1e-6, final margin 0.035), on either trainer; the DPO job and its evaluation added
+# 141-162 s (146 s on the JAX trainer, its compilation cached). The floor is SFT's.
 N_PAIRS = 16
 DPO_FLOOR = FLOOR
 
@@ -123,6 +125,7 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
         resp = http.post("/fine_tuning/jobs", json={
             "model": model, "training_file": upload(http, date_preference_rows(N_PAIRS, seed=2), "pairs.jsonl"),
             "seed": 0, "max_seq_len": 80, "adapter": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "trainer": "jax_lora",
             "method": {"type": "dpo", "dpo": {"hyperparameters": {
                 "beta": 0.1, "n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 2.0}}},
         })
