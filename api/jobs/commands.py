@@ -56,7 +56,7 @@ from control.queue import SCHEDULE, TaskQueue
 from control.settings import Settings
 from scheduling.model_files import missing_model_files
 from trainers.common.graders import GraderInvalid, parse_grader
-from trainers.common.graders.models import item_references
+from trainers.common.graders.models import item_references, uses_model_grader
 from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base, trains_method
 
 log = logging.getLogger(__name__)
@@ -168,20 +168,13 @@ def method_not_available(settings: JobSettings) -> APIError | None:
             "Reinforcement fine-tuning runs on one GPU (its trainer samples on one process); "
             f"placement.gpus {settings.placement.gpus} cannot be used. Pin 1 or leave it unset.",
             param="placement.gpus")
-    if _uses_model_grader(method.grader):  # type: ignore[union-attr]
+    if uses_model_grader(method.grader):  # type: ignore[union-attr]
         return APIError(
             400, "invalid_request",
             "A score_model grader cannot grade during training here: no model endpoint reaches the trainer. "
             "Use string_check, text_similarity or python graders (graders/run still runs score_model).",
             param=GRADER_PARAM)
     return None
-
-
-def _uses_model_grader(grader: Any) -> bool:
-    """Whether the grader object is, or (a ``multi``) contains, a ``score_model`` grader."""
-    subs = grader.get("graders") if isinstance(grader, dict) else None
-    leaves = [grader] + (list(subs.values()) if isinstance(subs, dict) else [])
-    return any(isinstance(g, dict) and g.get("type") == "score_model" for g in leaves)
 
 
 def require_model_files(model: BaseModelEntry) -> None:
