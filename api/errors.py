@@ -132,9 +132,6 @@ grader_item_missing            400   job creation: a reinforcement grader reads 
                                      not every line of its training/validation file has (``param`` = the
                                      grader's field); the grader codes above apply under
                                      ``method.reinforcement.grader`` too
-method_not_available           400   job creation: ``method.type`` ``reinforcement`` with trainer ``jax``/``jax_lora``,
-                                     which does not run it yet (no job is created; ``fsdp_qlora`` or
-                                     ``auto`` does)
 graders_busy                   429   graders: python graders of the organization (or of the whole
                                      service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details
