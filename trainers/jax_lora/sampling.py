@@ -140,7 +140,6 @@ class Sampler:
 
     def __init__(self, dc: DecodeConfig, mesh: Mesh, param_shardings: Params, lora_shardings: Params) -> None:
         self.dc = dc
-        self.mesh = mesh
         rows, prompt_len = dc.shape.rows, dc.shape.prompt_len
 
         def batch(*axes: str | None, shape: tuple[int, ...]) -> NamedSharding:
@@ -159,7 +158,7 @@ class Sampler:
                greedy: bool = False, temperature: float = 1.0) -> list[list[int]]:
         """``n`` completions of each prompt (a prompt's contiguous), each ending at its stop
         token or its budget; ``seed`` (``sampling_seed``) keys every draw."""
-        shape, pad_id = self.dc.shape, self.dc.pad_id
+        shape, pad_id, stop_ids = self.dc.shape, self.dc.pad_id, frozenset(self.dc.stop_ids)
         wanted = [p for p in prompts for _ in range(n)]
         key = sampling_key(seed)
         out: list[list[int]] = []
@@ -181,6 +180,5 @@ class Sampler:
                       for a, s in zip((ids, starts, budgets), self.input_shardings, strict=True)]
             tokens = np.asarray(self._generate(params, lora, *inputs, jax.random.fold_in(key, call),
                                                np.float32(temperature), np.bool_(greedy)))
-            out.extend(cut_at_stop(tokens[r, : p.max_new_tokens], frozenset(self.dc.stop_ids))
-                       for r, p in enumerate(chunk))
+            out.extend(cut_at_stop(tokens[r, : p.max_new_tokens], stop_ids) for r, p in enumerate(chunk))
         return out
