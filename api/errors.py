@@ -144,9 +144,6 @@ grader_item_missing            400   job creation: a reinforcement grader reads 
                                      grader's field); the grader codes above apply under
                                      ``method.reinforcement.grader`` too (and, for an evaluation, under
                                      ``grader``, whose reinforcement file's lines have no ``reference``)
-method_not_available           400   job creation: ``method.type`` ``reinforcement`` with trainer ``jax``/``jax_lora``,
-                                     which does not run it yet (no job is created; ``fsdp_qlora`` or
-                                     ``auto`` does)
 graders_busy                   429   graders: python graders of the organization (or of the whole
                                      service) are running already (``Retry-After``)
 internal_error                 500   a bug; the message holds no details

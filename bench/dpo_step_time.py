@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,32 +84,47 @@ def torch_times(model_dir: Path, steps: int, rounds: int) -> dict[str, float]:
     return time_rounds(fns, steps, rounds)
 
 
-def jax_times(model_dir: Path, steps: int, rounds: int) -> dict[str, float]:
+class JaxSetup(NamedTuple):
+    """The bench model on one device as the JAX trainer holds it, and an AdamW at 1e-4."""
+
+    cfg: Any
+    mesh: Any
+    params: Any
+    param_shardings: Any
+    lora_shardings: Any
+    optimizer: Any
+    state_shardings: Any
+
+
+def jax_setup(model_dir: Path) -> JaxSetup:
     import jax
     import jax.numpy as jnp
 
     from trainers.jax_lora.config import DecoderConfig
     from trainers.jax_lora.loading import load_params
-    from trainers.jax_lora.lora import init_lora, lora_axes, lora_runtime, lora_shapes
+    from trainers.jax_lora.lora import lora_axes, lora_shapes
     from trainers.jax_lora.model import param_axes
     from trainers.jax_lora.sharding import make_mesh, tree_shardings
-    from trainers.jax_lora.step import (
-        PreferenceLoss,
-        StepConfig,
-        compile_steps,
-        init_state,
-        make_optimizer,
-        state_shardings,
-    )
+    from trainers.jax_lora.step import make_optimizer, state_shardings
 
     cfg = DecoderConfig.from_pretrained(model_dir)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params, _ = load_params(model_dir, cfg, mesh, jnp.float32)
-    p_shard = tree_shardings(params, param_axes(cfg), mesh)
     l_abs = lora_shapes(cfg, MODULES, R, jnp.float32)
     l_shard = tree_shardings(l_abs, lora_axes(MODULES), mesh)
     opt = make_optimizer(lambda s: 1e-4, weight_decay=0.0, max_grad_norm=1.0)
-    shardings = state_shardings(l_shard, opt, l_abs, mesh)
+    return JaxSetup(cfg, mesh, params, tree_shardings(params, param_axes(cfg), mesh), l_shard, opt,
+                    state_shardings(l_shard, opt, l_abs, mesh))
+
+
+def jax_times(model_dir: Path, steps: int, rounds: int) -> dict[str, float]:
+    import jax
+    import jax.numpy as jnp
+
+    from trainers.jax_lora.lora import init_lora, lora_runtime
+    from trainers.jax_lora.step import PreferenceLoss, StepConfig, compile_steps, init_state
+
+    cfg, mesh, params, p_shard, l_shard, opt, shardings = jax_setup(model_dir)
     b = make_batch(0)
     host = {"input_ids": b.input_ids, "labels": b.labels, "positions": b.position_ids, "segment_ids": b.segment_ids}
     batch = {k: jnp.asarray(v[None], jnp.int32) for k, v in host.items()}  # (accum 1, rows, seq)

@@ -31,7 +31,7 @@ from scheduling.estimator import PoolEstimate, TrainingShape, estimate_on_pool
 from scheduling.pools import NodePool
 from scheduling.reasons import Reason, ReasonCode, messages
 from scheduling.request import JobRequest
-from trainers.spec import trains_base, trains_method
+from trainers.spec import auto_runs_method, trains_base
 
 Mode = Literal["fit", "fit_after_preemption", "no_fit"]
 Objective = Literal["cost", "time"]
@@ -119,10 +119,8 @@ def estimate_for(job: JobRequest, pool: NodePool, trainer: str) -> PoolEstimate:
 
 def trainer_can_train(trainer: str, training: TrainingShape) -> bool:
     """Whether the ``trainer`` family can train the job's base weights as they are stored
-    (``trainers.spec.trains_base``, the trainers' own rule) and run its method
-    (``trainers.spec.trains_method``: reinforcement on fsdp_qlora only)."""
-    return (trains_base(trainer, training.quantization, training.double_quant)
-            and trains_method(trainer, training.objective))
+    (``trainers.spec.trains_base``, the trainers' own rule)."""
+    return trains_base(trainer, training.quantization, training.double_quant)
 
 
 def base_text(training: TrainingShape) -> str:
@@ -136,10 +134,13 @@ def trainer_for(job: JobRequest, pool: NodePool) -> str | None:
     """The trainer family the job runs on ``pool``, None if the pool cannot run it.
 
     "auto" takes the first of the pool's families (its preference) that can train the
-    job's base, so a pool running both keeps its preferred family whenever it can.
+    job's base and that "auto" may run its method on (``trainers.spec.auto_runs_method``:
+    reinforcement on fsdp_qlora), so a pool running both keeps its preferred family
+    whenever it can.
     """
     if job.trainer == "auto":
-        return next((t for t in pool.trainers if trainer_can_train(t, job.training)), None)
+        return next((t for t in pool.trainers if trainer_can_train(t, job.training)
+                     and auto_runs_method(t, job.training.objective)), None)
     if job.trainer in pool.trainers and trainer_can_train(job.trainer, job.training):
         return job.trainer
     return None
@@ -148,12 +149,10 @@ def trainer_for(job: JobRequest, pool: NodePool) -> str | None:
 def trainer_refusal(job: JobRequest, pool: NodePool) -> str:
     """Why ``trainer_for(job, pool)`` is None, in a user's words (no pool name)."""
     runs = f"runs {'/'.join(pool.trainers)}"
-    if job.trainer != "auto" and not trains_method(job.trainer, job.training.objective):
-        return f"{runs}, job asks for {job.trainer}, which does not run reinforcement fine-tuning"
     if job.trainer != "auto" and not trainer_can_train(job.trainer, job.training):
         return f"{runs}, job asks for {job.trainer}, which cannot train a {base_text(job.training)}"
     if job.trainer == "auto" and job.training.objective == "reinforcement":
-        return f"{runs}, job needs fsdp_qlora (reinforcement fine-tuning)"
+        return f"{runs}, job needs fsdp_qlora (reinforcement fine-tuning with trainer auto; or name jax_lora)"
     if job.trainer == "auto":
         return f"{runs}, job needs fsdp_qlora ({base_text(job.training)})"
     return f"{runs}, job needs {job.trainer}"

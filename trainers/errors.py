@@ -31,10 +31,10 @@ class UserError(TrainerError):
     Typical codes: ``invalid_spec``, ``model_not_found``, ``corrupt_model``,
     ``unsupported_architecture``, ``dataset_not_found``, ``invalid_dataset``,
     ``nan_loss``, ``invalid_parallelism``, ``offload_requires_accelerator``; for
-    reinforcement fine-tuning ``method_unsupported`` (the JAX trainer),
-    ``reinforcement_multi_rank``, ``invalid_grader``, ``grader_unavailable``; for a job that
-    continues a fine-tuned model ``parent_adapter_not_found``, ``invalid_parent_adapter``,
-    ``parent_adapter_mismatch`` (``trainers.common.lineage``).
+    reinforcement fine-tuning ``method_unsupported`` (its prompts read as supervised data),
+    ``reinforcement_multi_rank`` (the torch trainer), ``invalid_grader``, ``grader_unavailable``;
+    for a job that continues a fine-tuned model ``parent_adapter_not_found``,
+    ``invalid_parent_adapter``, ``parent_adapter_mismatch`` (``trainers.common.lineage``).
     """
 
     exit_code = ExitCode.USER_ERROR

@@ -69,12 +69,17 @@ def trains_base(trainer: str, quantization: str, double_quant: bool = False) -> 
     return quantization in ("none", "nf4") and not double_quant
 
 
-def trains_method(trainer: str, method: str) -> bool:
-    """Whether ``trainer`` runs ``method``: reinforcement fine-tuning (its sampling loop)
-    runs on ``fsdp_qlora`` only; both trainers run supervised and DPO. The API, the
-    scheduler's placement ("auto" picks a trainer that runs the method) and the trainers
-    ask this."""
-    return method != "reinforcement" or trainer == "fsdp_qlora"
+# The trainers "auto" may place a method's job on (a method not listed: any). Both trainers
+# run every method when a job names one; "auto" keeps reinforcement jobs on fsdp_qlora,
+# where they ran before the JAX trainer could run them, so a pool's preference for
+# jax_lora does not move them.
+AUTO_METHOD_TRAINERS: dict[str, tuple[str, ...]] = {"reinforcement": ("fsdp_qlora",)}
+
+
+def auto_runs_method(trainer: str, method: str) -> bool:
+    """Whether trainer "auto" may place a ``method`` job on ``trainer``
+    (:data:`AUTO_METHOD_TRAINERS`); the scheduler's placement asks this."""
+    return trainer in AUTO_METHOD_TRAINERS.get(method, (trainer,))
 
 
 class _Strict(BaseModel):

@@ -13,13 +13,12 @@ the file is already validated, else the job fails with that code once it is).
 A reinforcement job (``method.type`` "reinforcement") is checked in full (its grader as
 ``POST /v1/fine_tuning/alpha/graders/validate`` checks it, by :func:`check_reinforcement`;
 its files and their format; each ``{{item.<key>}}`` its grader reads must be a key every
-line of a validated file has, else 400 ``grader_item_missing``). Only the torch trainer
-(``fsdp_qlora``, on one GPU) runs it, so a job that could only fail is not created
-(:func:`method_not_available`): an explicit ``jax_lora`` trainer is refused with 400
-``method_not_available``, more than one pinned GPU and a ``score_model`` grader (no model
-endpoint reaches a trainer) with 400 ``invalid_request``; ``auto`` places it on
-fsdp_qlora (``trainers.spec.trains_method``). The trainers refuse such specs too
-(``method_unsupported``, ``reinforcement_multi_rank``, ``grader_unavailable``).
+line of a validated file has, else 400 ``grader_item_missing``). Both trainers run it on
+one GPU (``auto`` places it on fsdp_qlora, ``trainers.spec.auto_runs_method``), so a job
+that could only fail is not created (:func:`reinforcement_unavailable`): more than one
+pinned GPU and a ``score_model`` grader (no model endpoint reaches a trainer) are refused
+with 400 ``invalid_request``. The trainers refuse such specs too
+(``reinforcement_multi_rank``, ``grader_unavailable``).
 
 A job whose ``model`` is a fine-tuned model (or one of its checkpoints) continues it
 (``api.jobs.lineage``): it is checked and recorded there, and trains on that model's base.
@@ -60,8 +59,8 @@ from control.queue import SCHEDULE, TaskQueue
 from control.settings import Settings
 from scheduling.model_files import missing_model_files
 from trainers.common.graders import GraderInvalid, parse_grader
-from trainers.common.graders.models import item_references
-from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base, trains_method
+from trainers.common.graders.models import item_references, uses_model_grader
+from trainers.spec import DEFAULT_MAX_SEQ_LEN, trains_base
 
 log = logging.getLogger(__name__)
 
@@ -161,36 +160,24 @@ def grader_item_mismatch(body: JobCreate, file: File, param: str) -> APIError | 
     return None
 
 
-def method_not_available(settings: JobSettings) -> APIError | None:
-    """A 400 for a job of a method its trainer choice cannot run (module doc); None otherwise."""
+def reinforcement_unavailable(settings: JobSettings) -> APIError | None:
+    """A 400 for a reinforcement job no trainer can run as asked (module doc); None otherwise."""
     method = settings.method
     if method.type != "reinforcement":
         return None
-    if settings.trainer != "auto" and not trains_method(settings.trainer, method.type):
-        return APIError(
-            400, "method_not_available",
-            "Reinforcement fine-tuning (method.type 'reinforcement') runs on the fsdp_qlora trainer only: the "
-            f"{settings.trainer} trainer does not run it yet. Use trainer 'fsdp_qlora' or 'auto'.", param="trainer")
     if settings.placement.gpus is not None and settings.placement.gpus > 1:
         return APIError(
             400, "invalid_request",
             "Reinforcement fine-tuning runs on one GPU (its trainer samples on one process); "
             f"placement.gpus {settings.placement.gpus} cannot be used. Pin 1 or leave it unset.",
             param="placement.gpus")
-    if _uses_model_grader(method.grader):  # type: ignore[union-attr]
+    if uses_model_grader(method.grader):  # type: ignore[union-attr]
         return APIError(
             400, "invalid_request",
             "A score_model grader cannot grade during training here: no model endpoint reaches the trainer. "
             "Use string_check, text_similarity or python graders (graders/run still runs score_model).",
             param=GRADER_PARAM)
     return None
-
-
-def _uses_model_grader(grader: Any) -> bool:
-    """Whether the grader object is, or (a ``multi``) contains, a ``score_model`` grader."""
-    subs = grader.get("graders") if isinstance(grader, dict) else None
-    leaves = [grader] + (list(subs.values()) if isinstance(subs, dict) else [])
-    return any(isinstance(g, dict) and g.get("type") == "score_model" for g in leaves)
 
 
 def require_model_files(model: BaseModelEntry) -> None:
@@ -254,7 +241,7 @@ def create_job(
             mismatch = grader_item_mismatch(body, file, param)
         if mismatch is not None:
             raise mismatch
-    unavailable = method_not_available(job_settings)
+    unavailable = reinforcement_unavailable(job_settings)
     if unavailable is not None:
         raise unavailable
     job = Job(

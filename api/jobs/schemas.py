@@ -18,10 +18,10 @@ reinforcement prompts, a supervised job on any other format.
 Reinforcement: the grader is checked as ``POST /v1/fine_tuning/alpha/graders/validate``
 checks it (400 with the grader's code and field, e.g. ``method.reinforcement.grader.operation``);
 ``compute_multiplier`` is the number of completions sampled per prompt, 4 x the multiplier
-(``control.job_settings.samples_per_prompt``). The fsdp_qlora trainer runs it on one GPU
-(``auto`` picks it); an explicit JAX trainer is refused with 400 ``method_not_available``
-(``api.jobs.commands.method_not_available``), as are more than one pinned GPU and a
-``score_model`` grader (400 ``invalid_request``).
+(``control.job_settings.samples_per_prompt``). Both trainers run it on one GPU (``auto``
+picks fsdp_qlora; ``trainer`` ``jax``/``jax_lora`` runs it on the JAX trainer); more than one
+pinned GPU and a ``score_model`` grader are refused with 400 ``invalid_request``
+(``api.jobs.commands.reinforcement_unavailable``).
 
 ``model`` is a base model, or (as OpenAI's) a fine-tuned model or checkpoint the job
 continues (``api.jobs.lineage``); the job object keeps it as given and adds ``base_model``.

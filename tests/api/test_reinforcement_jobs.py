@@ -1,7 +1,7 @@
 """Reinforcement jobs through the API: OpenAI's ``method.reinforcement`` object is checked in
 full (hyperparameters, grader, response format, the files' format); a valid job is created for
-the torch trainer (``auto`` or ``fsdp_qlora``, one GPU) and refused for the JAX trainer with 400
-``method_not_available``, which does not run reinforcement fine-tuning yet.
+either trainer (``auto``, ``fsdp_qlora`` or ``jax``, one GPU) and refused where no trainer can run
+it (more than one GPU, a ``score_model`` grader).
 
 Driven with the official ``openai`` SDK where a client would use it, and with raw bodies for the
 errors (the SDK's types would refuse some of them before sending).
@@ -44,7 +44,7 @@ def _upload(oai, data: bytes) -> str:
     return file.id
 
 
-def test_a_valid_reinforcement_job_is_created_for_the_torch_trainer(sdk, client) -> None:
+def test_a_valid_reinforcement_job_is_created_for_either_trainer(sdk, client) -> None:
     oai, tenant = sdk
     training = _upload(oai, prompt_lines(12))
     job = oai.fine_tuning.jobs.create(
@@ -57,18 +57,18 @@ def test_a_valid_reinforcement_job_is_created_for_the_torch_trainer(sdk, client)
     assert job.status in ("validating_files", "queued")
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.to_dict() == GRADER
     assert [j.id for j in oai.fine_tuning.jobs.list().data] == [job.id]
-    explicit = client.post(JOBS, headers=tenant.headers, json={
-        "model": "tunefleet-tiny-llama", "training_file": training, "trainer": "fsdp_qlora", "method": rft()})
-    assert explicit.status_code == 200, explicit.text
-    assert explicit.json()["trainer"] == "fsdp_qlora"
+    for trainer, shown in (("fsdp_qlora", "fsdp_qlora"), ("jax", "jax_lora"), ("jax_lora", "jax_lora")):
+        explicit = client.post(JOBS, headers=tenant.headers, json={
+            "model": "tunefleet-tiny-llama", "training_file": training, "trainer": trainer, "method": rft()})
+        assert explicit.status_code == 200, explicit.text
+        assert explicit.json()["trainer"] == shown  # the API's "jax" is the jax_lora trainer
 
 
 @pytest.mark.parametrize(
     ("patch", "code", "param"),
     [
-        ({"trainer": "jax"}, "method_not_available", "trainer"),
-        ({"trainer": "jax_lora"}, "method_not_available", "trainer"),
         ({"placement": {"gpus": 2}}, "invalid_request", "placement.gpus"),
+        ({"trainer": "jax", "placement": {"gpus": 2}}, "invalid_request", "placement.gpus"),
         ({"method": rft({"type": "score_model", "name": "s", "model": "tunefleet-tiny-llama",
                          "input": [{"role": "user", "content": "{{sample.output_text}}"}]})},
          "invalid_request", "method.reinforcement.grader"),

@@ -1,5 +1,5 @@
-"""A reinforcement fine-tuning job submitted with the official ``openai`` SDK trains on the
-torch trainer and raises the grader's reward on held-out prompts.
+"""A reinforcement fine-tuning job submitted with the official ``openai`` SDK trains on each
+trainer and raises the grader's reward on held-out prompts.
 
 The real processes (API, Celery worker, scheduler loop, trainer subprocess) on the embedded
 backend; the base model is the demo's tiny random Llama. The task is trivially learnable:
@@ -24,9 +24,11 @@ GRADER = {"type": "python", "name": "lowercase",
           "source": "def grade(sample, item):\n    text = sample['output_text']\n"
                     "    return sum(c.islower() for c in text) / max(len(text), 1)\n"}
 # Measured on this job (seed 5, 2 CPU cores): held-out reward 0.0 at the first evaluation
-# (step 4), then 0.41, 0.41, 0.62, 1.0, 1.0 (step 24). The sampled training reward stays near
-# 0.1 (0.10 over the first 6 steps, 0.13 over the last 6): the frozen head of a random model
-# this small barely sharpens its near-uniform distribution, but its most likely answer moves.
+# (step 4), then 0.41, 0.41, 0.62, 1.0, 1.0 (step 24) on fsdp_qlora, and 0.5, 1.0, 1.0, 1.0,
+# 1.0 on jax_lora (its own draws: the trainers share the seed rule, not the random streams).
+# The sampled training reward stays near 0.1 (fsdp_qlora: 0.10 over the first 6 steps, 0.13
+# over the last 6): the frozen head of a random model this small barely sharpens its
+# near-uniform distribution, but its most likely answer moves.
 HELD_OUT_FLOOR = 0.5
 
 
@@ -35,7 +37,8 @@ def prompt_lines(n: int, start: int = 0) -> bytes:
                                 "id": i}).encode() + b"\n" for i in range(start, start + n))
 
 
-def test_reinforcement_job_raises_the_held_out_reward(service) -> None:
+@pytest.mark.parametrize("trainer", ["fsdp_qlora", "jax"])
+def test_reinforcement_job_raises_the_held_out_reward(service, trainer: str) -> None:
     from openai import OpenAI
 
     svc = service("embedded")
@@ -47,8 +50,9 @@ def test_reinforcement_job_raises_the_held_out_reward(service) -> None:
         method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {
             "n_epochs": 6, "batch_size": 4, "compute_multiplier": 1, "eval_interval": 4, "eval_samples": 1,
             "learning_rate": 0.05, "max_completion_tokens": 8}}},
-        extra_body={"max_seq_len": 64, "adapter": {"method": "lora", "r": 8, "alpha": 16,
-                                                   "target_modules": ["q_proj", "v_proj", "down_proj"]}},
+        extra_body={"trainer": trainer, "max_seq_len": 64,
+                    "adapter": {"method": "lora", "r": 8, "alpha": 16,
+                                "target_modules": ["q_proj", "v_proj", "down_proj"]}},
     )
     assert job.method.type == "reinforcement"
     with svc.http() as http:

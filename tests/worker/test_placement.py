@@ -98,7 +98,9 @@ TRAINERS = [
     ("auto reinforcement on jax only", make_job().lora("7b")._t(objective="reinforcement", group_size=4),
      ("jax_lora",), None),
     ("pinned jax_lora reinforcement", make_job().lora("7b")._t(objective="reinforcement").trainer("jax_lora"),
-     BOTH, None),
+     BOTH, "jax_lora"),
+    ("pinned jax_lora reinforcement on jax only",
+     make_job().lora("7b")._t(objective="reinforcement").trainer("jax_lora"), ("jax_lora",), "jax_lora"),
 ]
 
 

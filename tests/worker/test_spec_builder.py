@@ -138,8 +138,8 @@ def test_a_supervised_job_maps_to_the_supervised_method(client, tenant_key, db_s
 def test_a_reinforcement_row_maps_to_the_reinforcement_method_and_the_trainer_refuses_it(
         client, tenant_key, db_session, settings):
     # A reinforcement row (its settings' columns, resolved) builds its spec; the supervised
-    # and DPO data entry refuses it with a clear code (the JAX trainer's path) instead of
-    # training the prompts as supervised data; the torch trainer reads them as prompts.
+    # and DPO data entry refuses it with a clear code instead of training the prompts as
+    # supervised data; both trainers read them as prompts (load_reinforcement_data).
     from api.jobs.schemas import JobCreate
     from control.jobs.hyperparameters import resolve_settings
     from trainers.common.preference import load_training_data

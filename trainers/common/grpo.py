@@ -4,7 +4,8 @@ clipped policy-ratio loss on sampled completions, in PyTorch.
 Reinforcement fine-tuning samples ``G`` completions per prompt (``samples_per_prompt``),
 scores each with the job's grader, and trains on them:
 
-1. :func:`group_advantages`: each completion's reward relative to its own prompt's group,
+1. :func:`group_advantages` (``trainers.common.reinforcement``'s, on tensors): each
+   completion's reward relative to its own prompt's group,
    ``A = (r - mean_group(r)) / (std_group(r) + eps)`` (``std`` with Bessel's correction,
    ``eps`` = 1e-4), so a prompt every sample solves (or fails) teaches nothing and no
    reward scale needs tuning. The completions of one prompt are contiguous rows.
@@ -43,36 +44,18 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers.common.reinforcement import ADVANTAGE_EPS
+from trainers.common.reinforcement import group_advantages as advantages_of
 from trainers.spec import GrpoLossType
-
-ADVANTAGE_EPS = 1e-4
-"""Added to a group's reward std: a group whose rewards are all equal gets advantage 0."""
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = ADVANTAGE_EPS,
                      scale: bool = True) -> torch.Tensor:
-    """Each completion's advantage within its prompt's group.
-
-    Args:
-        rewards: ``(n_prompts x group_size,)`` rewards, each prompt's completions contiguous.
-        group_size: completions per prompt (at least 2: one alone has no baseline).
-        eps: added to the group's std.
-        scale: divide by the group's std (False: the mean-centred reward, as Dr. GRPO).
-
-    Returns:
-        ``(n_prompts x group_size,)`` advantages, in ``rewards``' dtype.
-    """
-    if group_size < 2:
-        raise ValueError(f"group_size must be at least 2, got {group_size}")
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be a flat tensor of whole groups of {group_size}, got shape "
-                         f"{tuple(rewards.shape)}")
-    grouped = rewards.view(-1, group_size)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
-    if not scale:
-        return centred
-    std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)  # Bessel-corrected
-    return centred / (std + eps)
+    """Each completion's advantage within its prompt's group, as a tensor on ``rewards``'
+    device: ``trainers.common.reinforcement.group_advantages`` (the one rule both trainers
+    apply) on the rewards, which the grader computed on the host."""
+    values = advantages_of(rewards.detach().cpu().numpy(), group_size, eps=eps, scale=scale)
+    return torch.as_tensor(values, dtype=rewards.dtype, device=rewards.device)
 
 
 @dataclass(frozen=True)

@@ -227,14 +227,14 @@ def load_training_data(spec: Any, tokenizer: Any, *, pad_to: int | None = None) 
 
     Raises:
         UserError: ``method_unsupported`` for a reinforcement spec: its prompts are read by
-            ``trainers.common.reinforcement.load_reinforcement_data`` for the sampling loop,
-            which only the fsdp_qlora trainer runs; reading them as supervised examples
-            would train something else than was asked.
+            ``trainers.common.reinforcement.load_reinforcement_data`` for the sampling loop
+            (both recipes do); reading them as supervised examples would train something
+            else than was asked.
     """
     if spec.method.type == "reinforcement":
         raise UserError(
-            f"method.type 'reinforcement' is not supported by the {spec.trainer} trainer yet: only the fsdp_qlora "
-            "trainer samples and grades completions during training; the job did not train",
+            "method.type 'reinforcement' trains on completions sampled from its prompts, not on the file as "
+            "supervised examples; the job did not train",
             code="method_unsupported",
         )
     load = load_preference_data if spec.method.type == "dpo" else load_job_data

@@ -242,7 +242,10 @@ class SteppedRecipe(Recipe):
 
     @property
     def eval_every_n_steps(self) -> int | None:
-        """The evaluation cadence: ``eval.every_n_steps`` unless the method has its own."""
+        """The evaluation cadence: ``eval.every_n_steps``; when it is unset, a reinforcement
+        job's own (OpenAI's ``eval_interval``)."""
+        if self.spec.eval.every_n_steps is None and self.spec.method.type == "reinforcement":
+            return self.spec.method.reinforcement.eval_interval
         return self.spec.eval.every_n_steps
 
     def agree_to_stop(self, requested: bool) -> bool:

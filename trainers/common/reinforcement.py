@@ -20,14 +20,23 @@ max_seq_len - prompt tokens)`` new tokens at most.
 The metric names a reinforcement run reports per step (:data:`REINFORCEMENT_KEYS`) and at
 evaluation (:data:`VALID_REINFORCEMENT_KEYS`) live here, beside DPO's in
 ``trainers.common.preference``, for the common metric row (``trainers.common.loop``).
+
+Everything else a GRPO step does that no framework changes is here too, so both trainers
+(``trainers/fsdp_qlora/grpo_step.py``, ``trainers/jax_lora/grpo.py``) run the same rules:
+the job's settings with its grader parsed (:func:`grpo_objective`), the tokens that end
+an answer (:func:`stop_token_ids`), the seed of a step's draws (:func:`sampling_seed`),
+grading (:func:`grade_completions`), the group advantages (:func:`group_advantages`) and
+a step's metrics (:func:`step_metrics`). Numpy only: the JAX trainer has no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trainers.common.data import (
     ChatTemplateError,
@@ -40,6 +49,8 @@ from trainers.common.data import (
     epoch_order,
 )
 from trainers.common.formats import FormatError, ReinforcementExample, read_reinforcement_examples
+from trainers.common.graders import GraderInvalid, GradingContext, grade_batch, parse_grader, sample_namespace
+from trainers.common.graders.models import uses_model_grader
 from trainers.errors import UserError
 
 REINFORCEMENT_KEYS = ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_length")
@@ -48,6 +59,13 @@ the reference (None with ``kl_coef`` 0), the fraction of completion tokens whose
 clipped, and the mean completion length in tokens."""
 VALID_REINFORCEMENT_KEYS = ("valid_reward_mean",)
 """An evaluation's metric: the mean reward of the validation prompts' completions."""
+
+ADVANTAGE_EPS = 1e-4
+"""Added to a group's reward std: a group whose rewards are all equal gets advantage 0."""
+
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+"""End-of-turn tokens of common chat templates (Llama 3, ChatML/Qwen, Gemma, Phi): a sampled
+answer stops at any of them that the tokenizer has, besides its EOS."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,12 @@ class PromptData:
         """Micro-batches of prompts per epoch (``total_optimizer_steps`` counts steps from it)."""
         return -(-len(self) // self.micro_batch_size)
 
+    def evaluation_prompts(self, max_batches: int | None) -> list[Prompt]:
+        """The prompts an evaluation reads: the first ``max_batches`` micro-batches of epoch
+        0's order (all of them with None); a validation set keeps its file order."""
+        n = len(self) if max_batches is None else min(len(self), max_batches * self.micro_batch_size)
+        return [self.dataset.prompts[i] for i in self.order(0)[:n]]
+
     def take(self, cursor: DataCursor, n: int) -> tuple[list[Prompt], DataCursor]:
         """The ``n`` prompts from ``cursor`` on (across epochs) and the cursor after them."""
         epoch, position = cursor.epoch, cursor.position
@@ -188,3 +212,140 @@ def load_reinforcement_data(spec: Any, tokenizer: Any) -> ReinforcementJobData:
 
     return ReinforcementJobData(train=data(d.train_file, d.shuffle),
                                 validation=data(d.validation_file, False) if d.validation_file else None)
+
+
+@dataclass(frozen=True)
+class GrpoObjective:
+    """What a GRPO step needs besides the model: the spec's method settings, the parsed
+    grader, the tokens that end an answer, the padding id and the tokenizer's decoder."""
+
+    grader: Any
+    samples_per_prompt: int
+    temperature: float
+    kl_coef: float
+    clip_epsilon: float
+    loss_type: str
+    max_completion_tokens: int
+    eval_samples: int
+    stop_ids: frozenset[int]
+    pad_id: int
+    decode: Callable[[Sequence[int]], str]
+    grading: GradingContext = field(default_factory=GradingContext)
+
+
+def stop_token_ids(tokenizer: Any, model_dir: str) -> frozenset[int]:
+    """The ids that end a sampled answer: the tokenizer's EOS, the end-of-turn tokens it
+    has (:data:`END_OF_TURN_TOKENS`) and the model's ``generation_config`` EOS ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids.update(int(vocab[t]) for t in END_OF_TURN_TOKENS if t in vocab)
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return frozenset(ids)
+
+
+def grpo_objective(spec: Any, tokenizer: Any) -> GrpoObjective:
+    """The GRPO settings of a reinforcement spec, with its grader parsed and checked.
+
+    Raises:
+        UserError: ``invalid_grader`` for a grader the parser refuses (the API checked it;
+            a hand-written spec may not have been); ``grader_unavailable`` for a
+            ``score_model`` grader, which needs a chat-completion endpoint the trainer has
+            no access to (every reward would be 0).
+    """
+    rft = spec.method.reinforcement
+    try:
+        grader = parse_grader(rft.grader, param="method.reinforcement.grader")
+    except GraderInvalid as exc:
+        raise UserError(f"method.reinforcement.grader: {exc}", code="invalid_grader") from exc
+    if uses_model_grader(rft.grader):
+        raise UserError("score_model graders are not available during training (no model endpoint reaches the "
+                        "trainer); use string_check, text_similarity or python graders", code="grader_unavailable")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return GrpoObjective(
+        grader=grader, samples_per_prompt=rft.samples_per_prompt, temperature=rft.temperature,
+        kl_coef=rft.kl_coef, clip_epsilon=rft.clip_epsilon, loss_type=rft.loss_type,
+        max_completion_tokens=rft.max_completion_tokens, eval_samples=rft.eval_samples,
+        stop_ids=stop_token_ids(tokenizer, spec.model.path), pad_id=pad_id,
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+    )
+
+
+def sampling_seed(seed: int, step: int, *, stream: int = 0) -> int:
+    """The seed of step ``step``'s draws (``stream`` 1: an evaluation's): a function of the
+    job's seed and the step alone, so a resumed run samples what the uninterrupted one did
+    without saving any generator state."""
+    return ((seed * 1_000_003 + step) * 4_099 + stream) % (1 << 63)
+
+
+def cut_at_stop(tokens: Sequence[int], stop_ids: frozenset[int]) -> list[int]:
+    """A drawn row up to and including its first stop token (the whole row without one)."""
+    end = next((i + 1 for i, x in enumerate(tokens) if x in stop_ids), len(tokens))
+    return [int(x) for x in tokens[:end]]
+
+
+def grade_completions(objective: GrpoObjective, completions: Sequence[Sequence[int]],
+                      items: Sequence[dict[str, Any]]) -> np.ndarray:
+    """The grader's reward of each completion, ``(n,)`` float32: its text decoded without
+    special tokens, ``finish_reason`` "stop" for one that ended at a stop token, "length"
+    for one cut at its token budget; a sample the grader cannot score gets 0."""
+    samples = [sample_namespace(objective.decode(c), finish_reason="stop" if c and c[-1] in objective.stop_ids
+                                else "length") for c in completions]
+    results = grade_batch(objective.grader, samples, items, objective.grading)
+    return np.array([float(r.reward) for r in results], dtype=np.float32)
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, *, eps: float = ADVANTAGE_EPS,
+                     scale: bool = True) -> np.ndarray:
+    """Each completion's advantage within its prompt's group: ``(r - mean_group(r)) /
+    (std_group(r) + eps)``, the std with Bessel's correction (TRL's group scaling).
+
+    Args:
+        rewards: ``(n_prompts x group_size,)`` rewards, each prompt's completions contiguous.
+        group_size: completions per prompt (at least 2: one alone has no baseline).
+        eps: added to the group's std.
+        scale: divide by the group's std (False: the mean-centred reward, as Dr. GRPO).
+
+    Returns:
+        ``(n_prompts x group_size,)`` advantages, in ``rewards``' dtype.
+    """
+    rewards = np.asarray(rewards)
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2, got {group_size}")
+    if rewards.ndim != 1 or rewards.size % group_size:
+        raise ValueError(f"rewards must be a flat array of whole groups of {group_size}, got shape {rewards.shape}")
+    grouped = rewards.reshape(-1, group_size)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if scale:
+        centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + eps)
+    return centred.reshape(-1).astype(rewards.dtype)
+
+
+def step_metrics(rewards: np.ndarray, completion_lengths: Sequence[int], *, kl_sum: float | None,
+                 clipped_tokens: float) -> dict[str, float | None]:
+    """A step's :data:`REINFORCEMENT_KEYS`: the rewards' mean and (Bessel) std over its
+    completions, the KL per completion token (``kl_sum`` None without a reference), the
+    fraction of completion tokens whose ratio was clipped and the mean completion length."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    tokens = float(sum(completion_lengths))
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
+        "kl": kl_sum / tokens if kl_sum is not None else None,
+        "clip_fraction": clipped_tokens / tokens,
+        "completion_length": tokens / len(completion_lengths),
+    }
+
+
+def evaluation_metrics(rewards: np.ndarray) -> dict[str, float | None]:
+    """An evaluation's row values: ``valid_reward_mean``; a reinforcement run has no
+    validation loss or token accuracy."""
+    return {"valid_loss": None, "token_accuracy": None, "valid_reward_mean": float(np.mean(rewards))}

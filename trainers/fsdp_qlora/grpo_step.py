@@ -35,17 +35,24 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from trainers.common.graders import GradingContext, grade_batch, sample_namespace
 from trainers.common.grpo import group_advantages, grpo_loss
-from trainers.common.reinforcement import Prompt
+from trainers.common.reinforcement import (
+    GrpoObjective,
+    Prompt,
+    cut_at_stop,
+    evaluation_metrics,
+    grade_completions,
+    sampling_seed,
+    step_metrics,
+)
 from trainers.fsdp_qlora.distributed import DistContext
 from trainers.fsdp_qlora.train_step import (
     LabelCrossEntropy,
@@ -56,51 +63,10 @@ from trainers.fsdp_qlora.train_step import (
     trained_adapter_disabled,
 )
 
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
-"""End-of-turn tokens of common chat templates (Llama 3, ChatML/Qwen, Gemma, Phi): a sampled
-answer stops at any of them that the tokenizer has, besides its EOS."""
-
-
-@dataclass(frozen=True)
-class GrpoObjective:
-    """What a GRPO step needs besides the model: the spec's method settings, the parsed
-    grader, the tokens that end an answer, the padding id and the tokenizer's decoder."""
-
-    grader: Any
-    samples_per_prompt: int
-    temperature: float
-    kl_coef: float
-    clip_epsilon: float
-    loss_type: str
-    max_completion_tokens: int
-    eval_samples: int
-    stop_ids: frozenset[int]
-    pad_id: int
-    decode: Callable[[Sequence[int]], str]
-    grading: GradingContext = field(default_factory=GradingContext)
-
-
-def stop_token_ids(tokenizer: Any, model_dir: str) -> frozenset[int]:
-    """The ids that end a sampled answer (module doc, step 1)."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    vocab = tokenizer.get_vocab()
-    ids.update(int(vocab[t]) for t in END_OF_TURN_TOKENS if t in vocab)
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except (OSError, ValueError):
-        eos = None
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return frozenset(ids)
-
 
 def sampling_generator(seed: int, step: int, device: torch.device, *, stream: int = 0) -> torch.Generator:
     """The generator of step ``step``'s draws (``stream`` 1: an evaluation's)."""
-    return torch.Generator(device=device).manual_seed(((seed * 1_000_003 + step) * 4_099 + stream) % (1 << 63))
+    return torch.Generator(device=device).manual_seed(sampling_seed(seed, step, stream=stream))
 
 
 @torch.no_grad()
@@ -130,22 +96,7 @@ def sample_group(model: nn.Module, prompt: Prompt, n: int, objective: GrpoObject
             warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated", category=FutureWarning)
             out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1, :]
-    matrix = torch.stack(drawn, dim=1).tolist()
-    completions = []
-    for row in matrix:
-        end = next((i + 1 for i, x in enumerate(row) if x in objective.stop_ids), len(row))
-        completions.append(row[:end])
-    return completions
-
-
-def grade_completions(objective: GrpoObjective, completions: Sequence[Sequence[int]],
-                      items: Sequence[dict[str, Any]]) -> torch.Tensor:
-    """The grader's reward of each completion, ``(n,)`` float32 (``finish_reason`` "stop"
-    for one that ended at a stop token, "length" for one cut at its token budget)."""
-    samples = [sample_namespace(objective.decode(c), finish_reason="stop" if c and c[-1] in objective.stop_ids
-                                else "length") for c in completions]
-    results = grade_batch(objective.grader, samples, items, objective.grading)
-    return torch.tensor([float(r.reward) for r in results], dtype=torch.float32)
+    return [cut_at_stop(row, objective.stop_ids) for row in torch.stack(drawn, dim=1).tolist()]
 
 
 @dataclass(frozen=True)
@@ -216,7 +167,7 @@ def sample_and_grade(model: nn.Module, prompts: Sequence[Prompt], objective: Grp
         for prompt in prompts:
             completions.extend(sample_group(model, prompt, n, objective, ctx.device, generator))
     flat = [p for p in prompts for _ in range(n)]
-    rewards = grade_completions(objective, completions, [p.item for p in flat])
+    rewards = torch.from_numpy(grade_completions(objective, completions, [p.item for p in flat]))
     return _Sampled(flat, completions, rewards)
 
 
@@ -256,14 +207,8 @@ def grpo_backward(model: nn.Module, sampled: _Sampled, objective: GrpoObjective,
         kl_sum += (out.metrics.kl or 0.0) * micro_tokens
         clip_sum += out.metrics.clip_fraction * micro_tokens
         tokens += rows.tokens
-    rewards = sampled.rewards
-    metrics: dict[str, float | None] = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "kl": kl_sum / completion_tokens if objective.kl_coef > 0 else None,
-        "clip_fraction": clip_sum / completion_tokens,
-        "completion_length": completion_tokens / len(lengths),
-    }
+    metrics = step_metrics(sampled.rewards.numpy(), lengths, kl_sum=kl_sum if objective.kl_coef > 0 else None,
+                           clipped_tokens=clip_sum)
     return loss_total, metrics, completion_tokens, tokens
 
 
@@ -288,9 +233,7 @@ def evaluate_rewards(model: nn.Module, data: Any, ctx: DistContext, max_batches:
     the completion is greedy (deterministic, the policy's most likely answer); with more,
     that many are sampled per prompt at the job's temperature from a generator seeded by
     (seed, step)."""
-    n = len(data) if max_batches is None else min(len(data), max_batches * data.micro_batch_size)
-    prompts = [data.dataset.prompts[i] for i in data.order(0)[:n]]
     samples = objective.eval_samples
     generator = None if samples == 1 else sampling_generator(seed, step, ctx.device, stream=1)
-    sampled = sample_and_grade(model, prompts, objective, ctx, generator, samples)
-    return {"valid_loss": None, "token_accuracy": None, "valid_reward_mean": float(sampled.rewards.mean())}
+    sampled = sample_and_grade(model, data.evaluation_prompts(max_batches), objective, ctx, generator, samples)
+    return evaluation_metrics(sampled.rewards.numpy())

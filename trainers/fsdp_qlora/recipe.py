@@ -71,7 +71,7 @@ from trainers.common.memory import return_freed_tensors_to_the_os
 from trainers.common.outputs import MetricsLog
 from trainers.common.preference import load_training_data
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
-from trainers.common.reinforcement import load_reinforcement_data
+from trainers.common.reinforcement import GrpoObjective, grpo_objective, load_reinforcement_data
 from trainers.common.schedules import learning_rate_at
 from trainers.common.step_fit import fallback_steps
 from trainers.errors import OutOfMemory, UserError
@@ -91,7 +91,7 @@ from trainers.fsdp_qlora.distributed import (
     destroy_distributed,
     init_distributed,
 )
-from trainers.fsdp_qlora.grpo_step import GrpoObjective, evaluate_rewards, grpo_train_step, stop_token_ids
+from trainers.fsdp_qlora.grpo_step import evaluate_rewards, grpo_train_step
 from trainers.fsdp_qlora.loading import build_model, options_from_spec
 from trainers.fsdp_qlora.step_fit import (
     CHECKPOINTING_ORDER,
@@ -313,13 +313,6 @@ class FsdpQloraRecipe(SteppedRecipe):
             return evaluate_preference(self.model, self.data.validation, self._ctx, max_batches, self.dpo)
         return evaluate(self.model, self.data.validation, self._ctx, max_batches)
 
-    @property
-    def eval_every_n_steps(self) -> int | None:
-        # A reinforcement job's own cadence (OpenAI's eval_interval) when the spec's eval has none.
-        if self.grpo is not None and self.spec.eval.every_n_steps is None:
-            return self.spec.method.reinforcement.eval_interval
-        return self.spec.eval.every_n_steps
-
     def memory_bytes(self) -> int | None:
         return self.peak.since_start()
 
@@ -384,43 +377,6 @@ def check_reinforcement_layout(spec: Any) -> None:
             f"for world_size {spec.parallelism.world_size}: set parallelism.world_size to 1",
             code="reinforcement_multi_rank",
         )
-
-
-def grpo_objective(spec: Any, tokenizer: Any) -> GrpoObjective:
-    """The GRPO settings of a reinforcement spec, with its grader parsed and checked.
-
-    Raises:
-        UserError: ``invalid_grader`` for a grader the parser refuses (the API checked it;
-            a hand-written spec may not have been); ``grader_unavailable`` for a
-            ``score_model`` grader, which needs a chat-completion endpoint the trainer has
-            no access to (every reward would be 0).
-    """
-    from trainers.common.graders import GraderInvalid, parse_grader
-
-    rft = spec.method.reinforcement
-    try:
-        grader = parse_grader(rft.grader, param="method.reinforcement.grader")
-    except GraderInvalid as exc:
-        raise UserError(f"method.reinforcement.grader: {exc}", code="invalid_grader") from exc
-    if _uses_model_grader(rft.grader):
-        raise UserError("score_model graders are not available during training on this trainer (no model endpoint "
-                        "reaches it); use string_check, text_similarity or python graders",
-                        code="grader_unavailable")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return GrpoObjective(
-        grader=grader, samples_per_prompt=rft.samples_per_prompt, temperature=rft.temperature,
-        kl_coef=rft.kl_coef, clip_epsilon=rft.clip_epsilon, loss_type=rft.loss_type,
-        max_completion_tokens=rft.max_completion_tokens, eval_samples=rft.eval_samples,
-        stop_ids=stop_token_ids(tokenizer, spec.model.path), pad_id=pad_id,
-        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-    )
-
-
-def _uses_model_grader(grader: Any) -> bool:
-    """Whether the grader object is, or (a ``multi``) contains, a ``score_model`` grader."""
-    subs = grader.get("graders") if isinstance(grader, dict) else None
-    leaves = [grader] + (list(subs.values()) if isinstance(subs, dict) else [])
-    return any(isinstance(g, dict) and g.get("type") == "score_model" for g in leaves)
 
 
 def _agree_to_stop(requested: bool, ctx: DistContext) -> bool:

@@ -60,6 +60,7 @@ def token_losses(
     constrain: Constrain,
     chunk: int = LOSS_CHUNK,
     with_accuracy: bool = False,
+    temperature: float = 1.0,
 ) -> TokenLosses:
     """NLL (and argmax correctness) of each labelled next token, ``chunk`` positions at a time.
 
@@ -70,6 +71,8 @@ def token_losses(
         chunk: positions per chunk; any size, it need not divide the sequence.
         with_accuracy: also return whether the argmax of each labelled position's logits
             is its label (evaluation: the NLL is then not differentiable).
+        temperature: the logits are divided by it first: the log-probs of the
+            distribution a sampler drew from at that temperature (GRPO, as TRL's).
     """
     rows, seq = labels.shape
     targets = labels[:, 1:]
@@ -90,7 +93,7 @@ def token_losses(
         x = jnp.swapaxes(x, 0, 1).reshape(rows, n_chunks * chunk)[:, : seq - 1]
         return jnp.take_along_axis(x, back, axis=1)
 
-    head = _HeadChunks(params, cfg, constrain)
+    head = _HeadChunks(params, cfg, constrain, temperature)
     chunks = (chunked(hidden[:, :-1]), chunked(jnp.where(mask, targets, 0)), chunked(mask))
     if with_accuracy:
         nll, correct = head.nll_and_accuracy(*chunks)
@@ -110,14 +113,15 @@ class _HeadChunks:
     independent, so scaling after the matmul is the same product up to rounding.)
     """
 
-    def __init__(self, params: Params, cfg: DecoderConfig, constrain: Constrain) -> None:
-        self.params, self.cfg, self.constrain = params, cfg, constrain
+    def __init__(self, params: Params, cfg: DecoderConfig, constrain: Constrain, temperature: float = 1.0) -> None:
+        self.params, self.cfg, self.constrain, self.temperature = params, cfg, constrain, temperature
         self.nll = jax.custom_vjp(self._nll)
         self.nll.defvjp(self._nll_forward, self._nll_backward)
 
     def _logits(self, h: jax.Array) -> jax.Array:
-        return lm_head(self.params, self.constrain(h, ("batch", "seq", "embed")), cfg=self.cfg,
-                       constrain=self.constrain)
+        logits = lm_head(self.params, self.constrain(h, ("batch", "seq", "embed")), cfg=self.cfg,
+                         constrain=self.constrain)
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     @staticmethod
     def _label_nll(logits: jax.Array, t: jax.Array, m: jax.Array) -> jax.Array:

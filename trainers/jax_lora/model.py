@@ -34,6 +34,11 @@ RoPE (incl. Llama 3.1 ``llama3`` frequency scaling), softmax in float32
 ``segment_ids`` (0 = padding) and per-segment ``positions``: a token attends only to
 earlier tokens of its own segment (and, with a sliding window, only to the last
 ``sliding_window`` of them, as transformers' sliding-window causal mask).
+
+Decoding. ``cached_hidden_states`` runs the same layers (``decoder_layer``: only the
+attention differs) on a few new tokens per row against a KV cache, for the reinforcement
+sampler (``sampling.py``): left-padded rows, each token's keys and values written at its
+slot, attention over the cached slots under an explicit mask.
 """
 
 from __future__ import annotations
@@ -370,7 +375,12 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _decoder_layer(
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+"""A layer's attention over its rotated queries, keys and values (batch, seq, heads,
+head_dim): the output and whatever the caller keeps (a decoding step: the layer's KV cache)."""
+
+
+def decoder_layer(
     h: jax.Array,
     layer: Params,
     lora: Params,
@@ -379,10 +389,13 @@ def _decoder_layer(
     cfg: DecoderConfig,
     cos: jax.Array,
     sin: jax.Array,
-    mask: jax.Array | None,
+    attend: Attend,
     runtime: LoraRuntime,
     constrain: Constrain,
-) -> jax.Array:
+) -> tuple[jax.Array, Any]:
+    """One decoder layer: ``(h + attention + MLP, attend's extra)``. ``attend`` is the one
+    difference between a training forward (causal attention over the sequence) and a
+    decoding step (attention over the KV cache, ``decode.py``)."""
     biases = layer.get("biases", {})
     parent = layer.get(PARENT_LORA, {})
 
@@ -398,14 +411,15 @@ def _decoder_layer(
     if cfg.qk_norm:  # Qwen3: normalize each head over head_dim, then rotate
         q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = constrain(attention(q, k, v, mask, cfg.head_dim), ("batch", "seq", "heads", "head_dim"))
+    attn, kept = attend(q, k, v)
+    attn = constrain(attn, ("batch", "seq", "heads", "head_dim"))
     h = h + constrain(proj("o_proj", attn), ("batch", "seq", "embed"))
 
     x = rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps)
     gate = constrain(proj("gate_proj", x), ("batch", "seq", "mlp"))
     up = constrain(proj("up_proj", x), ("batch", "seq", "mlp"))
     mlp = proj("down_proj", jax.checkpoint(swiglu)(gate, up))
-    return h + constrain(mlp, ("batch", "seq", "embed"))
+    return h + constrain(mlp, ("batch", "seq", "embed")), kept
 
 
 def attention_mask(segment_ids: jax.Array, sliding_window: int | None = None) -> jax.Array:
@@ -483,20 +497,18 @@ def hidden_states(
     mask = None if segment_ids is None else attention_mask(segment_ids, window)
     cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(cfg.rope, cfg.head_dim), compute_dtype)
 
-    # Gather the embed (fsdp) dim of the table first: XLA partitions a row lookup from a
-    # vocab-sharded table (masked gather + all-reduce) but not from a 2-D sharded one.
-    table = constrain(params["embed_tokens"], ("vocab", None))
-    h = jnp.take(table, tokens, axis=0).astype(compute_dtype)
-    h = constrain(h, ("batch", "seq", "embed"))
-
+    h = embed(params, tokens, compute_dtype, constrain)
     lora = lora or {}
     keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
 
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, None]:
+        return attention(q, k, v, mask, cfg.head_dim), None
+
     def body(carry: jax.Array, xs: tuple[Params, Params, jax.Array | None]) -> tuple[jax.Array, None]:
         layer, layer_lora, key = xs
-        out = _decoder_layer(
+        out, _ = decoder_layer(
             carry, layer, layer_lora, key,
-            cfg=cfg, cos=cos, sin=sin, mask=mask, runtime=runtime, constrain=constrain,
+            cfg=cfg, cos=cos, sin=sin, attend=attend, runtime=runtime, constrain=constrain,
         )
         return out, None
 
@@ -509,6 +521,84 @@ def hidden_states(
     h, _ = jax.lax.scan(body, h, (params["layers"], lora, keys))
 
     return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+
+
+def embed(params: Params, tokens: jax.Array, compute_dtype: Any, constrain: Constrain) -> jax.Array:
+    """The token embeddings (batch, seq, embed) in ``compute_dtype``."""
+    # Gather the embed (fsdp) dim of the table first: XLA partitions a row lookup from a
+    # vocab-sharded table (masked gather + all-reduce) but not from a 2-D sharded one.
+    table = constrain(params["embed_tokens"], ("vocab", None))
+    return constrain(jnp.take(table, tokens, axis=0).astype(compute_dtype), ("batch", "seq", "embed"))
+
+
+# The KV cache of decoding: each layer's rotated keys and its values at every slot of
+# every row, {"k", "v"} each (layers, rows, slots, kv_heads, head_dim) in the compute
+# dtype. Rows are left-padded: row r's tokens fill slots starts[r]..., so every row's
+# next token goes to the same slot and one dynamic_update_slice writes a step's keys.
+CACHE_AXES = ("layers", "batch", "kv_seq", "kv_heads", "head_dim")
+
+
+def cache_shapes(cfg: DecoderConfig, rows: int, slots: int, dtype: Any) -> Params:
+    """``jax.ShapeDtypeStruct`` of a KV cache for ``rows`` rows of ``slots`` tokens."""
+    shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), "v": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))}
+
+
+def cached_hidden_states(
+    params: Params,
+    lora: Params | None,
+    tokens: jax.Array,
+    cache: Params,
+    *,
+    index: jax.Array | int,
+    starts: jax.Array,
+    cfg: DecoderConfig,
+    runtime: LoraRuntime = LoraRuntime(),
+    compute_dtype: Any = jnp.float32,
+    constrain: Constrain = _identity_constrain,
+) -> tuple[jax.Array, Params]:
+    """The final-normed hidden states of ``tokens`` written at cache slots ``index``...,
+    and the cache with their keys and values in it (prefill: the whole prompt at slot 0;
+    a decoding step: one token per row at the next slot).
+
+    Row ``r``'s first real token is at slot ``starts[r]`` (the slots before are left
+    padding), so a token at slot ``i`` has position ``i - starts[r]`` and sees the cached
+    slots ``starts[r]..i`` (and with a sliding window only the last ``sliding_window`` of
+    them): the same positions and keys as the row alone in ``hidden_states``, so the
+    logits are the full forward's (``tests/trainers/jax_lora/test_sampling.py``). A
+    padding slot sees itself only; what it writes is never seen. No dropout: decoding
+    samples the policy as evaluated.
+    """
+    seq = tokens.shape[1]
+    slots = cache["k"].shape[2]
+    query_slots = index + jnp.arange(seq)
+    key_slots = jnp.arange(slots)
+    q_at, k_at = query_slots[None, :, None], key_slots[None, None, :]
+    visible = (k_at <= q_at) & (k_at >= starts[:, None, None])
+    if cfg.sliding_window is not None:
+        visible = visible & (q_at - k_at < cfg.sliding_window)
+    mask = (visible | (k_at == q_at))[:, None]  # (rows, 1, seq, slots)
+    positions = jnp.maximum(query_slots[None, :] - starts[:, None], 0)
+    cos, sin = rope_cos_sin(positions, rope_inverse_frequencies(cfg.rope, cfg.head_dim), compute_dtype)
+    scale = jnp.asarray(1.0 / math.sqrt(cfg.head_dim), compute_dtype)
+    h = embed(params, tokens, compute_dtype, constrain)
+
+    def body(carry: tuple[jax.Array, Params], xs: tuple[Params, Params, jax.Array]):
+        h, cache = carry
+        layer, layer_lora, i = xs
+
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Params]:
+            # Write this step's keys and values in place, then attend over the layer's slots.
+            new = {name: constrain(jax.lax.dynamic_update_slice(cache[name], x[None].astype(cache[name].dtype),
+                                                                (i, 0, index, 0, 0)), CACHE_AXES)
+                   for name, x in (("k", k), ("v", v))}
+            return _attention_block(q * scale, new["k"][i], new["v"][i], mask), new
+
+        return decoder_layer(h, layer, layer_lora, None, cfg=cfg, cos=cos, sin=sin, attend=attend, runtime=runtime,
+                             constrain=constrain), None
+
+    (h, cache), _ = jax.lax.scan(body, (h, cache), (params["layers"], lora or {}, jnp.arange(cfg.num_layers)))
+    return rms_norm(h, params["norm"], cfg.rms_norm_eps), cache
 
 
 def lm_head(

@@ -16,6 +16,16 @@ each micro-batch ``dp`` blocks of chosen-then-rejected rows). Shapes are fixed
 (rows padded to ``max_seq_len``; a short last micro-batch of an epoch gets all-padding
 rows) so the step compiles once.
 
+Reinforcement fine-tuning (``method.type`` reinforcement, GRPO). A step reads
+``batch_size`` prompts at the cursor, samples ``samples_per_prompt`` completions of each
+from the current policy with a jitted KV-cache decode loop on the same mesh
+(``sampling.py``), grades them and takes one update on GRPO's loss (``grpo.py``); an
+evaluation samples the validation prompts and reports their mean reward. Grading,
+advantages, metrics and the draws' seed are ``trainers.common.reinforcement``'s, as on
+the torch trainer. The shapes are fixed when the job starts (the job's longest prompt and
+largest token budget, ``batch_size x samples_per_prompt`` rows), so the decode loop and
+the step each compile once.
+
 CPU-only hosts. ``parallelism.host_devices`` (set by the worker for local CPU pools) splits
 the host into that many XLA devices before JAX starts (``host_devices.py``); the mesh
 then spans them like any other devices.
@@ -56,6 +66,15 @@ from trainers.common.loop import epoch_of_step
 from trainers.common.outputs import ADAPTER_DIR, MetricsLog
 from trainers.common.preference import PreferenceData, RewardSums, load_training_data, pad_pairs
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
+from trainers.common.reinforcement import (
+    GrpoObjective,
+    evaluation_metrics,
+    group_advantages,
+    grpo_objective,
+    load_reinforcement_data,
+    sampling_seed,
+    step_metrics,
+)
 from trainers.common.reporter import Reporter
 from trainers.common.signals import StopFlag
 from trainers.errors import OutOfMemory, UserError
@@ -223,6 +242,8 @@ class JaxLoraRecipe(SteppedRecipe):
     stop and output contracts are ``trainers.common.recipe``'s. Only process 0 reports,
     writes checkpoints and exports."""
 
+    objective: GrpoObjective | None = None  # set by setup() for a reinforcement job
+
     def setup(self, spec: TrainerSpec, reporter: Reporter, stop: StopFlag) -> None:
         # -- setup: everything that can be refused without compiling anything -------------
         _check_spec(spec)
@@ -237,9 +258,11 @@ class JaxLoraRecipe(SteppedRecipe):
 
         from trainers.jax_lora import checkpoint as ckpt
         from trainers.jax_lora.config import DecoderConfig
+        from trainers.jax_lora.grpo import placeholder_batch, reinforcement_loss
         from trainers.jax_lora.loading import load_params
         from trainers.jax_lora.lora import init_lora, lora_runtime, parent_lora, with_parent_lora
         from trainers.jax_lora.model import PARENT_LORA
+        from trainers.jax_lora.sampling import DecodeConfig, Sampler
         from trainers.jax_lora.sharding import check_replication, sharding_report
         from trainers.jax_lora.step import (
             PreferenceLoss,
@@ -260,12 +283,6 @@ class JaxLoraRecipe(SteppedRecipe):
 
         self.spec, self.reporter, self.stop = spec, reporter, stop
         self.primary = primary = jax.process_index() == 0
-        if spec.method.type == "reinforcement":
-            raise UserError(
-                "the JAX trainer (jax_lora) does not run reinforcement fine-tuning yet: it has no sampling loop; "
-                "use the fsdp_qlora trainer",
-                code="method_unsupported",
-            )
         check_inputs_exist(spec)
         cfg = DecoderConfig.from_pretrained(spec.model.path)
         m = spec.parallelism.mesh
@@ -290,7 +307,9 @@ class JaxLoraRecipe(SteppedRecipe):
         tokenizer = load_tokenizer(spec.model.path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.dpo = dpo = spec.method.type == "dpo"
-        self.data = data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+        # Reinforcement reads prompts: a step is batch_size prompts, sampled and graded.
+        self.objective = objective = grpo_objective(spec, tokenizer) if spec.method.type == "reinforcement" else None
+        self.data = data = self._load_data(spec, tokenizer)
         self.has_validation = data.validation is not None
         self.total_steps = total_steps = total_optimizer_steps(spec, data.train, dp)
 
@@ -348,7 +367,7 @@ class JaxLoraRecipe(SteppedRecipe):
                 spec = self.spec = with_step(spec, micro, remat)
                 _, accum = _data_parallel_plan(spec)
                 if micro != planned[0]:
-                    self.data = data = load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+                    self.data = data = self._load_data(spec, tokenizer)
             sc = StepConfig(
                 cfg=cfg,
                 runtime=lora_runtime(spec.adapter.alpha, spec.adapter.r, spec.adapter.dropout),
@@ -357,9 +376,12 @@ class JaxLoraRecipe(SteppedRecipe):
                 packed=spec.data.packing,
                 # DPO: dp blocks of chosen-then-rejected rows per micro-batch (_step_batches)
                 preference=PreferenceLoss(spec.method.beta, spec.method.sft_weight, blocks=dp) if dpo else None,
+                reinforcement=reinforcement_loss(objective) if objective else None,
             )
             self.compiled_train_step, self.eval_step = compile_steps(sc, optimizer, mesh, shardings, p_shard)
-            first, _ = next(_step_batches(data.train, progress.cursor, dp, accum, self.pad_id))
+            self.accum = accum
+            first = (placeholder_batch(self.sampling.rows, accumulation=accum, row_len=self.row_len) if objective
+                     else next(_step_batches(data.train, progress.cursor, dp, accum, self.pad_id))[0])
             compiled = self.compiled_train_step.compile(self.state, self.params, self._to_device(first))
             tried.append(StepFit(micro, remat, xla_step_bytes(compiled), limit))
             if tried[-1].fits:
@@ -388,9 +410,34 @@ class JaxLoraRecipe(SteppedRecipe):
                     "host_peak_rss_bytes_after_load": load_stats["host_peak_rss_bytes"],
                     "load_seconds": round(load_s, 3), "total_steps": total_steps,
                     "grad_accumulation": accum, **data.stats(),
+                    **({"sampling": vars(self.sampling), "row_len": self.row_len} if objective else {}),
                 },
             )
-        self.batches = _step_batches(data.train, progress.cursor, dp, accum, self.pad_id)
+        if objective is not None:
+            # The decode loop samples from the state's adapter on the params as they are sharded.
+            # Its KV cache (rows x (prompt_len + new_tokens) slots per layer) is not part of
+            # the step's memory check above: it exists only while sampling, between steps.
+            decode = DecodeConfig(cfg=cfg, runtime=sc.runtime, shape=self.sampling,
+                                  stop_ids=tuple(sorted(objective.stop_ids)), pad_id=objective.pad_id,
+                                  compute_dtype=spec.precision.compute_dtype)
+            self.sampler = Sampler(decode, mesh, p_shard, l_shard)
+        else:
+            self.batches = _step_batches(data.train, progress.cursor, dp, accum, self.pad_id)
+
+    def _load_data(self, spec: TrainerSpec, tokenizer: Any) -> Any:
+        """What the method trains on; for reinforcement also the fixed shapes of sampling
+        (every prompt of both files fits them) and of the step's rows."""
+        if self.objective is None:
+            return load_training_data(spec, tokenizer, pad_to=spec.data.max_seq_len)
+        from trainers.jax_lora.sampling import SamplingShape
+
+        data = load_reinforcement_data(spec, tokenizer)
+        prompts = data.train.dataset.prompts + (data.validation.dataset.prompts if data.validation else [])
+        self.sampling = SamplingShape.for_prompts(spec.hyperparameters.batch_size * self.objective.samples_per_prompt,
+                                                  prompts)
+        # Each row (prompt + completion) holds at most max_seq_len tokens and this many.
+        self.row_len = min(spec.data.max_seq_len, self.sampling.prompt_len + self.sampling.new_tokens)
+        return data
 
     # -- the hooks of the common loop ------------------------------------------------------
 
@@ -406,6 +453,8 @@ class JaxLoraRecipe(SteppedRecipe):
         }
 
     def train_step(self, step: int) -> StepResult:
+        if self.objective is not None:
+            return self._reinforcement_step(step)
         host_batch, next_cursor = next(self.batches)
         t_step = time.perf_counter()
         self.state, out = self.compiled_train_step(self.state, self.params, self._to_device(host_batch))
@@ -417,8 +466,40 @@ class JaxLoraRecipe(SteppedRecipe):
             rewards=_reward_sums({k: float(v) for k, v in out.items()}).metrics() if self.dpo else None,
         )
 
+    def _reinforcement_step(self, step: int) -> StepResult:
+        """Sample, grade, one GRPO update (``grpo.py``); the step's time includes the sampling."""
+        from trainers.jax_lora.grpo import grpo_batch, sample_and_grade
+
+        objective, spec = self.objective, self.spec
+        assert objective is not None
+        started = time.perf_counter()
+        prompts, cursor_after = self.data.train.take(self.progress.cursor, spec.hyperparameters.batch_size)
+        sampled = sample_and_grade(self.sampler, self.params, self.state["lora"], prompts, objective,
+                                   objective.samples_per_prompt, seed=sampling_seed(spec.seed, step))
+        host = grpo_batch(sampled, group_advantages(sampled.rewards, objective.samples_per_prompt),
+                          accumulation=self.accum, row_len=self.row_len, pad_id=self.pad_id)
+        self.state, out = self.compiled_train_step(self.state, self.params, self._to_device(host))
+        out = {k: float(v) for k, v in out.items()}  # blocks: the step's time below is real
+        return StepResult(
+            loss=out["loss"], grad_norm=out["grad_norm"], learning_rate=float(self.schedule(step)),
+            tokens=int((host["segment_ids"] > 0).sum()), elapsed_s=time.perf_counter() - started,
+            cursor_after=cursor_after,
+            rewards=step_metrics(sampled.rewards, sampled.lengths,  # type: ignore[arg-type]
+                                 kl_sum=out["kl_sum"] if objective.kl_coef > 0 else None,
+                                 clipped_tokens=out["clipped"]),
+        )
+
     def evaluate(self) -> dict[str, Any]:
         spec = self.spec
+        if self.objective is not None:
+            # valid_reward_mean: greedy answers with eval_samples 1, else that many sampled per prompt.
+            from trainers.jax_lora.grpo import sample_and_grade
+
+            n = self.objective.eval_samples
+            sampled = sample_and_grade(self.sampler, self.params, self.state["lora"],
+                                       self.data.validation.evaluation_prompts(spec.eval.max_batches), self.objective,
+                                       n, seed=sampling_seed(spec.seed, self.progress.step, stream=1), greedy=n == 1)
+            return evaluation_metrics(sampled.rewards)
         batches = _eval_batches(self.data.validation, self.dp, self.pad_id, spec.eval.max_batches)
         if self.dpo:
             sums, chosen_nll, chosen_tokens = RewardSums(), 0.0, 0.0

@@ -22,6 +22,14 @@ answer's summed completion log-prob, and the objective is the mean pair loss ove
 whole batch (+ ``sft_weight`` x the chosen tokens' mean NLL). The reward sums come back
 with the metrics.
 
+GRPO. With ``StepConfig.reinforcement`` set, the step optimizes GRPO's clipped-ratio loss
+on sampled completions (``grpo.py``): each micro-batch holds whole groups of rows
+``prompt + completion`` labelled on the completion, with each row's advantage; the
+completion tokens' log-probs under the policy (logits divided by the sampling
+temperature) and, with a KL term, under the reference (``lora=None``, under
+``stop_gradient``) enter ``grpo.grpo_token_loss``. The KL and clipping sums come back with
+the metrics.
+
 Gradients. ``jax.value_and_grad`` is taken w.r.t. the LoRA pytree only; the base weights
 are a plain (non-differentiated) argument, so no base-weight gradient is ever built.
 Micro-batches are a ``lax.scan`` (one compiled body, accumulation in the LoRA dtype).
@@ -40,11 +48,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainers.jax_lora.config import DecoderConfig
+from trainers.jax_lora.grpo import GRPO_SUM_KEYS, ReinforcementLoss, grpo_token_loss
 from trainers.jax_lora.loss import IGNORE_INDEX, LOSS_CHUNK, TokenLosses, token_losses
 from trainers.jax_lora.model import LoraRuntime, Params, RematPolicy, hidden_states
 from trainers.jax_lora.sharding import ACTIVATION_RULES, logical_to_spec, make_activation_constraint
 
-Batch = dict[str, jax.Array]  # input_ids, labels, positions, segment_ids: (accum, rows, seq)
+Batch = dict[str, jax.Array]  # input_ids, labels, positions, segment_ids (GRPO: advantages): (accum, rows, seq)
 BATCH_KEYS = ("input_ids", "labels", "positions", "segment_ids")
 
 
@@ -93,6 +102,7 @@ class StepConfig:
     compute_dtype: str = "float32"
     packed: bool = True  # False: plain causal rows (no segment mask; fused attention on GPU)
     preference: PreferenceLoss | None = None  # set: the DPO objective instead of token NLL
+    reinforcement: ReinforcementLoss | None = None  # set: GRPO's loss on sampled completions
     loss_chunk: int = LOSS_CHUNK  # positions per chunk of the LM head (``loss.py``)
 
 
@@ -109,15 +119,17 @@ class PreferenceLoss:
 
 def _token_losses(sc: StepConfig, params: Params, lora: Params | None, micro: Batch, key: jax.Array | None,
                   constrain, with_accuracy: bool = False) -> TokenLosses:
-    """The micro-batch's per-position losses; the logits exist one chunk at a time (``loss.py``)."""
+    """The micro-batch's per-position losses; the logits exist one chunk at a time (``loss.py``);
+    a GRPO step's at its sampling temperature."""
     h = hidden_states(
         params, lora, micro["input_ids"], cfg=sc.cfg,
         segment_ids=micro["segment_ids"] if sc.packed else None,
         positions=micro["positions"], runtime=sc.runtime, dropout_key=key, remat=sc.remat,
         compute_dtype=jnp.dtype(sc.compute_dtype), constrain=constrain,
     )
+    temperature = sc.reinforcement.temperature if sc.reinforcement is not None else 1.0
     return token_losses(params, h, micro["labels"], cfg=sc.cfg, constrain=constrain, chunk=sc.loss_chunk,
-                        with_accuracy=with_accuracy)
+                        with_accuracy=with_accuracy, temperature=temperature)
 
 
 def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
@@ -154,6 +166,26 @@ def make_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
         return loss, grads, n_tokens
 
     return loss_and_grads
+
+
+def _accumulate(grad_fn, lora: Params, batch: Batch, key: jax.Array | None, sum_keys: tuple[str, ...]):
+    """``(objective, grads, sums)`` summed over the batch's micro-batches (one ``lax.scan``).
+
+    ``grad_fn(lora, micro, micro_key) -> ((objective, sums), grads)``; ``micro_key`` is
+    ``fold_in(key, index)``, or None (no dropout) when ``key`` is None.
+    """
+    def accumulate(carry, xs):
+        value_sum, grads, sums = carry
+        micro, idx = xs
+        micro_key = None if key is None else jax.random.fold_in(key, idx)
+        (value, micro_sums), g = grad_fn(lora, micro, micro_key)
+        return (value_sum + value, jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, micro_sums)), None
+
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in sum_keys}
+    carry = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, lora), zero_sums)
+    n_micro = batch["input_ids"].shape[0]
+    (value, grads, sums), _ = jax.lax.scan(accumulate, carry, (batch, jnp.arange(n_micro)))
+    return value, grads, sums
 
 
 def _pairs(x: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array]:
@@ -219,24 +251,44 @@ def make_preference_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
             return value, _reward_sums(t)
 
         grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
-
-        def accumulate(carry, xs):
-            value_sum, grads, sums = carry
-            micro, idx = xs
-            micro_key = jax.random.fold_in(key, idx) if (use_dropout and key is not None) else None
-            (value, micro_sums), g = grad_fn(lora, micro, micro_key)
-            return (value_sum + value, jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, micro_sums)), None
-
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in REWARD_SUM_KEYS}
-        carry = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, lora), zero_sums)
-        n_micro = batch["input_ids"].shape[0]
-        (value, grads, sums), _ = jax.lax.scan(accumulate, carry, (batch, jnp.arange(n_micro)))
-        return value, grads, sums
+        return _accumulate(grad_fn, lora, batch, key if use_dropout else None, REWARD_SUM_KEYS)
 
     return loss_and_grads
 
 
 REWARD_SUM_KEYS = ("pairs", "loss_sum", "chosen_sum", "rejected_sum", "correct", "chosen_nll")
+
+
+def make_grpo_loss_and_grads(sc: StepConfig, mesh: Mesh | None):
+    """``(lora, params, batch, key) -> (loss, grads, sums)`` over all micro-batches.
+
+    Each micro-batch's loss is ``grpo.grpo_token_loss`` divided by the micro-batches of
+    the step (``dapo``: over the step's completion tokens), as the torch trainer back-
+    propagates each of its micro-batches; ``sums`` are ``grpo.GRPO_SUM_KEYS`` over the step.
+    """
+    constrain = make_activation_constraint(mesh)
+    use_dropout = sc.runtime.dropout > 0.0
+    rl = sc.reinforcement
+
+    def loss_and_grads(lora: Params, params: Params, batch: Batch, key: jax.Array | None):
+        n_micro = batch["input_ids"].shape[0]
+        step_tokens = jnp.sum(batch["labels"][:, :, 1:] != IGNORE_INDEX).astype(jnp.float32)
+
+        def micro_loss(lora: Params, micro: Batch, micro_key: jax.Array | None):
+            policy = _token_losses(sc, params, lora, micro, micro_key, constrain)
+            reference = None
+            if rl.kl_coef > 0:
+                reference = -jax.lax.stop_gradient(_token_losses(sc, params, None, micro, None, constrain).nll)
+            return grpo_token_loss(
+                -policy.nll, None, micro["advantages"][:, 1:], policy.mask, ref_logps=reference,
+                kl_coef=rl.kl_coef, epsilon_low=rl.clip_epsilon, loss_type=rl.loss_type,
+                max_completion_length=rl.max_completion_tokens, num_items=step_tokens, accumulation=n_micro,
+            )
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        return _accumulate(grad_fn, lora, batch, key if use_dropout else None, GRPO_SUM_KEYS)
+
+    return loss_and_grads
 
 
 def make_preference_eval_step(sc: StepConfig, mesh: Mesh | None):
@@ -257,7 +309,10 @@ def make_train_step(sc: StepConfig, optimizer: optax.GradientTransformation, mes
     dropout key of step s is ``fold_in(rng, s)``, so a resumed run draws the same masks.
     """
     preference = sc.preference is not None
-    loss_and_grads = (make_preference_loss_and_grads if preference else make_loss_and_grads)(sc, mesh)
+    with_sums = preference or sc.reinforcement is not None  # the objective's sums, not a token count
+    make = (make_preference_loss_and_grads if preference
+            else make_grpo_loss_and_grads if sc.reinforcement is not None else make_loss_and_grads)
+    loss_and_grads = make(sc, mesh)
 
     def step_fn(state: dict[str, Any], params: Params, batch: Batch) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         step_key = jax.random.fold_in(state["rng"], state["step"])
@@ -266,8 +321,8 @@ def make_train_step(sc: StepConfig, optimizer: optax.GradientTransformation, mes
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["lora"])
         lora = optax.apply_updates(state["lora"], updates)
         new_state = {"lora": lora, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
-        # token loss: extra = the trained-token count; DPO: the reward sums
-        metrics = {"loss": loss, "grad_norm": grad_norm, **(extra if preference else {"n_tokens": extra})}
+        # token loss: extra = the trained-token count; DPO: the reward sums; GRPO: its sums
+        metrics = {"loss": loss, "grad_norm": grad_norm, **(extra if with_sums else {"n_tokens": extra})}
         return new_state, metrics
 
     return step_fn

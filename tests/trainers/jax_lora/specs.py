@@ -1,10 +1,14 @@
-"""Trainer specs for the recipe tests."""
+"""Trainer specs for the recipe tests, and a run stopped and resumed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from trainers.common.signals import StopFlag
+from trainers.errors import Preempted
 from trainers.spec import TrainerSpec
 
 
@@ -35,3 +39,14 @@ def make_spec(model_dir: Path, files: dict[str, Path], root: Path, **overrides: 
         else:
             raw[key] = value
     return TrainerSpec.model_validate(raw)
+
+
+def run_stopped_and_resumed(spec: TrainerSpec, stop_after: int) -> None:
+    """Run ``spec`` in this process, stopped (``Preempted``) after step ``stop_after``, then
+    resumed from its latest checkpoint to the end."""
+    from trainers.jax_lora.recipe import run
+
+    stop = StopFlag()
+    with pytest.raises(Preempted):
+        run(spec, stop=stop, on_step=lambda step: stop.request("test") if step == stop_after else None)
+    run(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})}))

@@ -12,13 +12,11 @@ import numpy as np
 import pytest
 
 from tests.trainers.dpo_pairs import write_preference_file
-from tests.trainers.jax_lora.specs import make_spec
+from tests.trainers.jax_lora.specs import make_spec, run_stopped_and_resumed
 from tests.trainers.jax_lora.test_recipe_smoke import _run_entry
 from tests.trainers.jax_lora.test_resume import compilation_cache  # noqa: F401 (fixture)
 from trainers.common.peft_export import read_peft_adapter
 from trainers.common.preference import REWARD_KEYS, VALID_REWARD_KEYS
-from trainers.common.signals import StopFlag
-from trainers.errors import Preempted
 from trainers.jax_lora.recipe import run
 
 
@@ -42,11 +40,7 @@ def test_dpo_on_a_mesh_equals_one_device_and_resumes_exactly(recipe_model, tmp_p
     mesh = {"parallelism": {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}}}
     full = make_spec(recipe_model, files, tmp_path / "full", **overrides, **mesh)
     run(full)
-    part = make_spec(recipe_model, files, tmp_path / "part", **overrides, **mesh)
-    stop = StopFlag()
-    with pytest.raises(Preempted):
-        run(part, stop=stop, on_step=lambda step: stop.request("test") if step == 2 else None)
-    run(part.model_copy(update={"checkpoint": part.checkpoint.model_copy(update={"resume_from": "latest"})}))
+    run_stopped_and_resumed(make_spec(recipe_model, files, tmp_path / "part", **overrides, **mesh), 2)
     one = make_spec(recipe_model, files, tmp_path / "one", **overrides)
     (tmp_path / "one").mkdir()
     proc = _run_entry(one, tmp_path / "one")

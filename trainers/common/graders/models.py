@@ -188,6 +188,15 @@ def parse_grader(data: Any, *, param: str = "grader") -> Any:
     return grader
 
 
+def uses_model_grader(data: Any) -> bool:
+    """Whether the grader JSON is, or (a ``multi``) contains, a ``score_model`` grader: one
+    that needs a chat-completion endpoint (job creation refuses it for training, and the
+    trainers, which no model endpoint reaches, refuse it too)."""
+    subs = data.get("graders") if isinstance(data, dict) else None
+    leaves = [data] + (list(subs.values()) if isinstance(subs, dict) else [])
+    return any(isinstance(g, dict) and g.get("type") == "score_model" for g in leaves)
+
+
 def check_grader(grader: Any, param: str = "grader") -> None:
     """What the shape cannot say: templates, formulas, python sources, metrics."""
     if isinstance(grader, MultiGrader):
