@@ -47,3 +47,29 @@ def random_lora(shapes: dict, seed: int, scale: float = 0.05) -> dict:
         name: {k: (scale * rng.standard_normal(s.shape)).astype(np.float32) for k, s in pair.items()}
         for name, pair in shapes.items()
     }
+
+
+def torch_model_with_lora(model_dir, quantization: str, peft_lora: dict, *, r: int, alpha: float, targets):
+    """The torch trainer's model (one CPU process) with its LoRA factors set to ``peft_lora``
+    (PEFT names, as ``trainers.jax_lora.export.to_peft_weights`` gives them), for parity
+    tests of a JAX objective against the torch trainer's; returns ``(model, DistContext)``."""
+    import torch
+
+    from trainers.fsdp_qlora.distributed import DistContext
+    from trainers.fsdp_qlora.loading import ModelOptions, build_model, is_lora_name
+
+    cpu = DistContext(0, 1, 0, torch.device("cpu"))
+    model, _ = build_model(ModelOptions(model_dir=model_dir, quantization=quantization, lora_r=r, lora_alpha=alpha,
+                                        target_modules=targets), cpu)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_lora_name(name):
+                p.copy_(torch.from_numpy(peft_lora[name.replace(".default.", ".")]))
+    return model, cpu
+
+
+def lora_grads(model) -> dict:
+    """The torch model's LoRA gradients under their PEFT names (numpy)."""
+    from trainers.fsdp_qlora.loading import is_lora_name
+
+    return {n.replace(".default.", "."): p.grad.numpy() for n, p in model.named_parameters() if is_lora_name(n)}

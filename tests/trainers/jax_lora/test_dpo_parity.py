@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from tests.trainers.dpo_pairs import pair_data
-from tests.trainers.jax_lora.batches import random_lora
+from tests.trainers.jax_lora.batches import lora_grads, random_lora, torch_model_with_lora
 from trainers.common.preference import pad_pairs
 from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import to_peft_weights
@@ -52,23 +51,11 @@ def _jax_objective(model_dir, quant, lora, batch, blocks=1, chunk=LOSS_CHUNK):
 
 
 def _torch_objective(model_dir, quant, peft_lora, batch):
-    from trainers.fsdp_qlora.distributed import DistContext
-    from trainers.fsdp_qlora.loading import ModelOptions, build_model, is_lora_name
     from trainers.fsdp_qlora.train_step import PreferenceObjective, preference_backward
 
-    cpu = DistContext(0, 1, 0, torch.device("cpu"))
-    model, _ = build_model(ModelOptions(model_dir=model_dir, quantization=quant, lora_r=R, lora_alpha=ALPHA,
-                                        target_modules=TARGETS), cpu)
-
-    def peft_name(name: str) -> str:
-        return name.replace(".default.", ".")
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_lora_name(name):
-                p.copy_(torch.from_numpy(peft_lora[peft_name(name)]))
+    model, cpu = torch_model_with_lora(model_dir, quant, peft_lora, r=R, alpha=ALPHA, targets=TARGETS)
     value, sums, _, _ = preference_backward(model, [batch], cpu, PreferenceObjective(BETA, SFT))
-    grads = {peft_name(n): p.grad.numpy() for n, p in model.named_parameters() if is_lora_name(n)}
+    grads = lora_grads(model)
     return value, grads, sums
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainers.jax_lora.batches import random_lora
+from tests.trainers.jax_lora.batches import lora_grads, random_lora, torch_model_with_lora
 from trainers.common.reinforcement import GrpoObjective, Prompt, group_advantages, step_metrics
 from trainers.jax_lora.config import DecoderConfig
 from trainers.jax_lora.export import to_peft_weights
@@ -97,28 +97,16 @@ def _jax_step(model_dir, lora, loss_type):
 
 
 def _torch_step(model_dir, peft_lora, loss_type):
-    from trainers.fsdp_qlora.distributed import DistContext
     from trainers.fsdp_qlora.grpo_step import _Sampled, grpo_backward
-    from trainers.fsdp_qlora.loading import ModelOptions, build_model, is_lora_name
 
-    cpu = DistContext(0, 1, 0, torch.device("cpu"))
-    model, _ = build_model(ModelOptions(model_dir=model_dir, quantization="none", lora_r=R, lora_alpha=ALPHA,
-                                        target_modules=TARGETS), cpu)
-
-    def peft_name(name: str) -> str:
-        return name.replace(".default.", ".")
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_lora_name(name):
-                p.copy_(torch.from_numpy(peft_lora[peft_name(name)]))
+    model, cpu = torch_model_with_lora(model_dir, "none", peft_lora, r=R, alpha=ALPHA, targets=TARGETS)
     flat, completions, rewards = _samples()
     objective = GrpoObjective(grader=None, samples_per_prompt=G, temperature=TEMPERATURE, kl_coef=KL,
                               clip_epsilon=CLIP, loss_type=loss_type, max_completion_tokens=MAX_NEW, eval_samples=1,
                               stop_ids=frozenset(), pad_id=PAD, decode=str)
     loss, metrics, _, _ = grpo_backward(model, _Sampled(flat, completions, torch.from_numpy(rewards)), objective, cpu,
                                         micro_batch_size=2)
-    grads = {peft_name(n): p.grad.numpy() for n, p in model.named_parameters() if is_lora_name(n)}
+    grads = lora_grads(model)
     return loss, metrics, grads
 
 
