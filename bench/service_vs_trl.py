@@ -12,7 +12,7 @@ Goal: service / TRL <= 1.1.
   answering 200 with the whole file (polled every ``--poll`` s).
 - TRL by hand: this file's ``--trl`` mode, a fresh ``python`` process that does what a
   user's script would: load the demo model and tokenizer from the service's models dir
-  and the same chat JSONL (``datasets.load_dataset("json")``, its cache fresh per run),
+  and the same chat JSONL (read into a ``datasets.Dataset`` row by row; its cache fresh per run),
   ``SFTTrainer`` with an ``SFTConfig`` and a peft ``LoraConfig``, ``train()``, then
   ``save_model``. Timed: from starting the process to the adapter saved on disk.
 
@@ -93,7 +93,7 @@ def trl_by_hand(job: dict, model_dir: str, train_file: str, out_dir: str) -> dic
     Returns the times (epoch seconds) and per-step losses.
     """
     import torch
-    from datasets import load_dataset
+    from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -101,7 +101,10 @@ def trl_by_hand(job: dict, model_dir: str, train_file: str, out_dir: str) -> dic
     hp, adapter = job["hyperparameters"], job["adapter"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    data = load_dataset("json", data_files=train_file, split="train")
+    # Rows as Python objects, not through pyarrow's JSON reader: that one types an answer
+    # such as "1999-07-02" as a timestamp, and TRL then trains on "<datetime>".
+    with open(train_file, encoding="utf-8") as f:
+        data = Dataset.from_list([json.loads(line) for line in f if line.strip()])
     config = SFTConfig(
         output_dir=out_dir, num_train_epochs=hp["n_epochs"],
         per_device_train_batch_size=hp["micro_batch_size"],
@@ -300,33 +303,38 @@ class HeldOut:
     + ``peft`` decoding, the same for every adapter, in this process."""
 
     def __init__(self, model_dir: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from tunefleet.demo import date_examples
 
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.examples = date_examples(HELD_OUT, seed=1)
+
+    def prompt_text(self, example: dict) -> str:
+        """The example's prompt as the chat template renders it, up to the assistant's turn."""
+        return self.tokenizer.apply_chat_template(example["messages"][:-1], add_generation_prompt=True,
+                                                  tokenize=False)
 
     def score(self, adapter_dir: Path | None = None) -> float:
         import torch
         from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-        model = self.base if adapter_dir is None else PeftModel.from_pretrained(self.base, str(adapter_dir))
+        # A fresh base model each time: peft injects its layers into the model it is given,
+        # and a second adapter loaded into a model that carried one is not reliably active.
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        if adapter_dir is not None:
+            model = PeftModel.from_pretrained(model, str(adapter_dir))
         right = 0
         with torch.no_grad():
             for example in self.examples:
-                prompt = self.tokenizer.apply_chat_template(example["messages"][:-1], add_generation_prompt=True,
-                                                            tokenize=False)
-                ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+                ids = self.tokenizer(self.prompt_text(example), add_special_tokens=False,
+                                     return_tensors="pt")["input_ids"]
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:]
                 text = self.tokenizer.decode(out, skip_special_tokens=True).strip()
                 right += text == example["messages"][-1]["content"]
-        if adapter_dir is not None:
-            model.unload()  # the base model's modules back as they were, for the next adapter
         return right / len(self.examples)
 
 
@@ -361,10 +369,12 @@ def real_model_main(args) -> None:
     with (embedded_service(models={REAL_MODEL_DIRNAME: model_dir}) as service,
           tempfile.TemporaryDirectory(prefix="tf-adapters-") as adapters):
         # SmolLM2's chat template marks no generation blocks, so TRL cannot find the answers
-        # in chat rows (``assistant_only_loss`` refuses the template): by hand, a user gives it
-        # the same rows as prompt/completion pairs, whose loss is on the completion only.
+        # in chat rows (``assistant_only_loss`` refuses the template). By hand, a user renders
+        # the prompt with the template and gives the answer as the completion (TRL appends
+        # the end-of-turn EOS): loss on the answer only, as the service's.
         train_file = service.data_dir / "dates-prompt-completion.jsonl"
-        train_file.write_text("".join(json.dumps({"prompt": e["messages"][:-1], "completion": e["messages"][-1:]})
+        train_file.write_text("".join(json.dumps({"prompt": held_out.prompt_text(e),
+                                                  "completion": e["messages"][-1]["content"]})
                                       + "\n" for e in examples))
         file_id = upload_jsonl(service.http, examples, "dates.jsonl")
         body = {"model": REAL_MODEL_ID, "training_file": file_id, "seed": 0, "trainer": args.trainer,
