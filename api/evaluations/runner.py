@@ -137,7 +137,10 @@ class EvaluationRunner:
         self.heartbeat_s, self.stale_s, self.sweep_s = heartbeat_s, stale_s, sweep_s
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.answered: dict[str, int] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        # One sweeper per event loop serving the app: an app may be served by more than one
+        # loop at a time (a second test client on the same app), and each loop's lifespan
+        # must end only the tasks of its own loop -- another loop's cannot be awaited here.
+        self._sweepers: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -145,14 +148,19 @@ class EvaluationRunner:
         """Take over what an earlier process left, then keep looking every ``sweep_s``."""
         _OPEN.add(self.name)
         await self.sweep()
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="evaluation sweep")
+        self._sweepers.append(asyncio.get_running_loop().create_task(self._sweep_forever(), name="evaluation sweep"))
 
     async def close(self) -> None:
-        """Stop every run and give its evaluation back for the next process."""
-        running = [task for task in (self._sweeper, *self.tasks.values()) if task is not None]
+        """Stop every run of this event loop; once no loop serves the app any more, give the
+        evaluations under way back for the next process."""
+        loop = asyncio.get_running_loop()
+        running = [task for task in (*self._sweepers, *self.tasks.values()) if task.get_loop() is loop]
+        self._sweepers = [task for task in self._sweepers if task.get_loop() is not loop]
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        if self._sweepers:
+            return
         try:
             released = await run_in_threadpool(self._write, commands.release, self.name)
             if released:

@@ -91,8 +91,8 @@ def preview_manifests(settings: Settings, body: dict[str, Any], pool_name: str, 
         if placement.mode != "fit":
             raise PreviewError("no_fit", f"the job cannot run on pool {pool.name}: {placement.reason_text()}",
                                "placement")
-        job = Job(id=PREVIEW_JOB_ID, tenant_id=tenant, model=job_body.model, training_file=train.id,
-                  validation_file=job_body.validation_file, priority=job_body.priority_value,
+        job = Job(id=PREVIEW_JOB_ID, tenant_id=tenant, model=job_body.model, base_model=entry.id,
+                  training_file=train.id, validation_file=job_body.validation_file, priority=job_body.priority_value,
                   suffix=job_body.suffix, **job_settings.row_columns())
         try:
             spec = build_spec(session, job, settings, pool_accelerator=pool.accelerator,
