@@ -18,6 +18,7 @@ some choices.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,10 @@ def test_the_cpu_limit_is_the_pools_usable_share(make_spec):
 def test_the_cpu_peak_is_reset_to_what_is_resident():
     peak = PeakMemory(torch.device("cpu"))
     if not peak.reset():
+        # Linux resets a process's peak RSS through /proc/self/clear_refs since 4.0; where a
+        # kernel cannot, the first step is judged by the process's peak so far (a step-down
+        # may come sooner than needed there). CI's kernel can, so there it must work.
+        assert os.environ.get("CI") != "true", "/proc/self/clear_refs cannot reset the peak RSS on CI"
         pytest.skip("this kernel cannot reset the process's peak resident set")
     big = torch.ones(64 * MIB // 4)  # written, so resident
     with_tensor = peak.read()
