@@ -64,8 +64,11 @@ JAX_CACHE ?= $(HOME)/.cache/tunefleet/jax-compilation
 # prepared once per machine: its download and conversion take 1.5 minutes of CPU.
 # `make test MODELS_CACHE=` prepares it afresh in the test's temporary directory.
 MODELS_CACHE ?= $(HOME)/.cache/tunefleet/models
+# `make test TEST_CPU_LOG=/tmp/cpu` also logs each test's wall and CPU seconds (its
+# subprocesses' included); `python scripts/suite_cpu.py /tmp/cpu` says where the time went.
+TEST_CPU_LOG ?=
 TEST_ENV := OMP_NUM_THREADS=$(TEST_THREADS) $(if $(JAX_CACHE),JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0) \
-	$(if $(MODELS_CACHE),TUNEFLEET_TEST_MODELS_DIR=$(MODELS_CACHE))
+	$(if $(MODELS_CACHE),TUNEFLEET_TEST_MODELS_DIR=$(MODELS_CACHE)) $(if $(TEST_CPU_LOG),TUNEFLEET_TEST_CPU_LOG=$(TEST_CPU_LOG))
 
 test: install browser-deps services
 	$(TEST_ENV) $(PY) -m pytest $(TEST_XDIST) $(PYTEST_ARGS); rc=$$?; \

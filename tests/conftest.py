@@ -480,3 +480,35 @@ def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the real model could not be prepared: {exc}")
         pytest.skip(f"the real model could not be prepared: {exc}")
+
+
+# ---- where the suite's time goes --------------------------------------------------------
+
+# With TUNEFLEET_TEST_CPU_LOG=<dir>, each test process appends one line per test to
+# <dir>/<worker>.tsv: node id, wall seconds, CPU seconds of the test process and CPU seconds
+# of the subprocesses it reaped meanwhile (trainers, services, Celery workers), setup and
+# teardown included. `scripts/suite_cpu.py <dir>` sums them per file.
+_CPU_LOG = os.environ.get("TUNEFLEET_TEST_CPU_LOG")
+
+
+def _cpu_seconds(who: int) -> float:
+    import resource
+
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+
+    start = (time.monotonic(), _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN))
+    yield
+    end = (time.monotonic(), _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    Path(_CPU_LOG).mkdir(parents=True, exist_ok=True)
+    with open(Path(_CPU_LOG) / f"{worker}.tsv", "a") as log:
+        log.write("\t".join([item.nodeid, *(f"{b - a:.2f}" for a, b in zip(start, end))]) + "\n")

@@ -161,7 +161,8 @@ def finish(session: Session, evaluation_id: str, runner: str, *, results: dict[s
 def _succeed(session: Session, row: Evaluation, results: dict[str, Any], samples: list[dict[str, Any]]) -> None:
     row.status, row.results, row.samples = "succeeded", results, samples
     row.rows_done, row.runner, row.heartbeat_at, row.finished_at = row.rows_total, None, None, utcnow()
-    add_event(session, session.get_one(Job, row.job_id), f"{summary(row.grader, results)} ({row.id}, {row.file_id})",
+    job = session.get_one(Job, row.job_id)
+    add_event(session, job, f"{summary(row.grader, results, job_model=job.model)} ({row.id}, {row.file_id})",
               data={"evaluation": row.id, "file": row.file_id, "results": results})
 
 

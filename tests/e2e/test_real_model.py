@@ -137,6 +137,7 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
         dpo_evaluation = held_out_evaluation(http, dpo["id"], held_out_file, max_tokens=MAX_TOKENS)
         assert dpo_evaluation["status"] == "succeeded", dpo_evaluation
         parent, after_dpo = (dpo_evaluation["results"][key]["score"] for key in ("base", "fine_tuned"))
+        dpo_events = [e["message"] for e in http.get(f"/fine_tuning/jobs/{dpo['id']}/events?limit=100").json()["data"]]
         dpo_seconds = time.monotonic() - started
     print(f"real model: held-out exact match {before:.0%} -> {after:.0%} after SFT -> {after_dpo:.0%} after "
           f"{dpo['total_steps']} DPO steps from it ({N_HELD_OUT} dates; DPO job + its evaluation {dpo_seconds:.0f} s; "
@@ -155,6 +156,9 @@ def test_a_real_model_learns_a_formatting_task_through_the_service(service, real
     assert abs(first["rewards/chosen"]) < 1e-4 and abs(first["rewards/rejected"]) < 1e-4, first
     assert parent == after  # the DPO job's starting point is the SFT model, answered the same way
     assert after_dpo >= DPO_FLOOR, (after, after_dpo)
+    # Its evaluation compares the DPO model with its parent, and its event names it so.
+    assert any(m.startswith("Held-out exact match: parent ") and dpo_evaluation["id"] in m for m in dpo_events), \
+        dpo_events
 
 
 def _stream_text(lines) -> str:

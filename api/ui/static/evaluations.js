@@ -1,8 +1,8 @@
 /* Job page: held-out evaluations, next to the loss chart. Once the job has succeeded, the
- * card shows its newest evaluation as "base → fine-tuned" (the grader's mean score, the
- * grader, the rows and the file), every evaluation in a table, the newest finished one's
- * sample answers side by side, and a form that starts one on a processed file (the job's
- * validation file first).
+ * card shows its newest evaluation as "base → fine-tuned" ("parent → fine-tuned" for a job
+ * that continues a fine-tuned model; the grader's mean score, the grader, the rows and the
+ * file), every evaluation in a table, the newest finished one's sample answers side by side,
+ * and a form that starts one on a processed file (the job's validation file first).
  *
  * The calls are the public API's (GET/POST /v1/fine_tuning/jobs/{id}/evaluations) with the
  * session cookie. An evaluation runs in the background: the list is read every 2 s while
@@ -31,8 +31,15 @@
   let lastRead = 0;
   let polling = null;
 
+  // A job that continues a fine-tuned model is compared with that model, its parent, not
+  // with the base model under it: the evaluation's "base" side answers as the parent.
+  const startLabel = () => (job?.model?.startsWith("ft:") ? "parent" : "base");
+
   document.addEventListener("tf:job", (event) => {
     job = event.detail;
+    for (const th of card.querySelectorAll('[data-role="start-label"]')) {
+      th.textContent = startLabel() === "parent" ? "Parent" : "Base";
+    }
     if (job?.status !== "succeeded" || polling) return;
     card.classList.remove("hidden");
     loadFiles().catch(() => {}); // api() showed any outage
@@ -88,7 +95,7 @@
       const errors = r.base.errors + r.fine_tuned.errors;
       box.replaceChildren(
         el("div.ev-scores",
-          el("div", el("span.who", "base"), el("span.score", { "data-role": "base" }, score(e, r.base.score))),
+          el("div", el("span.who", startLabel()), el("span.score", { "data-role": "base" }, score(e, r.base.score))),
           el("span.arrow", "→"),
           el("div", el("span.who", "fine-tuned"), el("span.score.tuned", { "data-role": "fine-tuned" },
             score(e, r.fine_tuned.score)))),
