@@ -41,7 +41,7 @@ from control.errors import APIError
 from control.exports import request_export
 from control.jobs.lifecycle import add_event
 from control.reports.ingest import ADAPTER_WEIGHTS, is_inside, job_storage
-from control.reports.schemas import METHOD_METRICS
+from control.reports.schemas import GRADING_METRICS, METHOD_METRICS
 from control.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def metric_dict(row: JobMetric) -> dict[str, Any]:
     their reported names."""
     out = {"object": "fine_tuning.job.metric", **{f: getattr(row, f) for f in METRIC_FIELDS}}
     out.update({name: getattr(row, column) for name, column in METHOD_METRICS.items()})
+    out.update({name: getattr(row, name) for name in GRADING_METRICS})
     return out
 
 

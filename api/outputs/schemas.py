@@ -13,8 +13,9 @@ from control.reports.schemas import PreferenceMetrics, ReinforcementMetrics
 
 class MetricPublic(PreferenceMetrics, ReinforcementMetrics):
     """One metric row; a DPO run's also carries ``rewards/...``, a reinforcement run's
-    ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction``, ``completion_length`` and
-    ``valid_reward_mean`` (null otherwise)."""
+    ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction``, ``completion_length``,
+    ``valid_reward_mean``, ``sub_rewards`` (a multi grader's sub-graders' mean rewards by
+    name) and ``grader_errors`` (completions the grader could not score) (null otherwise)."""
 
     object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
     step: int

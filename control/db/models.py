@@ -310,6 +310,12 @@ class JobMetric(Base):
     clip_fraction: Mapped[float | None] = mapped_column(Float)
     completion_length: Mapped[float | None] = mapped_column(Float)
     valid_reward_mean: Mapped[float | None] = mapped_column(Float)
+    sub_rewards: Mapped[dict[str, float | None] | None] = mapped_column(
+        JSON, doc="A multi grader's sub-grader name -> its mean reward over the step's completions."
+    )
+    grader_errors: Mapped[int | None] = mapped_column(
+        Integer, doc="The step's completions the grader could not score (each got reward 0)."
+    )
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

@@ -32,6 +32,7 @@ from control.ids import hash_secret, new_id
 from control.jobs.lifecycle import add_event, lock_job, start_admitted_launch
 from control.jobs.naming import checkpoint_model_id, fine_tuned_model_id
 from control.reports.schemas import (
+    GRADING_METRICS,
     METHOD_METRICS,
     ArtifactsItem,
     CheckpointItem,
@@ -456,6 +457,7 @@ def metrics_event(item: MetricItem) -> tuple[str, dict[str, Any]] | None:
     ):
         if value is not None:
             data[public] = value
+    data.update({name: values[name] for name in GRADING_METRICS if values[name] is not None})
     data["total_steps"] = total
     message = f"Step {item.step}/{total}" if total else f"Step {item.step}"
     losses = [f"{label}={data[name]:.4f}" for name, label in (

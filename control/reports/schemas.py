@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from trainers.common.reinforcement import MAX_SUB_REWARD_NAME, MAX_SUB_REWARDS
 
 Finite = Annotated[float, Field(allow_inf_nan=True)]
 
@@ -59,13 +61,26 @@ REINFORCEMENT_METRICS: dict[str, str] = {
 }
 # Every method's own metrics, reported name -> field (and column).
 METHOD_METRICS: dict[str, str] = {**PREFERENCE_METRICS, **REINFORCEMENT_METRICS}
+# What a reinforcement step's grading adds (``trainers.common.reinforcement.GRADING_KEYS``):
+# no single float each, so apart from ``METHOD_METRICS`` (which a checkpoint may record).
+GRADING_METRICS = ("sub_rewards", "grader_errors")
+
+# A multi grader's sub-grader name and its mean reward over a step. The trainer is untrusted:
+# the names are bounded in number and length, and a reward that is not finite is refused
+# (the trainer reports one it could not average as null).
+SubRewardName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SUB_REWARD_NAME)]
+SubRewards = Annotated[dict[SubRewardName, Annotated[float, Field(allow_inf_nan=False)] | None],
+                       Field(max_length=MAX_SUB_REWARDS)]
 
 
 class ReinforcementMetrics(BaseModel):
     """A reinforcement run's metrics: the mean and std of its sampled completions' rewards,
     the mean per-token KL to the reference (null with ``kl_coef`` 0), the fraction of
     completion tokens whose ratio was clipped, the mean completion length in tokens, and at
-    evaluations the mean reward on the validation prompts."""
+    evaluations the mean reward on the validation prompts. Besides, what the step's grading
+    said: a ``multi`` grader's sub-graders' mean rewards by name (``sub_rewards``, null for
+    any other grader) and how many completions the grader could not score
+    (``grader_errors``; each got reward 0)."""
 
     reward_mean: Finite | None = None
     reward_std: Finite | None = None
@@ -73,6 +88,8 @@ class ReinforcementMetrics(BaseModel):
     clip_fraction: Finite | None = None
     completion_length: Finite | None = None
     valid_reward_mean: Finite | None = None
+    sub_rewards: SubRewards | None = None
+    grader_errors: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
 
 
 class MetricItem(_Item, PreferenceMetrics, ReinforcementMetrics):

@@ -108,6 +108,44 @@ def test_reinforcement_metrics_are_stored_and_shown(client, running, settings) -
     assert checkpoint["metrics"] == {"step": 2.0, "train_loss": 0.02, "reward_mean": 0.5, "valid_reward_mean": 0.5}
 
 
+def test_a_multi_graders_sub_rewards_and_grader_errors_are_stored_and_shown(client, running) -> None:
+    post, headers, job_id = running["post"], running["headers"], running["job"]["id"]
+    sub_rewards = {"exact": 0.25, "has_a": 0.75, "overflowed": None}
+    assert post(0, metric(1, 0.01, reward_mean=0.625, sub_rewards=sub_rewards, grader_errors=3)).status_code == 200
+    assert post(1, metric(2, 0.02, reward_mean=0.5)).status_code == 200  # a trainer that reports neither
+    first, second = client.get(f"{JOBS}/{job_id}/metrics", headers=headers).json()["data"]
+    assert (first["sub_rewards"], first["grader_errors"]) == (sub_rewards, 3)
+    assert list(first["sub_rewards"]) == ["exact", "has_a", "overflowed"]  # the grader's order, as reported
+    assert (second["sub_rewards"], second["grader_errors"]) == (None, None)
+    events = client.get(f"{JOBS}/{job_id}/events?limit=100", headers=headers).json()["data"]
+    step1 = next(e for e in events if e["message"].startswith("Step 1/4"))
+    assert step1["data"]["sub_rewards"] == sub_rewards and step1["data"]["grader_errors"] == 3
+
+
+@pytest.mark.parametrize(("fields", "where"), [
+    ({"sub_rewards": {f"g{i}": 0.5 for i in range(17)}}, "sub_rewards"),
+    ({"sub_rewards": {"x" * 65: 0.5}}, "sub_rewards"),
+    ({"sub_rewards": {"": 0.5}}, "sub_rewards"),
+    ({"sub_rewards": {"exact": "high"}}, "sub_rewards.exact"),
+    ({"sub_rewards": ["exact"]}, "sub_rewards"),
+    ({"grader_errors": -1}, "grader_errors"),
+])
+def test_bad_sub_rewards_or_grader_errors_are_refused(client, running, fields, where) -> None:
+    answer = running["post"](0, metric(1, 0.01, **fields))
+    assert answer.status_code == 400
+    assert where in answer.text, answer.text
+    assert client.get(f"{JOBS}/{running['job']['id']}/metrics", headers=running["headers"]).json()["data"] == []
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+def test_a_sub_reward_that_is_not_finite_is_refused(client, running, value) -> None:
+    body = b'{"seq": 0, "items": [{"type": "metric", "step": 1, "sub_rewards": {"exact": %s}}]}' % value
+    answer = client.post(f"/internal/v1/jobs/{running['job']['id']}/reports", content=body,
+                         headers={"Authorization": f"Bearer {running['token']}", "Content-Type": "application/json"})
+    assert answer.status_code == 400
+    assert "sub_rewards.exact" in answer.text and "finite" in answer.text, answer.text
+
+
 def test_rotated_token_stops_working(client, running, db_session) -> None:
     row = db_session.get_one(Job, running["job"]["id"])
     new = issue_job_token(db_session, row)

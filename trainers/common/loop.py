@@ -18,7 +18,9 @@ framework is decided here, so the same job reports the same rows on either train
   ``rewards/accuracy``, ``rewards/margin``, and ``valid_rewards/...`` when the step
   evaluated); ``train_loss`` / ``valid_loss`` are then the DPO objective. A reinforcement
   run's rows carry ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction`` and
-  ``completion_length`` (``trainers.common.reinforcement``) and, when the step evaluated,
+  ``completion_length`` (``trainers.common.reinforcement``), ``sub_rewards`` (a ``multi``
+  grader's sub-graders' mean rewards by name, None for other graders) and ``grader_errors``
+  (the completions the grader could not score) and, when the step evaluated,
   ``valid_reward_mean``; ``train_loss`` is then GRPO's loss and ``valid_loss`` None.
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 
 from trainers.common.data import DataCursor
 from trainers.common.preference import REWARD_KEYS, VALID_REWARD_KEYS
-from trainers.common.reinforcement import REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
+from trainers.common.reinforcement import GRADING_KEYS, REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
 from trainers.errors import UserError
 
 METRIC_KEYS = (
@@ -123,7 +125,8 @@ def metric_row(
             reinforcement: ``valid_reward_mean``) when the step evaluated; None otherwise
             (all reported as None).
         rewards: a DPO step's ``rewards/*`` or a reinforcement step's
-            ``REINFORCEMENT_KEYS``; None for supervised steps (no reward keys).
+            ``REINFORCEMENT_KEYS`` and ``GRADING_KEYS``; None for supervised steps (no
+            reward keys).
     """
     evaluation = evaluation or {}
     row = {
@@ -142,6 +145,8 @@ def metric_row(
     if rewards is not None:
         keys, valid_keys = _method_keys(rewards)
         row.update({k: rewards.get(k) for k in keys})
+        if keys is REINFORCEMENT_KEYS:
+            row.update({k: rewards.get(k) for k in GRADING_KEYS})
         row.update({k: evaluation.get(k) for k in valid_keys})
     return row
 

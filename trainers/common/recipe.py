@@ -27,7 +27,9 @@ A stop requested during the last step is seen by no check: the run finishes.
 Output contract, in this order, written by the primary process only (JAX process 0,
 torch rank 0):
 
-1. each step's metric row: appended to ``metrics.jsonl``, then reported;
+1. each step's metric row: appended to ``metrics.jsonl``, then reported (a reinforcement
+   step whose grader could not score some completions may add a ``warn`` event after it:
+   ``trainers.common.reinforcement.GraderErrorWarnings`` says which steps do);
 2. checkpoints: every ``checkpoint.every_n_steps`` steps, and the last step's once at
    the end of :meth:`Recipe.train`;
 3. :meth:`Recipe.save`: the final adapter (``<output_dir>/adapter``), the training config
@@ -57,6 +59,7 @@ from trainers.common.outputs import (
     finalize_outputs,
     write_training_config,
 )
+from trainers.common.reinforcement import GraderErrorWarnings, GradingSummary
 from trainers.common.reporter import Reporter, reporter_from_spec
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted
@@ -96,7 +99,10 @@ class StepResult:
         tokens: non-padding tokens the step consumed (all processes).
         elapsed_s: wall time of the step.
         cursor_after: the data cursor after the step's last micro-batch.
-        rewards: a DPO step's ``rewards/*`` metrics; None for supervised steps.
+        rewards: a DPO step's ``rewards/*`` metrics (a reinforcement step's
+            ``REINFORCEMENT_KEYS`` and ``GRADING_KEYS``); None for supervised steps.
+        grading: a reinforcement step's grading summary, where this process graded
+            (the loop warns the user of grader errors from it); None otherwise.
     """
 
     loss: float
@@ -106,6 +112,7 @@ class StepResult:
     elapsed_s: float
     cursor_after: DataCursor
     rewards: dict[str, float] | None = None
+    grading: GradingSummary | None = None
 
 
 @dataclass
@@ -263,6 +270,7 @@ class SteppedRecipe(Recipe):
 
     def train(self) -> TrainResult:
         spec, p = self.spec, self.progress
+        grader_warnings = GraderErrorWarnings()
         while p.step < self.total_steps:
             if self.agree_to_stop(self.stop.requested):
                 self._preempt()
@@ -286,6 +294,9 @@ class SteppedRecipe(Recipe):
                 assert self.metrics_log is not None
                 self.metrics_log.append(row)
                 self.reporter.metric(**row)
+                warning = grader_warnings.warning(p.step, out.grading) if out.grading is not None else None
+                if warning is not None:
+                    self.reporter.event(warning[0], level="warn", data=warning[1])
             if self.on_step is not None:
                 self.on_step(p.step)
             if should_checkpoint(p.step, total_steps=self.total_steps, every_n_steps=spec.checkpoint.every_n_steps):

@@ -25,14 +25,24 @@ Everything else a GRPO step does that no framework changes is here too, so both 
 (``trainers/fsdp_qlora/grpo_step.py``, ``trainers/jax_lora/grpo.py``) run the same rules:
 the job's settings with its grader parsed (:func:`grpo_objective`), the tokens that end
 an answer (:func:`stop_token_ids`), the seed of a step's draws (:func:`sampling_seed`),
-grading (:func:`grade_completions`), the group advantages (:func:`group_advantages`) and
-a step's metrics (:func:`step_metrics`). Numpy only: the JAX trainer has no torch.
+grading (:func:`grade_completions`), the group advantages (:func:`group_advantages`),
+a step's metrics (:func:`step_metrics`) and the warning a step's grader errors raise
+(:class:`GraderErrorWarnings`). Numpy only: the JAX trainer has no torch.
+
+Besides its rewards, a step's grading yields a :class:`GradingSummary` (:data:`GRADING_KEYS`
+of the metric row): the mean reward of each sub-grader of a ``multi`` grader
+(``sub_rewards``; None for any other grader, whose only reward is ``reward_mean``) and how
+many completions the grader could not score (``grader_errors``: a python grader that
+raised or was stopped by the sandbox, a template naming what the line lacks, ...). Those
+completions got reward 0, as OpenAI's graders give them; without the count a broken grader
+would look like a policy that never earns anything.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +59,33 @@ from trainers.common.data import (
     epoch_order,
 )
 from trainers.common.formats import FormatError, ReinforcementExample, read_reinforcement_examples
-from trainers.common.graders import GraderInvalid, GradingContext, grade_batch, parse_grader, sample_namespace
-from trainers.common.graders.models import uses_model_grader
+from trainers.common.graders import (
+    GradeResult,
+    GraderInvalid,
+    GradingContext,
+    grade_batch,
+    parse_grader,
+    sample_namespace,
+)
+from trainers.common.graders.models import MultiGrader, uses_model_grader
 from trainers.errors import UserError
 
 REINFORCEMENT_KEYS = ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_length")
 """A step's metrics: the mean and std of its completions' rewards, the mean per-token KL to
 the reference (None with ``kl_coef`` 0), the fraction of completion tokens whose ratio was
 clipped, and the mean completion length in tokens."""
+GRADING_KEYS = ("sub_rewards", "grader_errors")
+"""What a step's grading adds to its row (:class:`GradingSummary`): ``sub_rewards``, a
+``multi`` grader's sub-graders' mean rewards by name (None for other graders), and
+``grader_errors``, the completions the grader could not score. Apart from
+:data:`REINFORCEMENT_KEYS` because they are no single float: a checkpoint records only those."""
+MAX_SUB_REWARDS = 16
+"""The most sub-rewards a row carries (the first sub-graders in the grader's order): the
+API refuses a report with more, so that no trainer can grow a metric row without bound."""
+MAX_SUB_REWARD_NAME = 64
+"""The longest sub-grader name a row carries; a sub-grader with a longer name is left out."""
+ERROR_DETAIL_CHARS = 500
+"""How much of a failing sample's error details a grader-error warning quotes."""
 VALID_REINFORCEMENT_KEYS = ("valid_reward_mean",)
 """An evaluation's metric: the mean reward of the validation prompts' completions."""
 
@@ -292,15 +321,108 @@ def cut_at_stop(tokens: Sequence[int], stop_ids: frozenset[int]) -> list[int]:
     return [int(x) for x in tokens[:end]]
 
 
+@dataclass(frozen=True)
+class GradingSummary:
+    """What a batch's grades say besides each completion's reward (module doc).
+
+    Attributes:
+        samples: the completions graded.
+        sub_rewards: a ``multi`` grader's sub-grader name -> its mean reward over the batch
+            (None where that mean is not finite), at most :data:`MAX_SUB_REWARDS` names in
+            the grader's order, each at most :data:`MAX_SUB_REWARD_NAME` characters; None
+            for any other grader.
+        errors: the completions the grader could not score (each got reward 0).
+        error_kinds: each error flag of ``GradeErrors`` raised -> on how many completions
+            (a ``multi``'s completion may raise several).
+        error_detail: what the first failing completion's error said, if anything
+            (a python grader's exception, a sandbox stop, ...), cut to
+            :data:`ERROR_DETAIL_CHARS`.
+    """
+
+    samples: int
+    sub_rewards: dict[str, float | None] | None = None
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    error_detail: str | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        """The :data:`GRADING_KEYS` of a step's row."""
+        return {"sub_rewards": self.sub_rewards, "grader_errors": self.errors}
+
+
+def _error_kinds(result: GradeResult) -> list[str]:
+    return [f.name for f in fields(result.errors) if getattr(result.errors, f.name) is True]
+
+
+def _error_detail(result: GradeResult) -> str | None:
+    e = result.errors
+    text = (e.python_grader_runtime_error_details or e.model_grader_server_error_details
+            or e.python_grader_server_error_type)
+    return text[:ERROR_DETAIL_CHARS] if text else None
+
+
+def summarize_grades(grader: Any, results: Sequence[GradeResult]) -> GradingSummary:
+    """The :class:`GradingSummary` of one batch's :class:`GradeResult`s."""
+    sub_rewards = None
+    if isinstance(grader, MultiGrader):
+        names = [n for n in grader.graders if len(n) <= MAX_SUB_REWARD_NAME][:MAX_SUB_REWARDS]
+        means = {n: float(np.mean([r.sub_rewards.get(n, 0.0) for r in results], dtype=np.float64)) for n in names}
+        sub_rewards = {n: m if math.isfinite(m) else None for n, m in means.items()}
+    kinds: dict[str, int] = {}
+    failed = [r for r in results if r.errors.any()]
+    for result in failed:
+        for kind in _error_kinds(result):
+            kinds[kind] = kinds.get(kind, 0) + 1
+    detail = next((d for d in map(_error_detail, failed) if d), None)
+    return GradingSummary(samples=len(results), sub_rewards=sub_rewards, errors=len(failed), error_kinds=kinds,
+                          error_detail=detail)
+
+
 def grade_completions(objective: GrpoObjective, completions: Sequence[Sequence[int]],
-                      items: Sequence[dict[str, Any]]) -> np.ndarray:
-    """The grader's reward of each completion, ``(n,)`` float32: its text decoded without
-    special tokens, ``finish_reason`` "stop" for one that ended at a stop token, "length"
-    for one cut at its token budget; a sample the grader cannot score gets 0."""
+                      items: Sequence[dict[str, Any]]) -> tuple[np.ndarray, GradingSummary]:
+    """The grader's reward of each completion, ``(n,)`` float32, and the batch's
+    :class:`GradingSummary`: each text decoded without special tokens, ``finish_reason``
+    "stop" for one that ended at a stop token, "length" for one cut at its token budget;
+    a sample the grader cannot score gets 0 (and counts in the summary's ``errors``)."""
     samples = [sample_namespace(objective.decode(c), finish_reason="stop" if c and c[-1] in objective.stop_ids
                                 else "length") for c in completions]
     results = grade_batch(objective.grader, samples, items, objective.grading)
-    return np.array([float(r.reward) for r in results], dtype=np.float32)
+    rewards = np.array([float(r.reward) for r in results], dtype=np.float32)
+    return rewards, summarize_grades(objective.grader, results)
+
+
+class GraderErrorWarnings:
+    """Which steps' grader errors become a ``warn`` job event, within one run of the trainer.
+
+    The first step whose grader failed on any completion raises one, and so does a later
+    step with an error kind (a ``GradeErrors`` flag) not reported yet in this run; the
+    same failure repeating step after step does not. A broken grader fails on every step:
+    one event tells the user why the rewards are 0, and each step's ``grader_errors``
+    counts the rest. A resumed run starts afresh, so it warns again once.
+    """
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.reported: set[str] = set()
+
+    def warning(self, step: int, summary: GradingSummary) -> tuple[str, dict[str, Any]] | None:
+        """The message and data of the event step ``step`` raises, or None."""
+        first = not self.warned
+        if not summary.errors or not (first or set(summary.error_kinds) - self.reported):
+            return None
+        self.warned = True
+        self.reported |= set(summary.error_kinds)
+        kinds = ", ".join(f"{kind} on {n}" for kind, n in sorted(summary.error_kinds.items()))
+        message = (f"Step {step}: the grader could not score {summary.errors} of {summary.samples} completions "
+                   f"({kinds}); they got reward 0.")
+        if summary.error_detail:
+            message += f" First error: {summary.error_detail}"
+        if first:
+            message += " Fix the grader (POST /v1/fine_tuning/alpha/graders/run tries it on a sample); " \
+                       "later steps count their failures in grader_errors and warn again only for a new kind."
+        data = {"step": step, "grader_errors": summary.errors, "samples": summary.samples,
+                "error_kinds": dict(summary.error_kinds), "error_detail": summary.error_detail}
+        return message, data
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, *, eps: float = ADVANTAGE_EPS,
@@ -330,18 +452,21 @@ def group_advantages(rewards: np.ndarray, group_size: int, *, eps: float = ADVAN
 
 
 def step_metrics(rewards: np.ndarray, completion_lengths: Sequence[int], *, kl_sum: float | None,
-                 clipped_tokens: float) -> dict[str, float | None]:
+                 clipped_tokens: float, grading: GradingSummary | None = None) -> dict[str, Any]:
     """A step's :data:`REINFORCEMENT_KEYS`: the rewards' mean and (Bessel) std over its
     completions, the KL per completion token (``kl_sum`` None without a reference), the
-    fraction of completion tokens whose ratio was clipped and the mean completion length."""
+    fraction of completion tokens whose ratio was clipped and the mean completion length;
+    then its :data:`GRADING_KEYS` from ``grading`` (None each without one)."""
     rewards = np.asarray(rewards, dtype=np.float64)
     tokens = float(sum(completion_lengths))
+    graded = grading.metrics() if grading is not None else dict.fromkeys(GRADING_KEYS)
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
         "kl": kl_sum / tokens if kl_sum is not None else None,
         "clip_fraction": clipped_tokens / tokens,
         "completion_length": tokens / len(completion_lengths),
+        **graded,
     }
 
 

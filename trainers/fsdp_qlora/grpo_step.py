@@ -13,7 +13,9 @@ Per step, on the step's prompts (``trainers.common.reinforcement.PromptData.take
    rule as the dropout masks, ``train_step.reseed``);
 2. **grade** each completion's text (special tokens removed) with the job's grader
    (``trainers.common.graders.grade_batch``: ``sample.output_text`` and the line as
-   ``item``); a sample the grader cannot score gets reward 0, as OpenAI's graders do;
+   ``item``); a sample the grader cannot score gets reward 0, as OpenAI's graders do (it
+   counts in the step's ``grader_errors``, beside a ``multi`` grader's ``sub_rewards``:
+   ``trainers.common.reinforcement.GradingSummary``);
 3. **advantages** per group (``trainers.common.grpo.group_advantages``);
 4. per micro-batch of ``micro_batch_size`` prompts (all their completions), the per-token
    log-probs of the completion tokens under the policy (with grad; dropout as trained),
@@ -45,6 +47,7 @@ from torch import nn
 
 from trainers.common.grpo import group_advantages, grpo_loss
 from trainers.common.reinforcement import (
+    GradingSummary,
     GrpoObjective,
     Prompt,
     cut_at_stop,
@@ -157,6 +160,7 @@ class _Sampled:
     prompts: list[Prompt]
     completions: list[list[int]]
     rewards: torch.Tensor
+    grading: GradingSummary | None = None
 
 
 def sample_and_grade(model: nn.Module, prompts: Sequence[Prompt], objective: GrpoObjective, ctx: DistContext,
@@ -167,8 +171,8 @@ def sample_and_grade(model: nn.Module, prompts: Sequence[Prompt], objective: Grp
         for prompt in prompts:
             completions.extend(sample_group(model, prompt, n, objective, ctx.device, generator))
     flat = [p for p in prompts for _ in range(n)]
-    rewards = torch.from_numpy(grade_completions(objective, completions, [p.item for p in flat]))
-    return _Sampled(flat, completions, rewards)
+    rewards, grading = grade_completions(objective, completions, [p.item for p in flat])
+    return _Sampled(flat, completions, torch.from_numpy(rewards), grading)
 
 
 def grpo_backward(model: nn.Module, sampled: _Sampled, objective: GrpoObjective, ctx: DistContext,
@@ -177,7 +181,7 @@ def grpo_backward(model: nn.Module, sampled: _Sampled, objective: GrpoObjective,
 
     Returns:
         The step's loss (the sum of the micro-batches' scaled losses), its metrics
-        (``REINFORCEMENT_KEYS``), its completion tokens and all its tokens.
+        (``REINFORCEMENT_KEYS`` and ``GRADING_KEYS``), its completion tokens and all its tokens.
     """
     g = objective.samples_per_prompt
     advantages = group_advantages(sampled.rewards, g)
@@ -208,7 +212,7 @@ def grpo_backward(model: nn.Module, sampled: _Sampled, objective: GrpoObjective,
         clip_sum += out.metrics.clip_fraction * micro_tokens
         tokens += rows.tokens
     metrics = step_metrics(sampled.rewards.numpy(), lengths, kl_sum=kl_sum if objective.kl_coef > 0 else None,
-                           clipped_tokens=clip_sum)
+                           clipped_tokens=clip_sum, grading=sampled.grading)
     return loss_total, metrics, completion_tokens, tokens
 
 
@@ -223,7 +227,8 @@ def grpo_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, prompts:
                                objective.samples_per_prompt)
     loss, metrics, completion_tokens, tokens = grpo_backward(model, sampled, objective, ctx, micro_batch_size)
     return StepStats(loss=loss, grad_norm=_update(model, optimizer, learning_rate, max_grad_norm),
-                     label_tokens=completion_tokens, tokens=tokens, rewards=metrics)  # type: ignore[arg-type]
+                     label_tokens=completion_tokens, tokens=tokens, rewards=metrics,  # type: ignore[arg-type]
+                     grading=sampled.grading)
 
 
 def evaluate_rewards(model: nn.Module, data: Any, ctx: DistContext, max_batches: int | None,

@@ -289,7 +289,7 @@ class FsdpQloraRecipe(SteppedRecipe):
                                         learning_rate=lr, max_grad_norm=hp.max_grad_norm)
             return StepResult(loss=stats.loss, grad_norm=stats.grad_norm, learning_rate=lr, tokens=stats.tokens,
                               elapsed_s=time.perf_counter() - started, cursor_after=cursor_after,
-                              rewards=stats.rewards)
+                              rewards=stats.rewards, grading=stats.grading)
         assert self.batches is not None
         micro = [next(self.batches) for _ in range(self.micro_per_step)]
         with self.autocast:

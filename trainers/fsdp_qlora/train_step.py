@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from trainers.common.preference import RewardSums, pair_halves
+from trainers.common.reinforcement import GradingSummary
 from trainers.fsdp_qlora.distributed import (
     DistContext,
     all_reduce_sum,
@@ -45,6 +46,7 @@ class StepStats:
     label_tokens: int
     tokens: int
     rewards: dict[str, float] | None = None  # DPO: rewards/chosen, .../rejected, .../accuracy, .../margin
+    grading: GradingSummary | None = None  # reinforcement: what the step's grading said besides its rewards
 
 
 def rank_share(micro_batches: Sequence[Any], ctx: DistContext) -> list[Any]:

@@ -9,7 +9,8 @@ on the torch trainer, with the framework-free parts shared through
    on the job's mesh, the adapter on, no dropout, the job's temperature);
 2. **grade** them (:func:`sample_and_grade`; with several processes, process 0 grades
    and the rewards are broadcast, so every process builds the same batch even if a
-   python grader's time limit hits on one host only);
+   python grader's time limit hits on one host only; process 0, which reports, keeps the
+   grading's summary: ``sub_rewards`` and ``grader_errors``);
 3. **advantages** per group (``trainers.common.reinforcement.group_advantages``);
 4. **one update** on the rows ``prompt + completion`` (:func:`grpo_batch`), in the
    step's layout (accum, dp x micro_batch_size x samples_per_prompt, seq): a micro-batch
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainers.common.data import IGNORE_INDEX
-from trainers.common.reinforcement import GrpoObjective, Prompt, grade_completions
+from trainers.common.reinforcement import GradingSummary, GrpoObjective, Prompt, grade_completions
 
 # What the compiled step returns besides the loss and gradient norm (sums over the step).
 GRPO_SUM_KEYS = ("kl_sum", "clipped", "completion_tokens")
@@ -143,11 +144,13 @@ def grpo_token_loss(
 @dataclass
 class Sampled:
     """A step's (or an evaluation's) completions: each with its prompt (one prompt's
-    completions contiguous) and its reward."""
+    completions contiguous) and its reward, and the grading's summary where this process
+    graded (process 0; None on the others, which report nothing)."""
 
     prompts: list[Prompt]
     completions: list[list[int]]
     rewards: np.ndarray
+    grading: GradingSummary | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -164,15 +167,16 @@ def sample_and_grade(sampler: Any, params: Any, lora: Any, prompts: Sequence[Pro
     completions = sampler.sample(params, lora, prompts, n, seed=seed, greedy=greedy,
                                  temperature=objective.temperature)
     flat = [p for p in prompts for _ in range(n)]
-    if jax.process_count() == 1:
-        rewards = grade_completions(objective, completions, [p.item for p in flat])
+    grading = None
+    if jax.process_index() == 0:
+        rewards, grading = grade_completions(objective, completions, [p.item for p in flat])
     else:
+        rewards = np.zeros(len(flat), np.float32)
+    if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        rewards = (grade_completions(objective, completions, [p.item for p in flat]) if jax.process_index() == 0
-                   else np.zeros(len(flat), np.float32))
         rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards))
-    return Sampled(flat, completions, rewards)
+    return Sampled(flat, completions, rewards, grading)
 
 
 def grpo_batch(sampled: Sampled, advantages: np.ndarray, *, accumulation: int, row_len: int,

@@ -486,7 +486,8 @@ class JaxLoraRecipe(SteppedRecipe):
             cursor_after=cursor_after,
             rewards=step_metrics(sampled.rewards, sampled.lengths,  # type: ignore[arg-type]
                                  kl_sum=out["kl_sum"] if objective.kl_coef > 0 else None,
-                                 clipped_tokens=out["clipped"]),
+                                 clipped_tokens=out["clipped"], grading=sampled.grading),
+            grading=sampled.grading,
         )
 
     def evaluate(self) -> dict[str, Any]:

@@ -53,6 +53,41 @@
     }),
   };
 
+  // A multi grader's sub-rewards: one series per sub-grader. The names are the job's
+  // grader's, the same on every row, so the chart is made from the first row that has them.
+  const SUB_REWARD_COLORS = ["#4f46e5", "#12b76a", "#f79009", "#f04438", "#0ba5ec", "#9e77ed", "#ee46bc", "#667085"];
+  let subRewardNames = null;
+  let subRewardChart = null;
+
+  function addSubRewards(rows) {
+    const graded = rows.filter((m) => m.sub_rewards && Object.keys(m.sub_rewards).length);
+    if (!graded.length) return;
+    if (!subRewardChart) {
+      subRewardNames = Object.keys(graded[0].sub_rewards);
+      subRewardChart = tf.lineChart(document.getElementById("chart-rl-sub-rewards"), {
+        series: subRewardNames.map((name, k) => ({ label: name, color: SUB_REWARD_COLORS[k % SUB_REWARD_COLORS.length] })),
+        yFmt: (v) => Number(v).toFixed(3),
+      });
+      document.getElementById("card-rl-sub-rewards").classList.remove("hidden");
+    }
+    subRewardChart.setData(graded.map((m) => [m.step, subRewardNames.map((name) => m.sub_rewards[name] ?? null)]));
+  }
+
+  // Steps whose grader could not score some completions (they got reward 0): step -> count.
+  const graderErrors = new Map();
+
+  function showGraderErrors(rows) {
+    for (const m of rows) if (has(m.grader_errors)) graderErrors.set(m.step, m.grader_errors);
+    const failing = [...graderErrors].filter(([, n]) => n > 0);
+    if (!failing.length) return;
+    const total = failing.reduce((sum, [, n]) => sum + n, 0);
+    const last = Math.max(...failing.map(([step]) => step));
+    const box = document.getElementById("rl-grader-errors");
+    box.textContent = `The grader could not score ${fmt.num(total)} completions over ${failing.length} step(s), ` +
+      `the last at step ${last}; they got reward 0. The job's events say why.`;
+    box.classList.remove("hidden");
+  }
+
   const REWARD_KEYS = ["rewards/accuracy", "rewards/chosen", "rewards/rejected", "rewards/margin",
     "valid_rewards/accuracy", "valid_rewards/margin"];
 
@@ -105,6 +140,8 @@
       for (const id of ["card-rl-reward", "card-rl-policy"]) document.getElementById(id).classList.remove("hidden");
       charts.rlReward.setData(sampled.map((m) => [m.step, [m.reward_mean, m.valid_reward_mean]]));
       charts.rlPolicy.setData(sampled.map((m) => [m.step, [m.kl, m.clip_fraction]]));
+      addSubRewards(sampled);
+      showGraderErrors(sampled);
     }
     for (const m of rows) {
       if (!lastMetric || m.step >= lastMetric.step) lastMetric = { ...(lastMetric || {}), ...m };

@@ -17,6 +17,7 @@ from trainers.common.loop import (
     metric_row,
     should_evaluate,
 )
+from trainers.common.reinforcement import GRADING_KEYS, REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
 from trainers.errors import UserError
 from trainers.spec import CheckpointSpec
 
@@ -85,6 +86,17 @@ def test_checkpoint_metrics_keep_the_latest_evaluation():
     first = checkpoint_metrics(_row(evaluation={"valid_loss": 1.5, "token_accuracy": 0.25}))
     later = checkpoint_metrics(_row(train_loss=1.0), first)
     assert later == {"train_loss": 1.0, "valid_loss": 1.5, "token_accuracy": 0.25}
+
+
+def test_a_reinforcement_row_carries_its_grading_and_a_checkpoint_does_not():
+    rewards = {"reward_mean": 0.5, "reward_std": 0.25, "kl": None, "clip_fraction": 0.0, "completion_length": 3.0,
+               "sub_rewards": {"exact": 0.25, "has_a": 0.75}, "grader_errors": 2}
+    row = _row(rewards=rewards)
+    assert tuple(row) == METRIC_KEYS + REINFORCEMENT_KEYS + GRADING_KEYS + VALID_REINFORCEMENT_KEYS
+    assert (row["sub_rewards"], row["grader_errors"]) == ({"exact": 0.25, "has_a": 0.75}, 2)
+    # A checkpoint's metrics are single numbers (the API refuses anything else there).
+    saved = checkpoint_metrics(row)
+    assert not set(GRADING_KEYS) & set(saved) and saved["reward_mean"] == 0.5
 
 
 def _ckpt(tmp_path, resume_from):

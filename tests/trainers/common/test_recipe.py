@@ -12,6 +12,7 @@ import pytest
 from trainers.common.data import DataCursor
 from trainers.common.outputs import MetricsLog
 from trainers.common.recipe import Progress, Recipe, SteppedRecipe, StepResult, run_recipe
+from trainers.common.reinforcement import GradingSummary
 from trainers.common.reporter import Reporter
 from trainers.common.signals import StopFlag
 from trainers.errors import Preempted, UserError
@@ -160,3 +161,32 @@ def test_a_non_finite_loss_stops_before_its_row_and_still_cleans_up(spec):
     assert err.value.code == "nan_loss"
     assert recipe.calls == ["setup", "step 1", "cleanup"]
     assert (Path(spec.output_dir) / "metrics.jsonl").read_text() == ""
+
+
+class GradedRecipe(FakeRecipe):
+    """A reinforcement-like fake: each step's grading summary is given in advance."""
+
+    def __init__(self, gradings: list[GradingSummary], **kwargs: Any) -> None:
+        super().__init__(total_steps=len(gradings), **kwargs)
+        self.gradings = gradings
+
+    def train_step(self, step: int) -> StepResult:
+        grading = self.gradings[step]
+        return StepResult(loss=self.loss, grad_norm=0.5, learning_rate=1e-3, tokens=10, elapsed_s=0.1,
+                          cursor_after=DataCursor(0, 4 * (step + 1)), grading=grading,
+                          rewards={"reward_mean": 0.0, **grading.metrics()})
+
+
+def test_grader_errors_raise_a_warning_at_their_first_step_and_at_a_new_kind(spec):
+    def failing(n: int, kind: str) -> GradingSummary:
+        return GradingSummary(samples=8, errors=n, error_kinds={kind: n}, error_detail="ValueError: boom")
+
+    gradings = [GradingSummary(samples=8), failing(8, "python_grader_runtime_error"),
+                failing(8, "python_grader_runtime_error"), failing(2, "python_grader_server_error"),
+                failing(8, "python_grader_runtime_error")]
+    run_recipe(GradedRecipe(gradings), spec)
+    reports = _reports(spec)
+    assert [r["grader_errors"] for r in reports if r["type"] == "metric"] == [0, 8, 8, 2, 8]
+    warnings = [r for r in reports if r["type"] == "event" and r["level"] == "warn"]
+    assert [(w["data"]["step"], w["data"]["error_kinds"]) for w in warnings] == [
+        (2, {"python_grader_runtime_error": 8}), (4, {"python_grader_server_error": 2})]

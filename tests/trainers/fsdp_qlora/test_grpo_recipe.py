@@ -14,11 +14,15 @@ import torch
 from tests.trainers.fsdp_qlora.test_recipe_single import FIXED_BATCH, StopAfterSteps, _run
 from tests.trainers.golden.job import run_entry_point
 from trainers.common.checkpointing import list_checkpoints, load_trainer_state
-from trainers.common.reinforcement import REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
+from trainers.common.reinforcement import GRADING_KEYS, REINFORCEMENT_KEYS, VALID_REINFORCEMENT_KEYS
 from trainers.errors import Preempted, UserError
 
 GRADER = {"type": "string_check", "name": "says a", "input": "{{sample.output_text}}",
           "reference": "{{item.answer}}", "operation": "like"}
+# GRADER's reward, with a sub-grader beside it that reads a key no line has: it cannot score
+# any completion (reward 0, invalid_variable_error) and the formula ignores it.
+MULTI_GRADER = {"type": "multi", "name": "says a", "calculate_output": "says_a", "graders": {
+    "says_a": GRADER, "hint": {**GRADER, "name": "hint", "reference": "{{item.hint}}"}}}
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +64,36 @@ def test_entry_point_trains_reports_rewards_checkpoints_and_exports_a_peft_adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    spec = rft_spec(eval={"every_n_steps": 2, "max_batches": 1})
+    spec = rft_spec(eval={"every_n_steps": 2, "max_batches": 1}, reinforcement={"grader": MULTI_GRADER})
     run = run_entry_point(spec, tmp_path / "entry")
     assert run.returncode == 0, run.output[-3000:]
     rows = run.metrics
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert set(REINFORCEMENT_KEYS + VALID_REINFORCEMENT_KEYS) <= set(r)
+        assert set(REINFORCEMENT_KEYS + GRADING_KEYS + VALID_REINFORCEMENT_KEYS) <= set(r)
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["reward_std"] >= 0.0
         assert r["kl"] >= 0.0 and 0.0 <= r["clip_fraction"] <= 1.0 and 1 <= r["completion_length"] <= 6
         assert r["valid_loss"] is None
+        # the reward is the says_a sub-grader's; hint scores nothing, on each of the 4 x 4 completions
+        assert r["sub_rewards"] == {"says_a": r["reward_mean"], "hint": 0.0}
+        assert r["grader_errors"] == 16
     assert rows[0]["kl"] == 0.0  # the adapter starts as the identity: policy = reference
     assert [r["valid_reward_mean"] is not None for r in rows] == [False, True, False, True]
     reported = [i for i in run.reports if i.get("type") == "metric"]
     assert [i["reward_mean"] for i in reported] == [r["reward_mean"] for r in rows]
+    assert [(i["sub_rewards"], i["grader_errors"]) for i in reported] == [
+        (r["sub_rewards"], r["grader_errors"]) for r in rows]
+    # the same failure on every step: one warning, at the first step
+    warnings = [i for i in run.reports if i.get("type") == "event" and i["level"] == "warn"]
+    assert [(w["data"]["step"], w["data"]["error_kinds"]) for w in warnings] == [
+        (1, {"invalid_variable_error": 16})]
+    assert "could not score 16 of 16 completions" in warnings[0]["message"]
     steps = [step for step, _ in list_checkpoints(spec.checkpoint.dir)]
     assert steps == [2, 4]
     saved = load_trainer_state(list_checkpoints(spec.checkpoint.dir)[-1][1]).metrics
     assert saved["reward_mean"] == rows[-1]["reward_mean"]
     assert saved["valid_reward_mean"] == rows[-1]["valid_reward_mean"]
+    assert "sub_rewards" not in saved
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with torch.no_grad():

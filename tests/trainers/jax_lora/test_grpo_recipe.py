@@ -20,6 +20,8 @@ from trainers.jax_lora.recipe import run
 
 GRADER = {"type": "string_check", "name": "says a", "input": "{{sample.output_text}}",
           "reference": "{{item.answer}}", "operation": "like"}
+# GRADER's reward as a multi grader's, so each row reports its one sub-reward too.
+MULTI_GRADER = {"type": "multi", "name": "says a", "calculate_output": "says_a", "graders": {"says_a": GRADER}}
 
 
 def _prompt_file(path, n: int):
@@ -40,7 +42,7 @@ def test_grpo_on_a_mesh_reports_rewards_checkpoints_exports_and_resumes_exactly(
              "chat_valid": _prompt_file(tmp_path / "valid.jsonl", 3)}
     overrides = {
         "method": {"type": "reinforcement", "reinforcement": {
-            "grader": GRADER, "samples_per_prompt": 4, "max_completion_tokens": 6, "kl_coef": 0.05,
+            "grader": MULTI_GRADER, "samples_per_prompt": 4, "max_completion_tokens": 6, "kl_coef": 0.05,
             "temperature": 0.9, "eval_interval": 3}},
         "data": {"format": "reinforcement", "max_seq_len": 48},
         # 4 prompts per step, one per data-parallel rank (data 2 x fsdp 2): 16 sampled rows
@@ -61,6 +63,8 @@ def test_grpo_on_a_mesh_reports_rewards_checkpoints_exports_and_resumes_exactly(
         assert 0.0 <= row["reward_mean"] <= 1.0 and row["reward_std"] >= 0.0
         assert row["kl"] >= 0.0 and 0.0 <= row["clip_fraction"] <= 1.0 and 1 <= row["completion_length"] <= 6
         assert row["valid_loss"] is None
+        assert row["sub_rewards"] == {"says_a": row["reward_mean"]} and row["grader_errors"] == 0
+        assert b[s]["sub_rewards"] == row["sub_rewards"]
         assert (row["valid_reward_mean"] is not None) == (s in (3, 4)), s  # eval_interval 3, and the last step
         for key in ("train_loss", "grad_norm", *REINFORCEMENT_KEYS, "valid_reward_mean"):
             assert b[s][key] == pytest.approx(row[key], abs=1e-6), (s, key)  # resumed = uninterrupted
