@@ -31,9 +31,9 @@ def main() -> None:
         totals[2] += children
         totals[3] += 1
     wall = sum(r[1] for r in rows)
-    cpu = sum(r[2] + r[3] for r in rows)
-    print(f"{len(rows)} tests: {wall / 60:.1f} test-minutes of wall time, {cpu / 60:.1f} CPU-minutes "
-          f"({sum(r[2] for r in rows) / 60:.1f} in the test processes, {sum(r[3] for r in rows) / 60:.1f} in their subprocesses)")
+    own, children = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    print(f"{len(rows)} tests: {wall / 60:.1f} test-minutes of wall time, {(own + children) / 60:.1f} CPU-minutes "
+          f"({own / 60:.1f} in the test processes, {children / 60:.1f} in their subprocesses)")
     print(f"{'CPU s':>8} {'own':>7} {'subproc':>8} {'wall s':>8} {'tests':>6}  file")
     ranked = sorted(per_file.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))
     for path, (w, own, children, n) in ranked[: args.files]:
