@@ -67,13 +67,18 @@ from trainers.common.job_data import (
 )
 from trainers.common.lineage import write_job_adapter
 from trainers.common.loop import epoch_of_step
-from trainers.common.memory import return_freed_tensors_to_the_os
+from trainers.common.memory import (
+    FAST_MMAP_THRESHOLD,
+    FIXED_MMAP_THRESHOLD,
+    keeps_a_fast_heap,
+    return_freed_tensors_to_the_os,
+)
 from trainers.common.outputs import MetricsLog
 from trainers.common.preference import load_training_data
 from trainers.common.recipe import Progress, SteppedRecipe, StepResult, TrainResult, run_recipe
 from trainers.common.reinforcement import GrpoObjective, grpo_objective, load_reinforcement_data
 from trainers.common.schedules import learning_rate_at
-from trainers.common.step_fit import fallback_steps
+from trainers.common.step_fit import declared_limit_bytes, fallback_steps
 from trainers.errors import OutOfMemory, UserError
 from trainers.fsdp_qlora.checkpoint import (
     gather_adapter_state,
@@ -127,8 +132,12 @@ class FsdpQloraRecipe(SteppedRecipe):
         hp, par, a = spec.hyperparameters, spec.parallelism, spec.adapter
         self.spec, self.reporter, self.stop = spec, reporter, stop
         # Before the load: the loader's and the steps' freed tensors then leave the process
-        # (trainers.common.memory explains the heap growth this prevents).
-        heap_bounded = return_freed_tensors_to_the_os()
+        # (trainers.common.memory explains the heap growth this prevents), unless the step
+        # runs on the host with room to spare, where the bound would cost it its speed: the
+        # heap then keeps freed tensors below FAST_MMAP_THRESHOLD for the next step.
+        fast_heap = keeps_a_fast_heap(on_host=not accelerator_available(), planned_bytes=par.planned_memory_bytes,
+                                      limit_bytes=declared_limit_bytes(spec))
+        heap_bounded = return_freed_tensors_to_the_os(FAST_MMAP_THRESHOLD if fast_heap else FIXED_MMAP_THRESHOLD)
         check_reinforcement_layout(spec)
         check_parallelism(world_size=par.world_size, batch_size=hp.batch_size, micro_batch_size=hp.micro_batch_size,
                           cpu_offload=par.cpu_offload, has_accelerator=accelerator_available())
@@ -148,7 +157,8 @@ class FsdpQloraRecipe(SteppedRecipe):
             output_dir.mkdir(parents=True, exist_ok=True)
             reporter.event("trainer started", data={"trainer": "fsdp_qlora", "world_size": ctx.world_size,
                                                     "device": str(ctx.device), "quantization": a.quantization,
-                                                    "fixed_mmap_threshold": heap_bounded})
+                                                    "fixed_mmap_threshold": heap_bounded,
+                                                    "heap": "fast" if fast_heap else "bounded"})
 
         # -- data (every rank reads the same global order; each keeps its share) ----------
         tokenizer = load_tokenizer(spec.model.path)

@@ -77,3 +77,16 @@ def test_glibc_keeps_them_without_it():
 def test_an_operators_choice_is_kept(env):
     set_it, _ = _freed_bytes("fixed", **env)
     assert not set_it
+
+
+@pytest.mark.parametrize(("on_host", "planned", "limit", "fast"), [
+    (True, 1000, 2000, True),  # room for twice the plan: glibc's own heap
+    (True, 1001, 2000, False),  # tight: bounded
+    (True, None, 2000, False),  # no plan (a spec written by hand): bounded
+    (True, 1000, None, False),  # no declared device: bounded
+    (False, 1000, 10**12, False),  # on an accelerator: bounded whatever the room
+])
+def test_the_heap_is_left_fast_only_on_the_host_with_room_for_twice_the_plan(on_host, planned, limit, fast):
+    from trainers.common.memory import keeps_a_fast_heap
+
+    assert keeps_a_fast_heap(on_host=on_host, planned_bytes=planned, limit_bytes=limit) is fast

@@ -70,7 +70,7 @@ def test_two_rank_qlora_job_through_the_entry_point(make_spec, tiny_model_dir):
     assert loaded["quantized_layers"] == 14 and loaded["peak_rss_bytes"] > 0
     # The ranks hand freed tensors back (trainers.common.memory): glibc, no operator choice.
     started = next(i for i in items if i.get("message") == "trainer started")["data"]
-    assert started["fixed_mmap_threshold"] is True
+    assert started["fixed_mmap_threshold"] is True and started["heap"] == "bounded"  # no plan declared
     # The adapter loads in peft on Hugging Face's own NF4 model.
     model = PeftModel.from_pretrained(hf_model(tiny_model_dir, "nf4"), str(out / "adapter"))
     assert sum(1 for n, _ in model.named_parameters() if "lora_A" in n) == 2 * 3

@@ -83,12 +83,15 @@ def _loss_and_step_event(run) -> tuple[float, dict]:
 
 def test_a_first_step_over_the_device_steps_down_with_the_same_loss(logits_heavy_job, tmp_path):
     # The reference: micro batches of 1 with checkpointing, the least memory of any choice.
-    single, confirmed = _loss_and_step_event(run_entry_point(
-        _entry_spec(logits_heavy_job, tmp_path / "micro1", micro=1, checkpointing="non_reentrant",
-                    device_bytes=2**40), tmp_path / "micro1"))
+    single_run = run_entry_point(_entry_spec(logits_heavy_job, tmp_path / "micro1", micro=1,
+                                             checkpointing="non_reentrant", device_bytes=2**40), tmp_path / "micro1")
+    single, confirmed = _loss_and_step_event(single_run)
     assert confirmed["message"].startswith("step confirmed: micro-batch 1, non_reentrant checkpointing: "
                                            "the first step peaked at")
     floor = confirmed["data"]["peak_bytes"]
+    # A CPU step with room for twice its plan keeps glibc's heap (trainers.common.memory).
+    started = next(r for r in single_run.reports if r.get("message") == "trainer started")["data"]
+    assert started["heap"] == "fast" and started["fixed_mmap_threshold"] is True
     assert 0 < floor < confirmed["data"]["limit_bytes"]
 
     # A device 64 MiB above that floor: the whole batch at once (128 MiB more logits and
