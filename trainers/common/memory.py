@@ -11,12 +11,16 @@ import resource
 _M_MMAP_THRESHOLD = -3
 # glibc's own starting threshold: blocks of at least this size get their own mapping.
 FIXED_MMAP_THRESHOLD = 128 * 1024
-# The largest threshold glibc's dynamic rule reaches on 64-bit Linux (DEFAULT_MMAP_THRESHOLD_MAX),
-# fixed from the start: the heap then serves every tensor below it from step 1 on, so the
-# first step's peak (what the step fit measures) is the steady state's, where glibc's own rule
-# grows the heap over the first steps (1.71 -> 2.07 GiB over 8 steps of SmolLM2-135M, against
-# 2.22 -> 2.28 GiB with the fixed one).
-FAST_MMAP_THRESHOLD = 32 * 1024 * 1024
+# The threshold of a heap that keeps freed tensors (:func:`keeps_a_fast_heap`), fixed from the
+# start. Tensors below it come from the heap from step 1 on, so the first step's peak (what
+# the step fit measures) is the steady state's: with glibc's own rising threshold the heap
+# grew over the first steps (SmolLM2-135M: 1.71 -> 2.07 GiB over 8 steps), with this one it
+# is flat (2.22 -> 2.27 GiB). 4 MiB, not glibc's 32 MiB maximum: a small model's activations
+# (SmolLM2's MLP rows of 640 tokens are 3.9 MB) stay in the heap, where the faults cost the
+# most for the least memory, while a large model's layer-sized tensors, whose holes made the
+# heap grow step after step (the 32-layer 8B-shaped job: 3.1 -> 4.4 GiB over 12 steps under
+# glibc's rule), are still mapped on their own and returned.
+FAST_MMAP_THRESHOLD = 4 * 1024 * 1024
 
 
 def peak_rss_bytes() -> int:
