@@ -270,8 +270,8 @@ def test_the_job_page_evaluates_the_base_and_the_fine_tuned_model(service, page_
     assert "exact match · 3 rows" in page.inner_text("#ev-latest")
     # This job trained on the base model, so that is what it is compared with (a job that
     # continues a fine-tuned model is compared with its parent, and says "parent").
-    assert page.inner_text("#ev-latest .who") == "base"
-    assert page.inner_text("#ev-table [data-role='start-label']") == "Base"
+    assert page.text_content("#ev-latest .who") == "base"
+    assert page.text_content("#ev-table [data-role='start-label']") == "Base"  # shown upper-case by CSS
     assert page.get_attribute(f"#ev-table tr[data-id='{evaluation_id}']", "data-status") == "succeeded"
     assert any(m.startswith("Held-out exact match: base ") and evaluation_id in m for m in events), events
     # The answers are the models' own greedy answers, asked the same way.
