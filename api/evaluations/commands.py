@@ -162,7 +162,8 @@ def _succeed(session: Session, row: Evaluation, results: dict[str, Any], samples
     row.status, row.results, row.samples = "succeeded", results, samples
     row.rows_done, row.runner, row.heartbeat_at, row.finished_at = row.rows_total, None, None, utcnow()
     job = session.get_one(Job, row.job_id)
-    add_event(session, job, f"{summary(row.grader, results, job_model=job.model)} ({row.id}, {row.file_id})",
+    text = summary(row.grader, results, from_parent=job.model != job.base_model)
+    add_event(session, job, f"{text} ({row.id}, {row.file_id})",
               data={"evaluation": row.id, "file": row.file_id, "results": results})
 
 

@@ -76,11 +76,12 @@ def grader_label(grader: dict[str, Any]) -> str:
     return "exact match" if grader == DEFAULT_GRADER else str(grader.get("name") or grader.get("type"))
 
 
-def summary(grader: dict[str, Any], results: dict[str, Any], *, job_model: str) -> str:
+def summary(grader: dict[str, Any], results: dict[str, Any], *, from_parent: bool) -> str:
     """The job event of a finished evaluation, e.g. ``Held-out exact match: base 0% ->
     fine-tuned 85% on 20 rows``. The "base" side answers as the job's ``model``: for a job
-    that continues a fine-tuned model (``ft:...``) that is the parent, and the event says so."""
-    start = "parent" if job_model.startswith("ft:") else "base"
+    that continues a fine-tuned model (``from_parent``) that is the parent, and the event
+    says so."""
+    start = "parent" if from_parent else "base"
     base, tuned = results["base"], results["fine_tuned"]
     return (f"Held-out {grader_label(grader)}: {start} {format_score(grader, base['score'])} -> fine-tuned "
             f"{format_score(grader, tuned['score'])} on {tuned['count']} rows")

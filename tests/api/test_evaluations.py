@@ -286,8 +286,8 @@ def test_scores_count_unanswered_and_ungraded_rows_as_errors() -> None:
     assert score == {"model": "m", "score": 1 / 3, "count": 3, "errors": 2}
     assert (format_score(DEFAULT_GRADER, 0.025), format_score({"type": "python"}, 0.5)) == ("2.5%", "0.500")
     results = {"base": {"score": 0.0, "count": 20}, "fine_tuned": {"score": 0.85, "count": 20}}
-    assert (summary(DEFAULT_GRADER, results, job_model="tiny-llama")
+    assert (summary(DEFAULT_GRADER, results, from_parent=False)
             == "Held-out exact match: base 0% -> fine-tuned 85% on 20 rows")
     # A job that continues a fine-tuned model starts from its parent, and the event says so.
-    assert (summary(DEFAULT_GRADER, results, job_model="ft:tiny-llama:acme::abc")
+    assert (summary(DEFAULT_GRADER, results, from_parent=True)
             == "Held-out exact match: parent 0% -> fine-tuned 85% on 20 rows")

@@ -158,7 +158,9 @@ class FsdpQloraRecipe(SteppedRecipe):
             reporter.event("trainer started", data={"trainer": "fsdp_qlora", "world_size": ctx.world_size,
                                                     "device": str(ctx.device), "quantization": a.quantization,
                                                     "fixed_mmap_threshold": heap_bounded,
-                                                    "heap": "fast" if fast_heap else "bounded"})
+                                                    # "unchanged": an operator's choice, or no glibc
+                                                    "heap": ("fast" if fast_heap else "bounded") if heap_bounded
+                                                    else "unchanged"})
 
         # -- data (every rank reads the same global order; each keeps its share) ----------
         tokenizer = load_tokenizer(spec.model.path)

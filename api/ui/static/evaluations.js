@@ -31,9 +31,9 @@
   let lastRead = 0;
   let polling = null;
 
-  // A job that continues a fine-tuned model is compared with that model, its parent, not
-  // with the base model under it: the evaluation's "base" side answers as the parent.
-  const startLabel = () => (job?.model?.startsWith("ft:") ? "parent" : "base");
+  // A job that continues a fine-tuned model (its model is not its base model) is compared
+  // with that model, its parent: the evaluation's "base" side answers as the parent.
+  const startLabel = () => (job && job.model !== job.base_model ? "parent" : "base");
 
   document.addEventListener("tf:job", (event) => {
     job = event.detail;
